@@ -1,0 +1,45 @@
+"""jsparse24: 2:4 structured-sparse training for JAX/Flax.
+
+Public API (everything else is internal):
+
+* formats: `prune_24`, `is_24`, `compress`, `decompress`, `Sparse24`, `Mask24`
+* the op: `sparse_dot` (custom_vjp; gradient modes "ste" and "masked")
+* Flax Linen: `SparseDense`, `sparsify` (patch an existing model's `Dense`
+  layers by module-path regex), `rebuild_masks`, `compress_params`
+* Flax NNX: `jsparse24.nnx.SparseLinear`
+* optax: `jsparse24.optim` (the mask-update transform and its schedule)
+* backends: `available_implementations`, `BackendUnavailableError`
+"""
+
+from jsparse24 import optim
+from jsparse24._format import Mask24, Sparse24, compress, decompress
+from jsparse24._ops import sparse_dot
+from jsparse24._prune import is_24, prune_24
+from jsparse24.backends import BACKENDS as _BACKENDS
+from jsparse24.backends import BackendUnavailableError
+from jsparse24.linen import SparseDense, compress_params, rebuild_masks, sparsify
+
+__version__ = "0.1.0"
+
+
+def available_implementations() -> dict[str, str | None]:
+  """Each backend name -> None if it can run here, else the reason it cannot."""
+  return {name: b.unavailable_reason() for name, b in _BACKENDS.items()}
+
+
+__all__ = [
+    "BackendUnavailableError",
+    "Mask24",
+    "Sparse24",
+    "SparseDense",
+    "available_implementations",
+    "compress",
+    "compress_params",
+    "decompress",
+    "is_24",
+    "optim",
+    "prune_24",
+    "rebuild_masks",
+    "sparse_dot",
+    "sparsify",
+]

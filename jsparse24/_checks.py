@@ -1,0 +1,83 @@
+"""Argument checks shared by the public functions.
+
+Every check raises at trace time with a message that names the function, the
+argument and what was expected, so that bad input never reaches XLA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+
+
+def is_concrete(x: Any) -> bool:
+  """True when `x` holds values now (not a tracer inside jit/grad/vmap)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_float(fn: str, name: str, x: Any) -> None:
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{fn}: `{name}` must have a floating dtype (bfloat16, float16,"
+        f" float32 or float64), got {dtype}."
+    )
+
+
+def normalize_axis(fn: str, name: str, axis: int, ndim: int) -> int:
+  if not -ndim <= axis < ndim:
+    raise ValueError(
+        f"{fn}: `axis={axis}` is out of range for `{name}` of rank {ndim}."
+    )
+  return axis % ndim
+
+
+def check_multiple_of_4(fn: str, name: str, shape: tuple[int, ...], axis: int,
+                        what: str = "the contraction axis") -> None:
+  if shape[axis] % 4:
+    raise ValueError(
+        f"{fn}: `{name}.shape[{axis}]` = {shape[axis]} ({what}) is not a"
+        f" multiple of 4; 2:4 sparsity keeps 2 of every 4 consecutive"
+        f" elements along it (shape {shape})."
+    )
+
+
+def check_mask_dtype(fn: str, mask: Any) -> None:
+  dtype = jnp.result_type(mask)
+  if dtype != jnp.bool_:
+    raise TypeError(
+        f"{fn}: `mask` must be a bool array (True = kept) or a"
+        f" jsparse24.Mask24, got dtype {dtype}."
+    )
+
+
+def check_same_shape(fn: str, name: str, got: tuple[int, ...],
+                     want: tuple[int, ...], want_name: str) -> None:
+  if tuple(got) != tuple(want):
+    raise ValueError(
+        f"{fn}: `{name}` has shape {tuple(got)}, expected {tuple(want)}"
+        f" (the shape of `{want_name}`)."
+    )
+
+
+def check_24_groups(fn: str, mask: Any, axis: int) -> None:
+  """Raises if a concrete bool mask does not keep exactly 2 of every 4."""
+  if not is_concrete(mask):
+    return
+  m = np.asarray(mask)
+  counts = np.moveaxis(m, axis, -1)
+  counts = counts.reshape(counts.shape[:-1] + (-1, 4)).sum(-1)
+  bad = np.argwhere(counts != 2)
+  if bad.size:
+    raise ValueError(
+        f"{fn}: `mask` is not 2:4 along axis {axis}: {bad.shape[0]} group(s)"
+        f" of 4 keep other than 2 elements (first at group index"
+        f" {tuple(int(i) for i in bad[0])}, keeping"
+        f" {int(counts[tuple(bad[0])])}). Build masks with"
+        f" jsparse24.prune_24."
+    )

@@ -1,0 +1,244 @@
+"""The 2:4 formats: `Sparse24` (compressed weights) and `Mask24` (packed masks).
+
+Both describe a weight `w` of shape `[..., K, N]` (Flax kernel layout, used as
+`x @ w`) that is 2:4 sparse along K, the contraction axis.
+
+Metadata ("meta"). For every group of 4 along K, a 4-bit code holds the two
+kept indices `i0 < i1` as `i0 | i1 << 2` (NVIDIA's sparse tensor-core
+convention: two 2-bit indices, the first in the low bits). Two groups share a
+byte, the lower group in the low nibble. The array is `uint8[..., N, ceil(K/8)]`
+(K contiguous); when K/4 is odd the last high nibble is padding, set to the
+valid code `0x4` (indices 0 and 1) so that decoders need no special case.
+4 bits per 4 elements is 1 bit per weight element.
+
+`Sparse24.values` holds the kept values in K order, `[..., N, K/2]`: with the
+metadata about 56% of the dense bytes for bf16. The optional `values_t`,
+`meta_t` hold the same for `w`'s transpose (`[..., K, N/2]`, sparse along N),
+which exists when the mask is transposable; the backward product
+`dy @ (w*m)^T` reads it.
+
+`Mask24` is a mask kept as training state: its metadata only (1 bit per
+element), plus the dense shape and whether it is transposable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float
+
+from jsparse24 import _checks
+from jsparse24._prune import prune_24
+
+PAD_CODE = 0x4  # indices (0, 1): a valid code for the padding nibble
+
+
+def _group_indices(mask_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """mask_t: [..., G, 4] bool with 2 kept -> (i0, i1) int32 [..., G]."""
+  i0 = jnp.argmax(mask_t, axis=-1).astype(jnp.int32)
+  i1 = (3 - jnp.argmax(mask_t[..., ::-1], axis=-1)).astype(jnp.int32)
+  return i0, i1
+
+
+def _pack_codes(codes: jax.Array) -> jax.Array:
+  """codes: [..., G] in [0, 16) -> uint8 [..., ceil(G/2)]."""
+  groups = codes.shape[-1]
+  if groups % 2:
+    pad = jnp.full(codes.shape[:-1] + (1,), PAD_CODE, codes.dtype)
+    codes = jnp.concatenate([codes, pad], axis=-1)
+  pairs = codes.reshape(codes.shape[:-1] + (-1, 2)).astype(jnp.uint8)
+  return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _unpack_codes(meta: jax.Array, groups: int) -> tuple[jax.Array, jax.Array]:
+  """uint8 [..., ceil(G/2)] -> (i0, i1) int32 [..., G]."""
+  codes = jnp.stack([meta & 0xF, meta >> 4], axis=-1)
+  codes = codes.reshape(meta.shape[:-1] + (-1,))[..., :groups].astype(jnp.int32)
+  return codes & 3, (codes >> 2) & 3
+
+
+def _compress_last(w_t: jax.Array, mask_t: jax.Array):
+  """Compress along the last axis. w_t, mask_t: [..., N, K] -> values, meta."""
+  k = w_t.shape[-1]
+  g = w_t.reshape(w_t.shape[:-1] + (k // 4, 4))
+  m = mask_t.reshape(g.shape)
+  i0, i1 = _group_indices(m)
+  idx = jnp.stack([i0, i1], axis=-1)
+  values = jnp.take_along_axis(g, idx, axis=-1).reshape(w_t.shape[:-1] + (k // 2,))
+  return values, _pack_codes(i0 | (i1 << 2))
+
+
+def _decompress_last(values: jax.Array, meta: jax.Array, k: int) -> jax.Array:
+  """Inverse of `_compress_last`: -> dense [..., N, K]."""
+  i0, i1 = _unpack_codes(meta, k // 4)
+  v = values.reshape(values.shape[:-1] + (k // 4, 2))
+  lane = jnp.arange(4, dtype=jnp.int32)
+  zero = jnp.zeros((), values.dtype)
+  dense = jnp.where(lane == i0[..., None], v[..., 0:1],
+                    jnp.where(lane == i1[..., None], v[..., 1:2], zero))
+  return dense.reshape(values.shape[:-1] + (k,))
+
+
+def _mask_from_meta(meta: jax.Array, k: int) -> jax.Array:
+  """meta [..., N, ceil(K/8)] -> dense bool [..., N, K] (K last)."""
+  i0, i1 = _unpack_codes(meta, k // 4)
+  lane = jnp.arange(4, dtype=jnp.int32)
+  m = (lane == i0[..., None]) | (lane == i1[..., None])
+  return m.reshape(meta.shape[:-1] + (k,))
+
+
+def meta_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """Metadata shape for a dense `[..., K, N]` weight: `[..., N, ceil(K/8)]`."""
+  *lead, k, n = shape
+  return (*lead, n, math.ceil(k // 4 / 2))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sparse24:
+  """A 2:4-compressed weight `w[..., K, N]` (sparse along K). A pytree.
+
+  Attributes:
+    values: `[..., N, K/2]` kept values, K order, dtype of `w`.
+    meta: `uint8[..., N, ceil(K/8)]` 4-bit codes (module docstring).
+    values_t, meta_t: the same for `w`'s transpose (sparse along N), or None.
+    shape: the dense shape `(..., K, N)` (static).
+  """
+
+  values: jax.Array
+  meta: jax.Array
+  values_t: jax.Array | None = None
+  meta_t: jax.Array | None = None
+  shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+  @property
+  def has_transpose(self) -> bool:
+    return self.values_t is not None
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the forward operand (values + meta), without the transpose."""
+    return int(self.values.size * self.values.dtype.itemsize + self.meta.size)
+
+  def mask(self) -> Bool[Array, "... K N"]:
+    """The dense bool mask this weight was compressed with."""
+    return jnp.swapaxes(_mask_from_meta(self.meta, self.shape[-2]), -1, -2)
+
+  def transpose(self) -> "Sparse24":
+    """The compressed `w^T` (`[..., N, K]`, sparse along N). Needs `values_t`."""
+    if not self.has_transpose:
+      raise ValueError(
+          "Sparse24.transpose: this weight was compressed without its"
+          " transpose; compress with transposed=True (needs a transposable"
+          " mask).")
+    *lead, k, n = self.shape
+    return Sparse24(self.values_t, self.meta_t, self.values, self.meta,
+                    (*lead, n, k))
+
+
+def compress(
+    w: Float[Array, "... K N"],
+    mask: Bool[Array, "... K N"] | "Mask24",
+    *,
+    transposed: bool = False,
+) -> Sparse24:
+  """Compresses `w` with a 2:4 mask (along K, axis -2) into a `Sparse24`.
+
+  Args:
+    w: floating `[..., K, N]`, K a multiple of 4.
+    mask: bool `[..., K, N]` with exactly 2 of every 4 kept along K (as made
+      by `prune_24`), or a `Mask24`. A concrete mask is checked; inside `jit`
+      the 2:4 property is the caller's promise (masks from `prune_24` and
+      `Mask24` always keep it).
+    transposed: also store the transpose (mask must be 2:4 along N too, i.e.
+      transposable; N a multiple of 4).
+
+  Returns:
+    A `Sparse24` with `decompress(compress(w, m)) == w * m` exactly.
+  """
+  fn = "compress"
+  w = jnp.asarray(w)
+  _checks.check_float(fn, "w", w)
+  if w.ndim < 2:
+    raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
+  _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2)
+  if isinstance(mask, Mask24):
+    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
+    dense_mask = mask.unpack()
+  else:
+    mask = jnp.asarray(mask)
+    _checks.check_mask_dtype(fn, mask)
+    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
+    _checks.check_24_groups(fn, mask, w.ndim - 2)
+    dense_mask = mask
+  values, meta = _compress_last(jnp.swapaxes(w, -1, -2),
+                                jnp.swapaxes(dense_mask, -1, -2))
+  values_t = meta_t = None
+  if transposed:
+    _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1,
+                                "N, for the transposed copy")
+    _checks.check_24_groups(fn, dense_mask, w.ndim - 1)
+    values_t, meta_t = _compress_last(w, dense_mask)
+  return Sparse24(values, meta, values_t, meta_t, tuple(w.shape))
+
+
+def decompress(sp: Sparse24) -> Float[Array, "... K N"]:
+  """The dense `w * mask` that `sp` was compressed from (exact)."""
+  if not isinstance(sp, Sparse24):
+    raise TypeError(f"decompress: expected a jsparse24.Sparse24, got {type(sp).__name__}.")
+  return jnp.swapaxes(_decompress_last(sp.values, sp.meta, sp.shape[-2]), -1, -2)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mask24:
+  """A 2:4 mask along K of a `[..., K, N]` weight, packed to 1 bit/element.
+
+  A pytree whose one leaf is `packed` (`uint8[..., N, ceil(K/8)]`, the
+  `Sparse24.meta` layout). `shape` and `transposable` are static.
+  """
+
+  packed: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+  transposable: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  @classmethod
+  def pack(cls, mask: Bool[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
+    """Packs a dense bool 2:4 mask (along axis -2)."""
+    fn = "Mask24.pack"
+    mask = jnp.asarray(mask)
+    _checks.check_mask_dtype(fn, mask)
+    if mask.ndim < 2:
+      raise ValueError(f"{fn}: `mask` must be [..., K, N], got shape {mask.shape}.")
+    _checks.check_multiple_of_4(fn, "mask", mask.shape, mask.ndim - 2)
+    _checks.check_24_groups(fn, mask, mask.ndim - 2)
+    if transposable:
+      _checks.check_multiple_of_4(fn, "mask", mask.shape, mask.ndim - 1,
+                                  "N, for a transposable mask")
+      _checks.check_24_groups(fn, mask, mask.ndim - 1)
+    i0, i1 = _group_indices(
+        jnp.swapaxes(mask, -1, -2).reshape(
+            mask.shape[:-2] + (mask.shape[-1], mask.shape[-2] // 4, 4)))
+    return cls(_pack_codes(i0 | (i1 << 2)), tuple(mask.shape), transposable)
+
+  @classmethod
+  def from_weights(cls, w: Float[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
+    """`Mask24.pack(prune_24(w, transposable=...))`."""
+    return cls.pack(prune_24(w, axis=-2, transposable=transposable),
+                    transposable=transposable)
+
+  def unpack(self) -> Bool[Array, "... K N"]:
+    """The dense bool mask."""
+    return jnp.swapaxes(_mask_from_meta(self.packed, self.shape[-2]), -1, -2)
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.packed.shape))

@@ -1,0 +1,159 @@
+"""`sparse_dot`: the differentiable 2:4 sparse product and its gradient modes."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jsparse24 import _checks, backends
+from jsparse24._format import Mask24, Sparse24
+from jsparse24.backends.xla import matmul
+
+GRADIENT_MODES = ("ste", "masked")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  backend: backends.Backend
+  gradient: str
+  transposable: bool
+  precision: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sparse_dot(x, w, mask, cfg: _Config):
+  return cfg.backend.forward(x, cfg.backend.prepare(w, mask, cfg.transposable),
+                             cfg.precision)
+
+
+def _sparse_dot_fwd(x, w, mask, cfg: _Config):
+  operand = cfg.backend.prepare(w, mask, cfg.transposable)
+  return cfg.backend.forward(x, operand, cfg.precision), (x, operand)
+
+
+def _sparse_dot_bwd(cfg: _Config, res, dy):
+  x, operand = res
+  dx = cfg.backend.backward_dx(dy, operand, cfg.precision)
+  # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
+  dw = matmul(x.T, dy, cfg.precision)
+  if cfg.gradient == "masked":
+    dw = cfg.backend.mask_grad(dw, operand)
+  return dx.astype(x.dtype), dw.astype(x.dtype), None
+
+
+_sparse_dot.defvjp(_sparse_dot_fwd, _sparse_dot_bwd)
+
+
+def sparse_dot(
+    x: Float[Array, "... K"],
+    w: Float[Array, "K N"] | Sparse24,
+    mask: Bool[Array, "K N"] | Mask24 | None = None,
+    *,
+    gradient: Literal["ste", "masked"] = "ste",
+    transposable: bool | None = None,
+    implementation: str | None = None,
+    precision: Any = None,
+) -> Float[Array, "... N"]:
+  """`x @ (w * mask)` with `w` 2:4 sparse along K; a `jax.custom_vjp`.
+
+  Args:
+    x: `[..., K]` activations (floating).
+    w: `[K, N]` dense weights (Flax kernel layout), or a `Sparse24` for
+      inference (then `mask` must be None; differentiable in `x` only).
+    mask: bool `[K, N]` with 2 of every 4 kept along K, a `Mask24`, or None to
+      prune `w` by magnitude now (dynamic sparsity; `jsparse24.prune_24`).
+    gradient: `"ste"` (default): `dw = x^T @ dy` for every weight, pruned ones
+      included (straight-through dense gradient); `"masked"`: `dw * mask`.
+      `dx = dy @ (w*mask)^T` is exact in both modes.
+    transposable: with `mask=None`, prune with the transposable 4x4 rule. With
+      a `Mask24` it is taken from the mask; with a dense bool mask it may be
+      set to say the mask is transposable (checked when concrete).
+    implementation: None (the fastest available backend for this call), or
+      one of `"xla"`, `"pallas"`, `"cusparselt"`.
+    precision: passed to the dense XLA products.
+
+  Returns:
+    `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in
+    float32 (float64 for float64 inputs).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jsparse24
+    >>> x = jnp.ones((2, 8)); w = jnp.arange(32.).reshape(8, 4)
+    >>> y = jsparse24.sparse_dot(x, w)          # prunes w by magnitude
+    >>> bool(jnp.allclose(y, x @ (w * jsparse24.prune_24(w))))
+    True
+  """
+  fn = "sparse_dot"
+  if gradient not in GRADIENT_MODES:
+    raise ValueError(f"{fn}: unknown gradient={gradient!r}; expected one of {GRADIENT_MODES}.")
+  x = jnp.asarray(x)
+  _checks.check_float(fn, "x", x)
+  if x.ndim < 1:
+    raise ValueError(f"{fn}: `x` must be [..., K], got a scalar.")
+
+  if isinstance(w, Sparse24):
+    if mask is not None:
+      raise ValueError(f"{fn}: `w` is a Sparse24 (already masked); pass mask=None.")
+    if len(w.shape) != 2:
+      raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
+    _check_contraction(fn, x, w.shape)
+    dtype = jnp.result_type(x.dtype, w.dtype)
+    backend = backends.select(implementation, _problem(x, w.shape, dtype, w.has_transpose))
+    return backend.forward_compressed(x.astype(dtype), w, precision)
+
+  w = jnp.asarray(w)
+  _checks.check_float(fn, "w", w)
+  if w.ndim != 2:
+    raise ValueError(
+        f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}; for stacked"
+        f" weights use jax.vmap.")
+  _checks.check_multiple_of_4(fn, "w", w.shape, 0)
+  _check_contraction(fn, x, w.shape)
+
+  if isinstance(mask, Mask24):
+    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
+    if transposable is not None and transposable != mask.transposable:
+      raise ValueError(
+          f"{fn}: transposable={transposable} contradicts the Mask24, which"
+          f" has transposable={mask.transposable}.")
+    transposable = mask.transposable
+  elif mask is not None:
+    mask = jnp.asarray(mask)
+    _checks.check_mask_dtype(fn, mask)
+    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
+    _checks.check_24_groups(fn, mask, 0)
+    if transposable:
+      _checks.check_multiple_of_4(fn, "w", w.shape, 1, "N, for a transposable mask")
+      _checks.check_24_groups(fn, mask, 1)
+  transposable = bool(transposable)
+  if transposable:
+    _checks.check_multiple_of_4(fn, "w", w.shape, 1, "N, for a transposable mask")
+
+  dtype = jnp.result_type(x.dtype, w.dtype)
+  backend = backends.select(implementation, _problem(x, w.shape, dtype, transposable))
+  cfg = _Config(backend, gradient, transposable, precision)
+  lead = x.shape[:-1]
+  x2 = x.astype(dtype).reshape(-1, x.shape[-1])
+  y = _sparse_dot(x2, w.astype(dtype), mask, cfg)
+  return y.reshape(*lead, w.shape[1])
+
+
+def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:
+  if x.shape[-1] != w_shape[0]:
+    raise ValueError(
+        f"{fn}: `x.shape[-1]` = {x.shape[-1]} does not match K = `w.shape[0]`"
+        f" = {w_shape[0]} (x: {x.shape}, w: {tuple(w_shape)}).")
+
+
+def _problem(x, w_shape, dtype, transposable) -> backends.Problem:
+  m = 1
+  for d in x.shape[:-1]:
+    m *= d
+  return backends.Problem(m=m, k=w_shape[0], n=w_shape[1], dtype=jnp.dtype(dtype),
+                          transposable=bool(transposable),
+                          platform=jax.default_backend())

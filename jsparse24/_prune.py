@@ -1,0 +1,189 @@
+"""2:4 masks by magnitude: the plain rule and the transposable 4x4 rule.
+
+This module is the contract every backend's pruning must reproduce bit for
+bit (the Pallas kernels are tested against it).
+
+Ranking rule (plain 2:4). Inside each group of 4 consecutive elements along
+`axis`, elements are ranked by magnitude `|w|` and the two largest are kept.
+The order is total, so exactly two are kept in every group, whatever the
+values are:
+
+* larger magnitude first; `-0.0` and `+0.0` are equal, `-inf` and `+inf` are
+  equal and larger than every finite value;
+* NaN ranks above everything (all NaNs equal): a NaN weight is *kept*, so it
+  stays visible in the output instead of being silently pruned away;
+* equal magnitudes go to the lower index.
+
+Transposable rule. Inside every 4x4 block of the last two axes, the kept set
+must hold exactly 2 per row and 2 per column (90 such patterns). The chosen
+pattern maximises, in this order: (1) the number of kept non-finite elements
+(NaN or +-inf), (2) the float32 sum of the kept finite magnitudes, added per
+row in a fixed order; (3) ties go to the first pattern in `PATTERNS_4x4`
+(lexicographic in the row pairs, pairs ordered (0,1) (0,2) (0,3) (1,2) (1,3)
+(2,3)), which prefers lower indices in earlier rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float
+
+from jsparse24 import _checks
+
+# The 6 ways to keep 2 of 4, in lexicographic order.
+PAIRS: tuple[tuple[int, int], ...] = tuple(itertools.combinations(range(4), 2))
+
+
+def _transposable_patterns() -> np.ndarray:
+  """Row-pair indices [90, 4] of the 4x4 patterns with 2 per row and column."""
+  out = []
+  for rows in itertools.product(range(len(PAIRS)), repeat=4):
+    cols = np.zeros(4, np.int32)
+    for q in rows:
+      cols[list(PAIRS[q])] += 1
+    if (cols == 2).all():
+      out.append(rows)
+  return np.asarray(out, np.int32)
+
+
+PATTERN_PAIRS = _transposable_patterns()
+assert PATTERN_PAIRS.shape == (90, 4)
+
+
+def _pattern_masks() -> np.ndarray:
+  """The 90 patterns as dense [90, 4, 4] bool masks, same order."""
+  masks = np.zeros((len(PATTERN_PAIRS), 4, 4), bool)
+  for p, rows in enumerate(PATTERN_PAIRS):
+    for r, q in enumerate(rows):
+      masks[p, r, list(PAIRS[q])] = True
+  return masks
+
+
+PATTERNS_4x4 = _pattern_masks()
+
+_UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def magnitude_key(w: jax.Array) -> jax.Array:
+  """An unsigned-integer key whose order is the ranking order of `|w|`.
+
+  The IEEE bit pattern of a non-negative float, read as an unsigned integer,
+  grows with its value; NaNs (all exponent bits set, non-zero mantissa) sit
+  above +inf. All NaNs are mapped to one key so that they tie.
+  """
+  itemsize = jnp.dtype(w.dtype).itemsize
+  utype = _UINT_OF_WIDTH[itemsize]
+  bits = jax.lax.bitcast_convert_type(w, utype)
+  no_sign = jnp.asarray(np.iinfo(np.dtype(utype)).max >> 1, utype)
+  return jnp.where(jnp.isnan(w), no_sign, bits & no_sign)
+
+
+def _keep_two_of_four(key: jax.Array) -> jax.Array:
+  """key: [..., 4] unsigned. Exactly 2 True per row: largest, ties to low index."""
+  k = [key[..., i] for i in range(4)]
+  keep = []
+  for i in range(4):
+    beaten = sum(
+        (k[j] >= k[i]).astype(jnp.int32) if j < i
+        else (k[j] > k[i]).astype(jnp.int32)
+        for j in range(4) if j != i)
+    keep.append(beaten < 2)
+  return jnp.stack(keep, axis=-1)
+
+
+def _prune_plain(w: jax.Array, axis: int) -> jax.Array:
+  wt = jnp.moveaxis(w, axis, -1)
+  groups = wt.reshape(wt.shape[:-1] + (wt.shape[-1] // 4, 4))
+  keep = _keep_two_of_four(magnitude_key(groups))
+  return jnp.moveaxis(keep.reshape(wt.shape), -1, axis)
+
+
+def _prune_transposable(w: jax.Array) -> jax.Array:
+  *lead, rows, cols = w.shape
+  blocks = w.reshape(*lead, rows // 4, 4, cols // 4, 4)
+  blocks = jnp.moveaxis(blocks, -3, -2)  # [..., R/4, C/4, 4, 4]
+  finite = jnp.isfinite(blocks)
+  mag = jnp.where(finite, jnp.abs(blocks), 0).astype(jnp.float32)
+  nonfinite = (~finite).astype(jnp.int32)
+  i_idx = np.asarray([p[0] for p in PAIRS])
+  j_idx = np.asarray([p[1] for p in PAIRS])
+  pair_sum = mag[..., i_idx] + mag[..., j_idx]  # [..., 4 rows, 6 pairs]
+  pair_cnt = nonfinite[..., i_idx] + nonfinite[..., j_idx]
+  score = pair_sum[..., 0, PATTERN_PAIRS[:, 0]]
+  count = pair_cnt[..., 0, PATTERN_PAIRS[:, 0]]
+  for r in range(1, 4):
+    score = score + pair_sum[..., r, PATTERN_PAIRS[:, r]]
+    count = count + pair_cnt[..., r, PATTERN_PAIRS[:, r]]
+  best_count = count.max(axis=-1, keepdims=True)
+  # Scores are >= 0 (or +inf on overflow), so -1 rules a pattern out.
+  score = jnp.where(count == best_count, score, -1.0)
+  best = jnp.argmax(score, axis=-1)  # first maximum: ties to the lowest pattern
+  keep = jnp.asarray(PATTERNS_4x4)[best]  # [..., R/4, C/4, 4, 4]
+  keep = jnp.moveaxis(keep, -2, -3)
+  return keep.reshape(w.shape)
+
+
+def prune_24(
+    w: Float[Array, "..."],
+    *,
+    axis: int = -2,
+    transposable: bool = False,
+) -> Bool[Array, "..."]:
+  """The 2:4 mask of `w` by magnitude (True = kept).
+
+  Args:
+    w: floating weights. For a Flax kernel `[in, out] = [K, N]` the default
+      `axis=-2` is the contraction axis K.
+    axis: the axis along which every 4 consecutive elements keep 2.
+    transposable: if True, choose the exact best of the 90 patterns with 2
+      kept per row and per column in every 4x4 block of the last two axes, so
+      that the mask is 2:4 along both of them (then `axis` must be one of the
+      last two axes, and both must be multiples of 4).
+
+  Returns:
+    A bool array shaped like `w` with exactly 2 True in every group of 4.
+    The ranking rule (NaN, inf, zeros, ties) is in this module's docstring.
+
+  Example:
+    >>> import jax.numpy as jnp, jsparse24
+    >>> w = jnp.array([[1., -4.], [-3., 0.], [2., 2.], [0., 1.]])
+    >>> jsparse24.prune_24(w).T.astype(int)
+    Array([[0, 1, 1, 0],
+           [1, 0, 1, 0]], dtype=int32)
+  """
+  fn = "prune_24"
+  w = jnp.asarray(w)
+  _checks.check_float(fn, "w", w)
+  if w.ndim == 0:
+    raise ValueError(f"{fn}: `w` must have at least one axis, got a scalar.")
+  ax = _checks.normalize_axis(fn, "w", axis, w.ndim)
+  if not transposable:
+    _checks.check_multiple_of_4(fn, "w", w.shape, ax)
+    return _prune_plain(w, ax)
+  if w.ndim < 2:
+    raise ValueError(
+        f"{fn}: transposable=True needs `w` with at least 2 axes, got shape"
+        f" {w.shape}.")
+  if ax < w.ndim - 2:
+    raise ValueError(
+        f"{fn}: transposable=True makes 4x4 blocks of the last two axes, so"
+        f" `axis` must be one of them; got axis={axis} for rank {w.ndim}.")
+  _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2,
+                              "transposable masks need both of the last two axes")
+  _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1,
+                              "transposable masks need both of the last two axes")
+  return _prune_transposable(w)
+
+
+def is_24(mask: Bool[Array, "..."], *, axis: int = -2) -> jax.Array:
+  """True iff every group of 4 along `axis` keeps exactly 2 (a scalar bool)."""
+  mask = jnp.asarray(mask)
+  ax = _checks.normalize_axis("is_24", "mask", axis, mask.ndim)
+  _checks.check_multiple_of_4("is_24", "mask", mask.shape, ax)
+  m = jnp.moveaxis(mask, ax, -1)
+  counts = m.reshape(m.shape[:-1] + (-1, 4)).sum(-1)
+  return jnp.all(counts == 2)

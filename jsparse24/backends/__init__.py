@@ -1,0 +1,55 @@
+"""Backend registry for `implementation=` and the `None` (automatic) choice.
+
+`implementation=None` tries the backends in `AUTO_ORDER` and takes the first
+that is available and supports the call; the reference `"xla"` backend is last
+and supports everything, so the automatic choice always works. A backend named
+explicitly either runs or raises `BackendUnavailableError` / `ValueError`.
+"""
+
+from __future__ import annotations
+
+from jsparse24.backends.base import Backend, BackendUnavailableError, Problem
+from jsparse24.backends.unbuilt import UnbuiltBackend
+from jsparse24.backends.xla import XlaBackend
+
+BACKENDS: dict[str, Backend] = {
+    "xla": XlaBackend(),
+    "pallas": UnbuiltBackend("pallas", "Pallas kernels for NVIDIA GPUs"),
+    "cusparselt": UnbuiltBackend("cusparselt", "cuSPARSELt through the XLA FFI"),
+}
+
+AUTO_ORDER = ("cusparselt", "pallas", "xla")
+
+
+def select(implementation: str | None, problem: Problem) -> Backend:
+  """The backend that runs `problem` (see the module docstring)."""
+  if implementation is None:
+    for name in AUTO_ORDER:
+      backend = BACKENDS[name]
+      if backend.unavailable_reason() is not None:
+        continue
+      try:
+        backend.check_supported(problem)
+      except NotImplementedError:
+        continue
+      return backend
+    raise AssertionError("the xla backend supports every problem")
+  if not isinstance(implementation, str) or implementation not in BACKENDS:
+    raise ValueError(
+        f"unknown implementation={implementation!r}; expected None or one of"
+        f" {sorted(BACKENDS)}.")
+  backend = BACKENDS[implementation]
+  reason = backend.unavailable_reason()
+  if reason is not None:
+    raise BackendUnavailableError(
+        f"implementation={implementation!r} cannot run here: {reason}. Use"
+        f" implementation=None to pick the best available backend, or 'xla'.")
+  try:
+    backend.check_supported(problem)
+  except NotImplementedError as e:
+    raise BackendUnavailableError(
+        f"implementation={implementation!r} cannot run this call: {e}") from e
+  return backend
+
+
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "Problem", "select"]

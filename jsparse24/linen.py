@@ -1,0 +1,327 @@
+"""Flax Linen: `SparseDense`, the `sparsify` patcher, and mask-tree helpers.
+
+Masks live in their own `"sparsity"` collection, beside `"params"`, one entry
+per sparse layer: `{"mask": Mask24, "active": bool[]}`. `"active"` is False in
+dense phases of a schedule (warm-up, final dense fine-tuning). The `params`
+tree is exactly `nn.Dense`'s, so dense checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import initializers
+from flax.linen.dtypes import promote_dtype as _promote_dtype
+
+from jsparse24._format import Mask24, Sparse24, compress
+from jsparse24._ops import GRADIENT_MODES, sparse_dot
+
+COLLECTION = "sparsity"
+MASK_SOURCES = ("collection", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityOptions:
+  """The sparsity settings of one layer (also the patcher's per-rule options).
+
+  Attributes:
+    gradient: `"ste"` (straight-through dense `dw`) or `"masked"`.
+    transposable: build masks that are 2:4 along both axes of the kernel.
+    implementation: the `sparse_dot` backend (None = automatic).
+    mask_source: `"collection"`: the mask is the layer's entry in the
+      `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
+      by `jsparse24.optim`); `"dynamic"`: prune the kernel by magnitude at
+      every call (no collection needed).
+  """
+
+  gradient: Literal["ste", "masked"] = "ste"
+  transposable: bool = False
+  implementation: str | None = None
+  mask_source: Literal["collection", "dynamic"] = "collection"
+
+  def __post_init__(self):
+    if self.gradient not in GRADIENT_MODES:
+      raise ValueError(f"unknown gradient={self.gradient!r}; expected one of {GRADIENT_MODES}.")
+    if self.mask_source not in MASK_SOURCES:
+      raise ValueError(f"unknown mask_source={self.mask_source!r}; expected one of {MASK_SOURCES}.")
+
+
+def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) -> jax.Array:
+  """The forward of `nn.Dense` with a 2:4 sparse kernel, for any module that
+  has `nn.Dense`'s fields (`SparseDense`, or an `nn.Dense` being patched)."""
+  if module.dot_general is not None or module.dot_general_cls is not None:
+    raise ValueError(
+        f"{module.path}: a custom `dot_general` cannot be combined with 2:4"
+        f" sparsity (the product is jsparse24.sparse_dot).")
+  stored = module.get_variable("params", "kernel") if module.has_variable("params", "kernel") else None
+  if isinstance(stored, Sparse24):
+    return _compressed_layer(module, inputs, stored, opts)
+
+  kernel = module.param("kernel", module.kernel_init,
+                        (jnp.shape(inputs)[-1], module.features), module.param_dtype)
+  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+          if module.use_bias else None)
+  mask, active = _layer_mask(module, kernel, opts)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+
+  def sparse(inputs, kernel):
+    return sparse_dot(inputs, kernel, mask, gradient=opts.gradient,
+                      transposable=opts.transposable,
+                      implementation=opts.implementation, precision=module.precision)
+
+  def dense(inputs, kernel):
+    return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                               precision=module.precision)
+
+  y = sparse(inputs, kernel) if active is None else jax.lax.cond(active, sparse, dense, inputs, kernel)
+  if bias is not None:
+    y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+  return y
+
+
+def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
+  """(mask, active) for this layer: (None, None) when pruning dynamically."""
+  if opts.mask_source == "dynamic":
+    return None, None
+  if not module.is_initializing() and not module.has_variable(COLLECTION, "mask"):
+    raise ValueError(
+        f"layer {'/'.join(module.path)!r} takes its 2:4 mask from the"
+        f" {COLLECTION!r} collection, but none was passed to `apply`. Pass"
+        f" the variables from `init` (e.g. `model.apply(variables, x)`), or"
+        f" `{{'params': params, {COLLECTION!r}: jsparse24.optim.masks(opt_state)}}`"
+        f" when training with jsparse24.optim, or set mask_source='dynamic'.")
+  mask = module.variable(
+      COLLECTION, "mask",
+      lambda: Mask24.from_weights(kernel, transposable=opts.transposable)).value
+  active = module.variable(COLLECTION, "active", lambda: jnp.array(True)).value
+  if mask.transposable != opts.transposable or tuple(mask.shape) != tuple(kernel.shape):
+    raise ValueError(
+        f"layer {'/'.join(module.path)!r}: the mask in the {COLLECTION!r}"
+        f" collection (shape {mask.shape}, transposable={mask.transposable})"
+        f" does not fit this layer (kernel {kernel.shape},"
+        f" transposable={opts.transposable}).")
+  return mask, active
+
+
+def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
+  """Inference on compressed weights made by `compress_params`."""
+  bias = module.get_variable("params", "bias") if module.use_bias else None
+  dtype = module.dtype or jnp.result_type(inputs.dtype, sp.dtype)
+  y = sparse_dot(inputs.astype(dtype), sp, implementation=opts.implementation,
+                 precision=module.precision)
+  if bias is not None:
+    y = y + jnp.reshape(bias.astype(y.dtype), (1,) * (y.ndim - 1) + (-1,))
+  return y
+
+
+class SparseDense(nn.Module):
+  """A drop-in `flax.linen.Dense` whose kernel is 2:4 sparse along its input axis.
+
+  Same fields, defaults and parameter names (`kernel [in, out]`, `bias`) as
+  `nn.Dense`; the output equals `nn.Dense` applied to `kernel * mask`. The
+  extra fields are those of `SparsityOptions`. The mask lives in the
+  `"sparsity"` collection (see this module's docstring).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jsparse24
+    >>> layer = jsparse24.SparseDense(features=8)
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 16)))
+    >>> sorted(variables)
+    ['params', 'sparsity']
+    >>> layer.apply(variables, jnp.ones((2, 16))).shape
+    (2, 8)
+  """
+
+  features: int
+  use_bias: bool = True
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  kernel_init: Any = nn.linear.default_kernel_init
+  bias_init: Any = initializers.zeros_init()
+  promote_dtype: Any = _promote_dtype
+  dot_general: Any = None
+  dot_general_cls: Any = None
+  # sparsity
+  gradient: Literal["ste", "masked"] = "ste"
+  transposable: bool = False
+  implementation: str | None = None
+  mask_source: Literal["collection", "dynamic"] = "collection"
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    opts = SparsityOptions(self.gradient, self.transposable, self.implementation,
+                           self.mask_source)
+    return _dense_layer(self, inputs, opts)
+
+
+# --- the patcher -------------------------------------------------------------
+
+Rules = Mapping[str, Mapping[str, Any] | SparsityOptions] | Sequence[
+    tuple[str, Mapping[str, Any] | SparsityOptions]]
+
+
+def _normalize_rules(rules: Rules) -> tuple[tuple[re.Pattern, SparsityOptions], ...]:
+  items = rules.items() if isinstance(rules, Mapping) else rules
+  out = []
+  for pattern, opts in items:
+    if not isinstance(opts, SparsityOptions):
+      unknown = set(opts) - {f.name for f in dataclasses.fields(SparsityOptions)}
+      if unknown:
+        raise ValueError(
+            f"sparsify: rule {pattern!r} has unknown option(s) {sorted(unknown)};"
+            f" expected some of {[f.name for f in dataclasses.fields(SparsityOptions)]}.")
+      opts = SparsityOptions(**opts)
+    out.append((re.compile(pattern), opts))
+  if not out:
+    raise ValueError("sparsify: `rules` is empty.")
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparsified:
+  """An existing Linen model whose matching `nn.Dense` layers run 2:4 sparse.
+
+  Made by `sparsify`. `init`, `apply` and `init_with_output` behave like the
+  model's, with matching `Dense` layers computed as `SparseDense` (same
+  params; masks in the `"sparsity"` collection). `intercept()` is the context
+  manager doing it, for use around other entry points.
+  """
+
+  model: nn.Module
+  rules: tuple[tuple[re.Pattern, SparsityOptions], ...]
+
+  def _options_for(self, path: str) -> SparsityOptions | None:
+    for pattern, opts in self.rules:
+      if pattern.fullmatch(path):
+        return opts
+    return None
+
+  @contextlib.contextmanager
+  def intercept(self, seen: list[str] | None = None):
+    """Within it, `nn.Dense` layers whose path (`"Block_0/mlp/up"`) fully
+    matches a rule's regex (first matching rule wins) run sparse."""
+
+    def interceptor(next_fun, args, kwargs, context):
+      module = context.module
+      if type(module) is not nn.Dense or context.method_name != "__call__":  # pylint: disable=unidiomatic-typecheck
+        return next_fun(*args, **kwargs)
+      path = "/".join(module.path)
+      if seen is not None:
+        seen.append(path)
+      opts = self._options_for(path)
+      if opts is None:
+        return next_fun(*args, **kwargs)
+      return _dense_layer(module, *args, opts, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+      yield
+
+  def init(self, *args, **kwargs):
+    seen: list[str] = []
+    with self.intercept(seen):
+      out = self.model.init(*args, **kwargs)
+    unmatched = [p.pattern for p, _ in self.rules if not any(p.fullmatch(s) for s in seen)]
+    if unmatched:
+      raise ValueError(
+          f"sparsify: rule(s) {unmatched} matched no nn.Dense layer; the model's"
+          f" Dense layers are {sorted(set(seen))}.")
+    return out
+
+  def init_with_output(self, *args, **kwargs):
+    with self.intercept():
+      return self.model.init_with_output(*args, **kwargs)
+
+  def apply(self, *args, **kwargs):
+    with self.intercept():
+      return self.model.apply(*args, **kwargs)
+
+
+def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
+  """Makes the `nn.Dense` layers of `model` that match `rules` 2:4 sparse.
+
+  The model's code is not edited: calls are intercepted
+  (`flax.linen.intercept_methods`) and matching layers compute as
+  `SparseDense` with the same `params`.
+
+  Args:
+    model: any Linen module.
+    rules: `{regex: options}` or `[(regex, options), ...]`; a regex must fully
+      match the layer's module path (`"Block_0/mlp/up"`); options are a dict
+      of `SparsityOptions` fields or a `SparsityOptions`. The first matching
+      rule wins. `init` raises if a rule matches no `Dense` layer.
+
+  Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, jsparse24
+    >>> mlp = nn.Sequential([nn.Dense(16, name="up"), nn.relu, nn.Dense(8, name="down")])
+    >>> sparse = jsparse24.sparsify(mlp, {r"up": {"gradient": "masked"}})
+    >>> variables = sparse.init(jax.random.key(0), jnp.ones((1, 8)))
+    >>> list(variables["sparsity"])
+    ['up']
+  """
+  return Sparsified(model, _normalize_rules(rules))
+
+
+# --- mask trees ---------------------------------------------------------------
+
+
+def _map_layers(fn, sparsity: Mapping, other: Any, path=()):
+  """Maps `fn(layer_sparsity, other_at_same_path, path)` over the sparse
+  layers of a `"sparsity"` tree; `other` is a tree with the same layer paths
+  (params, or a per-layer tree of statistics)."""
+  if isinstance(sparsity.get("mask"), Mask24):
+    return fn(sparsity, other, path)
+  out = {}
+  for key, value in sparsity.items():
+    if not isinstance(other, Mapping) or key not in other:
+      raise ValueError(
+          f"the {COLLECTION!r} tree has a layer at {'/'.join(path + (key,))!r}"
+          f" that the matching tree (params) does not have.")
+    out[key] = _map_layers(fn, value, other[key], path + (key,))
+  return out
+
+
+def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
+  """A new `"sparsity"` collection with every mask rebuilt from `params` by
+  magnitude (each keeps its `transposable` setting and its `active` flag).
+
+  Use it after loading dense weights into a sparse model:
+  `variables = {"params": p, "sparsity": rebuild_masks(p, variables["sparsity"])}`.
+  """
+
+  def rebuild(layer, layer_params, path):
+    kernel = layer_params.get("kernel") if isinstance(layer_params, Mapping) else None
+    if kernel is None:
+      raise ValueError(f"no kernel in params for sparse layer {'/'.join(path)!r}.")
+    return {**layer, "mask": Mask24.from_weights(kernel, transposable=layer["mask"].transposable)}
+
+  return _map_layers(rebuild, sparsity, params)
+
+
+def compress_params(params: Mapping, sparsity: Mapping) -> dict:
+  """`params` with every active sparse layer's kernel replaced by its
+  `Sparse24` (values + metadata; with the transposed copy when the mask is
+  transposable). A model applied to the result computes with the compressed
+  weights; no `"sparsity"` collection is needed then.
+  """
+  out = jax.tree.map(lambda x: x, dict(params))  # a mutable copy of the dicts
+
+  def replace(layer, layer_params, path):
+    target = out
+    for key in path:
+      target = target[key]
+    if bool(layer.get("active", True)):
+      mask = layer["mask"]
+      target["kernel"] = compress(layer_params["kernel"], mask,
+                                  transposed=mask.transposable)
+    return layer
+
+  _map_layers(replace, sparsity, params)
+  return out

@@ -1,0 +1,240 @@
+"""The mask-update optax transform: rebuilds 2:4 masks on a schedule.
+
+`mask_update` is an optax `GradientTransformationExtraArgs`. Put it *first* in
+`optax.chain`, before the optimizer: it may add the masked decay to the
+gradients, and it keeps the masks in its state. The forward pass gets the
+current masks with `masks(opt_state)`, a `"sparsity"` collection for
+`model.apply`:
+
+    tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"], schedule),
+                     optax.adamw(1e-3))
+    opt_state = tx.init(params)
+    loss = model.apply({"params": params, "sparsity": jsparse24.optim.masks(opt_state)}, x)
+
+Timing. Step `s` is the `s`-th forward/backward pass (0-based); it uses the
+masks held by the state after `s` updates. `init` builds the masks from the
+initial params. The update of step `s - 1` prepares the masks of step `s`: it
+rebuilds them, from the params step `s - 1` computed with, exactly when
+`schedule.rebuild(s)` is True, and sets every layer active or dense by
+`schedule.sparse(s)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jsparse24._format import Mask24
+from jsparse24.linen import _map_layers, rebuild_masks
+
+DENSITY = 0.5  # 2 of 4 kept
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSchedule:
+  """When masks are rebuilt and when layers are sparse. Steps are 0-based.
+
+  Attributes:
+    warmup_steps: steps `[0, warmup_steps)` run dense; the masks are built
+      from the trained weights right before step `warmup_steps`.
+    rebuild_every: rebuild every this many steps after the first sparse step
+      (`warmup_steps + k * rebuild_every`, k >= 1); None = one-shot: the masks
+      built at the first sparse step are kept.
+    freeze_after: no rebuild at steps `>= freeze_after` (masks frozen).
+    dense_after: steps `>= dense_after` run dense again (final dense
+      fine-tuning); None = sparse to the end.
+
+  `sparse(step)` and `rebuild(step)` accept Python ints and traced arrays.
+  """
+
+  warmup_steps: int = 0
+  rebuild_every: int | None = None
+  freeze_after: int | None = None
+  dense_after: int | None = None
+
+  def __post_init__(self):
+    if self.warmup_steps < 0:
+      raise ValueError(f"MaskSchedule: warmup_steps must be >= 0, got {self.warmup_steps}.")
+    if self.rebuild_every is not None and self.rebuild_every < 1:
+      raise ValueError(f"MaskSchedule: rebuild_every must be >= 1 or None, got {self.rebuild_every}.")
+    for name in ("freeze_after", "dense_after"):
+      v = getattr(self, name)
+      if v is not None and v < self.warmup_steps:
+        raise ValueError(
+            f"MaskSchedule: {name}={v} is before the end of the dense warm-up"
+            f" (warmup_steps={self.warmup_steps}).")
+
+  def sparse(self, step) -> jax.Array:
+    on = jnp.asarray(step) >= self.warmup_steps
+    if self.dense_after is not None:
+      on = on & (jnp.asarray(step) < self.dense_after)
+    return on
+
+  def rebuild(self, step) -> jax.Array:
+    step = jnp.asarray(step)
+    first = (step == self.warmup_steps) & (self.warmup_steps > 0)
+    periodic = jnp.asarray(False)
+    if self.rebuild_every is not None:
+      since = step - self.warmup_steps
+      periodic = (since > 0) & (since % self.rebuild_every == 0)
+      if self.freeze_after is not None:
+        periodic = periodic & (step < self.freeze_after)
+    return (first | periodic) & self.sparse(step)
+
+
+class MaskUpdateState(NamedTuple):
+  """State of `mask_update`.
+
+  Attributes:
+    count: updates done so far (= the step the held masks are for).
+    masks: the `"sparsity"` collection: per layer `{"mask": Mask24 (packed,
+      1 bit per weight), "active": bool[]}`.
+    flip_rate: per layer, the fraction of weights whose kept/pruned state
+      changed at the last rebuild (0 before any).
+    layer_sparsity: per layer, the fraction of weights pruned in the forward
+      pass at this step (0.5 when sparse, 0 in dense phases).
+    last_rebuild: the step whose masks were last rebuilt (0 = at `init`).
+  """
+
+  count: jax.Array
+  masks: Any
+  flip_rate: Any
+  layer_sparsity: Any
+  last_rebuild: jax.Array
+
+
+def _per_layer(fn, masks: Mapping) -> dict:
+  return _map_layers(lambda layer, _, path: fn(layer), masks, masks)
+
+
+def mask_update(
+    sparsity: Mapping,
+    schedule: MaskSchedule = MaskSchedule(),
+    *,
+    decay: float | Callable[[jax.Array], jax.Array] = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+  """The optax transform that keeps and rebuilds the 2:4 masks.
+
+  Args:
+    sparsity: the model's `"sparsity"` collection from `init` (only its
+      structure and per-layer `transposable` setting are used).
+    schedule: a `MaskSchedule`.
+    decay: masked decay of pruned weights (SR-STE): for each sparse layer,
+      `g <- g + decay * (1 - mask) * w` while the layer is sparse. A float or
+      a `step -> value` schedule.
+
+  Returns:
+    A `GradientTransformationExtraArgs`; its `update` needs `params`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jsparse24
+    >>> layer = jsparse24.SparseDense(4)
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((1, 8)))
+    >>> tx = optax.chain(
+    ...     jsparse24.optim.mask_update(
+    ...         variables["sparsity"], jsparse24.optim.MaskSchedule(rebuild_every=10)),
+    ...     optax.sgd(0.1))
+    >>> state = tx.init(variables["params"])
+    >>> jsparse24.optim.masks(state)["mask"].unpack().shape
+    (8, 4)
+  """
+  if not isinstance(sparsity, Mapping):
+    raise TypeError(
+        f"mask_update: `sparsity` must be the model's 'sparsity' collection (a"
+        f" dict), got {type(sparsity).__name__}.")
+  template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sparsity)
+  if not jax.tree.leaves(template):
+    raise ValueError("mask_update: the 'sparsity' collection has no sparse layer.")
+  decay_fn = decay if callable(decay) else (lambda _: decay)
+  uses_decay = callable(decay) or decay != 0.0
+
+  def set_active(masks, active):
+    return _per_layer(lambda layer: {**layer, "active": active}, masks)
+
+  def init_fn(params):
+    masks = set_active(rebuild_masks(params, template), schedule.sparse(0))
+    zeros = _per_layer(lambda _: jnp.zeros((), jnp.float32), masks)
+    density = _per_layer(lambda _: jnp.where(schedule.sparse(0), 1 - DENSITY, 0.0).astype(jnp.float32), masks)
+    return MaskUpdateState(jnp.zeros((), jnp.int32), masks, zeros, density,
+                           jnp.zeros((), jnp.int32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("mask_update: `update` needs `params` (tx.update(grads, state, params)).")
+    step = state.count
+    if uses_decay:
+      lam = jnp.asarray(decay_fn(step), jnp.float32)
+
+      def add_decay(layer, layer_params, path):
+        w = layer_params["kernel"]
+        pruned = jnp.where(layer["mask"].unpack(), jnp.zeros((), w.dtype), w)
+        return jnp.where(layer["active"], lam, 0.0).astype(w.dtype) * pruned
+
+      extra = _map_layers(add_decay, state.masks, params)
+      updates = _add_at_kernels(updates, extra)
+
+    nxt = step + 1
+    do_rebuild = schedule.rebuild(nxt)
+
+    def rebuilt():
+      new = rebuild_masks(params, state.masks)
+
+      def flips(old, layer_new):
+        return jnp.mean(old["mask"].unpack() != layer_new["mask"].unpack()).astype(jnp.float32)
+
+      flip = _map_layers(lambda o, n, path: flips(o, n), state.masks, new)
+      return new, flip
+
+    masks, flip = jax.lax.cond(do_rebuild, rebuilt, lambda: (state.masks, state.flip_rate))
+    active = schedule.sparse(nxt)
+    masks = set_active(masks, active)
+    density = _per_layer(lambda _: jnp.where(active, 1 - DENSITY, 0.0).astype(jnp.float32), masks)
+    last = jnp.where(do_rebuild, nxt, state.last_rebuild).astype(jnp.int32)
+    return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, density, last)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _add_at_kernels(updates: Mapping, extra: Any) -> dict:
+  """`updates[<layer>]["kernel"] += extra[<layer>]` for every layer in `extra`."""
+  if not isinstance(extra, Mapping):  # a layer: `extra` is its kernel's term
+    return {**updates, "kernel": updates["kernel"] + extra}
+  return {**updates, **{k: _add_at_kernels(updates[k], v) for k, v in extra.items()}}
+
+
+def _find_state(opt_state) -> MaskUpdateState:
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, MaskUpdateState))
+           if isinstance(s, MaskUpdateState)]
+  if len(found) != 1:
+    raise ValueError(
+        f"expected exactly one jsparse24.optim.mask_update state in the optimizer"
+        f" state, found {len(found)}.")
+  return found[0]
+
+
+def masks(opt_state) -> dict:
+  """The `"sparsity"` collection for the next forward pass, from an optimizer
+  state that contains a `mask_update` state (anywhere in a chain)."""
+  return _find_state(opt_state).masks
+
+
+def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
+  """`{"layer/path": {"flip_rate": ..., "sparsity": ...}}` for logging."""
+  state = _find_state(opt_state)
+
+  def by_path(tree):
+    return {"/".join(str(k.key) for k in path): v
+            for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+  sparsity = by_path(state.layer_sparsity)
+  return {path: {"flip_rate": flip, "sparsity": sparsity[path]}
+          for path, flip in by_path(state.flip_rate).items()}
+
+
+__all__ = ["MaskSchedule", "MaskUpdateState", "mask_update", "masks", "stats"]
