@@ -1,0 +1,225 @@
+"""The mask-update transform: schedules step by step, decay, state, pmap,
+and Orbax checkpoint/resume bit for bit."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jsparse24
+from jsparse24 import optim
+
+
+class _Net(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = jsparse24.SparseDense(32, name="up")(x)
+    x = jsparse24.SparseDense(8, name="down", transposable=True, gradient="masked")(nn.relu(x))
+    return nn.Dense(1, name="head")(x)
+
+
+def _setup(schedule, decay=0.0, lr=1e-2):
+  model = _Net()
+  x = jax.random.normal(jax.random.key(0), (16, 16))
+  y = jax.random.normal(jax.random.key(1), (16, 1))
+  variables = model.init(jax.random.key(2), x)
+  tx = optax.chain(optim.mask_update(variables["sparsity"], schedule, decay=decay), optax.adam(lr))
+  return model, tx, variables, x, y
+
+
+def _loss(model, params, masks, x, y):
+  return jnp.mean((model.apply({"params": params, "sparsity": masks}, x) - y) ** 2)
+
+
+def _mask_leaves(masks):
+  return {"/".join(str(k.key) for k in path[:-1]): np.asarray(leaf.unpack())
+          for path, leaf in jax.tree_util.tree_leaves_with_path(
+              masks, is_leaf=lambda a: isinstance(a, jsparse24.Mask24))
+          if isinstance(leaf, jsparse24.Mask24)}
+
+
+@pytest.mark.parametrize("kw,rebuilds,sparse", [
+    (dict(warmup_steps=3, rebuild_every=4, freeze_after=12, dense_after=20),
+     [3, 7, 11], list(range(3, 20))),
+    (dict(), [], list(range(25))),                       # one-shot at init
+    (dict(rebuild_every=5), [5, 10, 15, 20], list(range(25))),
+    (dict(warmup_steps=6), [6], list(range(6, 25))),     # one-shot after warm-up
+    (dict(rebuild_every=1, freeze_after=4), [1, 2, 3], list(range(25))),
+])
+def test_schedule_values(kw, rebuilds, sparse):
+  s = optim.MaskSchedule(**kw)
+  assert [i for i in range(25) if bool(s.rebuild(i))] == rebuilds
+  assert [i for i in range(25) if bool(s.sparse(i))] == sparse
+  # Traced steps agree with Python ints.
+  traced = jax.jit(jax.vmap(lambda i: (s.rebuild(i), s.sparse(i))))(jnp.arange(25))
+  assert [i for i in range(25) if bool(traced[0][i])] == rebuilds
+
+
+def test_schedule_rejects_bad_values():
+  with pytest.raises(ValueError, match="rebuild_every"):
+    optim.MaskSchedule(rebuild_every=0)
+  with pytest.raises(ValueError, match="warmup_steps"):
+    optim.MaskSchedule(warmup_steps=-1)
+  with pytest.raises(ValueError, match="dense_after"):
+    optim.MaskSchedule(warmup_steps=10, dense_after=5)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(warmup_steps=2, rebuild_every=3, freeze_after=11, dense_after=14),
+    dict(rebuild_every=2),
+])
+def test_masks_rebuilt_exactly_when_scheduled(kw):
+  """Step by step: with random large updates the weight ranking reshuffles
+  every step, so a rebuild always changes the mask; the masks must change
+  exactly at the scheduled steps, equal prune_24 of the weights of the
+  previous step, and the `active` flags must follow `sparse(step)`."""
+  schedule = optim.MaskSchedule(**kw)
+  _, tx, variables, _, _ = _setup(schedule, lr=1.0)
+  tx = optax.chain(optim.mask_update(variables["sparsity"], schedule), optax.sgd(1.0))
+  params = variables["params"]
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  masks = _mask_leaves(optim.masks(state))
+  for name, m in masks.items():
+    kernel = params
+    for key in name.split("/"):
+      kernel = kernel[key]
+    np.testing.assert_array_equal(m, jsparse24.prune_24(kernel["kernel"], transposable=name == "down"))
+  for step in range(1, 18):
+    grads = jax.tree.map(lambda p, k=step: jax.random.normal(jax.random.key(k), p.shape), params)
+    updates, new_state = update(grads, state, params)
+    new_masks = _mask_leaves(optim.masks(new_state))
+    expected_rebuild = bool(schedule.rebuild(step))
+    for name in masks:
+      changed = not np.array_equal(masks[name], new_masks[name])
+      assert changed == expected_rebuild, (step, name)
+      if expected_rebuild:
+        np.testing.assert_array_equal(
+            new_masks[name],
+            jsparse24.prune_24(params[name]["kernel"], transposable=name == "down"))
+    actives = jax.tree.leaves({k: v["active"] for k, v in optim.masks(new_state).items()})
+    assert all(bool(a) == bool(schedule.sparse(step)) for a in actives), step
+    assert int(new_state[0].count) == step
+    if expected_rebuild:
+      assert int(new_state[0].last_rebuild) == step
+      for layer in optim.stats(new_state).values():
+        assert 0.0 < float(layer["flip_rate"]) <= 1.0
+    params = optax.apply_updates(params, updates)
+    state, masks = new_state, new_masks
+
+
+def test_masked_decay_adds_to_pruned_kernel_gradients_only():
+  lam = 0.25
+  _, _, variables, _, _ = _setup(optim.MaskSchedule())
+  tx = optim.mask_update(variables["sparsity"], optim.MaskSchedule(dense_after=2), decay=lam)
+  params = variables["params"]
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  for step in range(3):
+    updates, new_state = tx.update(grads, state, params)
+    for name in ("up", "down"):
+      mask = optim.masks(state)[name]["mask"].unpack()
+      w = params[name]["kernel"]
+      want = lam * w * (~mask) if step < 2 else jnp.zeros_like(w)
+      np.testing.assert_allclose(updates[name]["kernel"], want, rtol=1e-6)
+      np.testing.assert_array_equal(updates[name]["bias"], 0)
+    np.testing.assert_array_equal(updates["head"]["kernel"], 0)
+    state = new_state
+  with pytest.raises(ValueError, match="params"):
+    tx.update(grads, state)
+
+
+def test_state_fields_and_lookup():
+  _, tx, variables, _, _ = _setup(optim.MaskSchedule(warmup_steps=1))
+  state = tx.init(variables["params"])
+  inner = state[0]
+  assert isinstance(inner, optim.MaskUpdateState)
+  assert set(optim.stats(state)) == {"up", "down"}
+  assert float(optim.stats(state)["up"]["sparsity"]) == 0.0  # warm-up: dense
+  packed = [leaf for leaf in jax.tree.leaves(inner.masks) if leaf.dtype == jnp.uint8]
+  assert sum(p.size for p in packed) * 8 <= 16 * 32 + 32 * 8
+  with pytest.raises(ValueError, match="exactly one"):
+    optim.masks(optax.adam(1e-3).init(variables["params"]))
+  with pytest.raises(TypeError, match="sparsity"):
+    optim.mask_update(variables["params"]["up"]["kernel"])
+
+
+def _train(model, tx, params, state, x, y, steps):
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(_loss, argnums=1)(model, params, optim.masks(state), x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  return params, state, losses
+
+
+def test_training_reduces_loss_with_rebuilds():
+  model, tx, variables, x, y = _setup(optim.MaskSchedule(warmup_steps=2, rebuild_every=5), decay=1e-4)
+  _, state, losses = _train(model, tx, variables["params"], tx.init(variables["params"]), x, y, 30)
+  assert losses[-1] < 0.5 * losses[0]
+  assert int(state[0].last_rebuild) == 27
+
+
+def test_checkpoint_restore_resumes_bit_for_bit(tmp_path):
+  model, tx, variables, x, y = _setup(optim.MaskSchedule(warmup_steps=1, rebuild_every=2), decay=1e-3)
+  params0, state0 = variables["params"], tx.init(variables["params"])
+  p_full, s_full, l_full = _train(model, tx, params0, state0, x, y, 6)
+  p3, s3, l3 = _train(model, tx, params0, state0, x, y, 3)
+
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "step3", {"params": p3, "opt_state": s3})
+  ckpt.wait_until_finished()
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": p3, "opt_state": s3})
+  restored = ckpt.restore(tmp_path / "step3", abstract)
+  assert jax.tree.structure(restored) == jax.tree.structure(abstract)
+  p_res, s_res, l_res = _train(model, tx, restored["params"], restored["opt_state"], x, y, 3)
+
+  assert l3 + l_res == l_full
+  for a, b in zip(jax.tree.leaves((p_res, s_res)), jax.tree.leaves((p_full, s_full))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_pmap_step_matches_single_device_step():
+  n = jax.local_device_count()
+  assert n == 8, "tests/conftest.py sets 8 fake CPU devices"
+  model, tx, variables, x, y = _setup(optim.MaskSchedule(rebuild_every=2))
+  params, state = variables["params"], tx.init(variables["params"])
+
+  def grads_of(params, state, x, y):
+    return jax.value_and_grad(_loss, argnums=1)(model, params, optim.masks(state), x, y)
+
+  @jax.jit
+  def single(params, state):
+    loss, grads = grads_of(params, state, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  def per_device(params, state, xs, ys):
+    loss, grads = grads_of(params, state, xs, ys)
+    loss, grads = jax.lax.pmean((loss, grads), "d")
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  parallel = jax.pmap(per_device, axis_name="d")
+  rep = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), t)  # noqa: E731
+  pp, ps = rep(params), rep(state)
+  xs, ys = x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1, 1)
+  sp, ss = params, state
+  for _ in range(5):
+    sp, ss, sl = single(sp, ss)
+    pp, ps, pl = parallel(pp, ps, xs, ys)
+    np.testing.assert_allclose(np.asarray(pl), float(sl), rtol=1e-5)
+    single_masks = _mask_leaves(optim.masks(ss))
+    for d in range(n):
+      device_masks = _mask_leaves(jax.tree.map(lambda a, d=d: a[d], optim.masks(ps)))
+      for name in single_masks:
+        np.testing.assert_array_equal(device_masks[name], single_masks[name])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a[0], b, rtol=1e-4, atol=1e-6), pp, sp)
