@@ -146,20 +146,24 @@ class Sparse24:
 
 def compress(
     w: Float[Array, "... K N"],
-    mask: Bool[Array, "... K N"] | "Mask24",
+    mask: "Bool[Array, '... K N'] | Mask24 | None" = None,
     *,
     transposed: bool = False,
+    implementation: str | None = None,
 ) -> Sparse24:
   """Compresses `w` with a 2:4 mask (along K, axis -2) into a `Sparse24`.
 
   Args:
     w: floating `[..., K, N]`, K a multiple of 4.
     mask: bool `[..., K, N]` with exactly 2 of every 4 kept along K (as made
-      by `prune_24`), or a `Mask24`. A concrete mask is checked; inside `jit`
-      the 2:4 property is the caller's promise (masks from `prune_24` and
-      `Mask24` always keep it).
-    transposed: also store the transpose (mask must be 2:4 along N too, i.e.
-      transposable; N a multiple of 4).
+      by `prune_24`), a `Mask24`, or None to prune `w` by magnitude now (with
+      the transposable rule when `transposed=True`). A concrete bool mask is
+      checked; inside `jit` the 2:4 property is the caller's promise (masks
+      from `prune_24` and `Mask24` always keep it).
+    transposed: also store the transpose (the mask must then be 2:4 along N
+      too, i.e. transposable; N a multiple of 4).
+    implementation: None (the fused Pallas kernel on a GPU for 2-D weights,
+      else the reference), `"xla"` or `"pallas"`. All give identical bits.
 
   Returns:
     A `Sparse24` with `decompress(compress(w, m)) == w * m` exactly.
@@ -170,23 +174,34 @@ def compress(
   if w.ndim < 2:
     raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
   _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2)
+  if transposed:
+    _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1, "N, for the transposed copy")
   if isinstance(mask, Mask24):
     _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
-    dense_mask = mask.unpack()
-  else:
+    if transposed and not mask.transposable:
+      raise ValueError(f"{fn}: transposed=True needs a transposable Mask24.")
+  elif mask is not None:
     mask = jnp.asarray(mask)
     _checks.check_mask_dtype(fn, mask)
     _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
     _checks.check_24_groups(fn, mask, w.ndim - 2)
-    dense_mask = mask
-  values, meta = _compress_last(jnp.swapaxes(w, -1, -2),
-                                jnp.swapaxes(dense_mask, -1, -2))
+    if transposed:
+      _checks.check_24_groups(fn, mask, w.ndim - 1)
+  from jsparse24 import backends  # pylint: disable=g-import-not-at-top  (backends import this module)
+  return backends.select_compress(implementation, w).compress(w, mask, transposed)
+
+
+def compress_reference(w: jax.Array, mask: "jax.Array | Mask24 | None",
+                       transposed: bool) -> Sparse24:
+  """The plain-jnp `compress` (arguments already checked)."""
+  if mask is None:
+    mask = prune_24(w, axis=-2, transposable=transposed)
+  elif isinstance(mask, Mask24):
+    mask = mask.unpack()
+  values, meta = _compress_last(jnp.swapaxes(w, -1, -2), jnp.swapaxes(mask, -1, -2))
   values_t = meta_t = None
   if transposed:
-    _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1,
-                                "N, for the transposed copy")
-    _checks.check_24_groups(fn, dense_mask, w.ndim - 1)
-    values_t, meta_t = _compress_last(w, dense_mask)
+    values_t, meta_t = _compress_last(w, mask)
   return Sparse24(values, meta, values_t, meta_t, tuple(w.shape))
 
 

@@ -1,7 +1,8 @@
 """Backend registry for `implementation=` and the `None` (automatic) choice.
 
 `implementation=None` tries the backends in `AUTO_ORDER` and takes the first
-that is available and supports the call; the reference `"xla"` backend is last
+that is available, supports the call and measured faster than dense for it
+(`Backend.prefers`); the reference `"xla"` backend is last
 and supports everything, so the automatic choice always works. A backend named
 explicitly either runs or raises `BackendUnavailableError` / `ValueError`.
 """
@@ -9,12 +10,13 @@ explicitly either runs or raises `BackendUnavailableError` / `ValueError`.
 from __future__ import annotations
 
 from jsparse24.backends.base import Backend, BackendUnavailableError, Problem
+from jsparse24.backends.pallas import PallasBackend
 from jsparse24.backends.unbuilt import UnbuiltBackend
 from jsparse24.backends.xla import XlaBackend
 
 BACKENDS: dict[str, Backend] = {
     "xla": XlaBackend(),
-    "pallas": UnbuiltBackend("pallas", "Pallas kernels for NVIDIA GPUs"),
+    "pallas": PallasBackend(),
     "cusparselt": UnbuiltBackend("cusparselt", "cuSPARSELt through the XLA FFI"),
 }
 
@@ -32,7 +34,8 @@ def select(implementation: str | None, problem: Problem) -> Backend:
         backend.check_supported(problem)
       except NotImplementedError:
         continue
-      return backend
+      if backend.prefers(problem):
+        return backend
     raise AssertionError("the xla backend supports every problem")
   if not isinstance(implementation, str) or implementation not in BACKENDS:
     raise ValueError(
@@ -52,4 +55,26 @@ def select(implementation: str | None, problem: Problem) -> Backend:
   return backend
 
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "Problem", "select"]
+def select_compress(implementation: str | None, w) -> Backend:
+  """The backend for `jsparse24.compress`: with None, the Pallas kernel where
+  it runs natively (2-D weights of a dtype it supports), else the reference."""
+  problem = Problem(m=0, k=w.shape[-2], n=w.shape[-1], dtype=w.dtype,
+                    transposable=False, platform="")
+  if implementation is None:
+    pallas = BACKENDS["pallas"]
+    native = pallas.unavailable_reason() is None and not pallas.interpreting()
+    if native and w.ndim == 2:
+      try:
+        pallas.check_supported(problem)
+        return pallas
+      except NotImplementedError:
+        pass
+    return BACKENDS["xla"]
+  backend = select(implementation, problem)
+  if implementation == "pallas" and w.ndim != 2:
+    raise BackendUnavailableError(
+        f"implementation='pallas' compresses 2-D weights [K, N]; got shape {w.shape}.")
+  return backend
+
+
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "Problem", "select", "select_compress"]

@@ -45,6 +45,17 @@ class Backend(abc.ABC):
   def check_supported(self, problem: Problem) -> None:
     """Raises NotImplementedError (with the reason) for inputs it cannot run."""
 
+  def prefers(self, problem: Problem) -> bool:
+    """Whether `implementation=None` should take this backend for `problem`:
+    only where it measured faster than dense XLA."""
+    del problem
+    return True
+
+  def compress(self, w: jax.Array, mask: jax.Array | Mask24 | None,
+               transposed: bool) -> Sparse24:
+    """`jsparse24.compress` (arguments already checked)."""
+    raise NotImplementedError(f"the {self.name!r} backend has no compress")
+
   @abc.abstractmethod
   def prepare(self, w: jax.Array, mask: jax.Array | Mask24 | None,
               transposable: bool) -> Any:

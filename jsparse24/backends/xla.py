@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jsparse24._format import Mask24, Sparse24, decompress
+from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._prune import prune_24
 from jsparse24.backends.base import Backend
 
@@ -40,6 +40,9 @@ def dense_mask(w: jax.Array, mask: jax.Array | Mask24 | None,
 
 class XlaBackend(Backend):
   name = "xla"
+
+  def compress(self, w, mask, transposed):
+    return compress_reference(w, mask, transposed)
 
   def prepare(self, w, mask, transposable):
     m = jax.lax.stop_gradient(dense_mask(w, mask, transposable))

@@ -1,0 +1,125 @@
+"""Shared benchmark plumbing: timing, measured ceilings, the PyTorch peer,
+and the results table under benchmarks/results/<gpu>.md."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def gpu_name() -> str:
+  return jax.devices()[0].device_kind
+
+
+def gpu_slug() -> str:
+  return re.sub(r"[^a-z0-9]+", "-", gpu_name().lower()).strip("-")
+
+
+def bench(fn: Callable, *args, min_time: float = 0.05, repeats: int = 7) -> float:
+  """Median seconds per call of `fn(*args)` (already jitted), after warm-up.
+
+  Calls are queued asynchronously and the clock stops after the last result
+  is ready, so launch overhead is hidden whenever the device is the bottleneck.
+  """
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = max(time.perf_counter() - t0, 1e-6)
+  n = max(1, min(1000, int(min_time / once)))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(n):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / n)
+  return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+  """Measured device read+write bandwidth in bytes/s (a 1 GiB bf16 scale)."""
+  x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.bfloat16)
+  f = jax.jit(lambda a: a * 2)
+  return 2 * x.nbytes / bench(f, x)
+
+
+def dense_peak(m: int = 16384, k: int = 4096, n: int = 16384) -> float:
+  """Measured dense bf16 matmul rate in FLOP/s through XLA."""
+  x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+  f = jax.jit(lambda a, b: a @ b)
+  return 2 * m * k * n / bench(f, x, w)
+
+
+def torch_cuda():
+  """The torch module if it can run on this GPU, else None."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return torch if torch.cuda.is_available() else None
+
+
+def torch_bench(fn: Callable, repeats: int = 7) -> float:
+  """Median seconds per call of a torch CUDA callable, with CUDA events."""
+  import torch  # pylint: disable=g-import-not-at-top
+  fn()
+  torch.cuda.synchronize()
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  start.record()
+  fn()
+  end.record()
+  torch.cuda.synchronize()
+  once = max(start.elapsed_time(end) / 1e3, 1e-6)
+  n = max(1, min(1000, int(0.05 / once)))
+  times = []
+  for _ in range(repeats):
+    start.record()
+    for _ in range(n):
+      fn()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / n)
+  return statistics.median(times)
+
+
+def write_section(title: str, body: str) -> pathlib.Path:
+  """Replaces (or appends) the `## title` section of results/<gpu>.md."""
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  path = RESULTS / f"{gpu_slug()}.md"
+  text = path.read_text() if path.exists() else f"# Benchmarks on {gpu_name()}\n"
+  section = f"## {title}\n\n{body.rstrip()}\n"
+  pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+  text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+  path.write_text(text)
+  return path
+
+
+def environment() -> str:
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  torch = torch_cuda()
+  return (f"{gpu_name()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}"
+          + (f", torch {torch.__version__}" if torch else ", torch not available")
+          + f"; run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+          + (f" ({os.environ.get('BENCH_NOTE')})" if os.environ.get("BENCH_NOTE") else ""))
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:.4g}"
+    return str(v)
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+  return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""Prune + compress of a 16384x16384 bf16 weight: ours against the floor and
+PyTorch's fused tile kernel.
+
+    PYTHONPATH=. python benchmarks/bench_prune.py [--size 16384]
+
+Prints one table (and writes it to benchmarks/results/<gpu>.md): the reference
+(`implementation="xla"`), the Pallas kernels (prune+compress, and compress
+with a stored mask), PyTorch's `_sparse_semi_structured_tile` (which always
+builds the transposable mask and both compressed copies), and the byte floor
+(fewest bytes moved / measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jsparse24
+from benchmarks import _common
+
+
+def _bytes(k: int, n: int, transposed: bool, reads_mask: bool = False) -> int:
+  dense = 2 * k * n
+  one_copy = k * n // 2 * 2 + k * n // 8  # values + meta
+  return dense + one_copy * (2 if transposed else 1) + (k * n // 8 if reads_mask else 0)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--size", type=int, default=16384)
+  args = p.parse_args(argv)
+  k = n = args.size
+  print(_common.environment(), flush=True)
+  bw = _common.copy_bandwidth()
+  print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+  w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
+
+  rows = []
+
+  def add(name, seconds, nbytes, note=""):
+    floor = nbytes / bw
+    rows.append([name, seconds * 1e3, nbytes / seconds / 1e12, floor / seconds, note])
+    print(f"{name:48s} {seconds * 1e3:8.3f} ms  {nbytes / seconds / 1e12:6.3f} TB/s"
+          f"  {100 * floor / seconds:5.1f}% of copy bw", flush=True)
+
+  for transposed in (False, True):
+    tag = "transposable" if transposed else "plain"
+    nbytes = _bytes(k, n, transposed)
+    f_xla = jax.jit(lambda w, t=transposed: jsparse24.compress(w, transposed=t, implementation="xla"))
+    f_pal = jax.jit(lambda w, t=transposed: jsparse24.compress(w, transposed=t, implementation="pallas"))
+    ref, got = f_xla(w), f_pal(w)
+    same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+               for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)))
+    print(f"{tag}: pallas == xla reference, bit for bit: {same}", flush=True)
+    if not same:
+      raise SystemExit(f"{tag}: the Pallas result differs from the reference")
+    add(f"xla reference, prune+compress ({tag})", _common.bench(f_xla, w), nbytes)
+    add(f"pallas, prune+compress ({tag})", _common.bench(f_pal, w), nbytes)
+    mask = jsparse24.Mask24(ref.meta, (k, n), transposed)
+    f_apply = jax.jit(lambda w, m, t=transposed: jsparse24.compress(w, m, transposed=t, implementation="pallas"))
+    add(f"pallas, compress with stored mask ({tag})", _common.bench(f_apply, w, mask),
+        _bytes(k, n, transposed, reads_mask=True) - k * n // 8)  # meta is read, not written
+    rows.append([f"floor ({tag}): bytes / copy bw", nbytes / bw * 1e3, bw / 1e12, 1.0, ""])
+
+  torch = _common.torch_cuda()
+  if torch is not None:
+    tw = torch.randn(k, n, dtype=torch.bfloat16, device="cuda")
+    try:
+      t = _common.torch_bench(lambda: torch._sparse_semi_structured_tile(tw, "", False))  # pylint: disable=protected-access
+      add("torch _sparse_semi_structured_tile (cuSPARSELt layout, w and w^T)", t,
+          _bytes(k, n, True), "peer")
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(["torch _sparse_semi_structured_tile", "error", "", "", repr(e)[:80]])
+  else:
+    rows.append(["torch", "not available", "", "", ""])
+
+  body = (f"{_common.environment()}; measured copy bandwidth {bw / 1e12:.3f} TB/s.\n"
+          f"Weight {k}x{n} bf16. Bytes counted: read w once, write values + meta"
+          f" (and the transposed pair); fraction = floor time / time.\n\n"
+          + _common.table(["what", "ms", "TB/s", "fraction of copy bw", "note"], rows))
+  path = _common.write_section(f"prune+compress {k}x{n} bf16", body)
+  print("\n" + body + f"\n\nwritten to {path}")
+
+
+if __name__ == "__main__":
+  main()

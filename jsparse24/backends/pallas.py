@@ -1,0 +1,109 @@
+"""The `"pallas"` backend: `pallas_kernels` (fused prune+compress, and the
+matmul that reads the compressed operand and expands it on chip).
+
+Runs on NVIDIA GPUs (sm_80+) through Pallas's Triton lowering, and anywhere in
+interpret mode (`with interpret_mode(): ...`, for tests on CPU). Its operand is
+a `Sparse24`: built once in the forward pass (with the transposed copy when
+the mask is transposable) and reused by the backward pass for `dx`.
+
+The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
+they save bytes, not FLOPs, so `implementation=None` picks this backend only
+for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`, see
+benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from jsparse24._format import Mask24, Sparse24, decompress
+from jsparse24.backends.base import Backend, Problem
+from jsparse24.backends.xla import matmul
+
+_INTERPRET = [False]
+
+# implementation=None takes this backend only for M (rows of x) up to this,
+# where benchmarks/ measured it faster than dense XLA on an H100/H200; 0 until
+# measured.
+AUTO_MAX_M = 0
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@contextlib.contextmanager
+def interpret_mode(enabled: bool = True):
+  """Runs the Pallas kernels in interpret mode (any platform; slow) within."""
+  old = _INTERPRET[0]
+  _INTERPRET[0] = enabled
+  try:
+    yield
+  finally:
+    _INTERPRET[0] = old
+
+
+def _kernels():
+  # Imported lazily: jax.experimental.pallas is only needed when used.
+  from pallas_kernels import prune24, spmm24  # pylint: disable=g-import-not-at-top
+  return prune24, spmm24
+
+
+class PallasBackend(Backend):
+  name = "pallas"
+
+  def unavailable_reason(self) -> str | None:
+    if _INTERPRET[0]:
+      return None
+    if jax.default_backend() != "gpu":
+      return (f"it needs an NVIDIA GPU (sm_80 or newer) and JAX's default backend"
+              f" is {jax.default_backend()!r}; on CPU, tests can run it inside"
+              f" jsparse24.backends.pallas.interpret_mode()")
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None or float(cc) < 8.0:
+      return f"it needs an NVIDIA GPU of compute capability 8.0+, found {cc!r}"
+    return None
+
+  def interpreting(self) -> bool:
+    return _INTERPRET[0]
+
+  def check_supported(self, problem: Problem) -> None:
+    if problem.dtype not in _DTYPES:
+      raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
+
+  def prefers(self, problem: Problem) -> bool:
+    return (not _INTERPRET[0] and problem.m <= AUTO_MAX_M
+            and problem.dtype in (jnp.bfloat16, jnp.float16))
+
+  def prepare(self, w, mask, transposable):
+    return self.compress(w, mask, transposable)
+
+  def compress(self, w, mask, transposed):
+    prune24, _ = _kernels()
+    interpret = _INTERPRET[0]
+    w = jax.lax.stop_gradient(w)
+    if mask is None:
+      values, meta, values_t, meta_t = prune24.prune_compress(
+          w, transposable=transposed, interpret=interpret)
+    else:
+      meta = mask.packed if isinstance(mask, Mask24) else Mask24.pack(mask).packed
+      values, values_t, meta_t = prune24.compress_with_meta(
+          w, meta, transposed=transposed, interpret=interpret)
+    return Sparse24(values, meta, values_t, meta_t, tuple(w.shape))
+
+  def forward(self, x, operand: Sparse24, precision):
+    del precision
+    _, spmm24 = _kernels()
+    return spmm24.sparse_matmul(x, operand.values, operand.meta, k=operand.shape[0],
+                                interpret=_INTERPRET[0])
+
+  def backward_dx(self, dy, operand: Sparse24, precision):
+    if operand.has_transpose:
+      return self.forward(dy, operand.transpose(), precision)
+    return matmul(dy, decompress(operand).T, precision)
+
+  def mask_grad(self, dw, operand: Sparse24):
+    return jnp.where(operand.mask(), dw, jnp.zeros((), dw.dtype))
+
+  def forward_compressed(self, x, sp: Sparse24, precision):
+    return self.forward(x, sp, precision)

@@ -1,0 +1,117 @@
+"""In-kernel tile helpers shared by the 2:4 kernels (Triton lowering).
+
+Everything here works on values already loaded into registers, with the
+contraction axis last. Pallas's Triton lowering supports 2-way `jnp.stack`
+(`tt.join`), power-of-two `jnp.split` (`tt.split`) and `reshape`, so lanes are
+separated and merged with those: lane `l` of a `[R, C]` tile split into `n`
+lanes is the `[R, C/n]` tile of columns `l, l+n, l+2n, ...`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# The 6 ways to keep 2 of 4, in lexicographic order; code = i0 | i1 << 2.
+PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+PAIR_CODES = tuple(a | (b << 2) for a, b in PAIRS)
+
+
+def split_lanes(t: jax.Array, n: int) -> list[jax.Array]:
+  """`[R, C]` -> n lanes `[R, C/n]` (lane l = columns l, l+n, ...)."""
+  if n == 1:
+    return [t]
+  rows, cols = t.shape
+  pair = t.reshape(rows, cols // 2, 2)
+  even, odd = jnp.split(pair, 2, axis=-1)
+  even, odd = even.reshape(rows, cols // 2), odd.reshape(rows, cols // 2)
+  # Lanes of the even half are 0, 2, 4, ...; of the odd half 1, 3, 5, ...
+  ev, od = split_lanes(even, n // 2), split_lanes(odd, n // 2)
+  return [x for pair_ in zip(ev, od) for x in pair_]
+
+
+def join_lanes(lanes: list[jax.Array]) -> jax.Array:
+  """Inverse of `split_lanes`: n lanes `[R, C]` -> `[R, n*C]`."""
+  if len(lanes) == 1:
+    return lanes[0]
+  even, odd = join_lanes(lanes[0::2]), join_lanes(lanes[1::2])
+  rows, cols = even.shape
+  return jnp.stack([even, odd], axis=-1).reshape(rows, 2 * cols)
+
+
+def magnitude_key(w: jax.Array) -> jax.Array:
+  """int32 key ordered like |w|, NaN above inf, all NaNs equal (see
+  jsparse24._prune.magnitude_key; fits int32 for 16- and 32-bit floats)."""
+  bits = 8 * jnp.dtype(w.dtype).itemsize
+  itype = jnp.int16 if bits == 16 else jnp.int32
+  top = (1 << (bits - 1)) - 1
+  key = jax.lax.bitcast_convert_type(w, itype).astype(jnp.int32) & top
+  return jnp.where(w != w, top, key)
+
+
+def keep_two_of_four(keys: list[jax.Array]) -> list[jax.Array]:
+  """Exactly 2 True of 4 lanes: largest key, ties to the lower lane."""
+  keep = []
+  for i in range(4):
+    beaten = sum(
+        ((keys[j] >= keys[i]) if j < i else (keys[j] > keys[i])).astype(jnp.int32)
+        for j in range(4) if j != i)
+    keep.append(beaten < 2)
+  return keep
+
+
+def first_last(keep: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """(i0, i1) int32: the first and last kept lane of 4 (exactly 2 kept)."""
+  i0 = jnp.where(keep[0], 0, jnp.where(keep[1], 1, 2)).astype(jnp.int32)
+  i1 = jnp.where(keep[3], 3, jnp.where(keep[2], 2, 1)).astype(jnp.int32)
+  return i0, i1
+
+
+def pick(lanes: list[jax.Array], idx: jax.Array) -> jax.Array:
+  out = lanes[3]
+  for l in (2, 1, 0):
+    out = jnp.where(idx == l, lanes[l], out)
+  return out
+
+
+def compress_rows(w: jax.Array, keep: list[jax.Array] | None):
+  """Compresses a `[R, C]` tile along its last axis (C a multiple of 8).
+
+  `keep`: 8 bool lanes `[R, C/8]` (as from `split_lanes(mask, 8)`), or None
+  to prune by magnitude. Returns (values `[R, C/2]`, meta uint8 `[R, C/8]`).
+  """
+  lanes = split_lanes(w, 8)
+  if keep is None:
+    keys = [magnitude_key(x) for x in lanes]
+    keep = keep_two_of_four(keys[:4]) + keep_two_of_four(keys[4:])
+  values, codes = [], []
+  for g in (0, 4):
+    i0, i1 = first_last(keep[g:g + 4])
+    values += [pick(lanes[g:g + 4], i0), pick(lanes[g:g + 4], i1)]
+    codes.append(i0 | (i1 << 2))
+  meta = (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
+  return join_lanes(values), meta
+
+
+def expand_rows(values: jax.Array, meta: jax.Array) -> jax.Array:
+  """Inverse of `compress_rows`: values `[R, C/2]`, meta `[R, C/8]` -> `[R, C]`."""
+  slots = split_lanes(values, 4)
+  codes = meta.astype(jnp.int32)
+  zero = jnp.zeros((), values.dtype)
+  dense = []
+  for g, code in enumerate((codes & 0xF, codes >> 4)):
+    i0, i1 = code & 3, (code >> 2) & 3
+    first, second = slots[2 * g], slots[2 * g + 1]
+    for l in range(4):
+      dense.append(jnp.where(i0 == l, first, jnp.where(i1 == l, second, zero)))
+  return join_lanes(dense)
+
+
+def keep_from_meta(meta: jax.Array) -> list[jax.Array]:
+  """meta `[R, C/8]` -> 8 bool lanes `[R, C/8]` of the kept positions."""
+  codes = meta.astype(jnp.int32)
+  keep = []
+  for code in (codes & 0xF, codes >> 4):
+    i0, i1 = code & 3, (code >> 2) & 3
+    keep += [(i0 == l) | (i1 == l) for l in range(4)]
+  return keep

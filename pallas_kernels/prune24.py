@@ -1,0 +1,293 @@
+"""Fused 2:4 prune + compress in one pass over memory (Pallas, Triton lowering).
+
+`prune_compress(w)` reads a dense weight `w[K, N]` once and writes, per tile,
+the compressed values and metadata (jsparse24's `Sparse24` layout: values
+`[N, K/2]`, meta `uint8[N, ceil(K/8)]`, K contiguous), and with
+`transposable=True` also those of `w^T` (`[K, N/2]`, `[K, ceil(N/8)]`), using
+the exact best of the 90 4x4 patterns. `compress_with_meta(w, meta)` applies a
+stored packed mask instead of pruning. Results are bit-identical to the plain
+`jnp` references below (which define the contract through jsparse24's
+reference format code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneConfig:
+  """Tile sizes of the prune/compress kernels (powers of two)."""
+
+  block_k: int = 64
+  block_n: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+
+  @classmethod
+  def default(cls, k: int, n: int, transposable: bool) -> "PruneConfig":
+    del k, n
+    if transposable:
+      return cls(block_k=32, block_n=64, num_warps=4)
+    return cls(block_k=64, block_n=128, num_warps=4)
+
+
+# --- kernels -----------------------------------------------------------------
+
+
+def _transposable_keep(w: jax.Array) -> jax.Array:
+  """The exact best 4x4 pattern per block of a `[R, C]` tile -> bool `[R, C]`.
+
+  Same order and arithmetic as jsparse24._prune._prune_transposable: most
+  kept non-finite elements, then the float32 per-row sum of kept finite
+  magnitudes, then the first pattern in lexicographic row-pair order.
+  """
+  col_lanes = _tiles.split_lanes(w, 4)  # 4 x [R, C/4]
+  # lanes[r][c]: [R/4, C/4], element (r, c) of every 4x4 block.
+  lanes = [[None] * 4 for _ in range(4)]
+  for c, lane in enumerate(col_lanes):
+    rows = _tiles.split_lanes(lane.T, 4)  # 4 x [C/4, R/4]
+    for r in range(4):
+      lanes[r][c] = rows[r].T
+  mag = [[None] * 4 for _ in range(4)]
+  nonfinite = [[None] * 4 for _ in range(4)]
+  for r, c in itertools.product(range(4), range(4)):
+    a = jnp.abs(lanes[r][c].astype(jnp.float32))
+    bad = (a != a) | (a == jnp.inf)
+    mag[r][c] = jnp.where(bad, 0.0, a)
+    nonfinite[r][c] = bad.astype(jnp.int32)
+  pair_sum = [[mag[r][i] + mag[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
+  pair_cnt = [[nonfinite[r][i] + nonfinite[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
+
+  # Score the 90 patterns (same float32 order as the reference), then pick
+  # the best with a tournament that prefers the earlier pattern on ties. A
+  # tournament, not a running maximum, keeps dependency chains short.
+  candidates = []
+  for q0, q1 in itertools.product(range(6), range(6)):
+    s01 = pair_sum[0][q0] + pair_sum[1][q1]
+    c01 = pair_cnt[0][q0] + pair_cnt[1][q1]
+    for q2 in range(6):
+      cols = [0, 0, 0, 0]
+      for q in (q0, q1, q2):
+        for col in _tiles.PAIRS[q]:
+          cols[col] += 1
+      need = tuple(col for col in range(4) if cols[col] == 1)
+      if max(cols) > 2 or len(need) != 2:
+        continue
+      q3 = _tiles.PAIRS.index(need)
+      score = (s01 + pair_sum[2][q2]) + pair_sum[3][q3]
+      count = (c01 + pair_cnt[2][q2]) + pair_cnt[3][q3]
+      candidates.append((count, score, (q0, q1, q2, q3)))
+  assert len(candidates) == 90
+  while len(candidates) > 1:
+    merged = []
+    for a, b in zip(candidates[0::2], candidates[1::2]):
+      take_b = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] > a[1]))
+      merged.append((jnp.where(take_b, b[0], a[0]), jnp.where(take_b, b[1], a[1]),
+                     tuple(jnp.where(take_b, qb, qa) for qa, qb in zip(a[2], b[2]))))
+    if len(candidates) % 2:
+      merged.append(candidates[-1])
+    candidates = merged
+  best_q = [jnp.broadcast_to(jnp.asarray(q, jnp.int32), pair_sum[0][0].shape)
+            for q in candidates[0][2]]
+
+  keep_cols = []
+  for c in range(4):
+    keep_rows = []
+    for r in range(4):
+      hit = functools.reduce(
+          jnp.logical_or,
+          [best_q[r] == q for q, pair in enumerate(_tiles.PAIRS) if c in pair])
+      keep_rows.append(hit.T)  # [C/4, R/4]
+    keep_cols.append(_tiles.join_lanes(keep_rows).T)  # [R, C/4]
+  return _tiles.join_lanes(keep_cols)
+
+
+def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool):
+  w = w_ref[...]  # [bk, bn]
+  if not transposable:
+    values, meta = _tiles.compress_rows(w.T, None)
+    values_ref[...] = values
+    meta_ref[...] = meta
+    return
+  values_t_ref, meta_t_ref = rest
+  keep = _transposable_keep(w)
+  values, meta = _tiles.compress_rows(w.T, _tiles.split_lanes(keep.T, 8))
+  values_ref[...] = values
+  meta_ref[...] = meta
+  values_t, meta_t = _tiles.compress_rows(w, _tiles.split_lanes(keep, 8))
+  values_t_ref[...] = values_t
+  meta_t_ref[...] = meta_t
+
+
+def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool):
+  w = w_ref[...]  # [bk, bn]
+  keep_lanes = _tiles.keep_from_meta(meta_in_ref[...])  # 8 x [bn, bk/8]
+  values, _ = _tiles.compress_rows(w.T, keep_lanes)
+  values_ref[...] = values
+  if transposed:
+    values_t_ref, meta_t_ref = rest
+    keep = _tiles.join_lanes(keep_lanes).T  # [bk, bn]
+    values_t, meta_t = _tiles.compress_rows(w, _tiles.split_lanes(keep, 8))
+    values_t_ref[...] = values_t
+    meta_t_ref[...] = meta_t
+
+
+# --- wrappers ----------------------------------------------------------------
+
+
+def _check_weight(fn: str, w: jax.Array, need_n4: bool) -> None:
+  if w.ndim != 2:
+    raise ValueError(f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}.")
+  if w.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    raise TypeError(f"{fn}: `w` must be bfloat16, float16 or float32, got {w.dtype}.")
+  if w.shape[0] % 4:
+    raise ValueError(f"{fn}: K = w.shape[0] = {w.shape[0]} is not a multiple of 4.")
+  if need_n4 and w.shape[1] % 4:
+    raise ValueError(
+        f"{fn}: N = w.shape[1] = {w.shape[1]} is not a multiple of 4, needed for"
+        f" a transposable mask / transposed copy.")
+
+
+def _padded(w: jax.Array, bk: int, bn: int) -> jax.Array:
+  """Zero-pads to whole tiles. Zero groups compress to code 0x4 (indices 0, 1),
+  which is exactly the format's padding code, so slicing the outputs back
+  gives the unpadded answer."""
+  k, n = w.shape
+  pk, pn = -k % bk, -n % bn
+  return jnp.pad(w, ((0, pk), (0, pn))) if pk or pn else w
+
+
+def _with_pad_code(meta: jax.Array, length: int) -> jax.Array:
+  """Sets the padding nibble (when `length / 4` groups is odd) to the format's
+  padding code 0x4; tiles padded with zeros may hold another valid code."""
+  if (length // 4) % 2 == 0:
+    return meta
+  return meta.at[:, -1].set((meta[:, -1] & 0xF) | 0x40)
+
+
+def _fit(config: PruneConfig, k: int, n: int) -> PruneConfig:
+  """Shrinks tiles for small inputs (never below 8: a byte packs 2 groups)."""
+  bk = min(config.block_k, max(8, pl.next_power_of_2(k)))
+  bn = min(config.block_n, max(8, pl.next_power_of_2(n)))
+  return dataclasses.replace(config, block_k=bk, block_n=bn)
+
+
+@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret"))
+def prune_compress(w: jax.Array, *, transposable: bool = False,
+                   config: PruneConfig | None = None, interpret: bool = False):
+  """Prunes `w[K, N]` by magnitude (2:4 along K) and compresses, in one pass.
+
+  Returns `(values [N, K/2], meta uint8[N, ceil(K/8)], values_t, meta_t)`;
+  the last two are `[K, N/2]`, `uint8[K, ceil(N/8)]` with
+  `transposable=True`, else None.
+  """
+  fn = "prune_compress"
+  _check_weight(fn, w, transposable)
+  k, n = w.shape
+  cfg = _fit(config or PruneConfig.default(k, n, transposable), k, n)
+  bk, bn = cfg.block_k, cfg.block_n
+  wp = _padded(w, bk, bn)
+  kp, np_ = wp.shape
+  out_shape = [jax.ShapeDtypeStruct((np_, kp // 2), w.dtype),
+               jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8)]
+  out_specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i)),
+               pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))]
+  if transposable:
+    out_shape += [jax.ShapeDtypeStruct((kp, np_ // 2), w.dtype),
+                  jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
+    out_specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
+                  pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
+  outs = pl.pallas_call(
+      functools.partial(_prune_kernel, transposable=transposable),
+      out_shape=out_shape,
+      grid=(kp // bk, np_ // bn),
+      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j))],
+      out_specs=out_specs,
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="jsparse24_prune_compress_t" if transposable else "jsparse24_prune_compress",
+  )(wp)
+  values = outs[0][:n, :k // 2]
+  meta = _with_pad_code(outs[1][:n, :math.ceil(k / 8)], k)
+  if not transposable:
+    return values, meta, None, None
+  return values, meta, outs[2][:k, :n // 2], _with_pad_code(outs[3][:k, :math.ceil(n / 8)], n)
+
+
+@functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret"))
+def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = False,
+                       config: PruneConfig | None = None, interpret: bool = False):
+  """Compresses `w[K, N]` with a stored packed mask `meta` (the `Mask24`
+  layout, `uint8[N, ceil(K/8)]`), in one pass.
+
+  Returns `(values [N, K/2], values_t, meta_t)`; the transposed pair (the
+  mask must be transposable) only with `transposed=True`, else None.
+  """
+  fn = "compress_with_meta"
+  _check_weight(fn, w, transposed)
+  k, n = w.shape
+  if meta.shape != (n, math.ceil(k / 8)) or meta.dtype != jnp.uint8:
+    raise ValueError(
+        f"{fn}: `meta` must be uint8[{n}, {math.ceil(k / 8)}] for w of shape"
+        f" {w.shape}, got {meta.dtype}{list(meta.shape)}.")
+  cfg = _fit(config or PruneConfig.default(k, n, transposed), k, n)
+  bk, bn = cfg.block_k, cfg.block_n
+  wp = _padded(w, bk, bn)
+  kp, np_ = wp.shape
+  # Padding groups get the padding code 0x4 (indices 0, 1) on zero weights.
+  mp = jnp.pad(meta, ((0, np_ - n), (0, kp // 8 - meta.shape[1])),
+               constant_values=0x44)
+  out_shape = [jax.ShapeDtypeStruct((np_, kp // 2), w.dtype)]
+  out_specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i))]
+  if transposed:
+    out_shape += [jax.ShapeDtypeStruct((kp, np_ // 2), w.dtype),
+                  jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
+    out_specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
+                  pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
+  outs = pl.pallas_call(
+      functools.partial(_apply_kernel, transposed=transposed),
+      out_shape=out_shape,
+      grid=(kp // bk, np_ // bn),
+      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)),
+                pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))],
+      out_specs=out_specs,
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="jsparse24_compress_with_meta",
+  )(wp, mp)
+  values = outs[0][:n, :k // 2]
+  if not transposed:
+    return values, None, None
+  return values, outs[1][:k, :n // 2], _with_pad_code(outs[2][:k, :math.ceil(n / 8)], n)
+
+
+# --- references --------------------------------------------------------------
+
+
+def prune_compress_reference(w: jax.Array, *, transposable: bool = False):
+  """Plain-jnp definition of `prune_compress` (jsparse24's reference format)."""
+  from jsparse24 import _format, _prune  # pylint: disable=g-import-not-at-top
+  mask = _prune.prune_24(w, axis=0, transposable=transposable)
+  sp = _format.compress_reference(w, mask, transposable)
+  return sp.values, sp.meta, sp.values_t, sp.meta_t
+
+
+def compress_with_meta_reference(w: jax.Array, meta: jax.Array, *, transposed: bool = False):
+  """Plain-jnp definition of `compress_with_meta`."""
+  from jsparse24 import _format  # pylint: disable=g-import-not-at-top
+  mask = _format.Mask24(meta, tuple(w.shape), transposed)
+  sp = _format.compress_reference(w, mask, transposed)
+  return sp.values, sp.values_t, sp.meta_t
