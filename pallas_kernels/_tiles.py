@@ -9,6 +9,8 @@ lanes is the `[R, C/n]` tile of columns `l, l+n, l+2n, ...`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -50,13 +52,17 @@ def magnitude_key(w: jax.Array) -> jax.Array:
 
 
 def keep_two_of_four(keys: list[jax.Array]) -> list[jax.Array]:
-  """Exactly 2 True of 4 lanes: largest key, ties to the lower lane."""
+  """Exactly 2 True of 4 lanes: largest key, ties to the lower lane.
+
+  Lane i is beaten by lane j when key_j > key_i, or key_j == key_i and j < i;
+  for j < i that is `key_j >= key_i`, so 6 comparisons decide all 12 pairs.
+  """
+  ge = {(j, i): keys[j] >= keys[i] for i in range(4) for j in range(i)}
   keep = []
   for i in range(4):
-    beaten = sum(
-        ((keys[j] >= keys[i]) if j < i else (keys[j] > keys[i])).astype(jnp.int32)
-        for j in range(4) if j != i)
-    keep.append(beaten < 2)
+    beaten = [ge[(j, i)] for j in range(i)] + [~ge[(i, j)] for j in range(i + 1, 4)]
+    count = functools.reduce(jnp.add, [b.astype(jnp.int32) for b in beaten])
+    keep.append(count < 2)
   return keep
 
 

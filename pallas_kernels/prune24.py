@@ -71,7 +71,8 @@ def _transposable_keep(w: jax.Array) -> jax.Array:
 
   # Score the 90 patterns (same float32 order as the reference), then pick
   # the best with a tournament that prefers the earlier pattern on ties. A
-  # tournament, not a running maximum, keeps dependency chains short.
+  # tournament, not a running maximum, keeps dependency chains short. The
+  # winner's row pairs travel packed in one int (3 bits per row).
   candidates = []
   for q0, q1 in itertools.product(range(6), range(6)):
     s01 = pair_sum[0][q0] + pair_sum[1][q1]
@@ -87,19 +88,18 @@ def _transposable_keep(w: jax.Array) -> jax.Array:
       q3 = _tiles.PAIRS.index(need)
       score = (s01 + pair_sum[2][q2]) + pair_sum[3][q3]
       count = (c01 + pair_cnt[2][q2]) + pair_cnt[3][q3]
-      candidates.append((count, score, (q0, q1, q2, q3)))
+      candidates.append((count, score, q0 | q1 << 3 | q2 << 6 | q3 << 9))
   assert len(candidates) == 90
   while len(candidates) > 1:
     merged = []
     for a, b in zip(candidates[0::2], candidates[1::2]):
       take_b = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] > a[1]))
-      merged.append((jnp.where(take_b, b[0], a[0]), jnp.where(take_b, b[1], a[1]),
-                     tuple(jnp.where(take_b, qb, qa) for qa, qb in zip(a[2], b[2]))))
+      merged.append(tuple(jnp.where(take_b, vb, va) for va, vb in zip(a, b)))
     if len(candidates) % 2:
       merged.append(candidates[-1])
     candidates = merged
-  best_q = [jnp.broadcast_to(jnp.asarray(q, jnp.int32), pair_sum[0][0].shape)
-            for q in candidates[0][2]]
+  code = jnp.broadcast_to(jnp.asarray(candidates[0][2], jnp.int32), pair_sum[0][0].shape)
+  best_q = [(code >> (3 * r)) & 7 for r in range(4)]
 
   keep_cols = []
   for c in range(4):

@@ -15,9 +15,10 @@ def _same_bits(a, b):
   return np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
-@pytest.mark.parametrize("shape", [(4096, 4096), (1028, 2052), (8192, 1024)])
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("shape,transposed,dtype", [
+    ((4096, 4096), False, jnp.bfloat16), ((1028, 2052), False, jnp.float16),
+    ((8192, 1024), False, jnp.float32), ((4096, 4096), True, jnp.bfloat16),
+    ((1028, 2052), True, jnp.float32)])
 def test_prune_compress_matches_reference(shape, transposed, dtype):
   w = jax.random.normal(jax.random.key(shape[0] + transposed), shape, dtype)
   w = w.at[5, 7].set(jnp.nan).at[9, 3].set(jnp.inf).at[100:108].set(0)
@@ -31,7 +32,7 @@ def test_prune_compress_matches_reference(shape, transposed, dtype):
     assert _same_bits(a, b)
 
 
-@pytest.mark.parametrize("m", [1, 16, 100, 2048])
+@pytest.mark.parametrize("m", [1, 100, 2048])
 @pytest.mark.parametrize("k,n", [(4096, 4096), (1028, 520)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float16, 2e-3), (jnp.float32, 1e-5)])
 def test_matmul_matches_reference(m, k, n, dtype, tol):

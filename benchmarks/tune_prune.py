@@ -1,0 +1,66 @@
+"""Sweeps the prune/compress kernels' tile configuration (a developer tool:
+calls `pallas_kernels` directly) and reports compile and run times.
+
+    PYTHONPATH=. python benchmarks/tune_prune.py [--size 16384] [--which plain,transposable,apply]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import _common
+from pallas_kernels import prune24
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--size", type=int, default=16384)
+  p.add_argument("--which", default="plain,transposable,apply")
+  p.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
+  args = p.parse_args(argv)
+  start = time.time()
+  k = n = args.size
+  print(_common.environment(), flush=True)
+  bw = _common.copy_bandwidth()
+  w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
+  meta = prune24.prune_compress(w)[1]
+  for which in args.which.split(","):
+    transposable = which == "transposable"
+    nbytes = 2 * k * n + (k * n + k * n // 8) * (2 if transposable else 1)
+    shapes = ([(32, 64), (32, 128), (64, 64), (16, 128)] if transposable
+              else [(64, 128), (32, 256), (128, 64), (64, 256), (128, 128)])
+    results = []
+    for (bk, bn), warps in itertools.product(shapes, [4, 8]):
+      if time.time() - start > args.budget:
+        print("budget spent", flush=True)
+        break
+      cfg = prune24.PruneConfig(bk, bn, warps, 1)
+      if which == "apply":
+        f = jax.jit(lambda w, m, cfg=cfg: prune24.compress_with_meta(w, m, config=cfg))
+        call_args = (w, meta)
+      else:
+        f = jax.jit(lambda w, cfg=cfg: prune24.prune_compress(w, transposable=transposable, config=cfg))
+        call_args = (w,)
+      t0 = time.time()
+      try:
+        jax.block_until_ready(f(*call_args))
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"{which} {cfg}: failed {type(e).__name__}: {str(e)[:160]}", flush=True)
+        continue
+      compile_s = time.time() - t0
+      t = _common.bench(f, *call_args, repeats=3, min_time=0.02)
+      results.append((t, cfg))
+      print(f"{which:13s} bk={bk:4d} bn={bn:4d} warps={warps}: {t * 1e3:.3f} ms"
+            f" ({nbytes / t / bw * 100:.1f}% of copy bw), first call {compile_s:.1f} s", flush=True)
+    if results:
+      best = min(results, key=lambda r: r[0])
+      print(f"BEST {which}: {best[0] * 1e3:.3f} ms {best[1]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
