@@ -59,7 +59,7 @@ def main(argv=None):
       raise SystemExit(f"{tag}: the Pallas result differs from the reference")
     add(f"xla reference, prune+compress ({tag})", _common.bench(f_xla, w), nbytes)
     add(f"pallas, prune+compress ({tag})", _common.bench(f_pal, w), nbytes)
-    mask = jsparse24.Mask24(ref.meta, (k, n), transposed)
+    mask = jsparse24.Mask24.from_meta(ref.meta, (k, n), transposed)
     f_apply = jax.jit(lambda w, m, t=transposed: jsparse24.compress(w, m, transposed=t, implementation="pallas"))
     add(f"pallas, compress with stored mask ({tag})", _common.bench(f_apply, w, mask),
         _bytes(k, n, transposed, reads_mask=True) - k * n // 8)  # meta is read, not written

@@ -11,7 +11,7 @@ Public API (everything else is internal):
 * backends: `available_implementations`, `BackendUnavailableError`
 """
 
-from jsparse24 import optim
+from jsparse24 import nnx, optim
 from jsparse24._format import Mask24, Sparse24, compress, decompress
 from jsparse24._ops import sparse_dot
 from jsparse24._prune import is_24, prune_24
@@ -37,6 +37,7 @@ __all__ = [
     "compress_params",
     "decompress",
     "is_24",
+    "nnx",
     "optim",
     "prune_24",
     "rebuild_masks",

@@ -217,8 +217,11 @@ def decompress(sp: Sparse24) -> Float[Array, "... K N"]:
 class Mask24:
   """A 2:4 mask along K of a `[..., K, N]` weight, packed to 1 bit/element.
 
-  A pytree whose one leaf is `packed` (`uint8[..., N, ceil(K/8)]`, the
-  `Sparse24.meta` layout). `shape` and `transposable` are static.
+  A pytree whose one leaf is `packed`, the 4-bit codes of the metadata
+  format. When K/4 is even it is exactly `Sparse24.meta`
+  (`uint8[..., N, K/8]`); when K/4 is odd the codes of each slice are packed
+  flat (`uint8[..., ceil(N*K/8)]`, row-major over `[N, K/4]`) so that no
+  column carries a padding nibble. `shape` and `transposable` are static.
   """
 
   packed: jax.Array
@@ -242,7 +245,20 @@ class Mask24:
     i0, i1 = _group_indices(
         jnp.swapaxes(mask, -1, -2).reshape(
             mask.shape[:-2] + (mask.shape[-1], mask.shape[-2] // 4, 4)))
-    return cls(_pack_codes(i0 | (i1 << 2)), tuple(mask.shape), transposable)
+    return cls._from_codes(i0 | (i1 << 2), tuple(mask.shape), transposable)
+
+  @classmethod
+  def _from_codes(cls, codes: jax.Array, shape, transposable: bool) -> "Mask24":
+    """codes: int `[..., N, K/4]`."""
+    if codes.shape[-1] % 2:
+      codes = codes.reshape(codes.shape[:-2] + (-1,))
+    return cls(_pack_codes(codes), tuple(shape), transposable)
+
+  @classmethod
+  def from_meta(cls, meta: jax.Array, shape: tuple[int, ...], transposable: bool = False) -> "Mask24":
+    """The mask of `Sparse24` metadata `meta` (`uint8[..., N, ceil(K/8)]`)."""
+    i0, i1 = _unpack_codes(meta, shape[-2] // 4)
+    return cls._from_codes(i0 | (i1 << 2), tuple(shape), transposable)
 
   @classmethod
   def from_weights(cls, w: Float[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
@@ -250,9 +266,18 @@ class Mask24:
     return cls.pack(prune_24(w, axis=-2, transposable=transposable),
                     transposable=transposable)
 
+  def meta(self) -> jax.Array:
+    """The mask as `Sparse24` metadata, `uint8[..., N, ceil(K/8)]`."""
+    *_, k, n = self.shape
+    if (k // 4) % 2 == 0:
+      return self.packed
+    i0, i1 = _unpack_codes(self.packed, n * (k // 4))
+    codes = (i0 | (i1 << 2)).reshape(self.packed.shape[:-1] + (n, k // 4))
+    return _pack_codes(codes)
+
   def unpack(self) -> Bool[Array, "... K N"]:
     """The dense bool mask."""
-    return jnp.swapaxes(_mask_from_meta(self.packed, self.shape[-2]), -1, -2)
+    return jnp.swapaxes(_mask_from_meta(self.meta(), self.shape[-2]), -1, -2)
 
   @property
   def nbytes(self) -> int:

@@ -18,7 +18,8 @@ Transposable rule. Inside every 4x4 block of the last two axes, the kept set
 must hold exactly 2 per row and 2 per column (90 such patterns). The chosen
 pattern maximises, in this order: (1) the number of kept non-finite elements
 (NaN or +-inf), (2) the float32 sum of the kept finite magnitudes, added per
-row in a fixed order; (3) ties go to the first pattern in `PATTERNS_4x4`
+row in a fixed order (magnitudes below the smallest normal float32, 1.2e-38,
+count as 0; a sum that overflows is +inf and ties); (3) ties go to the first pattern in `PATTERNS_4x4`
 (lexicographic in the row pairs, pairs ordered (0,1) (0,2) (0,3) (1,2) (1,3)
 (2,3)), which prefers lower indices in earlier rows.
 """
@@ -108,6 +109,10 @@ def _prune_transposable(w: jax.Array) -> jax.Array:
   blocks = jnp.moveaxis(blocks, -3, -2)  # [..., R/4, C/4, 4, 4]
   finite = jnp.isfinite(blocks)
   mag = jnp.where(finite, jnp.abs(blocks), 0).astype(jnp.float32)
+  # Subnormal magnitudes count as 0: some platforms flush them in float32
+  # arithmetic (XLA on CPU does), so flushing explicitly keeps the choice
+  # identical everywhere.
+  mag = jnp.where(mag < np.finfo(np.float32).tiny, 0.0, mag)
   nonfinite = (~finite).astype(jnp.int32)
   i_idx = np.asarray([p[0] for p in PAIRS])
   j_idx = np.asarray([p[1] for p in PAIRS])

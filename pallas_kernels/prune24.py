@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -40,6 +41,9 @@ class PruneConfig:
     if transposable:
       return cls(block_k=32, block_n=64, num_warps=4)
     return cls(block_k=64, block_n=128, num_warps=4)
+
+
+_TINY = float(np.finfo(np.float32).tiny)  # subnormal magnitudes score 0
 
 
 # --- kernels -----------------------------------------------------------------
@@ -64,7 +68,7 @@ def _transposable_keep(w: jax.Array) -> jax.Array:
   for r, c in itertools.product(range(4), range(4)):
     a = jnp.abs(lanes[r][c].astype(jnp.float32))
     bad = (a != a) | (a == jnp.inf)
-    mag[r][c] = jnp.where(bad, 0.0, a)
+    mag[r][c] = jnp.where(bad | (a < _TINY), 0.0, a)
     nonfinite[r][c] = bad.astype(jnp.int32)
   pair_sum = [[mag[r][i] + mag[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
   pair_cnt = [[nonfinite[r][i] + nonfinite[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
@@ -288,6 +292,6 @@ def prune_compress_reference(w: jax.Array, *, transposable: bool = False):
 def compress_with_meta_reference(w: jax.Array, meta: jax.Array, *, transposed: bool = False):
   """Plain-jnp definition of `compress_with_meta`."""
   from jsparse24 import _format  # pylint: disable=g-import-not-at-top
-  mask = _format.Mask24(meta, tuple(w.shape), transposed)
+  mask = _format.Mask24.from_meta(meta, tuple(w.shape), transposed)
   sp = _format.compress_reference(w, mask, transposed)
   return sp.values, sp.values_t, sp.meta_t

@@ -26,7 +26,7 @@ def test_prune_compress_matches_reference(shape, transposed, dtype):
   got = jsparse24.compress(w, transposed=transposed, implementation="pallas")
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
     assert _same_bits(a, b)
-  mask = jsparse24.Mask24(ref.meta, shape, transposed)
+  mask = jsparse24.Mask24.from_meta(ref.meta, shape, transposed)
   again = jsparse24.compress(w, mask, transposed=transposed, implementation="pallas")
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(ref)):
     assert _same_bits(a, b)

@@ -86,7 +86,7 @@ class PallasBackend(Backend):
       values, meta, values_t, meta_t = prune24.prune_compress(
           w, transposable=transposed, interpret=interpret)
     else:
-      meta = mask.packed if isinstance(mask, Mask24) else Mask24.pack(mask).packed
+      meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
       values, values_t, meta_t = prune24.compress_with_meta(
           w, meta, transposed=transposed, interpret=interpret)
     return Sparse24(values, meta, values_t, meta_t, tuple(w.shape))

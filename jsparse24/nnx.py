@@ -1,0 +1,208 @@
+"""Flax NNX: `SparseLinear`, its `SparsityMask` variables, and mask helpers.
+
+`SparseLinear` is a drop-in `flax.nnx.Linear`: same constructor, same `Param`s
+(`kernel [in, out]`, `bias`), so `nnx.state(layer, nnx.Param)` is exactly
+`nnx.Linear`'s and dense weights load unchanged. Its 2:4 mask is extra state
+in `SparsityMask` variables, which are not `Param`s: an
+`nnx.Optimizer(..., wrt=nnx.Param)` and `nnx.grad` leave them alone.
+
+Per layer (with `mask_source="collection"`, the default):
+
+* `layer.mask`: `SparsityMask(Mask24)`, the packed mask (1 bit per weight),
+  built from the initial kernel; `rebuild_masks(model)` rebuilds it from the
+  current kernel;
+* `layer.active`: `SparsityMask(bool[])`; False runs the plain dense product
+  (dense phases of a schedule: warm-up, final dense fine-tuning).
+
+With `mask_source="dynamic"` both are None and the kernel is pruned by
+magnitude at every call. This mirrors `jsparse24.linen`, where the same state
+lives in the `"sparsity"` collection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
+from flax.nnx.nn.linear import default_bias_init, default_kernel_init
+
+from jsparse24._format import Mask24
+from jsparse24._ops import sparse_dot
+from jsparse24.linen import SparsityOptions
+
+
+# One compiled program instead of dozens of eagerly dispatched ops (each
+# compiled anew for every kernel shape): several times faster model construction.
+_mask_from_weights = jax.jit(Mask24.from_weights, static_argnames="transposable")
+
+
+class SparsityMask(nnx.Variable):
+  """State of a 2:4 sparse layer (its `Mask24` mask and `active` flag).
+
+  Not a `Param`: optimizers built with `wrt=nnx.Param` and `nnx.grad` do not
+  touch it. Select it with `nnx.state(model, SparsityMask)`
+  (`masks_state(model)`).
+  """
+
+
+class SparseLinear(nnx.Module):
+  """A drop-in `flax.nnx.Linear` whose kernel is 2:4 sparse along its input axis.
+
+  Takes every argument of `nnx.Linear` with the same names and defaults, and
+  has the same parameters (`kernel [in, out]`, `bias`); the output equals
+  `nnx.Linear` applied to `kernel * mask`. The keyword-only sparsity options
+  mean what they mean in `jsparse24.linen.SparsityOptions`: `gradient`
+  (`"ste"` or `"masked"`), `transposable`, `implementation` and
+  `mask_source` (`"collection"`: a `SparsityMask` made from the initial
+  kernel; `"dynamic"`: prune the kernel by magnitude at every call).
+
+  `in_features` must be a multiple of 4 (and `out_features` too when
+  `transposable`). A custom `dot_general` is refused: the product is
+  `jsparse24.sparse_dot`. `preferred_element_type` sets the output dtype; the
+  sparse product accumulates in float32 but rounds to the promoted input dtype
+  before that cast.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jsparse24 import nnx as jnnx
+    >>> layer = jnnx.SparseLinear(16, 8, rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((2, 16))).shape
+    (2, 8)
+    >>> sorted(k for k, _ in nnx.state(layer, nnx.Param).items())
+    ['bias', 'kernel']
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      use_bias: bool = True,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      precision: Any = None,
+      kernel_init: Any = default_kernel_init,
+      bias_init: Any = default_bias_init,
+      dot_general: Any = jax.lax.dot_general,
+      promote_dtype: Any = nnx_dtypes.promote_dtype,
+      preferred_element_type: Any = None,
+      rngs: nnx.Rngs,
+      kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+      bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+      gradient: Literal["ste", "masked"] = "ste",
+      transposable: bool = False,
+      implementation: str | None = None,
+      mask_source: Literal["collection", "dynamic"] = "collection",
+  ):
+    SparsityOptions(gradient, transposable, implementation, mask_source)  # validates
+    if in_features % 4:
+      raise ValueError(
+          f"SparseLinear: in_features={in_features} is not a multiple of 4; 2:4"
+          f" sparsity keeps 2 of every 4 consecutive input features (the"
+          f" contraction axis of the kernel).")
+    if transposable and out_features % 4:
+      raise ValueError(
+          f"SparseLinear: out_features={out_features} is not a multiple of 4,"
+          f" which a transposable mask (2:4 along both kernel axes) needs.")
+    if dot_general is not jax.lax.dot_general:
+      raise ValueError(
+          "SparseLinear: a custom `dot_general` cannot be combined with 2:4"
+          " sparsity (the product is jsparse24.sparse_dot).")
+
+    # The same rng draws in the same order as nnx.Linear: same seed, same params.
+    kernel_key = rngs.params()
+    self.kernel = nnx.Param(
+        kernel_init(kernel_key, (in_features, out_features), param_dtype),
+        **kernel_metadata)
+    self.bias: nnx.Param | None
+    if use_bias:
+      bias_key = rngs.params()
+      self.bias = nnx.Param(bias_init(bias_key, (out_features,), param_dtype),
+                            **bias_metadata)
+    else:
+      self.bias = nnx.data(None)
+
+    self.mask: SparsityMask | None
+    self.active: SparsityMask | None
+    if mask_source == "collection":
+      self.mask = SparsityMask(_mask_from_weights(self.kernel[...], transposable=transposable))
+      self.active = SparsityMask(jnp.array(True))
+    else:
+      self.mask = nnx.data(None)
+      self.active = nnx.data(None)
+
+    self.in_features = in_features
+    self.out_features = out_features
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self.dot_general = dot_general
+    self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
+    self.gradient = gradient
+    self.transposable = transposable
+    self.implementation = implementation
+    self.mask_source = mask_source
+
+  def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """`inputs @ (kernel * mask) + bias` over the last axis of `inputs`."""
+    if out_sharding is not None:
+      raise NotImplementedError(
+          "SparseLinear: `out_sharding` is not supported (jsparse24.sparse_dot"
+          " takes no output sharding); constrain the output yourself.")
+    kernel = self.kernel[...]
+    bias = self.bias[...] if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    mask = self.mask.get_value() if self.mask is not None else None
+    out_dtype = (inputs.dtype if self.preferred_element_type is None
+                 else self.preferred_element_type)
+
+    def sparse(inputs, kernel):
+      y = sparse_dot(inputs, kernel, mask, gradient=self.gradient,
+                     transposable=self.transposable,
+                     implementation=self.implementation, precision=self.precision)
+      return y.astype(out_dtype)
+
+    def dense(inputs, kernel):
+      return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                                 precision=self.precision,
+                                 preferred_element_type=self.preferred_element_type)
+
+    if self.active is None:
+      y = sparse(inputs, kernel)
+    else:
+      y = jax.lax.cond(self.active[...], sparse, dense, inputs, kernel)
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return y
+
+
+def rebuild_masks(model: nnx.Module) -> None:
+  """Rebuilds, in place, the mask of every `SparseLinear` in `model` from its
+  current kernel by magnitude (each keeps its `transposable` setting).
+
+  Use it after loading dense weights (`nnx.update(model, params)`) or on a
+  schedule during training; it also works inside `nnx.jit`. Layers with
+  `mask_source="dynamic"` have no stored mask and are skipped.
+  """
+  for _, layer in nnx.iter_modules(model):
+    if isinstance(layer, SparseLinear) and layer.mask is not None:
+      old = layer.mask.get_value()
+      layer.mask.set_value(_mask_from_weights(layer.kernel[...],
+                                              transposable=old.transposable))
+
+
+def masks_state(model: nnx.Module) -> nnx.State:
+  """The `SparsityMask` variables of `model` (masks and `active` flags), for
+  checkpointing or `nnx.update`."""
+  return nnx.state(model, SparsityMask)
+
+
+__all__ = ["SparseLinear", "SparsityMask", "masks_state", "rebuild_masks"]
