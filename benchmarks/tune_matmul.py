@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,32 +22,34 @@ from pallas_kernels import spmm24
 
 
 def candidates(m: int):
-  bms = [16] if m <= 16 else [32, 64] if m <= 64 else [64, 128]
-  for bm, bn, bk, warps, stages in itertools.product(bms, [32, 64, 128], [64, 128, 256],
-                                                     [4, 8], [3, 4]):
+  bms = [16] if m <= 16 else [64] if m <= 64 else [128]
+  for lane_dots, bm, bn, bk, warps, stages in itertools.product(
+      [False, True], bms, [32, 64, 128], [128, 256], [4, 8], [3, 4]):
     if bm * bn >= 128 * 128 and warps == 4:
       continue
-    yield spmm24.MatmulConfig(bm, bn, bk, warps, stages)
+    yield spmm24.MatmulConfig(bm, bn, bk, warps, stages, lane_dots)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--ms", default="16,64,256,2048")
   p.add_argument("--shapes", default="8192x8192,4096x16384")
+  p.add_argument("--budget", type=float, default=240.0, help="seconds for the whole sweep")
   args = p.parse_args(argv)
+  start = time.time()
   print(_common.environment(), flush=True)
   for shape in args.shapes.split(","):
     k, n = (int(v) for v in shape.split("x"))
     w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
     sp = jsparse24.compress(w, implementation="pallas")
-    dense = _common.bench(jax.jit(lambda x, w: x @ w),
-                          jnp.ones((1, 1), jnp.bfloat16), jnp.ones((1, 1), jnp.bfloat16))
-    del dense
     for m in (int(v) for v in args.ms.split(",")):
       x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
       t_dense = _common.bench(jax.jit(lambda x, w: x @ w), x, w)
       results = []
       for cfg in candidates(m):
+        if time.time() - start > args.budget:
+          print("budget spent", flush=True)
+          break
         f = jax.jit(lambda x, v, meta, cfg=cfg: spmm24.sparse_matmul(x, v, meta, k=k, config=cfg))
         try:
           t = _common.bench(f, x, sp.values, sp.meta, repeats=3, min_time=0.02)
@@ -54,6 +57,8 @@ def main(argv=None):
           print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
           continue
         results.append((t, cfg))
+      if not results:
+        continue
       results.sort(key=lambda r: r[0])
       default = spmm24.MatmulConfig.default(m, k, n)
       t_default = next((t for t, c in results if c == default), float("nan"))

@@ -17,11 +17,21 @@ from benchmarks import _common
 from pallas_kernels import prune24
 
 
+def _candidates(which: str) -> list[prune24.PruneConfig]:
+  if which == "transposable":
+    return [prune24.PruneConfig(bk, bn, warps, 1, strided)
+            for strided, (bk, bn), warps in itertools.product(
+                [True, False], [(32, 64), (64, 64), (16, 128)], [4, 8])]
+  return [prune24.PruneConfig(bk, bn, warps, 1)
+          for (bk, bn), warps in itertools.product([(128, 64), (64, 128), (256, 32), (128, 32)], [4, 8])]
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--size", type=int, default=16384)
   p.add_argument("--which", default="plain,transposable,apply")
   p.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
+  p.add_argument("--index", type=int, default=None, help="run only this candidate")
   args = p.parse_args(argv)
   start = time.time()
   k = n = args.size
@@ -32,14 +42,13 @@ def main(argv=None):
   for which in args.which.split(","):
     transposable = which == "transposable"
     nbytes = 2 * k * n + (k * n + k * n // 8) * (2 if transposable else 1)
-    shapes = ([(32, 64), (32, 128), (64, 64), (16, 128)] if transposable
-              else [(64, 128), (32, 256), (128, 64), (64, 256), (128, 128)])
     results = []
-    for (bk, bn), warps in itertools.product(shapes, [4, 8]):
+    for i, cfg in enumerate(_candidates(which)):
+      if args.index is not None and i != args.index:
+        continue
       if time.time() - start > args.budget:
         print("budget spent", flush=True)
         break
-      cfg = prune24.PruneConfig(bk, bn, warps, 1)
       if which == "apply":
         f = jax.jit(lambda w, m, cfg=cfg: prune24.compress_with_meta(w, m, config=cfg))
         call_args = (w, meta)
@@ -55,7 +64,7 @@ def main(argv=None):
       compile_s = time.time() - t0
       t = _common.bench(f, *call_args, repeats=3, min_time=0.02)
       results.append((t, cfg))
-      print(f"{which:13s} bk={bk:4d} bn={bn:4d} warps={warps}: {t * 1e3:.3f} ms"
+      print(f"{which:13s} {cfg}: {t * 1e3:.3f} ms"
             f" ({nbytes / t / bw * 100:.1f}% of copy bw), first call {compile_s:.1f} s", flush=True)
     if results:
       best = min(results, key=lambda r: r[0])

@@ -34,13 +34,17 @@ class PruneConfig:
   block_n: int = 64
   num_warps: int = 4
   num_stages: int = 1
+  # Transposable only: load the 16 lanes of the 4x4 blocks with strided loads
+  # (True) or separate them in registers after one contiguous load (False).
+  strided_lanes: bool = True
 
   @classmethod
   def default(cls, k: int, n: int, transposable: bool) -> "PruneConfig":
     del k, n
     if transposable:
       return cls(block_k=32, block_n=64, num_warps=4)
-    return cls(block_k=64, block_n=128, num_warps=4)
+    # Measured on an H200 (benchmarks/NOTES.md): 128x64 tiles, 8 warps.
+    return cls(block_k=128, block_n=64, num_warps=8)
 
 
 _TINY = float(np.finfo(np.float32).tiny)  # subnormal magnitudes score 0
@@ -49,20 +53,32 @@ _TINY = float(np.finfo(np.float32).tiny)  # subnormal magnitudes score 0
 # --- kernels -----------------------------------------------------------------
 
 
-def _transposable_keep(w: jax.Array) -> jax.Array:
-  """The exact best 4x4 pattern per block of a `[R, C]` tile -> bool `[R, C]`.
-
-  Same order and arithmetic as jsparse24._prune._prune_transposable: most
-  kept non-finite elements, then the float32 per-row sum of kept finite
-  magnitudes, then the first pattern in lexicographic row-pair order.
-  """
+def _block_lanes_split(w: jax.Array) -> list[list[jax.Array]]:
+  """lanes[r][c] `[R/4, C/4]`: element (r, c) of every 4x4 block of a loaded
+  `[R, C]` tile, separated in registers."""
   col_lanes = _tiles.split_lanes(w, 4)  # 4 x [R, C/4]
-  # lanes[r][c]: [R/4, C/4], element (r, c) of every 4x4 block.
   lanes = [[None] * 4 for _ in range(4)]
   for c, lane in enumerate(col_lanes):
     rows = _tiles.split_lanes(lane.T, 4)  # 4 x [C/4, R/4]
     for r in range(4):
       lanes[r][c] = rows[r].T
+  return lanes
+
+
+def _block_lanes_strided(w_ref) -> list[list[jax.Array]]:
+  """The same lanes, loaded from memory with strided loads."""
+  bk, bn = w_ref.shape
+  return [[w_ref[pl.ds(r, bk // 4, stride=4), pl.ds(c, bn // 4, stride=4)]
+           for c in range(4)] for r in range(4)]
+
+
+def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
+  """The exact best 4x4 pattern per block -> bool `[R, C]` keep tile.
+
+  Same order and arithmetic as jsparse24._prune._prune_transposable: most
+  kept non-finite elements, then the float32 per-row sum of kept finite
+  magnitudes, then the first pattern in lexicographic row-pair order.
+  """
   mag = [[None] * 4 for _ in range(4)]
   nonfinite = [[None] * 4 for _ in range(4)]
   for r, c in itertools.product(range(4), range(4)):
@@ -117,7 +133,8 @@ def _transposable_keep(w: jax.Array) -> jax.Array:
   return _tiles.join_lanes(keep_cols)
 
 
-def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool):
+def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
+                  strided_lanes: bool):
   w = w_ref[...]  # [bk, bn]
   if not transposable:
     values, meta = _tiles.compress_rows(w.T, None)
@@ -125,7 +142,8 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool):
     meta_ref[...] = meta
     return
   values_t_ref, meta_t_ref = rest
-  keep = _transposable_keep(w)
+  lanes = _block_lanes_strided(w_ref) if strided_lanes else _block_lanes_split(w)
+  keep = _transposable_keep(lanes)
   values, meta = _tiles.compress_rows(w.T, _tiles.split_lanes(keep.T, 8))
   values_ref[...] = values
   meta_ref[...] = meta
@@ -213,7 +231,8 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
     out_specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
                   pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
   outs = pl.pallas_call(
-      functools.partial(_prune_kernel, transposable=transposable),
+      functools.partial(_prune_kernel, transposable=transposable,
+                        strided_lanes=cfg.strided_lanes),
       out_shape=out_shape,
       grid=(kp // bk, np_ // bn),
       in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j))],

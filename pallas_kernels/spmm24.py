@@ -33,6 +33,11 @@ class MatmulConfig:
   block_k: int = 128
   num_warps: int = 4
   num_stages: int = 3
+  # True: load x and the value slots with strided loads and issue one dot per
+  # lane of 8 (K permuted consistently in both operands), so nothing is
+  # shuffled in registers; False: expand W to a dense tile (lane joins) and
+  # issue one dot per K step.
+  lane_dots: bool = False
 
   @classmethod
   def default(cls, m: int, k: int, n: int) -> "MatmulConfig":
@@ -44,8 +49,28 @@ class MatmulConfig:
     return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def _spmm_kernel(x_ref, values_ref, meta_ref, o_ref, *, k_steps: int, block_k: int):
+def _spmm_kernel(x_ref, values_ref, meta_ref, o_ref, *, k_steps: int, block_k: int,
+                 lane_dots: bool):
   block_m, block_n = o_ref.shape
+  # float32 inputs: full-precision products (Triton's default is TF32).
+  precision = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+
+  def lanes_body(step, acc):
+    k0 = step * block_k
+    v0 = step * (block_k // 2)
+    meta = meta_ref[:, pl.ds(pl.multiple_of(step * (block_k // 8), block_k // 8), block_k // 8)]
+    codes = meta.astype(jnp.int32)
+    zero = jnp.zeros((), values_ref.dtype)
+    for g, code in enumerate((codes & 0xF, codes >> 4)):
+      i0, i1 = code & 3, (code >> 2) & 3
+      first = values_ref[:, pl.ds(v0 + 2 * g, block_k // 8, stride=4)]
+      second = values_ref[:, pl.ds(v0 + 2 * g + 1, block_k // 8, stride=4)]
+      for l in range(4):
+        lane = jnp.where(i0 == l, first, jnp.where(i1 == l, second, zero))  # [bn, bk/8]
+        x = x_ref[:, pl.ds(k0 + 4 * g + l, block_k // 8, stride=8)]  # [bm, bk/8]
+        acc = acc + jnp.dot(x, lane.T, precision=precision,
+                            preferred_element_type=jnp.float32)
+    return acc
 
   def body(step, acc):
     k0 = pl.multiple_of(step * block_k, block_k)
@@ -53,19 +78,19 @@ def _spmm_kernel(x_ref, values_ref, meta_ref, o_ref, *, k_steps: int, block_k: i
     values = values_ref[:, pl.ds(pl.multiple_of(step * (block_k // 2), block_k // 2), block_k // 2)]
     meta = meta_ref[:, pl.ds(pl.multiple_of(step * (block_k // 8), block_k // 8), block_k // 8)]
     w_t = _tiles.expand_rows(values, meta)  # [block_n, block_k]
-    # float32 inputs: full-precision products (Triton's default is TF32).
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return acc + jnp.dot(x, w_t.T, precision=precision,
                          preferred_element_type=jnp.float32)
 
-  acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+  acc = jax.lax.fori_loop(0, k_steps, lanes_body if lane_dots else body,
+                          jnp.zeros((block_m, block_n), jnp.float32))
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def _fit(config: MatmulConfig, m: int, k: int, n: int) -> MatmulConfig:
   bm = min(config.block_m, max(16, pl.next_power_of_2(m)))
   bn = min(config.block_n, max(16, pl.next_power_of_2(n)))
-  bk = min(config.block_k, max(16, pl.next_power_of_2(k)))
+  # lane_dots issues dots of depth block_k/8, which must be at least 16.
+  bk = min(config.block_k, max(128 if config.lane_dots else 16, pl.next_power_of_2(k)))
   return dataclasses.replace(config, block_m=bm, block_n=bn, block_k=bk)
 
 
@@ -106,7 +131,7 @@ def sparse_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
     values = jnp.pad(values, ((0, np_ - n), (0, 0)))
     meta = jnp.pad(meta, ((0, np_ - n), (0, 0)), constant_values=0x44)
   out = pl.pallas_call(
-      functools.partial(_spmm_kernel, k_steps=kp // bk, block_k=bk),
+      functools.partial(_spmm_kernel, k_steps=kp // bk, block_k=bk, lane_dots=cfg.lane_dots),
       out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
       grid=(mp // bm, np_ // bn),
       in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
