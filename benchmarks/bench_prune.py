@@ -31,6 +31,7 @@ def _bytes(k: int, n: int, transposed: bool, reads_mask: bool = False) -> int:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--size", type=int, default=16384)
+  p.add_argument("--variants", default="plain,transposable")
   args = p.parse_args(argv)
   k = n = args.size
   print(_common.environment(), flush=True)
@@ -46,8 +47,8 @@ def main(argv=None):
     print(f"{name:48s} {seconds * 1e3:8.3f} ms  {nbytes / seconds / 1e12:6.3f} TB/s"
           f"  {100 * floor / seconds:5.1f}% of copy bw", flush=True)
 
-  for transposed in (False, True):
-    tag = "transposable" if transposed else "plain"
+  for tag in args.variants.split(","):
+    transposed = tag == "transposable"
     nbytes = _bytes(k, n, transposed)
     f_xla = jax.jit(lambda w, t=transposed: jsparse24.compress(w, transposed=t, implementation="xla"))
     f_pal = jax.jit(lambda w, t=transposed: jsparse24.compress(w, transposed=t, implementation="pallas"))

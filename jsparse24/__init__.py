@@ -8,12 +8,13 @@ Public API (everything else is internal):
   layers by module-path regex), `rebuild_masks`, `compress_params`
 * Flax NNX: `jsparse24.nnx.SparseLinear`
 * optax: `jsparse24.optim` (the mask-update transform and its schedule)
-* backends: `available_implementations`, `BackendUnavailableError`
+* backends: `available_implementations`, `selected_implementation`,
+  `BackendUnavailableError`
 """
 
 from jsparse24 import nnx, optim
 from jsparse24._format import Mask24, Sparse24, compress, decompress
-from jsparse24._ops import sparse_dot
+from jsparse24._ops import selected_implementation, sparse_dot
 from jsparse24._prune import is_24, prune_24
 from jsparse24.backends import BACKENDS as _BACKENDS
 from jsparse24.backends import BackendUnavailableError
@@ -41,6 +42,7 @@ __all__ = [
     "optim",
     "prune_24",
     "rebuild_masks",
+    "selected_implementation",
     "sparse_dot",
     "sparsify",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Literal
 
 import jax
@@ -103,7 +104,7 @@ def sparse_dot(
       raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
     _check_contraction(fn, x, w.shape)
     dtype = jnp.result_type(x.dtype, w.dtype)
-    backend = backends.select(implementation, _problem(x, w.shape, dtype, w.has_transpose))
+    backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, w.has_transpose))
     return backend.forward_compressed(x.astype(dtype), w, precision)
 
   w = jnp.asarray(w)
@@ -135,7 +136,7 @@ def sparse_dot(
     _checks.check_multiple_of_4(fn, "w", w.shape, 1, "N, for a transposable mask")
 
   dtype = jnp.result_type(x.dtype, w.dtype)
-  backend = backends.select(implementation, _problem(x, w.shape, dtype, transposable))
+  backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, transposable))
   cfg = _Config(backend, gradient, transposable, precision)
   lead = x.shape[:-1]
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
@@ -150,10 +151,13 @@ def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:
         f" = {w_shape[0]} (x: {x.shape}, w: {tuple(w_shape)}).")
 
 
-def _problem(x, w_shape, dtype, transposable) -> backends.Problem:
-  m = 1
-  for d in x.shape[:-1]:
-    m *= d
-  return backends.Problem(m=m, k=w_shape[0], n=w_shape[1], dtype=jnp.dtype(dtype),
-                          transposable=bool(transposable),
+def _problem(x_shape, w_shape, dtype, transposable) -> backends.Problem:
+  return backends.Problem(m=math.prod(x_shape[:-1]), k=w_shape[0], n=w_shape[1],
+                          dtype=jnp.dtype(dtype), transposable=bool(transposable),
                           platform=jax.default_backend())
+
+
+def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False) -> str:
+  """The backend `sparse_dot(..., implementation=None)` runs for these shapes
+  (x `[..., K]`, w `[K, N]`) and dtype on this machine."""
+  return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable)).name

@@ -114,6 +114,10 @@ def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
   """Inference on compressed weights made by `compress_params`."""
   bias = module.get_variable("params", "bias") if module.use_bias else None
   dtype = module.dtype or jnp.result_type(inputs.dtype, sp.dtype)
+  # Like nn.Dense's promote_dtype: the weight computes in the module's dtype.
+  sp = dataclasses.replace(
+      sp, values=sp.values.astype(dtype),
+      values_t=None if sp.values_t is None else sp.values_t.astype(dtype))
   y = sparse_dot(inputs.astype(dtype), sp, implementation=opts.implementation,
                  precision=module.precision)
   if bias is not None:

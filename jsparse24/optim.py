@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jsparse24._format import Mask24
 from jsparse24.linen import _map_layers, rebuild_masks
 
 DENSITY = 0.5  # 2 of 4 kept
@@ -70,13 +69,17 @@ class MaskSchedule:
             f" (warmup_steps={self.warmup_steps}).")
 
   def sparse(self, step) -> jax.Array:
-    on = jnp.asarray(step) >= self.warmup_steps
+    # int32 steps: results are strongly typed bools, so a state made by
+    # `init` (Python step 0) and one made by `update` (traced step) have the
+    # same types and a jitted train step compiles once.
+    step = jnp.asarray(step, jnp.int32)
+    on = step >= self.warmup_steps
     if self.dense_after is not None:
-      on = on & (jnp.asarray(step) < self.dense_after)
+      on = on & (step < self.dense_after)
     return on
 
   def rebuild(self, step) -> jax.Array:
-    step = jnp.asarray(step)
+    step = jnp.asarray(step, jnp.int32)
     first = (step == self.warmup_steps) & (self.warmup_steps > 0)
     periodic = jnp.asarray(False)
     if self.rebuild_every is not None:
@@ -154,6 +157,7 @@ def mask_update(
   uses_decay = callable(decay) or decay != 0.0
 
   def set_active(masks, active):
+    active = jnp.asarray(active, jnp.bool_)
     return _per_layer(lambda layer: {**layer, "active": active}, masks)
 
   def init_fn(params):

@@ -39,12 +39,15 @@ class PruneConfig:
   strided_lanes: bool = True
 
   @classmethod
-  def default(cls, k: int, n: int, transposable: bool) -> "PruneConfig":
+  def default(cls, k: int, n: int, kind: str) -> "PruneConfig":
+    """kind: "prune", "prune_transposable" or "apply" (compress with a mask).
+    The tiles were the fastest of a sweep on an H200 (benchmarks/NOTES.md)."""
     del k, n
-    if transposable:
+    if kind == "prune_transposable":
       return cls(block_k=32, block_n=64, num_warps=4)
-    # Measured on an H200 (benchmarks/NOTES.md): 128x64 tiles, 8 warps.
-    return cls(block_k=128, block_n=64, num_warps=8)
+    if kind == "apply":
+      return cls(block_k=128, block_n=64, num_warps=8)
+    return cls(block_k=128, block_n=32, num_warps=8)
 
 
 _TINY = float(np.finfo(np.float32).tiny)  # subnormal magnitudes score 0
@@ -217,7 +220,8 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   fn = "prune_compress"
   _check_weight(fn, w, transposable)
   k, n = w.shape
-  cfg = _fit(config or PruneConfig.default(k, n, transposable), k, n)
+  cfg = _fit(config or PruneConfig.default(
+      k, n, "prune_transposable" if transposable else "prune"), k, n)
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
@@ -265,7 +269,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
     raise ValueError(
         f"{fn}: `meta` must be uint8[{n}, {math.ceil(k / 8)}] for w of shape"
         f" {w.shape}, got {meta.dtype}{list(meta.shape)}.")
-  cfg = _fit(config or PruneConfig.default(k, n, transposed), k, n)
+  cfg = _fit(config or PruneConfig.default(k, n, "apply"), k, n)
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape

@@ -210,3 +210,13 @@ def test_mask24_in_collection_is_packed():
   mask = v["sparsity"]["mask"]
   assert isinstance(mask, Mask24)
   assert mask.packed.dtype == jnp.uint8 and mask.packed.size * 8 <= 128 * 64
+
+
+def test_compressed_params_compute_in_the_module_dtype():
+  x = _rand(0, (3, 16))
+  layer = jsparse24.SparseDense(8, dtype=jnp.bfloat16)
+  v = layer.init(jax.random.key(1), x)
+  compressed = jsparse24.compress_params(v["params"], v["sparsity"])
+  y = layer.apply({"params": compressed}, x)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(layer.apply(v, x), np.float32))

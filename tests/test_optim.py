@@ -223,3 +223,16 @@ def test_pmap_step_matches_single_device_step():
       for name in single_masks:
         np.testing.assert_array_equal(device_masks[name], single_masks[name])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a[0], b, rtol=1e-4, atol=1e-6), pp, sp)
+
+
+def test_jitted_update_compiles_once():
+  # init (Python step 0) and update (traced step) must give identically typed
+  # states, or every train step compiles twice.
+  _, tx, variables, _, _ = _setup(optim.MaskSchedule(warmup_steps=1, rebuild_every=2))
+  params = variables["params"]
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  for _ in range(3):
+    _, state = update(grads, state, params)
+  assert update._cache_size() == 1  # pylint: disable=protected-access

@@ -540,3 +540,10 @@ def test_sparse24_weight_errors():
   stacked = jax.jit(jsparse24.compress)(np.ones((2, 8, 4), np.float32), np.stack([M, M]))
   with pytest.raises(ValueError, match=r"sparse_dot: `w` must be a \[K, N\] Sparse24"):
     jsparse24.sparse_dot(X, stacked)
+
+
+def test_selected_implementation_reports_the_automatic_choice():
+  # On CPU only the reference runs; the function must agree with what
+  # sparse_dot(implementation=None) dispatches to.
+  assert jsparse24.selected_implementation((16, 64), (64, 32), jnp.bfloat16) == "xla"
+  assert jsparse24.selected_implementation((3, 5, 64), (64, 32), jnp.float32, transposable=True) == "xla"

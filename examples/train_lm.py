@@ -1,0 +1,573 @@
+"""Train a small character-level transformer LM dense and 2:4 sparse, side by side.
+
+The model is a decoder-only transformer (pre-LayerNorm blocks, causal
+self-attention, learned position embeddings). Its MLP layers (`mlp/up` and
+`mlp/down` in every block) are `jsparse24.SparseDense`; attention, embeddings
+and the output head stay dense. Two runs share the seed, the data and the step
+count:
+
+* `dense`: the same model with `nn.Dense` MLP layers (identical `params` tree,
+  so both runs start from the very same weights), trained with AdamW;
+* `2:4`: `jsparse24.optim.mask_update` chained before AdamW. It holds the 2:4
+  masks (dense warm-up, then a magnitude rebuild every `--rebuild-every` steps,
+  frozen for the last 20% of training) and adds a masked decay to the pruned
+  weights; the forward pass reads the masks with `jsparse24.optim.masks`.
+
+The text ships with Python: a fixed list of standard-library modules
+(`--corpus`: 8 files, ~0.6 MB, by default; 136 files, ~5 MB, for `--size gpu`;
+the first 90% of each file trains, the last 10% validates), read as bytes
+(vocabulary 0..255, so a model that learned nothing scores ln 256 = 5.55).
+
+Writes into `--out` (default `runs/train_lm`):
+
+* `loss_curves.png`: train and validation loss of both runs;
+* `checkpoints/sparse/<step>` and `checkpoints/dense/<step>`: Orbax
+  checkpoints (params and the whole optimizer state, so the 2:4 run's masks and
+  mask statistics too, plus the loss history), saved at every evaluation;
+  `--resume` continues each run from its latest one.
+
+Run:
+
+    python examples/train_lm.py                # CPU, both runs in a few minutes
+    python examples/train_lm.py --size gpu     # larger model, bf16, for a GPU
+    python examples/train_lm.py --steps 800 --resume   # train further
+
+On CPU the `"xla"` backend runs (a masked dense product): the 2:4 run shows
+the accuracy of 2:4 training, not its speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import shutil
+import sysconfig
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+import jsparse24
+
+# Standard-library modules present in Python 3.11 to 3.13 (none of them moved
+# into a package or split out by distributions). "small": ~0.6 MB of text for
+# the CPU preset; "large": ~5 MB, so that the GPU preset's model does not
+# overfit within its 2000 steps.
+CORPORA = {
+    "small": (
+        "argparse.py", "textwrap.py", "functools.py", "dataclasses.py",
+        "inspect.py", "typing.py", "enum.py", "ast.py",
+    ),
+}
+CORPORA["large"] = CORPORA["small"] + tuple("""
+    calendar.py configparser.py difflib.py doctest.py ipaddress.py optparse.py pickle.py
+    pickletools.py pdb.py pydoc.py shutil.py smtplib.py socket.py ssl.py statistics.py
+    subprocess.py tarfile.py threading.py traceback.py imaplib.py ftplib.py random.py
+    string.py tempfile.py uuid.py weakref.py selectors.py mailbox.py _pydecimal.py
+    fractions.py gettext.py locale.py os.py platform.py plistlib.py pprint.py shlex.py
+    signal.py codecs.py contextlib.py copy.py csv.py heapq.py bisect.py fnmatch.py glob.py
+    gzip.py hashlib.py hmac.py linecache.py numbers.py operator.py queue.py quopri.py
+    reprlib.py sched.py secrets.py socketserver.py stat.py tokenize.py trace.py types.py
+    warnings.py wave.py zipapp.py bdb.py cmd.py code.py codeop.py colorsys.py compileall.py
+    contextvars.py copyreg.py dis.py filecmp.py fileinput.py genericpath.py getopt.py
+    getpass.py graphlib.py keyword.py lzma.py bz2.py mimetypes.py modulefinder.py netrc.py
+    ntpath.py nturl2path.py opcode.py posixpath.py py_compile.py pyclbr.py rlcompleter.py
+    runpy.py shelve.py site.py tabnanny.py timeit.py token.py tracemalloc.py tty.py
+    webbrowser.py zipimport.py collections/__init__.py logging/__init__.py
+    logging/handlers.py logging/config.py email/message.py email/_header_value_parser.py
+    http/client.py http/server.py http/cookiejar.py json/decoder.py json/encoder.py
+    urllib/request.py urllib/parse.py unittest/mock.py unittest/case.py
+    concurrent/futures/_base.py concurrent/futures/process.py asyncio/base_events.py
+    asyncio/tasks.py multiprocessing/connection.py xml/dom/minidom.py
+    xml/etree/ElementTree.py sqlite3/__init__.py importlib/_bootstrap.py
+    importlib/_bootstrap_external.py
+""".split())
+VOCAB = 256  # bytes
+VAL_FRACTION = 0.1
+
+# Defaults per `--size`; any flag given on the command line wins.
+PRESETS = {
+    "small": dict(steps=1000, batch=16, seq_len=64, d_model=128, layers=2, heads=4,
+                  lr=3e-3, eval_every=100, eval_batches=8, dtype="float32", corpus="small"),
+    "gpu": dict(steps=2000, batch=64, seq_len=256, d_model=512, layers=6, heads=8,
+                lr=1e-3, eval_every=200, eval_batches=16, dtype="bfloat16", corpus="large"),
+}
+
+
+# --- data ---------------------------------------------------------------------
+
+
+def load_text(files: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+  """(train, val) uint8 arrays: the first 90% / last 10% of every file."""
+  stdlib = sysconfig.get_paths()["stdlib"]
+  missing = [f for f in files if not os.path.isfile(os.path.join(stdlib, f))]
+  if missing:
+    raise FileNotFoundError(
+        f"standard-library source file(s) {missing} not found in {stdlib!r}."
+        f" This example trains on Python's own sources; it needs a Python"
+        f" installation that ships them (not a stripped, .pyc-only one).")
+  train, val = [], []
+  for name in files:
+    with open(os.path.join(stdlib, name), "rb") as f:
+      data = np.frombuffer(f.read(), dtype=np.uint8)
+    cut = int(len(data) * (1 - VAL_FRACTION))
+    train.append(data[:cut])
+    val.append(data[cut:])
+  return np.concatenate(train), np.concatenate(val)
+
+
+def train_batch(data: np.ndarray, step: int, batch: int, seq_len: int, seed: int):
+  """Random windows for `step`: a function of (seed, step) only, so a resumed
+  run sees the same batches as an uninterrupted one."""
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
+  windows = np.lib.stride_tricks.sliding_window_view(data, seq_len + 1)[starts]
+  return windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32)
+
+
+def val_batches(data: np.ndarray, n: int, batch: int, seq_len: int):
+  """A fixed set of `n` validation batches, windows spread over the split:
+  ([n, batch, seq_len], [n, batch, seq_len])."""
+  if len(data) < seq_len + 2:
+    raise ValueError(f"the validation split ({len(data)} bytes) is shorter than --seq-len.")
+  starts = np.linspace(0, len(data) - seq_len - 1, n * batch).astype(np.int64)
+  windows = np.lib.stride_tricks.sliding_window_view(data, seq_len + 1)[starts]
+  windows = windows.reshape(n, batch, seq_len + 1).astype(np.int32)
+  return windows[..., :-1], windows[..., 1:]
+
+
+# --- model --------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+  """The block's feed-forward layers: 2:4 sparse when `sparse`."""
+
+  hidden: int
+  sparse: bool
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    linear = jsparse24.SparseDense if self.sparse else nn.Dense
+    h = linear(self.hidden, dtype=self.dtype, name="up")(x)
+    h = nn.gelu(h)
+    return linear(x.shape[-1], dtype=self.dtype, name="down")(h)
+
+
+class Block(nn.Module):
+  d_model: int
+  heads: int
+  sparse_mlp: bool
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_attn")(x)
+    x = x + nn.MultiHeadDotProductAttention(
+        num_heads=self.heads, dtype=self.dtype, deterministic=True, name="attn")(h, mask=mask)
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
+    return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, name="mlp")(h)
+
+
+class CharLM(nn.Module):
+  """Decoder-only transformer over bytes. `sparse_mlp` switches the MLP layers
+  between `jsparse24.SparseDense` and `nn.Dense`; the params are the same."""
+
+  vocab: int
+  d_model: int
+  layers: int
+  heads: int
+  max_len: int
+  sparse_mlp: bool
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, tokens):
+    init = nn.initializers.normal(0.02)
+    x = nn.Embed(self.vocab, self.d_model, embedding_init=init, name="embed")(tokens)
+    pos = self.param("pos_embed", init, (self.max_len, self.d_model))
+    x = (x + pos[: tokens.shape[-1]]).astype(self.dtype or jnp.float32)
+    mask = nn.make_causal_mask(tokens)
+    for i in range(self.layers):
+      x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, name=f"block_{i}")(x, mask)
+    x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
+    return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
+
+
+# --- training -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+  """One training run: model, optimizer and what it logged."""
+
+  name: str
+  model: CharLM
+  tx: optax.GradientTransformation
+  sparse: bool
+  params: Any = None
+  opt_state: Any = None
+  step: int = 0
+  history: dict = dataclasses.field(default_factory=lambda: {
+      "eval_steps": [], "train": [], "val": [], "train_curve": []})
+  seconds: float = 0.0
+
+  def variables(self, params, opt_state) -> dict:
+    if self.sparse:
+      return {"params": params, "sparsity": jsparse24.optim.masks(opt_state)}
+    return {"params": params}
+
+
+def loss_fn(model, variables, x, y):
+  logits = model.apply(variables, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_steps(run: Run):
+  """(train_step, eval_loss), both jitted."""
+
+  @jax.jit
+  def train_step(params, opt_state, x, y):
+    def objective(p):
+      return loss_fn(run.model, run.variables(p, opt_state), x, y)
+
+    loss, grads = jax.value_and_grad(objective)(params)
+    updates, opt_state = run.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  @jax.jit
+  def eval_loss(params, opt_state, xs, ys):
+    variables = run.variables(params, opt_state)
+    losses = jax.lax.map(lambda b: loss_fn(run.model, variables, *b), (xs, ys))
+    return losses.mean()
+
+  return train_step, eval_loss
+
+
+def checkpoint_manager(directory: str) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      os.path.abspath(directory),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2),
+      item_names=("state", "history"))
+
+
+def save(mngr: ocp.CheckpointManager, run: Run) -> None:
+  mngr.save(run.step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave({"params": run.params, "opt_state": run.opt_state}),
+      history=ocp.args.JsonSave(run.history)))
+
+
+def restore(mngr: ocp.CheckpointManager, run: Run) -> None:
+  """Restores `run` from the latest checkpoint, into the structure of its
+  freshly initialised state (the masks come back as `Mask24`s)."""
+  step = mngr.latest_step()
+  target = {"params": run.params, "opt_state": run.opt_state}
+  restored = mngr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, target)),
+      history=ocp.args.JsonRestore()))
+  run.params = restored.state["params"]
+  run.opt_state = restored.state["opt_state"]
+  run.history = restored.history
+  run.step = step
+
+
+def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
+  """Trains `run` from `run.step` to `args.steps`, evaluating and
+  checkpointing every `args.eval_every` steps and at the end."""
+  train_step, eval_loss = make_steps(run)
+  xs, ys = (jnp.asarray(a) for a in val)
+  mngr = checkpoint_manager(ckpt_dir)
+  window: list[jax.Array] = []
+  bar = tqdm(total=args.steps, initial=run.step, desc=f"{run.name:>5}", unit="step",
+             dynamic_ncols=True)
+  start = time.perf_counter()
+  while run.step < args.steps:
+    x, y = train_batch(data, run.step, args.batch, args.seq_len, args.seed)
+    run.params, run.opt_state, loss = train_step(run.params, run.opt_state, x, y)
+    run.step += 1
+    window.append(loss)
+    bar.update(1)
+    if run.step % 10 == 0:
+      bar.set_postfix(loss=f"{float(loss):.3f}")
+    if run.step % args.eval_every == 0 or run.step == args.steps:
+      train_losses = [float(v) for v in window]
+      window = []
+      run.history["train_curve"].extend(train_losses)
+      run.history["eval_steps"].append(run.step)
+      run.history["train"].append(float(np.mean(train_losses)))
+      run.history["val"].append(float(eval_loss(run.params, run.opt_state, xs, ys)))
+      bar.set_postfix(loss=f"{train_losses[-1]:.3f}", val=f"{run.history['val'][-1]:.3f}")
+      save(mngr, run)
+  bar.close()
+  mngr.wait_until_finished()
+  mngr.close()
+  run.seconds = time.perf_counter() - start
+
+
+# --- reporting ----------------------------------------------------------------
+
+
+def implementation_summary() -> str:
+  avail = jsparse24.available_implementations()
+  usable = [name for name, reason in avail.items() if reason is None]
+  if len(usable) == 1:
+    head = f"sparse_dot implementation: {usable[0]!r} (the only one available here)"
+  else:
+    head = f"sparse_dot implementation: automatic, per shape, among {usable}"
+  rest = [f"  {name}: unavailable ({reason})" for name, reason in avail.items() if reason]
+  return "\n".join([head, *rest])
+
+
+def mlp_bytes(params, sparsity) -> dict[str, int]:
+  """Bytes of the sparse layers' kernels: dense, and compressed by
+  `jsparse24.compress_params` (values + metadata), in float32 and bfloat16."""
+  out = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    p = jax.tree.map(lambda a: a.astype(dtype), params)
+    compressed = jsparse24.compress_params(p, sparsity)
+    leaves = jax.tree_util.tree_leaves(
+        compressed, is_leaf=lambda a: isinstance(a, jsparse24.Sparse24))
+    sparse = [a for a in leaves if isinstance(a, jsparse24.Sparse24)]
+    name = jnp.dtype(dtype).name
+    out[f"dense_{name}"] = sum(math.prod(a.shape) * jnp.dtype(dtype).itemsize for a in sparse)
+    out[f"compressed_{name}"] = sum(a.nbytes for a in sparse)
+  return out
+
+
+def plot(runs: Sequence[Run], path: str) -> None:
+  """Left: train (smoothed) and validation loss of both runs. Right: the
+  validation gap of the 2:4 run over the dense one."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=(2, 1))
+  lowest = math.log(VOCAB)
+  for run, color in zip(runs, ("tab:blue", "tab:orange")):
+    curve = np.asarray(run.history["train_curve"])
+    width = max(1, len(curve) // 50)
+    if len(curve) >= width:
+      smooth = np.convolve(curve, np.ones(width) / width, mode="valid")
+      ax.plot(np.arange(width, len(curve) + 1), smooth, color=color, lw=1.2,
+              label=f"{run.name} train (mean of {width} steps)")
+    ax.plot(run.history["eval_steps"], run.history["val"], "o--", color=color, ms=4,
+            label=f"{run.name} validation")
+    lowest = min(lowest, *run.history["val"], *curve)
+  ax.set_ylim(lowest - 0.1, min(math.log(VOCAB), lowest + 2.0))
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats / byte)")
+  ax.set_title(f"byte-level LM, dense vs 2:4 MLP (ln vocab = {math.log(VOCAB):.2f})")
+  ax.legend()
+  dense, sparse = runs
+  val_at = dict(zip(dense.history["eval_steps"], dense.history["val"]))
+  steps = [s for s in sparse.history["eval_steps"] if s in val_at]
+  gap.plot(steps, [v - val_at[s] for s, v in zip(sparse.history["eval_steps"], sparse.history["val"])
+                   if s in val_at], "o-", color="tab:red", ms=4)
+  gap.axhline(0.0, color="gray", lw=0.8)
+  gap.set_xlabel("step")
+  gap.set_title("validation loss, 2:4 minus dense")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# --- main ---------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--size", choices=sorted(PRESETS), default="small",
+                 help="preset for the flags left unset: 'small' (CPU, minutes) or 'gpu'")
+  p.add_argument("--steps", type=int, help="training steps of each run")
+  p.add_argument("--batch", type=int, help="sequences per batch")
+  p.add_argument("--seq-len", type=int, help="bytes per sequence")
+  p.add_argument("--d-model", type=int, help="model width (a multiple of 4 and of --heads)")
+  p.add_argument("--layers", type=int, help="transformer blocks")
+  p.add_argument("--heads", type=int, help="attention heads")
+  p.add_argument("--lr", type=float, help="peak AdamW learning rate")
+  p.add_argument("--eval-every", type=int, help="steps between validations and checkpoints")
+  p.add_argument("--eval-batches", type=int, help="validation batches per evaluation")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+  p.add_argument("--corpus", choices=sorted(CORPORA),
+                 help="which fixed list of standard-library files to train on")
+  p.add_argument("--mask-warmup", type=int,
+                 help="dense steps before the first 2:4 mask (default: 10%% of --steps)")
+  p.add_argument("--rebuild-every", type=int,
+                 help="steps between mask rebuilds (default: 10%% of --steps)")
+  p.add_argument("--decay", type=float, default=2e-4,
+                 help="masked decay of pruned weights (SR-STE)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=os.path.join("runs", "train_lm"), help="output folder")
+  p.add_argument("--resume", action="store_true",
+                 help="continue both runs from their latest checkpoints in --out")
+  args = p.parse_args(argv)
+  for key, value in PRESETS[args.size].items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  if args.mask_warmup is None:
+    args.mask_warmup = args.steps // 10
+  if args.rebuild_every is None:
+    args.rebuild_every = max(1, args.steps // 10)
+  if args.d_model % 4 or args.d_model % args.heads:
+    p.error(f"--d-model {args.d_model} must be a multiple of 4 (2:4 groups) and of --heads.")
+  if min(args.steps, args.batch, args.seq_len, args.eval_every, args.layers) < 1:
+    p.error("--steps, --batch, --seq-len, --eval-every and --layers must be >= 1.")
+  return args
+
+
+def make_run(name: str, sparse: bool, args, sample) -> Run:
+  dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
+  model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype)
+  variables = jax.jit(model.init)(jax.random.key(args.seed), sample)
+  lr = optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps,
+      end_value=args.lr / 10)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                          optax.adamw(lr, b2=0.99, weight_decay=0.01))
+  if sparse:
+    schedule = jsparse24.optim.MaskSchedule(
+        warmup_steps=args.mask_warmup, rebuild_every=args.rebuild_every,
+        freeze_after=max(args.mask_warmup, int(0.8 * args.steps)))
+    tx = optax.chain(
+        jsparse24.optim.mask_update(variables["sparsity"], schedule, decay=args.decay),
+        optimizer)
+  else:
+    tx = optimizer
+  params = variables["params"]
+  return Run(name, model, tx, sparse, params, jax.jit(tx.init)(params))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}, devices {jax.devices()}")
+  print(implementation_summary())
+
+  data, val_data = load_text(CORPORA[args.corpus])
+  val = val_batches(val_data, args.eval_batches, args.batch, args.seq_len)
+  print(f"data: {len(data):,} train / {len(val_data):,} validation bytes from"
+        f" {len(CORPORA[args.corpus])} stdlib files; vocabulary {VOCAB} (ln = {math.log(VOCAB):.3f})")
+  print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads,"
+        f" seq {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr},"
+        f" {args.dtype}; 2:4 MLP: dense warm-up {args.mask_warmup} steps, rebuild"
+        f" every {args.rebuild_every}, decay {args.decay}")
+
+  os.makedirs(args.out, exist_ok=True)
+  sample = jnp.zeros((1, args.seq_len), jnp.int32)
+  runs = [make_run("dense", False, args, sample), make_run("2:4", True, args, sample)]
+  if jax.tree.structure(runs[0].params) != jax.tree.structure(runs[1].params):
+    raise AssertionError("the dense and 2:4 models should have the same params tree")
+  n_params = sum(a.size for a in jax.tree.leaves(runs[0].params))
+  print(f"parameters: {n_params:,} in both runs; sparse layers:"
+        f" {sorted(jsparse24.optim.stats(runs[1].opt_state))}")
+
+  start_steps = {}
+  for run in runs:
+    ckpt_dir = os.path.join(args.out, "checkpoints", "sparse" if run.sparse else "dense")
+    if args.resume:
+      if os.path.isdir(ckpt_dir):
+        with checkpoint_manager(ckpt_dir) as mngr:
+          if mngr.latest_step() is not None:
+            restore(mngr, run)
+      print(f"{run.name}: resuming from step {run.step}" if run.step else
+            f"{run.name}: no checkpoint in {ckpt_dir}, starting from step 0")
+    elif os.path.isdir(ckpt_dir):
+      shutil.rmtree(ckpt_dir)  # a fresh run replaces the old checkpoints
+    start_steps[run.name] = run.step
+    train(run, data, val, args=args, ckpt_dir=ckpt_dir)
+
+  dense, sparse = runs
+  if not dense.history["eval_steps"]:
+    raise ValueError(f"nothing trained or restored: --steps {args.steps} and no checkpoint.")
+  png = os.path.join(args.out, "loss_curves.png")
+  plot(runs, png)
+
+  # --- the report ---
+  print()
+  print(f"{'step':>6} | {'train dense':>11} {'train 2:4':>10} | {'val dense':>10} {'val 2:4':>9}")
+  print("-" * 55)
+  sparse_at = dict(zip(sparse.history["eval_steps"], zip(sparse.history["train"], sparse.history["val"])))
+  for step, tr, va in zip(dense.history["eval_steps"], dense.history["train"], dense.history["val"]):
+    s_tr, s_va = sparse_at.get(step, (float("nan"), float("nan")))
+    print(f"{step:>6} | {tr:>11.4f} {s_tr:>10.4f} | {va:>10.4f} {s_va:>9.4f}")
+  print()
+  for run in runs:
+    trained = run.step - start_steps[run.name]
+    rate = f"{trained / run.seconds:.1f} steps/s" if trained and run.seconds else "-"
+    print(f"{run.name:>5}: final train loss {run.history['train'][-1]:.4f}, validation"
+          f" {run.history['val'][-1]:.4f} ({trained} steps this session in"
+          f" {run.seconds:.1f} s, {rate})")
+  final = {"dense": dense.history["val"][-1], "sparse": sparse.history["val"][-1]}
+  print(f"final validation loss: dense {final['dense']:.3f}  2:4 {final['sparse']:.3f}"
+        f"  (gap {final['sparse'] - final['dense']:+.3f}; ln(vocab) = {math.log(VOCAB):.3f})")
+
+  stats = jsparse24.optim.stats(sparse.opt_state)
+  last_rebuild = int(optax.tree_utils.tree_get(sparse.opt_state, "last_rebuild"))
+  flip = float(np.mean([float(s["flip_rate"]) for s in stats.values()]))
+  density = float(np.mean([float(s["sparsity"]) for s in stats.values()]))
+  print(f"2:4 masks: {len(stats)} layers, sparsity {density:.2f}, mean flip rate"
+        f" {flip:.4f} at the last rebuild (step {last_rebuild})")
+  masks = jsparse24.optim.masks(sparse.opt_state)
+  masks_are_24 = all(
+      bool(jsparse24.is_24(m.unpack(), axis=0))
+      for m in jax.tree.leaves(masks, is_leaf=lambda a: isinstance(a, jsparse24.Mask24))
+      if isinstance(m, jsparse24.Mask24))
+
+  sizes = mlp_bytes(sparse.params, masks)
+  for name in ("float32", "bfloat16"):
+    d, c = sizes[f"dense_{name}"], sizes[f"compressed_{name}"]
+    print(f"MLP kernels ({name}): dense {d:,} bytes, 2:4 compressed {c:,} bytes"
+          f" ({c / d:.1%})")
+
+  # Ship the weights compressed, in the compute dtype: the model applied to
+  # them needs no "sparsity" collection and scores what the masked model does.
+  # (Full-precision matmuls, so that only the weights' dtype differs.)
+  ship = jax.tree.map(lambda a: a.astype(sparse.model.dtype or jnp.float32), sparse.params)
+  compressed = jsparse24.compress_params(ship, masks)
+  xs, ys = (jnp.asarray(a) for a in val)
+  val_loss = jax.jit(lambda variables: jax.lax.map(
+      lambda b: loss_fn(sparse.model, variables, *b), (xs, ys)).mean())
+  with jax.default_matmul_precision("highest"):
+    masked_val = float(val_loss(sparse.variables(sparse.params, sparse.opt_state)))
+    compressed_val = float(val_loss({"params": compressed}))
+  print(f"validation loss of the 2:4 model with compressed {args.dtype} weights:"
+        f" {compressed_val:.4f} (masked float32 weights: {masked_val:.4f})")
+  print(implementation_summary().splitlines()[0])
+  print(f"wrote {png} and checkpoints in {os.path.join(args.out, 'checkpoints')}")
+
+  return {
+      "final_val_loss_dense": final["dense"],
+      "final_val_loss_sparse": final["sparse"],
+      "final_train_loss_dense": dense.history["train"][-1],
+      "final_train_loss_sparse": sparse.history["train"][-1],
+      "eval_steps": list(sparse.history["eval_steps"]),
+      "val_losses_dense": list(dense.history["val"]),
+      "val_losses_sparse": list(sparse.history["val"]),
+      "start_step_sparse": start_steps["2:4"],
+      "start_step_dense": start_steps["dense"],
+      "final_step": sparse.step,
+      "mean_flip_rate": flip,
+      "sparsity": density,
+      "masks_are_24": masks_are_24,
+      "sparse_layers": sorted(stats),
+      "mlp_kernel_bytes": sizes,
+      "val_loss_compressed": compressed_val,
+      "val_loss_masked": masked_val,
+      "loss_curves_png": png,
+      "checkpoint_dir": os.path.join(args.out, "checkpoints", "sparse"),
+      "params": sparse.params,
+      "sparsity_collection": masks,
+  }
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,143 @@
+"""The user-facing examples run end to end (tiny settings) and do what they say.
+
+`examples/` is not a package: each script is imported from its path.
+"""
+
+import importlib.util
+import math
+import os
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse24
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+TINY_LM = ["--steps", "30", "--eval-every", "15", "--d-model", "32", "--layers", "1",
+           "--heads", "2", "--seq-len", "32", "--batch", "8", "--eval-batches", "2",
+           "--lr", "1e-2"]
+
+
+def load_example(name: str):
+  spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses (Flax modules) look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
+def sparse_layers_of(sparsity: dict, path=()) -> dict[str, dict]:
+  if isinstance(sparsity.get("mask"), jsparse24.Mask24):
+    return {"/".join(path): sparsity}
+  out = {}
+  for key, value in sparsity.items():
+    out.update(sparse_layers_of(value, path + (key,)))
+  return out
+
+
+def at_path(tree: dict, path: str):
+  for key in path.split("/"):
+    tree = tree[key]
+  return tree
+
+
+def assert_masks_are_24(params: dict, sparsity: dict) -> list[str]:
+  """Every sparse layer's mask keeps 2 of 4 along the kernel's input axis, and
+  the compressed kernel is exactly `kernel * mask`. Returns the layer paths."""
+  layers = sparse_layers_of(sparsity)
+  compressed = jsparse24.compress_params(params, sparsity)
+  for path, layer in layers.items():
+    kernel = at_path(params, path)["kernel"]
+    mask = layer["mask"].unpack()
+    assert mask.shape == kernel.shape, path
+    assert bool(jsparse24.is_24(mask, axis=0)), path
+    assert float(mask.mean()) == 0.5, path
+    np.testing.assert_array_equal(
+        jsparse24.decompress(at_path(compressed, path)["kernel"]), jnp.where(mask, kernel, 0))
+  return sorted(layers)
+
+
+@pytest.fixture(scope="module")
+def train_lm(tmp_path_factory):
+  out = tmp_path_factory.mktemp("train_lm")
+  module = load_example("train_lm")
+  return module, out, module.main(TINY_LM + ["--out", str(out)])
+
+
+def test_train_lm_learns_dense_and_sparse(train_lm):
+  _, _, result = train_lm
+  assert result["eval_steps"] == [15, 30]
+  for run in ("dense", "sparse"):
+    val = result[f"val_losses_{run}"]
+    assert all(math.isfinite(v) for v in val), (run, val)
+    assert math.isfinite(result[f"final_train_loss_{run}"]), run
+    assert val[-1] < val[0], (run, val)
+    assert val[-1] < math.log(256) - 1.0, (run, val)  # well below chance
+  assert result["final_val_loss_sparse"] < result["final_val_loss_dense"] + 0.5
+
+
+def test_train_lm_sparse_run_used_24_masks(train_lm):
+  _, _, result = train_lm
+  assert result["sparse_layers"] == ["block_0/mlp/down", "block_0/mlp/up"]
+  assert result["masks_are_24"]
+  assert result["sparsity"] == 0.5
+  layers = assert_masks_are_24(result["params"], result["sparsity_collection"])
+  assert layers == result["sparse_layers"]
+  assert abs(result["val_loss_compressed"] - result["val_loss_masked"]) < 1e-3
+  sizes = result["mlp_kernel_bytes"]
+  assert sizes["compressed_float32"] < 0.55 * sizes["dense_float32"]
+  assert sizes["compressed_bfloat16"] < 0.57 * sizes["dense_bfloat16"]
+
+
+def test_train_lm_writes_plot_and_checkpoint(train_lm):
+  _, out, result = train_lm
+  png = out / "loss_curves.png"
+  assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert pathlib.Path(result["loss_curves_png"]) == png
+  sparse_ckpt = out / "checkpoints" / "sparse"
+  assert pathlib.Path(result["checkpoint_dir"]) == sparse_ckpt
+  steps = sorted(int(p.name) for p in sparse_ckpt.iterdir() if p.name.isdigit())
+  assert steps[-1] == 30
+  assert (out / "checkpoints" / "dense" / "30").is_dir()
+
+
+def test_train_lm_resume_continues_from_the_saved_step(train_lm):
+  module, out, first = train_lm
+  result = module.main(TINY_LM[:1] + ["40"] + TINY_LM[2:] + ["--out", str(out), "--resume"])
+  assert result["start_step_sparse"] == 30
+  assert result["start_step_dense"] == 30
+  assert result["final_step"] == 40
+  assert result["eval_steps"] == [15, 30, 40]
+  # The restored history is the first run's; training went on from there.
+  assert result["val_losses_sparse"][:2] == first["val_losses_sparse"]
+  assert math.isfinite(result["final_val_loss_sparse"])
+  assert_masks_are_24(result["params"], result["sparsity_collection"])
+  assert sorted(os.listdir(out / "checkpoints" / "sparse"))[-1] == "40"
+
+
+def test_pmap_train_runs_on_all_devices():
+  # 8 fake CPU devices on CPU (tests/conftest.py); the real ones on a GPU host.
+  final_loss = load_example("pmap_train").main(["--steps", "40", "--log-every", "20"])
+  assert math.isfinite(final_loss)
+  assert final_loss < 0.2  # a zero predictor scores ~0.42
+
+
+def test_patch_model_sparsifies_only_the_mlps():
+  result = load_example("patch_model").main(["--dense-steps", "30", "--sparse-steps", "10"])
+  assert result["params_tree_identical"]
+  assert result["checkpoint_loaded_unchanged"]
+  mlps = [f"block_{i}/mlp/{name}" for i in range(2) for name in ("down", "up")]
+  assert result["sparse_layers"] == mlps
+  assert {"head", "proj_in", "block_0/attn/query"} <= set(result["dense_layers"])
+  for key in ("dense_train_loss", "sparse_train_loss", "held_out_loss_pruned",
+              "held_out_loss_finetuned"):
+    assert math.isfinite(result[key]), key
+  assert result["held_out_loss_dense"] < math.log(32)
+  assert result["mlp_kernel_bytes_compressed"] < 0.55 * result["mlp_kernel_bytes_dense"]
+  assert result["compressed_max_abs_error"] < 1e-4
+  for layer in sparse_layers_of(result["masks"]).values():
+    assert bool(jsparse24.is_24(layer["mask"].unpack(), axis=0))

@@ -1,0 +1,131 @@
+"""The Pallas kernels in interpret mode (CPU) against the plain-jnp references:
+bit-identical masks/compression (on random non-zero data, so an unwritten
+output element cannot pass), dtype tolerances for the matmul, and the
+`"pallas"` backend of sparse_dot forward and `jax.vjp`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse24
+from jsparse24.backends.pallas import interpret_mode
+from pallas_kernels import prune24, spmm24
+
+
+def _bits(a):
+  return np.asarray(a).view(np.uint8)
+
+
+def _weights(seed, shape, dtype, specials=True):
+  w = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  if specials:
+    w = w.at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf).at[2, 2].set(-jnp.inf)
+    w = w.at[3].set(0.0).at[5, 1].set(w[5, 0])  # a zero row and a tie
+  return w.astype(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    ((16, 8), jnp.float32), ((12, 20), jnp.bfloat16), ((36, 5), jnp.float16),
+    ((132, 40), jnp.bfloat16)])
+def test_prune_compress_plain_is_bit_identical(shape, dtype):
+  w = _weights(sum(shape), shape, dtype)
+  got = prune24.prune_compress(w, interpret=True)
+  ref = prune24.prune_compress_reference(w)
+  assert got[2] is None and got[3] is None
+  for a, b in zip(got[:2], ref[:2]):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("shape,dtype", [((12, 20), jnp.float32), ((24, 8), jnp.bfloat16)])
+def test_prune_compress_transposable_is_bit_identical(shape, dtype):
+  w = _weights(sum(shape) + 1, shape, dtype)
+  got = prune24.prune_compress(w, transposable=True, interpret=True)
+  ref = prune24.prune_compress_reference(w, transposable=True)
+  for a, b in zip(got, ref):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("shape,transposed", [((20, 12), False), ((12, 20), True), ((40, 8), True)])
+def test_compress_with_stored_mask_is_bit_identical(shape, transposed):
+  w = _weights(7 * shape[0], shape, jnp.bfloat16)
+  # A mask that is NOT the magnitude mask of w: the kernel must follow it.
+  other = jax.random.normal(jax.random.key(3), shape)
+  mask = jsparse24.Mask24.from_weights(other, transposable=transposed)
+  got = prune24.compress_with_meta(w, mask.meta(), transposed=transposed, interpret=True)
+  ref = prune24.compress_with_meta_reference(w, mask.meta(), transposed=transposed)
+  for a, b in zip(got, ref):
+    if b is None:
+      assert a is None
+      continue
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("m,k,n,dtype,tol", [
+    (5, 12, 7, jnp.float32, 1e-5), (16, 64, 32, jnp.bfloat16, 1e-2),
+    (33, 136, 40, jnp.float16, 2e-3), (70, 256, 64, jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("lane_dots", [False, True])
+def test_sparse_matmul_matches_reference(m, k, n, dtype, tol, lane_dots):
+  x = jax.random.normal(jax.random.key(m), (m, k), dtype)
+  w = jax.random.normal(jax.random.key(k), (k, n), dtype)
+  values, meta, _, _ = prune24.prune_compress_reference(w)
+  cfg = spmm24.MatmulConfig(16, 16, 128 if lane_dots else 32, 4, 2, lane_dots)
+  got = spmm24.sparse_matmul(x, values, meta, k=k, config=cfg, interpret=True)
+  ref = jnp.dot(x.astype(jnp.float32), jsparse24.decompress(
+      jsparse24.Sparse24(values, meta, None, None, (k, n))).astype(jnp.float32))
+  assert got.shape == (m, n) and got.dtype == dtype
+  err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+  assert err < tol, err
+
+
+def test_sparse_matmul_rejects_bad_input():
+  x = jnp.ones((4, 16), jnp.bfloat16)
+  values, meta, _, _ = prune24.prune_compress_reference(jnp.ones((16, 8), jnp.bfloat16))
+  with pytest.raises(ValueError, match="k = 12"):
+    spmm24.sparse_matmul(x, values, meta, k=12, interpret=True)
+  with pytest.raises(TypeError, match="share a dtype"):
+    spmm24.sparse_matmul(x.astype(jnp.float32), values, meta, k=16, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 4"):
+    prune24.prune_compress(jnp.ones((6, 8)), interpret=True)
+  with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+    prune24.prune_compress(jnp.ones((8, 8), jnp.int32), interpret=True)
+
+
+@pytest.mark.parametrize("gradient", ["ste", "masked"])
+@pytest.mark.parametrize("mask_kind", ["dynamic", "dense", "mask24_transposable"])
+def test_pallas_backend_forward_and_vjp(gradient, mask_kind):
+  x = jax.random.normal(jax.random.key(0), (2, 5, 16), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (16, 12), jnp.float32)
+  mask = {"dynamic": None, "dense": jsparse24.prune_24(w),
+          "mask24_transposable": jsparse24.Mask24.from_weights(w, transposable=True)}[mask_kind]
+
+  def run(impl):
+    f = lambda x, w: jsparse24.sparse_dot(x, w, mask, gradient=gradient, implementation=impl)  # noqa: E731
+    y, vjp = jax.vjp(f, x, w)
+    dy = jax.random.normal(jax.random.key(2), y.shape)
+    return (y,) + vjp(dy)
+
+  with interpret_mode():
+    got = run("pallas")
+  for a, b in zip(got, run("xla")):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_public_compress_and_inference_through_pallas():
+  w = _weights(5, (16, 8), jnp.bfloat16, specials=False)
+  x = jax.random.normal(jax.random.key(6), (3, 16), jnp.bfloat16)
+  with interpret_mode():
+    sp = jsparse24.compress(w, transposed=True, implementation="pallas")
+    y = jsparse24.sparse_dot(x, sp, implementation="pallas")
+  ref = jsparse24.compress(w, transposed=True, implementation="xla")
+  for a, b in zip(jax.tree.leaves(sp), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+  np.testing.assert_allclose(np.asarray(y, np.float32),
+                             np.asarray(x @ jsparse24.decompress(ref), np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_pallas_is_never_chosen_automatically_before_it_measured_faster():
+  with interpret_mode():
+    assert jsparse24.selected_implementation((16, 64), (64, 32), jnp.bfloat16) == "xla"
