@@ -21,6 +21,7 @@ from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
 from jsparse24._format import Mask24, Sparse24, compress
+from jsparse24._layer import sparse_dense_forward
 from jsparse24._ops import GRADIENT_MODES, sparse_dot
 
 COLLECTION = "sparsity"
@@ -71,19 +72,9 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
   mask, active = _layer_mask(module, kernel, opts)
   inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
-  def sparse(inputs, kernel):
-    return sparse_dot(inputs, kernel, mask, gradient=opts.gradient,
-                      transposable=opts.transposable,
-                      implementation=opts.implementation, precision=module.precision)
-
-  def dense(inputs, kernel):
-    return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                               precision=module.precision)
-
-  y = sparse(inputs, kernel) if active is None else jax.lax.cond(active, sparse, dense, inputs, kernel)
-  if bias is not None:
-    y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-  return y
+  return sparse_dense_forward(inputs, kernel, bias, mask, active, gradient=opts.gradient,
+                              transposable=opts.transposable,
+                              implementation=opts.implementation, precision=module.precision)
 
 
 def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):

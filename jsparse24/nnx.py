@@ -32,7 +32,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from jsparse24._format import Mask24
-from jsparse24._ops import sparse_dot
+from jsparse24._layer import sparse_dense_forward
 from jsparse24.linen import SparsityOptions
 
 
@@ -160,28 +160,13 @@ class SparseLinear(nnx.Module):
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-    mask = self.mask.get_value() if self.mask is not None else None
-    out_dtype = (inputs.dtype if self.preferred_element_type is None
-                 else self.preferred_element_type)
-
-    def sparse(inputs, kernel):
-      y = sparse_dot(inputs, kernel, mask, gradient=self.gradient,
-                     transposable=self.transposable,
-                     implementation=self.implementation, precision=self.precision)
-      return y.astype(out_dtype)
-
-    def dense(inputs, kernel):
-      return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                                 precision=self.precision,
-                                 preferred_element_type=self.preferred_element_type)
-
-    if self.active is None:
-      y = sparse(inputs, kernel)
-    else:
-      y = jax.lax.cond(self.active[...], sparse, dense, inputs, kernel)
-    if bias is not None:
-      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return y
+    return sparse_dense_forward(
+        inputs, kernel, bias,
+        self.mask.get_value() if self.mask is not None else None,
+        self.active[...] if self.active is not None else None,
+        gradient=self.gradient, transposable=self.transposable,
+        implementation=self.implementation, precision=self.precision,
+        preferred_element_type=self.preferred_element_type)
 
 
 def rebuild_masks(model: nnx.Module) -> None:

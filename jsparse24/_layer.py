@@ -1,0 +1,36 @@
+"""The forward pass shared by the Linen and NNX sparse dense layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jsparse24._format import Mask24
+from jsparse24._ops import sparse_dot
+
+
+def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                         mask: Mask24 | None, active: jax.Array | None, *,
+                         gradient: str, transposable: bool, implementation: str | None,
+                         precision: Any, preferred_element_type: Any = None) -> jax.Array:
+  """`inputs @ (kernel * mask) + bias`; the plain dense product while `active`
+  is False (dense phases of a schedule). `mask=None, active=None` prunes
+  `kernel` by magnitude now. Inputs are already promoted to one dtype."""
+  out_dtype = inputs.dtype if preferred_element_type is None else preferred_element_type
+
+  def sparse(inputs, kernel):
+    y = sparse_dot(inputs, kernel, mask, gradient=gradient, transposable=transposable,
+                   implementation=implementation, precision=precision)
+    return y.astype(out_dtype)
+
+  def dense(inputs, kernel):
+    return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                               precision=precision,
+                               preferred_element_type=preferred_element_type)
+
+  y = sparse(inputs, kernel) if active is None else jax.lax.cond(active, sparse, dense, inputs, kernel)
+  if bias is not None:
+    y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+  return y
