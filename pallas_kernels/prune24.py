@@ -76,7 +76,7 @@ def _block_lanes_strided(w_ref) -> list[list[jax.Array]]:
 
 
 def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
-  """The exact best 4x4 pattern per block -> bool `[R, C]` keep tile.
+  """The exact best 4x4 pattern per block -> 0/1 int32 `[R, C]` keep tile.
 
   Same order and arithmetic as jsparse24._prune._prune_transposable: most
   kept non-finite elements, then the float32 per-row sum of kept finite
@@ -124,6 +124,8 @@ def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
   code = jnp.broadcast_to(jnp.asarray(candidates[0][2], jnp.int32), pair_sum[0][0].shape)
   best_q = [(code >> (3 * r)) & 7 for r in range(4)]
 
+  # Shuffle 0/1 int32 tiles, not bools: Triton handles i1 tensors poorly in
+  # joins and transposes.
   keep_cols = []
   for c in range(4):
     keep_rows = []
@@ -131,9 +133,9 @@ def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
       hit = functools.reduce(
           jnp.logical_or,
           [best_q[r] == q for q, pair in enumerate(_tiles.PAIRS) if c in pair])
-      keep_rows.append(hit.T)  # [C/4, R/4]
+      keep_rows.append(hit.astype(jnp.int32).T)  # [C/4, R/4]
     keep_cols.append(_tiles.join_lanes(keep_rows).T)  # [R, C/4]
-  return _tiles.join_lanes(keep_cols)
+  return _tiles.join_lanes(keep_cols)  # int32 0/1 [R, C]
 
 
 def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
@@ -147,10 +149,10 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
   values_t_ref, meta_t_ref = rest
   lanes = _block_lanes_strided(w_ref) if strided_lanes else _block_lanes_split(w)
   keep = _transposable_keep(lanes)
-  values, meta = _tiles.compress_rows(w.T, _tiles.split_lanes(keep.T, 8))
+  values, meta = _tiles.compress_rows(w.T, [k != 0 for k in _tiles.split_lanes(keep.T, 8)])
   values_ref[...] = values
   meta_ref[...] = meta
-  values_t, meta_t = _tiles.compress_rows(w, _tiles.split_lanes(keep, 8))
+  values_t, meta_t = _tiles.compress_rows(w, [k != 0 for k in _tiles.split_lanes(keep, 8)])
   values_t_ref[...] = values_t
   meta_t_ref[...] = meta_t
 
@@ -162,8 +164,8 @@ def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool):
   values_ref[...] = values
   if transposed:
     values_t_ref, meta_t_ref = rest
-    keep = _tiles.join_lanes(keep_lanes).T  # [bk, bn]
-    values_t, meta_t = _tiles.compress_rows(w, _tiles.split_lanes(keep, 8))
+    keep = _tiles.join_lanes([k.astype(jnp.int32) for k in keep_lanes]).T  # [bk, bn]
+    values_t, meta_t = _tiles.compress_rows(w, [k != 0 for k in _tiles.split_lanes(keep, 8)])
     values_t_ref[...] = values_t
     meta_t_ref[...] = meta_t
 
