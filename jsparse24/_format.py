@@ -24,6 +24,7 @@ element), plus the dense shape and whether it is transposable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -191,6 +192,7 @@ def compress(
   return backends.select_compress(implementation, w).compress(w, mask, transposed)
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def compress_reference(w: jax.Array, mask: "jax.Array | Mask24 | None",
                        transposed: bool) -> Sparse24:
   """The plain-jnp `compress` (arguments already checked)."""
@@ -262,9 +264,8 @@ class Mask24:
 
   @classmethod
   def from_weights(cls, w: Float[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
-    """`Mask24.pack(prune_24(w, transposable=...))`."""
-    return cls.pack(prune_24(w, axis=-2, transposable=transposable),
-                    transposable=transposable)
+    """`Mask24.pack(prune_24(w, transposable=...))`, as one compiled program."""
+    return _mask_from_weights(w, transposable)
 
   def meta(self) -> jax.Array:
     """The mask as `Sparse24` metadata, `uint8[..., N, ceil(K/8)]`."""
@@ -282,3 +283,9 @@ class Mask24:
   @property
   def nbytes(self) -> int:
     return int(np.prod(self.packed.shape))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _mask_from_weights(w: jax.Array, transposable: bool) -> Mask24:
+  return Mask24.pack(prune_24(w, axis=-2, transposable=transposable),
+                     transposable=transposable)

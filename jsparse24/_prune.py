@@ -26,6 +26,7 @@ count as 0; a sum that overflows is +inf and ties); (3) ties go to the first pat
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -96,6 +97,9 @@ def _keep_two_of_four(key: jax.Array) -> jax.Array:
   return jnp.stack(keep, axis=-1)
 
 
+# The implementations are jitted so that eager calls (model init, mask
+# rebuilds outside jit) run one compiled program, not dozens of small ones.
+@functools.partial(jax.jit, static_argnums=1)
 def _prune_plain(w: jax.Array, axis: int) -> jax.Array:
   wt = jnp.moveaxis(w, axis, -1)
   groups = wt.reshape(wt.shape[:-1] + (wt.shape[-1] // 4, 4))
@@ -103,6 +107,7 @@ def _prune_plain(w: jax.Array, axis: int) -> jax.Array:
   return jnp.moveaxis(keep.reshape(wt.shape), -1, axis)
 
 
+@jax.jit
 def _prune_transposable(w: jax.Array) -> jax.Array:
   *lead, rows, cols = w.shape
   blocks = w.reshape(*lead, rows // 4, 4, cols // 4, 4)

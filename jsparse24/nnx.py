@@ -36,9 +36,6 @@ from jsparse24._layer import sparse_dense_forward
 from jsparse24.linen import SparsityOptions
 
 
-# One compiled program instead of dozens of eagerly dispatched ops (each
-# compiled anew for every kernel shape): several times faster model construction.
-_mask_from_weights = jax.jit(Mask24.from_weights, static_argnames="transposable")
 
 
 class SparsityMask(nnx.Variable):
@@ -131,7 +128,7 @@ class SparseLinear(nnx.Module):
     self.mask: SparsityMask | None
     self.active: SparsityMask | None
     if mask_source == "collection":
-      self.mask = SparsityMask(_mask_from_weights(self.kernel[...], transposable=transposable))
+      self.mask = SparsityMask(Mask24.from_weights(self.kernel[...], transposable=transposable))
       self.active = SparsityMask(jnp.array(True))
     else:
       self.mask = nnx.data(None)
@@ -180,8 +177,8 @@ def rebuild_masks(model: nnx.Module) -> None:
   for _, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and layer.mask is not None:
       old = layer.mask.get_value()
-      layer.mask.set_value(_mask_from_weights(layer.kernel[...],
-                                              transposable=old.transposable))
+      layer.mask.set_value(Mask24.from_weights(layer.kernel[...],
+                                               transposable=old.transposable))
 
 
 def masks_state(model: nnx.Module) -> nnx.State:
