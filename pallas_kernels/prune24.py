@@ -203,6 +203,25 @@ def _with_pad_code(meta: jax.Array, length: int) -> jax.Array:
   return meta.at[:, -1].set((meta[:, -1] & 0xF) | 0x40)
 
 
+def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool):
+  """Output shapes and block specs on the padded `wp[Kp, Np]` (grid (i over
+  K tiles, j over N tiles)): values `[Np, Kp/2]`, then meta `[Np, Kp/8]` if
+  `meta`, then values_t `[Kp, Np/2]` and meta_t `[Kp, Np/8]` if `transposed`."""
+  kp, np_ = wp.shape
+  bk, bn = cfg.block_k, cfg.block_n
+  shapes = [jax.ShapeDtypeStruct((np_, kp // 2), wp.dtype)]
+  specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i))]
+  if meta:
+    shapes.append(jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8))
+    specs.append(pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)))
+  if transposed:
+    shapes += [jax.ShapeDtypeStruct((kp, np_ // 2), wp.dtype),
+               jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
+    specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
+              pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
+  return shapes, specs
+
+
 def _fit(config: PruneConfig, k: int, n: int) -> PruneConfig:
   """Shrinks tiles for small inputs (never below 8: a byte packs 2 groups)."""
   bk = min(config.block_k, max(8, pl.next_power_of_2(k)))
@@ -227,15 +246,7 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
-  out_shape = [jax.ShapeDtypeStruct((np_, kp // 2), w.dtype),
-               jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8)]
-  out_specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i)),
-               pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))]
-  if transposable:
-    out_shape += [jax.ShapeDtypeStruct((kp, np_ // 2), w.dtype),
-                  jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
-    out_specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
-                  pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
+  out_shape, out_specs = _outputs(wp, cfg, meta=True, transposed=transposable)
   outs = pl.pallas_call(
       functools.partial(_prune_kernel, transposable=transposable,
                         strided_lanes=cfg.strided_lanes),
@@ -278,13 +289,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   # Padding groups get the padding code 0x4 (indices 0, 1) on zero weights.
   mp = jnp.pad(meta, ((0, np_ - n), (0, kp // 8 - meta.shape[1])),
                constant_values=0x44)
-  out_shape = [jax.ShapeDtypeStruct((np_, kp // 2), w.dtype)]
-  out_specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i))]
-  if transposed:
-    out_shape += [jax.ShapeDtypeStruct((kp, np_ // 2), w.dtype),
-                  jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
-    out_specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
-                  pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
+  out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed)
   outs = pl.pallas_call(
       functools.partial(_apply_kernel, transposed=transposed),
       out_shape=out_shape,
