@@ -81,3 +81,15 @@ def check_24_groups(fn: str, mask: Any, axis: int) -> None:
         f" {int(counts[tuple(bad[0])])}). Build masks with"
         f" jsparse24.prune_24."
     )
+
+
+def check_dense_mask(fn: str, mask: Any, w_shape: tuple[int, ...], both_axes: bool) -> jax.Array:
+  """A bool mask shaped like `w`, 2:4 along axis -2 (and -1 if `both_axes`)
+  when concrete; returns it as an array."""
+  mask = jnp.asarray(mask)
+  check_mask_dtype(fn, mask)
+  check_same_shape(fn, "mask", mask.shape, w_shape, "w")
+  check_24_groups(fn, mask, mask.ndim - 2)
+  if both_axes:
+    check_24_groups(fn, mask, mask.ndim - 1)
+  return mask

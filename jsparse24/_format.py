@@ -182,12 +182,7 @@ def compress(
     if transposed and not mask.transposable:
       raise ValueError(f"{fn}: transposed=True needs a transposable Mask24.")
   elif mask is not None:
-    mask = jnp.asarray(mask)
-    _checks.check_mask_dtype(fn, mask)
-    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
-    _checks.check_24_groups(fn, mask, w.ndim - 2)
-    if transposed:
-      _checks.check_24_groups(fn, mask, w.ndim - 1)
+    mask = _checks.check_dense_mask(fn, mask, w.shape, transposed)
   from jsparse24 import backends  # pylint: disable=g-import-not-at-top  (backends import this module)
   return backends.select_compress(implementation, w).compress(w, mask, transposed)
 

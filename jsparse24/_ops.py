@@ -123,17 +123,11 @@ def sparse_dot(
           f"{fn}: transposable={transposable} contradicts the Mask24, which"
           f" has transposable={mask.transposable}.")
     transposable = mask.transposable
-  elif mask is not None:
-    mask = jnp.asarray(mask)
-    _checks.check_mask_dtype(fn, mask)
-    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
-    _checks.check_24_groups(fn, mask, 0)
-    if transposable:
-      _checks.check_multiple_of_4(fn, "w", w.shape, 1, "N, for a transposable mask")
-      _checks.check_24_groups(fn, mask, 1)
   transposable = bool(transposable)
   if transposable:
     _checks.check_multiple_of_4(fn, "w", w.shape, 1, "N, for a transposable mask")
+  if mask is not None and not isinstance(mask, Mask24):
+    mask = _checks.check_dense_mask(fn, mask, w.shape, transposable)
 
   dtype = jnp.result_type(x.dtype, w.dtype)
   backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, transposable))
