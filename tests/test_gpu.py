@@ -63,3 +63,93 @@ def test_sparse_dot_pallas_forward_and_vjp(gradient, transposable):
     got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
     err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
     assert err < 1e-2, err
+
+
+# ---------------------------------------------------------------------------
+# The cuSPARSELt backend (sparse tensor cores, through the XLA FFI).
+# ---------------------------------------------------------------------------
+
+def _rel_err(got, ref):
+  got, ref = jnp.asarray(got, jnp.float32), jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+
+
+def _mask_for(kind, w):
+  """(mask argument, transposable argument) for sparse_dot."""
+  if kind == "mask24_t":
+    return jsparse24.Mask24.from_weights(w, transposable=True), None
+  if kind == "mask24":
+    return jsparse24.Mask24.from_weights(w), None
+  if kind == "dense_bool":
+    return jsparse24.prune_24(w), None
+  if kind == "none_t":
+    return None, True
+  return None, False
+
+
+def _fwd_bwd(impl, mask, transposable, gradient, x, w, dy):
+  f = lambda x, w: jsparse24.sparse_dot(  # noqa: E731
+      x, w, mask, gradient=gradient, transposable=transposable, implementation=impl)
+  y, vjp = jax.vjp(jax.jit(f), x, w)
+  return (y,) + vjp(dy)
+
+
+@pytest.mark.parametrize("kind", ["mask24_t", "mask24", "dense_bool", "none", "none_t"])
+@pytest.mark.parametrize("gradient", ["ste", "masked"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
+@pytest.mark.parametrize("m,k,n", [(100, 512, 256), (1, 64, 64), (257, 192, 320),
+                                   (4096, 1024, 2048)])
+def test_cusparselt_matches_reference(kind, gradient, dtype, tol, m, k, n):
+  key = jax.random.split(jax.random.key(m * 7 + k), 3)
+  x = jax.random.normal(key[0], (m, k), dtype)
+  w = jax.random.normal(key[1], (k, n), dtype)
+  dy = jax.random.normal(key[2], (m, n), dtype)
+  mask, transposable = _mask_for(kind, w)
+  got = _fwd_bwd("cusparselt", mask, transposable, gradient, x, w, dy)
+  ref = _fwd_bwd("xla", mask, transposable, gradient, x, w, dy)
+  for name, g, r in zip(("y", "dx", "dw"), got, ref):
+    assert g.shape == r.shape and g.dtype == r.dtype, name
+    assert _rel_err(g, r) < tol, (name, _rel_err(g, r))
+
+
+def test_cusparselt_under_vmap_checkpoint_pmap():
+  x = jax.random.normal(jax.random.key(0), (3, 40, 256), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (256, 128), jnp.bfloat16)
+  ws = jax.random.normal(jax.random.key(2), (3, 256, 128), jnp.bfloat16)
+  mask = jsparse24.Mask24.from_weights(w, transposable=True)
+
+  def loss(impl):
+    return lambda x, w: jnp.sum(jsparse24.sparse_dot(x, w, mask, implementation=impl) ** 2)
+
+  # vmap over activations (folds into M), remat, stacked weights, pmap.
+  cases = [
+      (jax.vmap(jax.grad(loss("cusparselt"), (0, 1)), (0, None)),
+       jax.vmap(jax.grad(loss("xla"), (0, 1)), (0, None)), (x, w)),
+      (jax.grad(jax.checkpoint(loss("cusparselt")), (0, 1)),
+       jax.grad(jax.checkpoint(loss("xla")), (0, 1)), (x, w)),
+  ]
+  stacked = lambda impl: jax.vmap(  # noqa: E731
+      lambda x, w: jsparse24.sparse_dot(x, w, transposable=True, implementation=impl))
+  cases.append((stacked("cusparselt"), stacked("xla"), (x, ws)))
+  pm = lambda impl: jax.pmap(jax.grad(loss(impl), (0, 1)), in_axes=(0, None))  # noqa: E731
+  n_dev = jax.local_device_count()
+  cases.append((pm("cusparselt"), pm("xla"), (jnp.broadcast_to(x[0], (n_dev, 40, 256)), w)))
+  for got_fn, ref_fn, args in cases:
+    got, ref = jax.jit(got_fn)(*args), jax.jit(ref_fn)(*args)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+      assert g.shape == r.shape
+      assert _rel_err(g, r) < 1e-2
+
+
+def test_cusparselt_rejects_unsupported_calls():
+  x = jnp.ones((8, 256), jnp.float32)
+  w = jnp.ones((256, 128), jnp.float32)
+  with pytest.raises(jsparse24.BackendUnavailableError, match="bfloat16 or float16"):
+    jsparse24.sparse_dot(x, w, implementation="cusparselt")
+  with pytest.raises(jsparse24.BackendUnavailableError, match="multiples of 64"):
+    jsparse24.sparse_dot(jnp.ones((8, 96), jnp.bfloat16), jnp.ones((96, 128), jnp.bfloat16),
+                         implementation="cusparselt")
+  with pytest.raises(jsparse24.BackendUnavailableError, match="opaque"):
+    jsparse24.compress(w.astype(jnp.bfloat16), implementation="cusparselt")
+  # float32 falls back to the next backend under implementation=None.
+  assert jsparse24.selected_implementation((8, 256), (256, 128), jnp.float32) != "cusparselt"

@@ -10,14 +10,14 @@ explicitly either runs or raises `BackendUnavailableError` / `ValueError`.
 from __future__ import annotations
 
 from jsparse24.backends.base import Backend, BackendUnavailableError, Problem
+from jsparse24.backends.cusparselt import CusparseltBackend
 from jsparse24.backends.pallas import PallasBackend
-from jsparse24.backends.unbuilt import UnbuiltBackend
 from jsparse24.backends.xla import XlaBackend
 
 BACKENDS: dict[str, Backend] = {
     "xla": XlaBackend(),
     "pallas": PallasBackend(),
-    "cusparselt": UnbuiltBackend("cusparselt", "cuSPARSELt through the XLA FFI"),
+    "cusparselt": CusparseltBackend(),
 }
 
 AUTO_ORDER = ("cusparselt", "pallas", "xla")
@@ -71,6 +71,10 @@ def select_compress(implementation: str | None, w) -> Backend:
         pass
     return BACKENDS["xla"]
   backend = select(implementation, problem)
+  if backend.no_sparse24_reason is not None:
+    raise BackendUnavailableError(
+        f"implementation={implementation!r} cannot build a Sparse24:"
+        f" {backend.no_sparse24_reason}")
   if implementation == "pallas" and w.ndim != 2:
     raise BackendUnavailableError(
         f"implementation='pallas' compresses 2-D weights [K, N]; got shape {w.shape}.")

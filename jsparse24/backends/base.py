@@ -37,6 +37,9 @@ class Backend(abc.ABC):
   """One implementation of the sparse product."""
 
   name: str
+  # Why `jsparse24.compress(..., implementation=name)` cannot use this backend
+  # (None: it can).
+  no_sparse24_reason: str | None = None
 
   def unavailable_reason(self) -> str | None:
     """None when this backend can run on this machine, else why not."""

@@ -1,0 +1,307 @@
+"""The `"cusparselt"` backend: NVIDIA cuSPARSELt on the sparse tensor cores,
+called through the XLA FFI (`cusparselt_ffi.cc`, built on first use by
+`_cusparselt_build`).
+
+Per training step, `prepare` applies (or finds) the mask and compresses `w`
+with the Pallas compress kernel -- one pass over `w` writing both the
+K-compressed copy and, for transposable masks, the N-compressed one -- and
+re-lays the result out in cuSPARSELt's compressed format (see
+`from_sparse24`). Both products, `y = x @ (w*m)` and `dx = dy @ (w*m)^T`, then
+run on the sparse tensor cores; `dw = x^T @ dy` is dense (XLA). Without a
+transposable mask, `dx` is a dense XLA product with the decompressed weight.
+
+The weight buffer `w[K, N]` (row-major, N contiguous) is cuSPARSELt's
+structured operand A, described as the column-major `N x K` matrix it already
+is: forward `y^T = op_N(A) x^T`, backward `dx^T = op_T(A) dy^T`, activations
+and results being the row-major JAX arrays read as column-major transposes.
+No transposed copy of `w` is ever materialised. M is padded to a multiple of
+16 inside each product.
+
+Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
+TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
+of compute capability 8.0+. The matmul plans and the algorithm that
+`cusparseLtMatmulSearch` picks on the first call of each shape are cached per
+process. Under `vmap`, a batch of activations against one weight folds into
+M; batched weights run one product per weight (`lax.map`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse24._format import Sparse24, decompress
+from jsparse24.backends import _cusparselt_build as build
+from jsparse24.backends.base import Backend, Problem
+from jsparse24.backends.pallas import PallasBackend
+from jsparse24.backends.xla import matmul as xla_matmul
+
+_DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
+# K and N must be multiples of this (cuSPARSELt's structured-matrix minimum
+# for 16-bit types is 32 x 64; 64 on both sides keeps transposable masks legal).
+ALIGN_KN = 64
+# M is padded to a multiple of this inside each product.
+PAD_M = 16
+# implementation=None takes this backend only where benchmarks/bench_cusparselt.py
+# measured the training step (masking and compression included) faster than
+# dense XLA on an H200: bfloat16, M (rows of x) >= AUTO_MIN_M, K and N >=
+# AUTO_MIN_KN (1.13-1.23x at M >= 8192; 1.00-1.02x at M = 4096; slower below).
+AUTO_MIN_M: int | None = 8192
+AUTO_MIN_KN = 4096
+# Who writes cuSPARSELt's compressed buffers in `prepare`: "jsparse24" (the
+# Pallas compress kernel + an XLA re-layout) or "cusparselt"
+# (cusparseLtSpMMACompress2 on the masked weight).
+COMPRESSOR = "jsparse24"
+_PALLAS = PallasBackend()
+# Per dtype: run cusparseLtMatmulSearch on the first call of each shape
+# (True), or use cuSPARSELt's default algorithm (False). With cuSPARSELt
+# 0.8.0 on an H200 the search hits an illegal instruction for float16 (one
+# of the algorithms it tries), so float16 keeps the default algorithm.
+SEARCH = {jnp.dtype(jnp.bfloat16): True, jnp.dtype(jnp.float16): False}
+
+
+def _search(dtype) -> int:
+  return int(SEARCH[jnp.dtype(dtype)])
+
+_COL = 1
+_N, _T = 0, 1
+
+
+@functools.cache
+def _load_or_reason() -> tuple[Any, str | None]:
+  try:
+    return build.load(), None
+  except build.BuildError as e:
+    return None, str(e)
+
+
+def _library():
+  lib, reason = _load_or_reason()
+  if lib is None:
+    raise build.BuildError(reason)
+  return lib
+
+
+def _device_ordinal() -> int:
+  return int(getattr(jax.local_devices()[0], "local_hardware_id", 0) or 0)
+
+
+@functools.cache
+def _compressed_size(dtype, k: int, n: int) -> int:
+  lib = _library()
+  size, buffer_size = ctypes.c_size_t(), ctypes.c_size_t()
+  msg = ctypes.create_string_buffer(1024)
+  if lib.jsp_cusparselt_compressed_size(_device_ordinal(), _DTYPE_CODES[jnp.dtype(dtype)], n, k,
+                                        _COL, ctypes.byref(size), ctypes.byref(buffer_size),
+                                        msg, len(msg)):
+    raise RuntimeError(f"cuSPARSELt: {msg.value.decode(errors='replace')}")
+  return size.value
+
+
+def compressed_size(dtype, k: int, n: int) -> int:
+  """Bytes of cuSPARSELt's compressed form of a `[K, N]` weight (either direction)."""
+  return _compressed_size(jnp.dtype(dtype), k, n)
+
+
+def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
+  """cuSPARSELt's compressed form of a 2:4-masked `[K, N]` weight: along K
+  for `x @ w` (transpose=False), along N for `dy @ w^T` (transpose=True; the
+  mask must be transposable). Entries outside the mask must be zero."""
+  k, n = masked.shape
+  size = compressed_size(masked.dtype, k, n)
+  call = jax.ffi.ffi_call("jsparse24_cusparselt_compress",
+                          jax.ShapeDtypeStruct((size,), jnp.uint8),
+                          vmap_method="sequential")
+  # The weight buffer w[K, N] is the column-major N x K structured matrix
+  # A; op N compresses along K (forward), op T along N (backward).
+  return call(masked, rows=np.int64(n), cols=np.int64(k), order=np.int64(_COL),
+              op=np.int64(_T if transpose else _N), sparse_a=np.int64(1))
+
+
+# --- cuSPARSELt's compressed layout, written from jsparse24's own kernels ---------
+#
+# Decoded from cusparseLtSpMMACompress2's output on an H200 (cuSPARSELt 0.8,
+# 16-bit types; tests/data/cusparselt_layout.npz keeps one recorded case): the
+# buffer is the kept values, then the metadata.
+#  * Values keep the dense buffer's memory order with the compressed axis
+#    halved: `[K/2, N]` for the forward operand (2:4 along K), `[K, N/2]` for
+#    the backward one (2:4 along N) -- our Sparse24 `values.T` and `values_t`.
+#  * Metadata: one 4-bit code `i0 | i1 << 2` per group of 4 (our code), for a
+#    matrix of R rows x G groups (forward: R = N, G = K/4; backward: R = K,
+#    G = N/4), in blocks of 64 rows x 8 groups = 256 bytes, blocks ordered
+#    row-block major. Inside a block, row r = 16*a + 8*h + b and group
+#    g = 4*c + d land in byte 64*a + 8*b + 2*d + c, in the low nibble when
+#    h = 0 and the high nibble when h = 1.
+# So one pass of the Pallas compress kernel (the mask applied and both copies
+# written at the byte floor) plus a small XLA re-layout replaces
+# cusparseLtSpMMACompress2, which is slower (benchmarks/NOTES.md).
+
+
+def _codes(meta: jax.Array, groups: int) -> jax.Array:
+  """`[R, ceil(G/2)]` packed nibbles (low = even group) -> `[R, G]` codes."""
+  both = jnp.stack([meta & 0xF, meta >> 4], axis=-1)
+  return both.reshape(meta.shape[0], -1)[:, :groups]
+
+
+def metadata_layout(codes: jax.Array) -> jax.Array:
+  """cuSPARSELt's metadata bytes for `[R, G]` 4-bit codes (R % 64 == 0, G % 8 == 0)."""
+  r, g = codes.shape
+  c = codes.reshape(r // 64, 4, 2, 8, g // 8, 2, 4)  # [rb, a, h, b, gb, c, d]
+  byte = c[:, :, 0] | (c[:, :, 1] << 4)  # [rb, a, b, gb, c, d]
+  return byte.transpose(0, 3, 1, 2, 5, 4).reshape(-1)
+
+
+def _buffer(values: jax.Array, codes: jax.Array) -> jax.Array:
+  raw = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(-1)
+  return jnp.concatenate([raw, metadata_layout(codes)])
+
+
+def from_sparse24(sp: Sparse24) -> tuple[jax.Array, jax.Array | None]:
+  """cuSPARSELt's compressed buffers (forward, and backward when `sp` has its
+  transposed copy) from a `[K, N]` Sparse24; byte-identical to
+  `compress(decompress(sp), ...)` when no kept value is zero."""
+  k, n = sp.shape
+  if k % ALIGN_KN or n % ALIGN_KN:
+    raise ValueError(f"cuSPARSELt layout: K={k} and N={n} must be multiples of {ALIGN_KN}")
+  fwd = _buffer(sp.values.T, _codes(sp.meta, k // 4))
+  bwd = _buffer(sp.values_t, _codes(sp.meta_t, n // 4)) if sp.has_transpose else None
+  return fwd, bwd
+
+
+def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> jax.Array:
+  m = x.shape[0]
+  pad = -m % PAD_M
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+  mp = m + pad
+  out = k if transpose else n  # columns of the result
+  inner = n if transpose else k  # contraction length
+  # Column-major GEMM D[out, M] = op(A)[out, inner] @ B[inner, M]: A is the
+  # structured W^T (N x K column-major: the w buffer), B = x^T and D = y^T
+  # (the row-major x and y buffers).
+  call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul",
+                          jax.ShapeDtypeStruct((mp, out), x.dtype))
+  y = call(c, x, m=np.int64(out), n=np.int64(mp), k=np.int64(inner),
+           op_a=np.int64(_T if transpose else _N), op_b=np.int64(_N), sparse_a=np.int64(1),
+           order_a=np.int64(_COL), order_b=np.int64(_COL), order_d=np.int64(_COL),
+           search=np.int64(_search(x.dtype)))
+  return y[:m] if pad else y
+
+
+@functools.cache
+def _batched_matmul(k: int, n: int, transpose: bool):
+  """`x[M, K] @ W` (or `x[M, N] @ W^T`) for compressed `c`, with a vmap rule:
+  batched activations fold into M; a batched weight maps one call per weight."""
+
+  @jax.custom_batching.custom_vmap
+  def mm(x, c):
+    return _matmul_2d(x, c, k, n, transpose)
+
+  @mm.def_vmap
+  def _rule(axis_size, in_batched, x, c):
+    x_batched, c_batched = in_batched
+    if not c_batched:
+      b, m = x.shape[0], x.shape[1]
+      y = mm(x.reshape(b * m, x.shape[2]), c)
+      return y.reshape(b, m, y.shape[-1]), True
+    if not x_batched:
+      x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    return jax.lax.map(lambda xc: mm(*xc), (x, c)), True
+
+  return mm
+
+
+def matmul(x: jax.Array, c: jax.Array, *, k: int, n: int, transpose: bool = False) -> jax.Array:
+  """`x @ (w*m)` (x `[M, K]`), or `x @ (w*m)^T` with transpose=True (x
+  `[M, N]`), from `c = compress(w*m, transpose=...)`; fp32 accumulation,
+  result in x's dtype."""
+  return _batched_matmul(k, n, transpose)(x, c)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """What the forward pass builds once and the backward pass reuses."""
+
+  fwd: jax.Array  # cuSPARSELt buffer, 2:4 along K
+  bwd: jax.Array | None  # cuSPARSELt buffer, 2:4 along N (transposable masks)
+  sparse: Sparse24  # jsparse24's form (dense dx without a transposed copy; the mask)
+
+
+jax.tree_util.register_dataclass(Operand, data_fields=["fwd", "bwd", "sparse"], meta_fields=[])
+
+
+class CusparseltBackend(Backend):
+  name = "cusparselt"
+  no_sparse24_reason = (
+      "jsparse24.compress returns the portable Sparse24 format, which the 'xla'"
+      " and 'pallas' backends build; cuSPARSELt's compressed layout is opaque"
+      " and is built inside sparse_dot(..., implementation='cusparselt')")
+
+  def unavailable_reason(self) -> str | None:
+    if jax.default_backend() != "gpu":
+      return (f"it needs an NVIDIA GPU (compute capability 8.0+) and JAX's default"
+              f" backend is {jax.default_backend()!r}")
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+      ok = cc is not None and float(cc) >= 8.0
+    except ValueError:
+      ok = False
+    if not ok:
+      return f"it needs an NVIDIA GPU of compute capability 8.0+, found {cc!r}"
+    return _load_or_reason()[1]
+
+  def check_supported(self, problem: Problem) -> None:
+    if problem.dtype not in _DTYPE_CODES:
+      raise NotImplementedError(
+          f"dtype {problem.dtype}: cuSPARSELt's 2:4 products take bfloat16 or float16"
+          f" (its float32 mode is 1:2 sparsity on TF32, which 2:4 masks do not fit)")
+    if problem.k % ALIGN_KN or problem.n % ALIGN_KN:
+      raise NotImplementedError(
+          f"K={problem.k}, N={problem.n}: the cusparselt backend needs K and N"
+          f" multiples of {ALIGN_KN}")
+
+  def prefers(self, problem: Problem) -> bool:
+    return (AUTO_MIN_M is not None and problem.m >= AUTO_MIN_M
+            and min(problem.k, problem.n) >= AUTO_MIN_KN
+            and problem.dtype == jnp.dtype(jnp.bfloat16))
+
+  def prepare(self, w, mask, transposable):
+    # The Pallas kernels apply (or find) the mask and write both compressed
+    # copies in one pass; from_sparse24 re-lays them out for cuSPARSELt.
+    # COMPRESSOR = "cusparselt" uses cusparseLtSpMMACompress2 instead (for
+    # the benchmarks' comparison).
+    sp = _PALLAS.compress(jax.lax.stop_gradient(w), mask, transposable)
+    if COMPRESSOR == "cusparselt":
+      masked = decompress(sp)
+      fwd = compress(masked, transpose=False)
+      bwd = compress(masked, transpose=True) if transposable else None
+    else:
+      fwd, bwd = from_sparse24(sp)
+    return Operand(fwd, bwd, sp)
+
+  def forward(self, x, operand: Operand, precision):
+    del precision  # cuSPARSELt accumulates in float32
+    k, n = operand.sparse.shape
+    return matmul(x, operand.fwd, k=k, n=n)
+
+  def backward_dx(self, dy, operand: Operand, precision):
+    k, n = operand.sparse.shape
+    if operand.bwd is not None:
+      return matmul(dy, operand.bwd, k=k, n=n, transpose=True)
+    return xla_matmul(dy, decompress(operand.sparse).T, precision)
+
+  def mask_grad(self, dw, operand: Operand):
+    return jnp.where(operand.sparse.mask(), dw, jnp.zeros((), dw.dtype))
+
+  def forward_compressed(self, x, sp: Sparse24, precision):
+    # A Sparse24 is the portable format; this re-lays it out for cuSPARSELt
+    # on every call (an XLA transpose of the values plus the metadata).
+    del precision
+    k, n = sp.shape
+    return matmul(x, from_sparse24(sp)[0], k=k, n=n)

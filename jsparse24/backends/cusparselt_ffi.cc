@@ -1,0 +1,456 @@
+// jsparse24's cuSPARSELt shim: XLA FFI handlers for 2:4 compression and the
+// sparse matmul, plus two C helpers that Python calls through ctypes.
+//
+// Built on first use by jsparse24/backends/_cusparselt_build.py (g++, the
+// cuSPARSELt and CUDA headers, XLA's FFI headers from jax.ffi.include_dir()).
+//
+// Everything that costs host time is cached per device for the life of the
+// process: the cuSPARSELt handle, the structured-matrix descriptors used by
+// compression, and the matmul plans (descriptors, algorithm selection, plan).
+// A plan built with search=1 runs cusparseLtMatmulSearch once, on its first
+// execution (with the real buffers), and keeps the algorithm it chose.
+// Cached objects are never destroyed: they live as long as the CUDA context,
+// and destroying them from a static destructor after CUDA has shut down
+// would crash at exit.
+//
+// Every CUDA / cuSPARSELt status is checked; a failure becomes an FFI error
+// that names the failing call.
+
+#include <cuda_runtime_api.h>
+#include <cusparseLt.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+std::string CsltMessage(const char* call, cusparseStatus_t status) {
+  const char* name = cusparseLtGetErrorName(status);
+  const char* text = cusparseLtGetErrorString(status);
+  return std::string(call) + " failed: " + (name ? name : "?") + " (" +
+         (text ? text : "") + ")";
+}
+
+std::string CudaMessage(const char* call, cudaError_t status) {
+  return std::string(call) + " failed: " + cudaGetErrorName(status) + " (" +
+         cudaGetErrorString(status) + ")";
+}
+
+// Calls FN(ARGS...) and returns an ffi::Error naming FN on failure. A string
+// message instead of an ffi::Error is produced by the *_MSG variants (used by
+// the helpers that return std::string errors).
+#define JSP_CSLT(fn, args)                                          \
+  do {                                                              \
+    cusparseStatus_t jsp_status_ = fn args;                         \
+    if (jsp_status_ != CUSPARSE_STATUS_SUCCESS)                     \
+      return ffi::Error::Internal(CsltMessage(#fn, jsp_status_));   \
+  } while (0)
+
+#define JSP_CSLT_MSG(fn, args)                                      \
+  do {                                                              \
+    cusparseStatus_t jsp_status_ = fn args;                         \
+    if (jsp_status_ != CUSPARSE_STATUS_SUCCESS)                     \
+      return CsltMessage(#fn, jsp_status_);                         \
+  } while (0)
+
+#define JSP_CUDA_MSG(fn, args)                                      \
+  do {                                                              \
+    cudaError_t jsp_status_ = fn args;                              \
+    if (jsp_status_ != cudaSuccess) return CudaMessage(#fn, jsp_status_); \
+  } while (0)
+
+// Makes `device` current for the scope (XLA normally has it current already).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) : device_(device) {}
+  std::string Enter() {
+    JSP_CUDA_MSG(cudaGetDevice, (&old_));
+    if (old_ != device_) {
+      JSP_CUDA_MSG(cudaSetDevice, (device_));
+      changed_ = true;
+    }
+    return "";
+  }
+  ~ScopedDevice() {
+    if (changed_) cudaSetDevice(old_);
+  }
+
+ private:
+  int device_;
+  int old_ = -1;
+  bool changed_ = false;
+};
+
+std::mutex g_mu;  // guards the three caches below (not the objects in them)
+
+std::map<int, std::unique_ptr<cusparseLtHandle_t>>& Handles() {
+  static auto* handles = new std::map<int, std::unique_ptr<cusparseLtHandle_t>>;
+  return *handles;
+}
+
+// The cuSPARSELt handle of `device` (created with that device current).
+std::string GetHandle(int device, const cusparseLtHandle_t** out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& handles = Handles();
+  auto it = handles.find(device);
+  if (it == handles.end()) {
+    ScopedDevice scoped(device);
+    std::string err = scoped.Enter();
+    if (!err.empty()) return err;
+    auto handle = std::make_unique<cusparseLtHandle_t>();
+    JSP_CSLT_MSG(cusparseLtInit, (handle.get()));
+    it = handles.emplace(device, std::move(handle)).first;
+  }
+  *out = it->second.get();
+  return "";
+}
+
+cudaDataType_t ValueType(int dtype_code) {
+  return dtype_code == 0 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+cusparseOrder_t Order(int64_t order) {
+  return order == 0 ? CUSPARSE_ORDER_ROW : CUSPARSE_ORDER_COL;
+}
+
+cusparseOperation_t Op(int64_t op) {
+  return op == 0 ? CUSPARSE_OPERATION_NON_TRANSPOSE
+                 : CUSPARSE_OPERATION_TRANSPOSE;
+}
+
+int64_t LeadingDim(int64_t rows, int64_t cols, int64_t order) {
+  return order == 0 ? cols : rows;
+}
+
+// ---------------------------------------------------------------------------
+// Structured descriptors (compression) and sizes.
+
+using SparseKey = std::tuple<int, int, int64_t, int64_t, int64_t>;
+
+struct SparseDesc {
+  cusparseLtMatDescriptor_t desc;
+  size_t compressed_size = 0;
+  size_t buffer_size = 0;
+};
+
+std::map<SparseKey, std::unique_ptr<SparseDesc>>& SparseDescs() {
+  static auto* descs = new std::map<SparseKey, std::unique_ptr<SparseDesc>>;
+  return *descs;
+}
+
+std::string GetSparseDesc(int device, int dtype_code, int64_t rows,
+                          int64_t cols, int64_t order, const SparseDesc** out) {
+  const cusparseLtHandle_t* handle;
+  std::string err = GetHandle(device, &handle);
+  if (!err.empty()) return err;
+  std::lock_guard<std::mutex> lock(g_mu);
+  SparseKey key{device, dtype_code, rows, cols, order};
+  auto& descs = SparseDescs();
+  auto it = descs.find(key);
+  if (it == descs.end()) {
+    auto d = std::make_unique<SparseDesc>();
+    JSP_CSLT_MSG(cusparseLtStructuredDescriptorInit,
+                 (handle, &d->desc, rows, cols, LeadingDim(rows, cols, order),
+                  16, ValueType(dtype_code), Order(order),
+                  CUSPARSELT_SPARSITY_50_PERCENT));
+    JSP_CSLT_MSG(cusparseLtSpMMACompressedSize2,
+                 (handle, &d->desc, &d->compressed_size, &d->buffer_size));
+    it = descs.emplace(key, std::move(d)).first;
+  }
+  *out = it->second.get();
+  return "";
+}
+
+// ---------------------------------------------------------------------------
+// Matmul plans.
+
+// device, dtype, m, n, k, op_a, op_b, sparse_a, order_a, order_b, order_d, search
+using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+struct Plan {
+  cusparseLtMatDescriptor_t a, b, d;
+  cusparseLtMatmulDescriptor_t matmul;
+  cusparseLtMatmulAlgSelection_t alg;
+  cusparseLtMatmulPlan_t plan;
+  std::mutex search_mu;
+  bool searched = false;
+  int alg_id = -1;
+};
+
+std::map<PlanKey, std::unique_ptr<Plan>>& Plans() {
+  static auto* plans = new std::map<PlanKey, std::unique_ptr<Plan>>;
+  return *plans;
+}
+
+std::string InitMatrix(const cusparseLtHandle_t* handle,
+                       cusparseLtMatDescriptor_t* desc, bool structured,
+                       int64_t rows, int64_t cols, int64_t order,
+                       cudaDataType_t type) {
+  int64_t ld = LeadingDim(rows, cols, order);
+  if (structured) {
+    JSP_CSLT_MSG(cusparseLtStructuredDescriptorInit,
+                 (handle, desc, rows, cols, ld, 16, type, Order(order),
+                  CUSPARSELT_SPARSITY_50_PERCENT));
+  } else {
+    JSP_CSLT_MSG(cusparseLtDenseDescriptorInit,
+                 (handle, desc, rows, cols, ld, 16, type, Order(order)));
+  }
+  return "";
+}
+
+std::string GetPlan(const PlanKey& key, const cusparseLtHandle_t* handle,
+                    Plan** out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& plans = Plans();
+  auto it = plans.find(key);
+  if (it == plans.end()) {
+    auto [device, dtype_code, m, n, k, op_a, op_b, sparse_a, order_a, order_b,
+          order_d, search] = key;
+    (void)device;
+    (void)search;
+    cudaDataType_t type = ValueType(dtype_code);
+    auto p = std::make_unique<Plan>();
+    // D = op(A) op(B): op(A) is m x k, op(B) is k x n, D is m x n.
+    int64_t a_rows = op_a == 0 ? m : k, a_cols = op_a == 0 ? k : m;
+    int64_t b_rows = op_b == 0 ? k : n, b_cols = op_b == 0 ? n : k;
+    std::string err;
+    err = InitMatrix(handle, &p->a, sparse_a != 0, a_rows, a_cols, order_a, type);
+    if (!err.empty()) return err;
+    err = InitMatrix(handle, &p->b, sparse_a == 0, b_rows, b_cols, order_b, type);
+    if (!err.empty()) return err;
+    err = InitMatrix(handle, &p->d, false, m, n, order_d, type);
+    if (!err.empty()) return err;
+    JSP_CSLT_MSG(cusparseLtMatmulDescriptorInit,
+                 (handle, &p->matmul, Op(op_a), Op(op_b), &p->a, &p->b, &p->d,
+                  &p->d, CUSPARSE_COMPUTE_32F));
+    JSP_CSLT_MSG(cusparseLtMatmulAlgSelectionInit,
+                 (handle, &p->alg, &p->matmul, CUSPARSELT_MATMUL_ALG_DEFAULT));
+    JSP_CSLT_MSG(cusparseLtMatmulPlanInit, (handle, &p->plan, &p->matmul, &p->alg));
+    it = plans.emplace(key, std::move(p)).first;
+  }
+  *out = it->second.get();
+  return "";
+}
+
+int DtypeCode(ffi::DataType t) {
+  if (t == ffi::DataType::BF16) return 0;
+  if (t == ffi::DataType::F16) return 1;
+  return -1;
+}
+
+// ---------------------------------------------------------------------------
+// FFI handlers.
+
+ffi::Error CompressImpl(cudaStream_t stream, int32_t device,
+                        ffi::ScratchAllocator scratch, ffi::AnyBuffer dense,
+                        ffi::Result<ffi::Buffer<ffi::U8>> out, int64_t rows,
+                        int64_t cols, int64_t order, int64_t op,
+                        int64_t sparse_a) {
+  int dtype_code = DtypeCode(dense.element_type());
+  if (dtype_code < 0)
+    return ffi::Error::InvalidArgument(
+        "jsparse24 cuSPARSELt compress: dtype must be bfloat16 or float16");
+  if (static_cast<int64_t>(dense.element_count()) != rows * cols)
+    return ffi::Error::InvalidArgument(
+        "jsparse24 cuSPARSELt compress: the dense operand has " +
+        std::to_string(dense.element_count()) + " elements, expected " +
+        std::to_string(rows) + " x " + std::to_string(cols));
+  const cusparseLtHandle_t* handle;
+  std::string err = GetHandle(device, &handle);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  const SparseDesc* sd;
+  err = GetSparseDesc(device, dtype_code, rows, cols, order, &sd);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  if (out->size_bytes() != sd->compressed_size)
+    return ffi::Error::InvalidArgument(
+        "jsparse24 cuSPARSELt compress: output has " +
+        std::to_string(out->size_bytes()) + " bytes, cusparseLtSpMMACompressedSize2 says " +
+        std::to_string(sd->compressed_size));
+  // XLA's FFI allocator accepts alignments up to 16 bytes; its device
+  // allocations are 256-byte aligned anyway, as cuSPARSELt wants.
+  void* buffer = nullptr;
+  if (sd->buffer_size > 0) {
+    std::optional<void*> got = scratch.Allocate(sd->buffer_size, 16);
+    if (!got.has_value())
+      return ffi::Error::Internal(
+          "jsparse24 cuSPARSELt compress: could not allocate the " +
+          std::to_string(sd->buffer_size) + "-byte compression buffer");
+    buffer = *got;
+  }
+  JSP_CSLT(cusparseLtSpMMACompress2,
+           (handle, &sd->desc, static_cast<int>(sparse_a), Op(op),
+            dense.untyped_data(), out->typed_data(), buffer, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
+                      ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
+                      ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
+                      int64_t m, int64_t n, int64_t k, int64_t op_a,
+                      int64_t op_b, int64_t sparse_a, int64_t order_a,
+                      int64_t order_b, int64_t order_d, int64_t search) {
+  int dtype_code = DtypeCode(d->element_type());
+  if (dtype_code < 0)
+    return ffi::Error::InvalidArgument(
+        "jsparse24 cuSPARSELt matmul: dtype must be bfloat16 or float16");
+  const ffi::AnyBuffer& dense = sparse_a ? b : a;
+  if (dense.element_type() != d->element_type())
+    return ffi::Error::InvalidArgument(
+        "jsparse24 cuSPARSELt matmul: the dense operand and the result differ in dtype");
+  int64_t dense_count = sparse_a ? k * n : m * k;
+  if (static_cast<int64_t>(dense.element_count()) != dense_count ||
+      static_cast<int64_t>(d->element_count()) != m * n)
+    return ffi::Error::InvalidArgument(
+        "jsparse24 cuSPARSELt matmul: operand sizes do not match m, n, k");
+  const cusparseLtHandle_t* handle;
+  std::string err = GetHandle(device, &handle);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  PlanKey key{device, dtype_code, m, n, k, op_a, op_b, sparse_a,
+              order_a, order_b, order_d, search};
+  Plan* p;
+  err = GetPlan(key, handle, &p);
+  if (!err.empty()) return ffi::Error::Internal(err);
+
+  float alpha = 1.0f, beta = 0.0f;
+  cudaStream_t streams[1] = {stream};
+  auto workspace = [&](void** ws) -> ffi::Error {
+    size_t size = 0;
+    JSP_CSLT(cusparseLtMatmulGetWorkspace, (handle, &p->plan, &size));
+    *ws = nullptr;
+    if (size > 0) {
+      std::optional<void*> got = scratch.Allocate(size, 16);
+      if (!got.has_value())
+        return ffi::Error::Internal(
+            "jsparse24 cuSPARSELt matmul: could not allocate the " +
+            std::to_string(size) + "-byte workspace");
+      *ws = *got;
+    }
+    return ffi::Error::Success();
+  };
+  if (search != 0) {
+    std::lock_guard<std::mutex> lock(p->search_mu);
+    if (!p->searched) {
+      void* ws;
+      ffi::Error e = workspace(&ws);
+      if (e.failure()) return e;
+      JSP_CSLT(cusparseLtMatmulSearch,
+               (handle, &p->plan, &alpha, a.untyped_data(), b.untyped_data(),
+                &beta, d->untyped_data(), d->untyped_data(), ws, streams, 1));
+      JSP_CSLT(cusparseLtMatmulAlgGetAttribute,
+               (handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &p->alg_id,
+                sizeof(p->alg_id)));
+      p->searched = true;
+    }
+  }
+  void* ws;
+  ffi::Error e = workspace(&ws);
+  if (e.failure()) return e;
+  JSP_CSLT(cusparseLtMatmul,
+           (handle, &p->plan, &alpha, a.untyped_data(), b.untyped_data(), &beta,
+            d->untyped_data(), d->untyped_data(), ws, streams, 1));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspCusparseltCompress, CompressImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("order")
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("sparse_a"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspCusparseltMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("m")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("op_a")
+                                  .Attr<int64_t>("op_b")
+                                  .Attr<int64_t>("sparse_a")
+                                  .Attr<int64_t>("order_a")
+                                  .Attr<int64_t>("order_b")
+                                  .Attr<int64_t>("order_d")
+                                  .Attr<int64_t>("search"));
+
+namespace {
+
+int Report(const std::string& err, char* msg, size_t msg_len) {
+  if (err.empty()) return 0;
+  if (msg != nullptr && msg_len > 0) std::snprintf(msg, msg_len, "%s", err.c_str());
+  return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The bytes of a compressed [rows, cols] matrix (`order` 0 = row-major,
+// 1 = column-major; dtype_code 0 = bfloat16, 1 = float16) and of the
+// temporary buffer its compression needs. Returns 0, or 1 with `msg` set.
+int jsp_cusparselt_compressed_size(int device, int dtype_code, int64_t rows,
+                                   int64_t cols, int64_t order, size_t* size,
+                                   size_t* buffer_size, char* msg,
+                                   size_t msg_len) {
+  const SparseDesc* sd;
+  std::string err = GetSparseDesc(device, dtype_code, rows, cols, order, &sd);
+  if (err.empty()) {
+    *size = sd->compressed_size;
+    *buffer_size = sd->buffer_size;
+  }
+  return Report(err, msg, msg_len);
+}
+
+// cuSPARSELt's version as major * 1000000 + minor * 100 + patch (the encoding
+// of CUSPARSELT_VERSION since 0.10; no device needed).
+int jsp_cusparselt_version(int* version, char* msg, size_t msg_len) {
+  int major = 0, minor = 0, patch = 0;
+  cusparseStatus_t s = cusparseLtGetProperty(MAJOR_VERSION, &major);
+  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(MINOR_VERSION, &minor);
+  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(PATCH_LEVEL, &patch);
+  if (s != CUSPARSE_STATUS_SUCCESS)
+    return Report(CsltMessage("cusparseLtGetProperty", s), msg, msg_len);
+  *version = major * 1000000 + minor * 100 + patch;
+  return 0;
+}
+
+// The algorithm id cusparseLtMatmulSearch chose for a plan (-1: not searched
+// yet or no such plan), for benchmarks and reports.
+int jsp_cusparselt_searched_alg(int device, int dtype_code, int64_t m, int64_t n,
+                                int64_t k, int64_t op_a, int64_t op_b,
+                                int64_t sparse_a, int64_t order_a,
+                                int64_t order_b, int64_t order_d) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  PlanKey key{device, dtype_code, m, n, k, op_a, op_b, sparse_a,
+              order_a, order_b, order_d, 1};
+  auto it = Plans().find(key);
+  if (it == Plans().end()) return -1;
+  std::lock_guard<std::mutex> search_lock(it->second->search_mu);
+  return it->second->searched ? it->second->alg_id : -1;
+}
+
+}  // extern "C"

@@ -1,0 +1,171 @@
+"""The parts of the cuSPARSELt backend that need no GPU: the compressed layout
+(against bytes recorded from cusparseLtSpMMACompress2 on an H200), building
+the FFI shim from pip-installed headers, the build's error messages, and the
+dispatch rules. The products themselves are tested in tests/test_gpu.py."""
+
+import pathlib
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse24
+from jsparse24 import backends
+from jsparse24.backends import _cusparselt_build as build
+from jsparse24.backends import cusparselt
+from jsparse24.backends.pallas import interpret_mode
+
+DATA = pathlib.Path(__file__).parent / "data" / "cusparselt_layout.npz"
+
+
+def _recorded():
+  d = np.load(DATA)
+  w = jax.lax.bitcast_convert_type(jnp.asarray(d["w_bits"]), jnp.float16)
+  k, n = w.shape
+  mask = np.unpackbits(d["mask_bits"])[: k * n].reshape(k, n).astype(bool)
+  return w, mask, d["fwd"], d["bwd"]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_layout_matches_recorded_cusparselt_bytes(implementation):
+  w, mask, fwd, bwd = _recorded()
+  with interpret_mode():
+    sp = jsparse24.compress(w, mask, transposed=True, implementation=implementation)
+  got_fwd, got_bwd = cusparselt.from_sparse24(sp)
+  np.testing.assert_array_equal(np.asarray(got_fwd), fwd)
+  np.testing.assert_array_equal(np.asarray(got_bwd), bwd)
+  # Without the transposed copy there is no backward buffer.
+  assert cusparselt.from_sparse24(jsparse24.compress(w, mask))[1] is None
+
+
+def test_metadata_layout_is_a_permutation_of_nibbles():
+  rng = np.random.default_rng(0)
+  r, g = 192, 48
+  codes = rng.integers(0, 16, (r, g), dtype=np.uint8)
+  out = np.asarray(cusparselt.metadata_layout(jnp.asarray(codes)))
+  assert out.shape == (r * g // 2,)
+  nibbles = np.concatenate([out & 0xF, out >> 4])
+  np.testing.assert_array_equal(np.sort(nibbles), np.sort(codes.reshape(-1)))
+  # Spot-check the rule: row 16a + 8h + b, group 4c + d -> byte 64a + 8b + 2d + c
+  # of its 64x8 block, nibble h; blocks row-block major.
+  for row, grp in [(0, 0), (9, 5), (63, 7), (64, 8), (150, 45), (191, 47)]:
+    rb, rr = divmod(row, 64)
+    gb, gg = divmod(grp, 8)
+    a, h, b = rr // 16, (rr // 8) % 2, rr % 8
+    c, d = gg // 4, gg % 4
+    byte = (rb * (g // 8) + gb) * 256 + 64 * a + 8 * b + 2 * d + c
+    assert (out[byte] >> (4 * h)) & 0xF == codes[row, grp]
+
+
+def test_from_sparse24_rejects_unaligned_shapes():
+  w = jnp.ones((96, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiples of 64"):
+    cusparselt.from_sparse24(jsparse24.compress(w))
+
+
+# ---------------------------------------------------------------------------
+# Building the shim.
+# ---------------------------------------------------------------------------
+
+_LINUX_X86 = platform.system() == "Linux" and platform.machine() == "x86_64"
+
+
+@pytest.mark.skipif(not _LINUX_X86, reason="the test extra installs the CUDA header wheels on Linux x86-64 only")
+def test_shim_builds_from_pip_headers_and_loads(tmp_path):
+  toolchain = build.find_toolchain()
+  path = build.build(toolchain, tmp_path)
+  assert path.is_file() and path.stat().st_size > 0
+  # Cached: a second build with the same inputs returns the same file untouched.
+  mtime = path.stat().st_mtime_ns
+  assert build.build(toolchain, tmp_path) == path and path.stat().st_mtime_ns == mtime
+  import ctypes  # pylint: disable=g-import-not-at-top
+  lib = ctypes.CDLL(str(path))
+  for symbol in list(build.TARGETS.values()) + ["jsp_cusparselt_compressed_size",
+                                                 "jsp_cusparselt_version"]:
+    assert hasattr(lib, symbol), symbol
+  lib.jsp_cusparselt_version.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
+  assert build.version(lib).startswith("0.")
+
+
+def test_build_error_without_compiler(monkeypatch):
+  monkeypatch.setenv("CXX", "/nonexistent/c++")
+  monkeypatch.setattr(build.shutil, "which", lambda name: None)
+  with pytest.raises(build.BuildError, match=r"no C\+\+ compiler found .*set CXX, or install g\+\+"):
+    build.find_toolchain()
+
+
+def test_build_error_without_headers(monkeypatch, tmp_path):
+  monkeypatch.setattr(build, "search_roots", lambda: [tmp_path])
+  with pytest.raises(build.BuildError, match=r"cuSPARSELt header cusparseLt.h not found .*jsparse24\[cuda\]"):
+    build.find_toolchain()
+
+
+def test_build_error_without_library(monkeypatch, tmp_path):
+  (tmp_path / "include" / "crt").mkdir(parents=True)
+  for name in ("cusparseLt.h", "cuda_runtime_api.h", "crt/host_defines.h"):
+    (tmp_path / "include" / name).write_text("// cusparseLt_cusparse_stub.h\n")
+  monkeypatch.setattr(build, "search_roots", lambda: [tmp_path])
+  with pytest.raises(build.BuildError, match=r"cuSPARSELt library libcusparseLt.so not found"):
+    build.find_toolchain()
+  (tmp_path / "lib").mkdir()
+  (tmp_path / "lib" / "libcusparseLt.so.0").write_bytes(b"")
+  with pytest.raises(build.BuildError, match=r"CUDA runtime library libcudart.so not found"):
+    build.find_toolchain()
+
+
+def test_compile_error_is_reported_with_the_command(monkeypatch, tmp_path):
+  bad = tmp_path / "broken.cc"
+  bad.write_text("this is not C++\n")
+  monkeypatch.setattr(build, "_SOURCE", bad)
+  toolchain = build.Toolchain(compiler=build.shutil.which("c++") or "g++", include_dirs=(),
+                              cusparselt_library=str(tmp_path / "libcusparseLt.so"),
+                              cudart_library=str(tmp_path / "libcudart.so"),
+                              ffi_include_dir=str(tmp_path))
+  (tmp_path / "libcusparseLt.so").write_bytes(b"")
+  (tmp_path / "libcudart.so").write_bytes(b"")
+  with pytest.raises(build.BuildError, match=r"compiling the cuSPARSELt shim failed \(exit \d+\)\.\ncommand: .*broken\.cc"):
+    build.build(toolchain, tmp_path / "cache")
+  assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written library left
+
+
+# ---------------------------------------------------------------------------
+# Dispatch.
+# ---------------------------------------------------------------------------
+
+def _problem(m=4096, k=4096, n=4096, dtype=jnp.bfloat16, transposable=True):
+  return backends.Problem(m=m, k=k, n=n, dtype=jnp.dtype(dtype), transposable=transposable,
+                          platform="gpu")
+
+
+def test_check_supported_names_the_limits():
+  backend = cusparselt.CusparseltBackend()
+  backend.check_supported(_problem())
+  backend.check_supported(_problem(dtype=jnp.float16, m=1))
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16.*1:2"):
+    backend.check_supported(_problem(dtype=jnp.float32))
+  with pytest.raises(NotImplementedError, match="K=96, N=4096.*multiples of 64"):
+    backend.check_supported(_problem(k=96))
+  with pytest.raises(NotImplementedError, match="multiples of 64"):
+    backend.check_supported(_problem(n=4100))
+
+
+def test_prefers_only_measured_shapes(monkeypatch):
+  backend = cusparselt.CusparseltBackend()
+  monkeypatch.setattr(cusparselt, "AUTO_MIN_M", None)
+  assert not backend.prefers(_problem(m=1 << 20))
+  monkeypatch.setattr(cusparselt, "AUTO_MIN_M", 2048)
+  assert backend.prefers(_problem(m=2048)) and not backend.prefers(_problem(m=2047))
+  # Only the measured region: bfloat16, K and N of at least AUTO_MIN_KN.
+  assert not backend.prefers(_problem(m=2048, dtype=jnp.float16))
+  assert not backend.prefers(_problem(m=2048, k=1024))
+
+
+def test_unavailable_on_cpu_without_building(monkeypatch):
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks the CPU message")
+  monkeypatch.setattr(build, "load", lambda: pytest.fail("must not build on CPU"))
+  reason = cusparselt.CusparseltBackend().unavailable_reason()
+  assert "NVIDIA GPU" in reason and "'cpu'" in reason
+  assert jsparse24.selected_implementation((4096, 4096), (4096, 4096), jnp.bfloat16) == "xla"
