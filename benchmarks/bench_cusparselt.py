@@ -29,7 +29,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jsparse24
 from benchmarks import _common
@@ -106,7 +105,6 @@ def section_compress(ctx):
     a, b = ours(w, mask), theirs(w, mask)
     same = all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
     size = cslt.compressed_size(jnp.bfloat16, k, n)
-    t_mask = _common.bench(masked, w, mask)
     t_fwd = _common.bench(c_fwd, wm)
     t_bwd = _common.bench(c_bwd, wm)
     t_theirs = _common.bench(theirs, w, mask)

@@ -237,7 +237,6 @@ def load() -> ctypes.CDLL:
       ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p,
       ctypes.c_size_t]
   lib.jsp_cusparselt_version.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
-  lib.jsp_cusparselt_searched_alg.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 9
   return lib
 
 

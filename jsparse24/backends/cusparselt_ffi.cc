@@ -438,19 +438,4 @@ int jsp_cusparselt_version(int* version, char* msg, size_t msg_len) {
   return 0;
 }
 
-// The algorithm id cusparseLtMatmulSearch chose for a plan (-1: not searched
-// yet or no such plan), for benchmarks and reports.
-int jsp_cusparselt_searched_alg(int device, int dtype_code, int64_t m, int64_t n,
-                                int64_t k, int64_t op_a, int64_t op_b,
-                                int64_t sparse_a, int64_t order_a,
-                                int64_t order_b, int64_t order_d) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  PlanKey key{device, dtype_code, m, n, k, op_a, op_b, sparse_a,
-              order_a, order_b, order_d, 1};
-  auto it = Plans().find(key);
-  if (it == Plans().end()) return -1;
-  std::lock_guard<std::mutex> search_lock(it->second->search_mu);
-  return it->second->searched ? it->second->alg_id : -1;
-}
-
 }  // extern "C"
