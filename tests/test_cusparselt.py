@@ -169,3 +169,12 @@ def test_unavailable_on_cpu_without_building(monkeypatch):
   reason = cusparselt.CusparseltBackend().unavailable_reason()
   assert "NVIDIA GPU" in reason and "'cpu'" in reason
   assert jsparse24.selected_implementation((4096, 4096), (4096, 4096), jnp.bfloat16) == "xla"
+
+
+def test_auto_choice_checks_availability_only_for_shapes_it_would_take(monkeypatch):
+  # Asking whether cuSPARSELt is available builds its shim on a GPU, so the
+  # automatic choice must not ask for calls it would not take anyway.
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason",
+                      lambda self: pytest.fail("availability asked for a call it would not take"))
+  for problem in (_problem(m=16), _problem(dtype=jnp.float32, m=1 << 16)):
+    assert backends.select(None, problem).name != "cusparselt"

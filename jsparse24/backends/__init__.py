@@ -28,13 +28,13 @@ def select(implementation: str | None, problem: Problem) -> Backend:
   if implementation is None:
     for name in AUTO_ORDER:
       backend = BACKENDS[name]
-      if backend.unavailable_reason() is not None:
-        continue
+      # The cheap static checks first: availability may build something (the
+      # cuSPARSELt shim), which only calls the backend would take should pay.
       try:
         backend.check_supported(problem)
       except NotImplementedError:
         continue
-      if backend.prefers(problem):
+      if backend.prefers(problem) and backend.unavailable_reason() is None:
         return backend
     raise AssertionError("the xla backend supports every problem")
   if not isinstance(implementation, str) or implementation not in BACKENDS:
