@@ -1,8 +1,8 @@
 """The `"cusparselt"` backend against dense XLA and PyTorch's cuSPARSELt path.
 
-    PYTHONPATH=. python benchmarks/bench_cusparselt.py [--sections compress,forward,step,mlp,sweep]
+    PYTHONPATH=. python benchmarks/bench_cusparselt.py [--sections compress,forward,step,mlp,sweep,fp16]
 
-Sections (one run, side by side; bf16; tables go to benchmarks/results/<gpu>.md):
+Sections (one run, side by side; bf16 unless named; tables go to benchmarks/results/<gpu>.md):
   compress  `cusparseLtSpMMACompress2` alone, and the per-step masking and
             compression of `w` both ways (cuSPARSELt's Compress2 vs ours)
             against the byte floor (bytes / measured copy bandwidth), and
@@ -19,6 +19,7 @@ Sections (one run, side by side; bf16; tables go to benchmarks/results/<gpu>.md)
             examples/train_lm.py model at d_model 4096: forward + backward +
             SGD update, dense `nn.Dense` vs `jsparse24.SparseDense`, tokens/s.
   sweep     the training step over M at the three (K, N): where it pays.
+  fp16      float16 forward and training step (cuSPARSELt's default algorithm).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _rel_err(got, ref) -> float:
   return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
 
 
-def _weights(k, n, transposable=True):
-  w = jax.random.normal(jax.random.key(k * 31 + n), (k, n), jnp.bfloat16)
+def _weights(k, n, transposable=True, dtype=jnp.bfloat16):
+  w = jax.random.normal(jax.random.key(k * 31 + n), (k, n), dtype)
   return w, jsparse24.Mask24.from_weights(w, transposable=transposable)
 
 
@@ -103,14 +104,18 @@ def section_compress(ctx):
     ours, theirs = prepare_with("jsparse24"), prepare_with("cusparselt")
     wm = masked(w, mask)
     a, b = ours(w, mask), theirs(w, mask)
-    same = all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
+    bits = lambda t: jax.lax.bitcast_convert_type(t, jnp.uint16)  # noqa: E731
+    same = all(bool(jnp.array_equal(bits(x), bits(y))) for x, y in zip(a, b))
+    ours_fwd = jax.jit(lambda w, m: backend.prepare(w, m, False).fwd)
     size = cslt.compressed_size(jnp.bfloat16, k, n)
     t_fwd = _common.bench(c_fwd, wm)
     t_bwd = _common.bench(c_bwd, wm)
     t_theirs = _common.bench(theirs, w, mask)
     t_ours = _common.bench(ours, w, mask)
+    t_ours_fwd = _common.bench(ours_fwd, w, mask)
     floor_one = (w.nbytes + size) / ctx["bw"]
     floor_all = (w.nbytes + mask.packed.nbytes + 2 * size) / ctx["bw"]
+    floor_fwd = (w.nbytes + mask.packed.nbytes + size) / ctx["bw"]
     t_torch = float("nan")
     if torch is not None:
       from torch.sparse import to_sparse_semi_structured  # pylint: disable=g-import-not-at-top
@@ -124,22 +129,27 @@ def section_compress(ctx):
         print(f"torch to_sparse_semi_structured failed: {e!r}")
     rows.append([f"{k}x{n}", t_fwd * 1e3, t_bwd * 1e3, floor_one * 1e3,
                  t_theirs * 1e3, t_ours * 1e3, floor_all * 1e3, floor_all / t_ours,
-                 t_theirs / t_ours, "yes" if same else "NO", t_torch * 1e3])
+                 t_theirs / t_ours, "yes" if same else "NO", t_ours_fwd * 1e3,
+                 floor_fwd * 1e3, t_torch * 1e3])
     print(f"compress {k}x{n}: Compress2 along K {t_fwd*1e3:.3f} ms, along N {t_bwd*1e3:.3f} ms"
           f" (floor {floor_one*1e3:.3f}); per step: mask+Compress2 x2 {t_theirs*1e3:.3f} ms,"
           f" ours {t_ours*1e3:.3f} ms (floor {floor_all*1e3:.3f}), identical bytes {same},"
+          f" ours forward copy only {t_ours_fwd*1e3:.3f} ms (floor {floor_fwd*1e3:.3f}),"
           f" torch w+w^T {t_torch*1e3:.3f} ms", flush=True)
   headers = ["W (KxN)", "Compress2 along K ms", "Compress2 along N ms", "floor one ms",
-             "per step: mask (XLA) + Compress2 both ms", "per step: ours (Pallas + re-layout) ms",
+             "per step: mask + Compress2 both ms", "per step: ours (Pallas + metadata) ms",
              "floor per step ms", "ours fraction of floor", "ours speedup over Compress2",
-             "identical bytes", "torch to_sparse_semi_structured w + w^T ms"]
+             "identical bytes", "ours, forward copy only ms", "its floor ms",
+             "torch to_sparse_semi_structured w + w^T ms"]
   return ("cuSPARSELt compression (per training step)",
           "Compress2 alone reads the masked dense weight and writes cuSPARSELt's"
           " compressed form. Per step with a stored transposable Mask24, the weight"
           " is masked and compressed both ways: with cuSPARSELt's own"
-          " `cusparseLtSpMMACompress2` (after an XLA masking pass), or with ours (the"
-          " Pallas compress kernel writing both copies, then an XLA re-layout into"
-          " cuSPARSELt's format). `identical bytes`: both give the same buffers."
+          " `cusparseLtSpMMACompress2` (after masking in the Pallas kernel and XLA), or with ours (the"
+          " Pallas compress kernel writing both copies' values in cuSPARSELt's format,"
+          " then the metadata written after them). `identical bytes`: both give the"
+          " same buffers. `forward copy only`: a plain Mask24 (what a forward pass"
+          " without a transposed copy compresses)."
           " Floors: bytes (read w + packed mask, write both compressed copies) /"
           " measured copy bandwidth.\n\n" + _common.table(headers, rows))
 
@@ -251,6 +261,40 @@ def section_step(ctx, shapes=SHAPES, sweep=False):
           " (plain rule, XLA) every step.\n\n" + _common.table(headers, rows))
 
 
+def section_fp16(ctx):
+  """float16 runs cuSPARSELt's default algorithm (cusparseLtMatmulSearch
+  crashes for float16 with cuSPARSELt 0.8.0 on an H200; see cusparselt.SEARCH)."""
+  rows = []
+  dt = jnp.float16
+  for m, k, n in SHAPES:
+    w, mask_t = _weights(k, n, transposable=True, dtype=dt)
+    mask = jsparse24.Mask24.from_weights(w)
+    x = jax.random.normal(jax.random.key(m + 1), (m, k), dt)
+    dy = jax.random.normal(jax.random.key(m + 3), (m, n), dt)
+    fwd_dense = jax.jit(lambda x, w: x @ w)
+    fwd_ours = jax.jit(lambda x, w, mk: jsparse24.sparse_dot(x, w, mk, implementation="cusparselt"))
+    t_fd = _common.bench(fwd_dense, x, w)
+    t_fo = _common.bench(fwd_ours, x, w, mask)
+    t_sd = _common.bench(_step("dense", None), x, w, dy)
+    ours_t = _step("cusparselt", mask_t)
+    got, ref = ours_t(x, w, dy), _step("xla", mask_t)(x, w, dy)
+    err = max(_rel_err(g, r) for g, r in zip(got, ref))
+    t_so = _common.bench(ours_t, x, w, dy)
+    rows.append([m, k, n, t_fd * 1e3, t_fo * 1e3, t_fd / t_fo, t_sd * 1e3, t_so * 1e3,
+                 t_sd / t_so, err])
+    print(f"fp16 {m}x{k}x{n}: forward dense {t_fd*1e3:.3f} ms, ours+mask+compress"
+          f" {t_fo*1e3:.3f} ms ({t_fd/t_fo:.2f}x); step dense {t_sd*1e3:.3f} ms, ours"
+          f" (transposable) {t_so*1e3:.3f} ms ({t_sd/t_so:.2f}x), err {err:.2e}", flush=True)
+  headers = ["M", "K", "N", "dense fwd ms", "ours fwd ms (+mask+compress)", "speedup",
+             "dense step ms", "ours step ms (transposable Mask24)", "speedup", "max rel err"]
+  return ("cuSPARSELt float16 (default algorithm)",
+          "float16 runs cuSPARSELt's default algorithm: `cusparseLtMatmulSearch` hits an"
+          " illegal instruction for float16 with cuSPARSELt 0.8.0 on an H200. Forward"
+          " with a plain Mask24, and the linear-layer training step with a transposable"
+          " one, masking and compression included; speedups over dense XLA in float16.\n\n"
+          + _common.table(headers, rows))
+
+
 def section_mlp(ctx, d_model=4096, batch=8, seq=2048):
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -305,7 +349,7 @@ def section_mlp(ctx, d_model=4096, batch=8, seq=2048):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sections", default="compress,forward,step,mlp,sweep")
+  p.add_argument("--sections", default="compress,forward,step,mlp,sweep,fp16")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   args = p.parse_args(argv)
   print(_common.environment(), flush=True)
@@ -321,7 +365,7 @@ def main(argv=None):
   print(head, flush=True)
   sections = {
       "compress": section_compress, "forward": section_forward, "step": section_step,
-      "mlp": section_mlp,
+      "mlp": section_mlp, "fp16": section_fp16,
       "sweep": lambda ctx: section_step(ctx, [(m, k, n) for _, k, n in SHAPES for m in SWEEP_MS],
                                         sweep=True),
   }

@@ -1,7 +1,13 @@
 """Sweeps the prune/compress kernels' tile configuration (a developer tool:
 calls `pallas_kernels` directly) and reports compile and run times.
 
-    PYTHONPATH=. python benchmarks/tune_prune.py [--size 16384] [--which plain,transposable,apply]
+    PYTHONPATH=. python benchmarks/tune_prune.py [--size 16384] [--which plain,transposable,apply,apply_t]
+        [--layout sparse24|cusparselt]
+
+apply = compress with a stored mask; apply_t also writes the transposed copy.
+With --layout cusparselt the values are written as cuSPARSELt holds them
+(pallas_kernels.prune24's module docstring); its sweep includes both ways of
+separating the row lanes (strided loads/stores, or register transposes).
 """
 
 from __future__ import annotations
@@ -13,11 +19,16 @@ import time
 import jax
 import jax.numpy as jnp
 
+import jsparse24
 from benchmarks import _common
 from pallas_kernels import prune24
 
 
-def _candidates(which: str) -> list[prune24.PruneConfig]:
+def _candidates(which: str, layout: str) -> list[prune24.PruneConfig]:
+  if layout == "cusparselt":
+    return [prune24.PruneConfig(bk, bn, warps, 1, strided)
+            for strided, (bk, bn), warps in itertools.product(
+                [True, False], [(128, 64), (64, 128), (256, 64), (64, 64)], [4, 8])]
   if which == "transposable":
     return [prune24.PruneConfig(bk, bn, warps, 1, strided)
             for strided, (bk, bn), warps in itertools.product(
@@ -29,7 +40,8 @@ def _candidates(which: str) -> list[prune24.PruneConfig]:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--size", type=int, default=16384)
-  p.add_argument("--which", default="plain,transposable,apply")
+  p.add_argument("--which", default="plain,transposable,apply,apply_t")
+  p.add_argument("--layout", default="sparse24", choices=prune24.LAYOUTS)
   p.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
   p.add_argument("--index", type=int, default=None, help="run only this candidate")
   args = p.parse_args(argv)
@@ -39,21 +51,25 @@ def main(argv=None):
   bw = _common.copy_bandwidth()
   w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
   meta = prune24.prune_compress(w)[1]
+  meta_t = jsparse24.Mask24.from_weights(w, transposable=True).meta()  # for apply_t
   for which in args.which.split(","):
     transposable = which == "transposable"
-    nbytes = 2 * k * n + (k * n + k * n // 8) * (2 if transposable else 1)
+    both = which in ("transposable", "apply_t")
+    nbytes = 2 * k * n + (k * n + k * n // 8) * (2 if both else 1)
     results = []
-    for i, cfg in enumerate(_candidates(which)):
+    for i, cfg in enumerate(_candidates(which, args.layout)):
       if args.index is not None and i != args.index:
         continue
       if time.time() - start > args.budget:
         print("budget spent", flush=True)
         break
-      if which == "apply":
-        f = jax.jit(lambda w, m, cfg=cfg: prune24.compress_with_meta(w, m, config=cfg))
-        call_args = (w, meta)
+      if which in ("apply", "apply_t"):
+        f = jax.jit(lambda w, m, cfg=cfg, t=which == "apply_t": prune24.compress_with_meta(
+            w, m, transposed=t, config=cfg, layout=args.layout))
+        call_args = (w, meta_t if which == "apply_t" else meta)
       else:
-        f = jax.jit(lambda w, cfg=cfg: prune24.prune_compress(w, transposable=transposable, config=cfg))
+        f = jax.jit(lambda w, cfg=cfg: prune24.prune_compress(
+            w, transposable=transposable, config=cfg, layout=args.layout))
         call_args = (w,)
       t0 = time.time()
       try:

@@ -80,23 +80,32 @@ def pick(lanes: list[jax.Array], idx: jax.Array) -> jax.Array:
   return out
 
 
+def compress_lanes(lanes: list[jax.Array], keep: list[jax.Array] | None):
+  """Compresses 8 lanes (two groups of 4: lanes 0-3, then 4-7), any tile shape.
+
+  `keep`: 8 bool lanes of the same shape, or None to prune by magnitude.
+  Returns (4 value slots: first and second kept of group 0, then of group 1;
+  meta uint8 = code0 | code1 << 4).
+  """
+  if keep is None:
+    keys = [magnitude_key(x) for x in lanes]
+    keep = keep_two_of_four(keys[:4]) + keep_two_of_four(keys[4:])
+  slots, codes = [], []
+  for g in (0, 4):
+    i0, i1 = first_last(keep[g:g + 4])
+    slots += [pick(lanes[g:g + 4], i0), pick(lanes[g:g + 4], i1)]
+    codes.append(i0 | (i1 << 2))
+  return slots, (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
+
+
 def compress_rows(w: jax.Array, keep: list[jax.Array] | None):
   """Compresses a `[R, C]` tile along its last axis (C a multiple of 8).
 
   `keep`: 8 bool lanes `[R, C/8]` (as from `split_lanes(mask, 8)`), or None
   to prune by magnitude. Returns (values `[R, C/2]`, meta uint8 `[R, C/8]`).
   """
-  lanes = split_lanes(w, 8)
-  if keep is None:
-    keys = [magnitude_key(x) for x in lanes]
-    keep = keep_two_of_four(keys[:4]) + keep_two_of_four(keys[4:])
-  values, codes = [], []
-  for g in (0, 4):
-    i0, i1 = first_last(keep[g:g + 4])
-    values += [pick(lanes[g:g + 4], i0), pick(lanes[g:g + 4], i1)]
-    codes.append(i0 | (i1 << 2))
-  meta = (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
-  return join_lanes(values), meta
+  slots, meta = compress_lanes(split_lanes(w, 8), keep)
+  return join_lanes(slots), meta
 
 
 def expand_rows(values: jax.Array, meta: jax.Array) -> jax.Array:

@@ -34,18 +34,27 @@ class PruneConfig:
   block_n: int = 64
   num_warps: int = 4
   num_stages: int = 1
-  # Transposable only: load the 16 lanes of the 4x4 blocks with strided loads
-  # (True) or separate them in registers after one contiguous load (False).
+  # Load the lanes of the tile with strided loads (True) or separate them in
+  # registers after one contiguous load (False): the 16 lanes of the 4x4
+  # blocks (transposable pruning), or the 8 row lanes of the K-compressed
+  # values (layout="cusparselt"; strided stores then interleave the slots).
   strided_lanes: bool = True
 
   @classmethod
-  def default(cls, k: int, n: int, kind: str) -> "PruneConfig":
-    """kind: "prune", "prune_transposable" or "apply" (compress with a mask).
-    The tiles were the fastest of a sweep on an H200 (benchmarks/NOTES.md)."""
+  def default(cls, k: int, n: int, kind: str, layout: str = "sparse24") -> "PruneConfig":
+    """kind: "prune", "prune_transposable", "apply" (compress with a mask) or
+    "apply_transposed" (and write the transposed copy). The tiles were the
+    fastest of a sweep on an H200 (benchmarks/NOTES.md)."""
     del k, n
+    if layout == "cusparselt":
+      if kind == "apply_transposed":
+        return cls(block_k=64, block_n=64, num_warps=8, strided_lanes=False)
+      if kind == "apply":
+        return cls(block_k=128, block_n=64, num_warps=8, strided_lanes=False)
+      return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
     if kind == "prune_transposable":
       return cls(block_k=32, block_n=64, num_warps=4)
-    if kind == "apply":
+    if kind in ("apply", "apply_transposed"):
       return cls(block_k=128, block_n=64, num_warps=8)
     return cls(block_k=128, block_n=32, num_warps=8)
 
@@ -138,8 +147,34 @@ def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
   return _tiles.join_lanes(keep_cols)  # int32 0/1 [R, C]
 
 
+def _row_lanes(w_ref) -> list[jax.Array]:
+  """The 8 row lanes `[bk/8, bn]` of a `[bk, bn]` tile (lane l = rows l,
+  l+8, ...), loaded with strided loads: groups of 4 along K are lanes 0-3
+  and 4-7, and every load is contiguous along N."""
+  bk = w_ref.shape[0]
+  return [w_ref[pl.ds(l, bk // 8, stride=8), :] for l in range(8)]
+
+
+def _store_k_major(values_ref, slots: list[jax.Array]) -> None:
+  """Stores 4 value slots `[bk/8, bn]` (from `compress_lanes` on row lanes)
+  as the K-compressed `[bk/2, bn]` tile: row 4r + s is slot s's row r."""
+  rows = values_ref.shape[0] // 4
+  for s, slot in enumerate(slots):
+    values_ref[pl.ds(s, rows, stride=4), :] = slot
+
+
 def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
-                  strided_lanes: bool):
+                  strided_lanes: bool, k_major: bool):
+  if k_major:  # layout="cusparselt" (never transposable)
+    if strided_lanes:
+      slots, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # meta [bk/8, bn]
+      _store_k_major(values_ref, slots)
+      meta_ref[...] = meta.astype(jnp.int32).T.astype(jnp.uint8)
+    else:
+      values, meta = _tiles.compress_rows(w_ref[...].T, None)
+      values_ref[...] = values.T
+      meta_ref[...] = meta
+    return
   w = w_ref[...]  # [bk, bn]
   if not transposable:
     values, meta = _tiles.compress_rows(w.T, None)
@@ -157,15 +192,22 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
   meta_t_ref[...] = meta_t
 
 
-def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool):
-  w = w_ref[...]  # [bk, bn]
-  keep_lanes = _tiles.keep_from_meta(meta_in_ref[...])  # 8 x [bn, bk/8]
-  values, _ = _tiles.compress_rows(w.T, keep_lanes)
-  values_ref[...] = values
+def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
+                  k_major: bool, strided_lanes: bool):
+  meta_in = meta_in_ref[...]  # [bn, bk/8]
+  if k_major and strided_lanes:
+    keep_kn = _tiles.keep_from_meta(meta_in.astype(jnp.int32).T)  # 8 x [bk/8, bn]
+    slots, _ = _tiles.compress_lanes(_row_lanes(w_ref), keep_kn)
+    _store_k_major(values_ref, slots)
+  else:
+    values, _ = _tiles.compress_rows(w_ref[...].T, _tiles.keep_from_meta(meta_in))
+    values_ref[...] = values.T if k_major else values
   if transposed:
     values_t_ref, meta_t_ref = rest
+    keep_lanes = _tiles.keep_from_meta(meta_in)  # 8 x [bn, bk/8]
     keep = _tiles.join_lanes([k.astype(jnp.int32) for k in keep_lanes]).T  # [bk, bn]
-    values_t, meta_t = _tiles.compress_rows(w, [k != 0 for k in _tiles.split_lanes(keep, 8)])
+    values_t, meta_t = _tiles.compress_rows(w_ref[...],
+                                            [k != 0 for k in _tiles.split_lanes(keep, 8)])
     values_t_ref[...] = values_t
     meta_t_ref[...] = meta_t
 
@@ -186,6 +228,29 @@ def _check_weight(fn: str, w: jax.Array, need_n4: bool) -> None:
         f" a transposable mask / transposed copy.")
 
 
+LAYOUTS = ("sparse24", "cusparselt")
+# layout="cusparselt": K and N must be multiples of this (cuSPARSELt's own
+# minimum for 16-bit structured operands, and whole 64 x 8-group metadata
+# blocks both ways).
+CUSPARSELT_ALIGN = 64
+
+
+def _check_layout(fn: str, w: jax.Array, layout: str) -> bool:
+  """Checks `layout` against `w`; True for layout="cusparselt"."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}.")
+  if layout == "sparse24":
+    return False
+  if w.dtype not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"{fn}: layout='cusparselt' takes bfloat16 or float16 weights"
+                    f" (cuSPARSELt's 2:4 formats), got {w.dtype}.")
+  k, n = w.shape
+  if k % CUSPARSELT_ALIGN or n % CUSPARSELT_ALIGN:
+    raise ValueError(f"{fn}: layout='cusparselt' needs K and N multiples of"
+                     f" {CUSPARSELT_ALIGN}, got w of shape {w.shape}.")
+  return True
+
+
 def _padded(w: jax.Array, bk: int, bn: int) -> jax.Array:
   """Zero-pads to whole tiles. Zero groups compress to code 0x4 (indices 0, 1),
   which is exactly the format's padding code, so slicing the outputs back
@@ -203,53 +268,77 @@ def _with_pad_code(meta: jax.Array, length: int) -> jax.Array:
   return meta.at[:, -1].set((meta[:, -1] & 0xF) | 0x40)
 
 
-def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool):
+def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
+             k_major: bool = False):
   """Output shapes and block specs on the padded `wp[Kp, Np]` (grid (i over
   K tiles, j over N tiles)): values `[Np, Kp/2]`, then meta `[Np, Kp/8]` if
-  `meta`, then values_t `[Kp, Np/2]` and meta_t `[Kp, Np/8]` if `transposed`."""
+  `meta`, then values_t `[Kp, Np/2]` and meta_t `[Kp, Np/8]` if `transposed`.
+  With `k_major` (layout="cusparselt"): values `[Kp/2 + Kp/16, Np]` and
+  values_t `[Kp + Kp/8, Np/2]`, the values in their leading rows."""
   kp, np_ = wp.shape
   bk, bn = cfg.block_k, cfg.block_n
-  shapes = [jax.ShapeDtypeStruct((np_, kp // 2), wp.dtype)]
-  specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i))]
+  if k_major:
+    shapes = [jax.ShapeDtypeStruct((kp // 2 + kp // 16, np_), wp.dtype)]
+    specs = [pl.BlockSpec((bk // 2, bn), lambda i, j: (i, j))]
+  else:
+    shapes = [jax.ShapeDtypeStruct((np_, kp // 2), wp.dtype)]
+    specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i))]
   if meta:
     shapes.append(jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8))
     specs.append(pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)))
   if transposed:
-    shapes += [jax.ShapeDtypeStruct((kp, np_ // 2), wp.dtype),
+    shapes += [jax.ShapeDtypeStruct((kp + (kp // 8 if k_major else 0), np_ // 2), wp.dtype),
                jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
     specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
               pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
   return shapes, specs
 
 
-def _fit(config: PruneConfig, k: int, n: int) -> PruneConfig:
-  """Shrinks tiles for small inputs (never below 8: a byte packs 2 groups)."""
-  bk = min(config.block_k, max(8, pl.next_power_of_2(k)))
-  bn = min(config.block_n, max(8, pl.next_power_of_2(n)))
+def _fit(config: PruneConfig, k: int, n: int, exact: bool = False) -> PruneConfig:
+  """Shrinks tiles for small inputs (never below 8: a byte packs 2 groups).
+  With `exact`, tiles also divide K and N (no padding: layout="cusparselt",
+  whose outputs are used whole)."""
+  if exact:
+    bk = min(config.block_k, k & -k)
+    bn = min(config.block_n, n & -n)
+  else:
+    bk = min(config.block_k, max(8, pl.next_power_of_2(k)))
+    bn = min(config.block_n, max(8, pl.next_power_of_2(n)))
   return dataclasses.replace(config, block_k=bk, block_n=bn)
 
 
-@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret", "layout"))
 def prune_compress(w: jax.Array, *, transposable: bool = False,
-                   config: PruneConfig | None = None, interpret: bool = False):
+                   config: PruneConfig | None = None, interpret: bool = False,
+                   layout: str = "sparse24"):
   """Prunes `w[K, N]` by magnitude (2:4 along K) and compresses, in one pass.
 
   Returns `(values [N, K/2], meta uint8[N, ceil(K/8)], values_t, meta_t)`;
   the last two are `[K, N/2]`, `uint8[K, ceil(N/8)]` with
-  `transposable=True`, else None.
+  `transposable=True`, else None. With layout="cusparselt" (bfloat16/float16,
+  K and N multiples of 64, not transposable) `values` is `[K/2 + K/16, N]`:
+  the values `[K/2, N]` in its first K/2 rows, the rest unwritten (see the
+  module docstring).
   """
   fn = "prune_compress"
   _check_weight(fn, w, transposable)
+  k_major = _check_layout(fn, w, layout)
+  if k_major and transposable:
+    raise NotImplementedError(
+        f"{fn}: layout='cusparselt' with transposable=True; find the mask first"
+        f" (jsparse24.Mask24.from_weights(w, transposable=True)) and use"
+        f" compress_with_meta.")
   k, n = w.shape
   cfg = _fit(config or PruneConfig.default(
-      k, n, "prune_transposable" if transposable else "prune"), k, n)
+      k, n, "prune_transposable" if transposable else "prune", layout), k, n, exact=k_major)
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
-  out_shape, out_specs = _outputs(wp, cfg, meta=True, transposed=transposable)
+  out_shape, out_specs = _outputs(wp, cfg, meta=True, transposed=transposable,
+                                  k_major=k_major)
   outs = pl.pallas_call(
       functools.partial(_prune_kernel, transposable=transposable,
-                        strided_lanes=cfg.strided_lanes),
+                        strided_lanes=cfg.strided_lanes, k_major=k_major),
       out_shape=out_shape,
       grid=(kp // bk, np_ // bn),
       in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j))],
@@ -259,6 +348,8 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
       interpret=interpret,
       name="jsparse24_prune_compress_t" if transposable else "jsparse24_prune_compress",
   )(wp)
+  if k_major:
+    return outs[0], outs[1], None, None
   values = outs[0][:n, :k // 2]
   meta = _with_pad_code(outs[1][:n, :math.ceil(k / 8)], k)
   if not transposable:
@@ -266,32 +357,40 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   return values, meta, outs[2][:k, :n // 2], _with_pad_code(outs[3][:k, :math.ceil(n / 8)], n)
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret", "layout"))
 def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = False,
-                       config: PruneConfig | None = None, interpret: bool = False):
+                       config: PruneConfig | None = None, interpret: bool = False,
+                       layout: str = "sparse24"):
   """Compresses `w[K, N]` with a stored packed mask `meta` (the `Mask24`
   layout, `uint8[N, ceil(K/8)]`), in one pass.
 
   Returns `(values [N, K/2], values_t, meta_t)`; the transposed pair (the
-  mask must be transposable) only with `transposed=True`, else None.
+  mask must be transposable) only with `transposed=True`, else None. With
+  layout="cusparselt" (bfloat16/float16, K and N multiples of 64) `values` is
+  `[K/2 + K/16, N]` and `values_t` `[K + K/8, N/2]`, the values in their
+  leading rows, the rest unwritten (see the module docstring).
   """
   fn = "compress_with_meta"
   _check_weight(fn, w, transposed)
+  k_major = _check_layout(fn, w, layout)
   k, n = w.shape
   if meta.shape != (n, math.ceil(k / 8)) or meta.dtype != jnp.uint8:
     raise ValueError(
         f"{fn}: `meta` must be uint8[{n}, {math.ceil(k / 8)}] for w of shape"
         f" {w.shape}, got {meta.dtype}{list(meta.shape)}.")
-  cfg = _fit(config or PruneConfig.default(k, n, "apply"), k, n)
+  cfg = _fit(config or PruneConfig.default(
+      k, n, "apply_transposed" if transposed else "apply", layout), k, n, exact=k_major)
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
   # Padding groups get the padding code 0x4 (indices 0, 1) on zero weights.
   mp = jnp.pad(meta, ((0, np_ - n), (0, kp // 8 - meta.shape[1])),
                constant_values=0x44)
-  out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed)
+  out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed,
+                                  k_major=k_major)
   outs = pl.pallas_call(
-      functools.partial(_apply_kernel, transposed=transposed),
+      functools.partial(_apply_kernel, transposed=transposed, k_major=k_major,
+                        strided_lanes=cfg.strided_lanes),
       out_shape=out_shape,
       grid=(kp // bk, np_ // bn),
       in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)),
@@ -302,6 +401,8 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
       interpret=interpret,
       name="jsparse24_compress_with_meta",
   )(wp, mp)
+  if k_major:
+    return outs[0], (outs[1] if transposed else None), (outs[2] if transposed else None)
   values = outs[0][:n, :k // 2]
   if not transposed:
     return values, None, None

@@ -28,16 +28,70 @@ def _recorded():
   return w, mask, d["fwd"], d["bwd"]
 
 
+def _bytes(buf):
+  return np.asarray(buf).view(np.uint8).reshape(-1)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_layout_matches_recorded_cusparselt_bytes(implementation):
   w, mask, fwd, bwd = _recorded()
+  k, n = w.shape
   with interpret_mode():
     sp = jsparse24.compress(w, mask, transposed=True, implementation=implementation)
   got_fwd, got_bwd = cusparselt.from_sparse24(sp)
-  np.testing.assert_array_equal(np.asarray(got_fwd), fwd)
-  np.testing.assert_array_equal(np.asarray(got_bwd), bwd)
+  assert got_fwd.shape == cusparselt.buffer_shape(k, n, transpose=False) == (k // 2 + k // 16, n)
+  assert got_bwd.shape == cusparselt.buffer_shape(k, n, transpose=True) == (k + k // 8, n // 2)
+  np.testing.assert_array_equal(_bytes(got_fwd), fwd)
+  np.testing.assert_array_equal(_bytes(got_bwd), bwd)
   # Without the transposed copy there is no backward buffer.
   assert cusparselt.from_sparse24(jsparse24.compress(w, mask))[1] is None
+
+
+@pytest.mark.parametrize("transposable", [True, False])
+def test_prepare_writes_the_recorded_bytes(transposable):
+  # The per-step path: the Pallas kernel writes the values straight into the
+  # buffers, then the metadata lands after them.
+  w, mask, fwd, bwd = _recorded()
+  stored = jsparse24.Mask24.pack(mask, transposable=True)
+  with interpret_mode():
+    op = jax.jit(cusparselt.CusparseltBackend().prepare, static_argnums=2)(w, stored, transposable)
+  np.testing.assert_array_equal(_bytes(op.fwd), fwd)
+  if transposable:
+    np.testing.assert_array_equal(_bytes(op.bwd), bwd)
+  else:
+    assert op.bwd is None
+  np.testing.assert_array_equal(np.asarray(op.meta), np.asarray(stored.meta()))
+  assert op.shape == w.shape
+
+
+@pytest.mark.parametrize("transposable", [False, True])
+def test_prepare_prunes_like_the_reference(transposable):
+  w = jax.random.normal(jax.random.key(5), (128, 192), jnp.bfloat16)
+  with interpret_mode():
+    op = cusparselt.CusparseltBackend().prepare(w, None, transposable)
+  ref = jsparse24.compress(w, transposed=transposable, implementation="xla")
+  want_fwd, want_bwd = cusparselt.from_sparse24(ref)
+  np.testing.assert_array_equal(_bytes(op.fwd), _bytes(want_fwd))
+  if transposable:
+    np.testing.assert_array_equal(_bytes(op.bwd), _bytes(want_bwd))
+  np.testing.assert_array_equal(np.asarray(op.meta), np.asarray(ref.meta))
+
+
+def test_dense_dx_and_mask_grad_from_the_residual():
+  # Without a transposed copy, dx is dense (XLA) from the forward buffer;
+  # dw is masked with the residual's codes. Both run without a GPU.
+  w = jax.random.normal(jax.random.key(6), (192, 128), jnp.float16)
+  mask = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(7), w.shape))
+  backend = cusparselt.CusparseltBackend()
+  with interpret_mode():
+    op = backend.prepare(w, mask, False)
+  masked = jnp.where(mask.unpack(), w, jnp.zeros((), w.dtype))
+  dy = jax.random.normal(jax.random.key(8), (5, 128), jnp.float16)
+  np.testing.assert_array_equal(np.asarray(backend.backward_dx(dy, op, None)),
+                                np.asarray(jnp.dot(dy, masked.T)))
+  dw = jax.random.normal(jax.random.key(9), w.shape, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(backend.mask_grad(dw, op)),
+                                np.asarray(jnp.where(mask.unpack(), dw, 0.0)))
 
 
 def test_metadata_layout_is_a_permutation_of_nibbles():

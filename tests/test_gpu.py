@@ -112,6 +112,28 @@ def test_cusparselt_matches_reference(kind, gradient, dtype, tol, m, k, n):
     assert _rel_err(g, r) < tol, (name, _rel_err(g, r))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("k,n", [(256, 128), (192, 320), (4096, 2048)])
+def test_cusparselt_buffers_equal_compress2(dtype, k, n):
+  # Our per-step compression (Pallas kernel + metadata) writes exactly what
+  # cusparseLtSpMMACompress2 writes, both directions.
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  w = jax.random.normal(jax.random.key(k + n), (k, n), dtype)
+  mask = jsparse24.Mask24.from_weights(w, transposable=True)
+  op = jax.jit(cusparselt.CusparseltBackend().prepare, static_argnums=2)(w, mask, True)
+  masked = jnp.where(mask.unpack(), w, jnp.zeros((), dtype))
+  want_fwd = jax.jit(lambda a: cusparselt.compress(a, transpose=False))(masked)
+  want_bwd = jax.jit(lambda a: cusparselt.compress(a, transpose=True))(masked)
+  assert _same_bits(op.fwd, want_fwd) and _same_bits(op.bwd, want_bwd)
+
+
+def test_cusparselt_matmul_rejects_a_wrong_buffer():
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((16, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"bfloat16\[144, 128\]"):
+    cusparselt.matmul(x, jnp.zeros((128, 128), jnp.bfloat16), k=256, n=128)
+
+
 def test_cusparselt_under_vmap_checkpoint_pmap():
   x = jax.random.normal(jax.random.key(0), (3, 40, 256), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (256, 128), jnp.bfloat16)

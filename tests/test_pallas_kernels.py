@@ -63,6 +63,49 @@ def test_compress_with_stored_mask_is_bit_identical(shape, transposed):
     np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
+@pytest.mark.parametrize("strided", [True, False])
+@pytest.mark.parametrize("shape,dtype", [((64, 64), jnp.bfloat16), ((192, 320), jnp.float16)])
+def test_cusparselt_layout_is_bit_identical(shape, dtype, strided):
+  # layout="cusparselt": values in the dense buffer's orientation ([K/2, N]
+  # and [K, N/2]) in the leading rows of buffers with room for the metadata.
+  k, n = shape
+  w = _weights(k + n, shape, dtype, specials=False)
+  cfg = prune24.PruneConfig(block_k=128, block_n=64, strided_lanes=strided)
+  values, meta, none_v, none_m = prune24.prune_compress(w, layout="cusparselt", config=cfg,
+                                                        interpret=True)
+  ref_values, ref_meta, _, _ = prune24.prune_compress_reference(w)
+  assert none_v is None and none_m is None
+  assert values.shape == (k // 2 + k // 16, n) and values.dtype == dtype
+  np.testing.assert_array_equal(_bits(values[:k // 2]), _bits(ref_values.T))
+  np.testing.assert_array_equal(_bits(meta), _bits(ref_meta))
+  mask = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(4), shape),
+                                       transposable=True)
+  for transposed in (False, True):
+    values, values_t, meta_t = prune24.compress_with_meta(
+        w, mask.meta(), transposed=transposed, layout="cusparselt", config=cfg, interpret=True)
+    ref = prune24.compress_with_meta_reference(w, mask.meta(), transposed=transposed)
+    np.testing.assert_array_equal(_bits(values[:k // 2]), _bits(ref[0].T))
+    if transposed:
+      assert values_t.shape == (k + k // 8, n // 2)
+      np.testing.assert_array_equal(_bits(values_t[:k]), _bits(ref[1]))
+      np.testing.assert_array_equal(_bits(meta_t), _bits(ref[2]))
+    else:
+      assert values_t is None and meta_t is None
+
+
+def test_cusparselt_layout_rejects_what_it_cannot_write():
+  w = jnp.ones((128, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="layout must be one of"):
+    prune24.prune_compress(w, layout="csr", interpret=True)
+  with pytest.raises(TypeError, match="bfloat16 or float16"):
+    prune24.prune_compress(w.astype(jnp.float32), layout="cusparselt", interpret=True)
+  with pytest.raises(ValueError, match="multiples of 64"):
+    prune24.compress_with_meta(w[:96], jnp.zeros((64, 12), jnp.uint8), layout="cusparselt",
+                               interpret=True)
+  with pytest.raises(NotImplementedError, match="compress_with_meta"):
+    prune24.prune_compress(w, transposable=True, layout="cusparselt", interpret=True)
+
+
 @pytest.mark.parametrize("m,k,n,dtype,tol", [
     (5, 12, 7, jnp.float32, 1e-5), (16, 64, 32, jnp.bfloat16, 1e-2),
     (33, 136, 40, jnp.float16, 2e-3), (70, 256, 64, jnp.bfloat16, 1e-2)])

@@ -3,10 +3,10 @@ called through the XLA FFI (`cusparselt_ffi.cc`, built on first use by
 `_cusparselt_build`).
 
 Per training step, `prepare` applies (or finds) the mask and compresses `w`
-with the Pallas compress kernel -- one pass over `w` writing both the
-K-compressed copy and, for transposable masks, the N-compressed one -- and
-re-lays the result out in cuSPARSELt's compressed format (see
-`from_sparse24`). Both products, `y = x @ (w*m)` and `dx = dy @ (w*m)^T`, then
+with the Pallas compress kernel -- one pass over `w` writing, in cuSPARSELt's
+compressed format, the K-compressed copy and, for transposable masks, the
+N-compressed one -- then writes each copy's metadata after its values
+(`compress_for_products`). Both products, `y = x @ (w*m)` and `dx = dy @ (w*m)^T`, then
 run on the sparse tensor cores; `dw = x^T @ dy` is dense (XLA). Without a
 transposable mask, `dx` is a dense XLA product with the decompressed weight.
 
@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse24._format import Sparse24, decompress
+from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends.base import Backend, Problem
-from jsparse24.backends.pallas import PallasBackend
+from jsparse24.backends.pallas import PallasBackend, compress_arrays
 from jsparse24.backends.xla import matmul as xla_matmul
 
 _DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
@@ -51,8 +51,10 @@ PAD_M = 16
 # implementation=None takes this backend only where benchmarks/bench_cusparselt.py
 # measured the training step (masking and compression included) faster than
 # dense XLA on an H200: bfloat16, M (rows of x) >= AUTO_MIN_M, K and N >=
-# AUTO_MIN_KN (1.13-1.23x at M >= 8192; 1.00-1.02x at M = 4096; slower below).
-AUTO_MIN_M: int | None = 8192
+# AUTO_MIN_KN (1.06-1.10x at M = 2048, 1.14-1.17x at 4096, 1.19-1.26x from
+# 8192 on; 0.93-0.97x at M = 1024). float16 runs cuSPARSELt's default
+# algorithm, which measured slower than dense (see SEARCH), so never auto.
+AUTO_MIN_M: int | None = 2048
 AUTO_MIN_KN = 4096
 # Who writes cuSPARSELt's compressed buffers in `prepare`: "jsparse24" (the
 # Pallas compress kernel + an XLA re-layout) or "cusparselt"
@@ -109,15 +111,37 @@ def compressed_size(dtype, k: int, n: int) -> int:
   return _compressed_size(jnp.dtype(dtype), k, n)
 
 
+def buffer_shape(k: int, n: int, *, transpose: bool) -> tuple[int, int]:
+  """Shape (in the weight's dtype) of the compressed buffers jsparse24 keeps:
+  the values in the dense buffer's orientation -- `[K/2, N]` (forward, 2:4
+  along K) or `[K, N/2]` (backward, along N) -- then the metadata, one byte
+  per 8 weights: `K/16` more rows of `N`, or `K/8` more rows of `N/2`."""
+  return (k + k // 8, n // 2) if transpose else (k // 2 + k // 16, n)
+
+
+def _check_size(dtype, k: int, n: int) -> None:
+  rows, cols = buffer_shape(k, n, transpose=False)
+  size = compressed_size(dtype, k, n)
+  if size != rows * cols * jnp.dtype(dtype).itemsize:
+    raise RuntimeError(
+        f"cuSPARSELt {build.version(_library())} reports {size} compressed bytes for a"
+        f" {k}x{n} {jnp.dtype(dtype).name} weight; jsparse24 writes the layout of"
+        f" cuSPARSELt 0.8 ({rows * cols * jnp.dtype(dtype).itemsize} bytes). Please"
+        f" report this, and use cuSPARSELt 0.8 meanwhile.")
+
+
 def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
-  """cuSPARSELt's compressed form of a 2:4-masked `[K, N]` weight: along K
-  for `x @ w` (transpose=False), along N for `dy @ w^T` (transpose=True; the
-  mask must be transposable). Entries outside the mask must be zero."""
+  """cuSPARSELt's compressed form of a 2:4-masked `[K, N]` weight, by
+  `cusparseLtSpMMACompress2`: along K for `x @ w` (transpose=False), along N
+  for `dy @ w^T` (transpose=True; the mask must be transposable). Entries
+  outside the mask must be zero. Returns the buffer as a `buffer_shape`
+  array of the weight's dtype."""
   k, n = masked.shape
-  size = compressed_size(masked.dtype, k, n)
-  call = jax.ffi.ffi_call("jsparse24_cusparselt_compress",
-                          jax.ShapeDtypeStruct((size,), jnp.uint8),
-                          vmap_method="sequential")
+  _check_size(masked.dtype, k, n)
+  call = jax.ffi.ffi_call(
+      "jsparse24_cusparselt_compress",
+      jax.ShapeDtypeStruct(buffer_shape(k, n, transpose=transpose), masked.dtype),
+      vmap_method="sequential")
   # The weight buffer w[K, N] is the column-major N x K structured matrix
   # A; op N compresses along K (forward), op T along N (backward).
   return call(masked, rows=np.int64(n), cols=np.int64(k), order=np.int64(_COL),
@@ -138,9 +162,10 @@ def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
 #    row-block major. Inside a block, row r = 16*a + 8*h + b and group
 #    g = 4*c + d land in byte 64*a + 8*b + 2*d + c, in the low nibble when
 #    h = 0 and the high nibble when h = 1.
-# So one pass of the Pallas compress kernel (the mask applied and both copies
-# written at the byte floor) plus a small XLA re-layout replaces
-# cusparseLtSpMMACompress2, which is slower (benchmarks/NOTES.md).
+# So the Pallas compress kernel (layout="cusparselt") writes the values straight
+# into these buffers, in one pass over `w` (mask applied, both copies), and
+# `_with_metadata` writes the metadata after them in place (a small XLA
+# fusion); cusparseLtSpMMACompress2 is slower (benchmarks/NOTES.md).
 
 
 def _codes(meta: jax.Array, groups: int) -> jax.Array:
@@ -157,24 +182,71 @@ def metadata_layout(codes: jax.Array) -> jax.Array:
   return byte.transpose(0, 3, 1, 2, 5, 4).reshape(-1)
 
 
-def _buffer(values: jax.Array, codes: jax.Array) -> jax.Array:
-  raw = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(-1)
-  return jnp.concatenate([raw, metadata_layout(codes)])
+def _metadata_rows(meta: jax.Array, groups: int, cols: int, dtype) -> jax.Array:
+  """The metadata of packed `meta` (`[R, G/2]`) as `[R*G/(4*cols), cols]`
+  elements of `dtype` (16-bit): consecutive byte pairs, little-endian."""
+  raw = metadata_layout(_codes(meta, groups)).astype(jnp.uint16).reshape(-1, 2)
+  words = raw[:, 0] | (raw[:, 1] << 8)
+  return jax.lax.bitcast_convert_type(words, dtype).reshape(-1, cols)
+
+
+def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int) -> jax.Array:
+  """`buf` with the metadata of `meta` written from row `rows` on (in place
+  under jit: `buf` is the kernel's output, used nowhere else)."""
+  tail = _metadata_rows(meta, groups, buf.shape[1], buf.dtype)
+  return jax.lax.dynamic_update_slice(buf, tail, (rows, 0))
+
+
+def _check_aligned(k: int, n: int) -> None:
+  if k % ALIGN_KN or n % ALIGN_KN:
+    raise ValueError(f"cuSPARSELt layout: K={k} and N={n} must be multiples of {ALIGN_KN}")
 
 
 def from_sparse24(sp: Sparse24) -> tuple[jax.Array, jax.Array | None]:
-  """cuSPARSELt's compressed buffers (forward, and backward when `sp` has its
-  transposed copy) from a `[K, N]` Sparse24; byte-identical to
-  `compress(decompress(sp), ...)` when no kept value is zero."""
+  """cuSPARSELt's compressed buffers (`buffer_shape`; forward, and backward
+  when `sp` has its transposed copy) from a `[K, N]` Sparse24; byte-identical
+  to `compress(decompress(sp), ...)` when no kept value is zero."""
   k, n = sp.shape
-  if k % ALIGN_KN or n % ALIGN_KN:
-    raise ValueError(f"cuSPARSELt layout: K={k} and N={n} must be multiples of {ALIGN_KN}")
-  fwd = _buffer(sp.values.T, _codes(sp.meta, k // 4))
-  bwd = _buffer(sp.values_t, _codes(sp.meta_t, n // 4)) if sp.has_transpose else None
+  _check_aligned(k, n)
+  fwd = jnp.concatenate([sp.values.T, _metadata_rows(sp.meta, k // 4, n, sp.dtype)])
+  bwd = None
+  if sp.has_transpose:
+    bwd = jnp.concatenate([sp.values_t, _metadata_rows(sp.meta_t, n // 4, n // 2, sp.dtype)])
   return fwd, bwd
 
 
+def compress_for_products(w: jax.Array, mask, transposable: bool):
+  """Masks (or prunes, `mask=None`) and compresses `w[K, N]` for cuSPARSELt
+  with jsparse24's Pallas kernel: `(fwd, bwd, meta)`, the buffers of
+  `buffer_shape` (bwd None unless `transposable`) and the mask's packed
+  codes (`Mask24` layout) -- one pass over `w`, then the metadata writes."""
+  k, n = w.shape
+  _check_aligned(k, n)
+  fwd, meta, bwd, meta_t = compress_arrays(w, mask, transposable, layout="cusparselt")
+  fwd = _with_metadata(fwd, k // 2, meta, k // 4)
+  if bwd is not None:
+    bwd = _with_metadata(bwd, k, meta_t, n // 4)
+  return fwd, bwd, meta
+
+
+def _dense_from_fwd(fwd: jax.Array, meta: jax.Array, k: int, n: int) -> jax.Array:
+  """The masked dense `[K, N]` weight from a forward buffer's values."""
+  v = fwd[:k // 2].reshape(k // 4, 2, n)
+  codes = _codes(meta, k // 4).T.astype(jnp.int32)[:, None, :]  # [K/4, 1, N]
+  lane = jnp.arange(4, dtype=jnp.int32)[None, :, None]
+  zero = jnp.zeros((), fwd.dtype)
+  dense = jnp.where(lane == (codes & 3), v[:, 0:1],
+                    jnp.where(lane == (codes >> 2), v[:, 1:2], zero))
+  return dense.reshape(k, n)
+
+
 def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> jax.Array:
+  want = buffer_shape(k, n, transpose=transpose)
+  if c.shape != want or c.dtype != x.dtype:
+    raise ValueError(
+        f"cusparselt matmul: the compressed operand must be {x.dtype.name}{list(want)}"
+        f" (buffer_shape of a {k}x{n} weight, x's dtype), got {c.dtype.name}{list(c.shape)}")
+  _check_size(x.dtype, k, n)
   m = x.shape[0]
   pad = -m % PAD_M
   if pad:
@@ -219,21 +291,25 @@ def _batched_matmul(k: int, n: int, transpose: bool):
 
 def matmul(x: jax.Array, c: jax.Array, *, k: int, n: int, transpose: bool = False) -> jax.Array:
   """`x @ (w*m)` (x `[M, K]`), or `x @ (w*m)^T` with transpose=True (x
-  `[M, N]`), from `c = compress(w*m, transpose=...)`; fp32 accumulation,
-  result in x's dtype."""
+  `[M, N]`), from `c = compress(w*m, transpose=...)` (or the buffers of
+  `compress_for_products` / `from_sparse24`); fp32 accumulation, result in
+  x's dtype."""
   return _batched_matmul(k, n, transpose)(x, c)
 
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-  """What the forward pass builds once and the backward pass reuses."""
+  """What the forward pass builds once and the backward pass reuses (the
+  residual of `sparse_dot` on this backend: the two buffers and the mask)."""
 
-  fwd: jax.Array  # cuSPARSELt buffer, 2:4 along K
-  bwd: jax.Array | None  # cuSPARSELt buffer, 2:4 along N (transposable masks)
-  sparse: Sparse24  # jsparse24's form (dense dx without a transposed copy; the mask)
+  fwd: jax.Array  # buffer_shape(K, N, transpose=False): 2:4 along K
+  bwd: jax.Array | None  # buffer_shape(K, N, transpose=True) (transposable masks)
+  meta: jax.Array  # the mask, packed codes uint8[N, K/8] (Mask24 layout)
+  shape: tuple[int, int]  # (K, N), static
 
 
-jax.tree_util.register_dataclass(Operand, data_fields=["fwd", "bwd", "sparse"], meta_fields=[])
+jax.tree_util.register_dataclass(Operand, data_fields=["fwd", "bwd", "meta"],
+                                 meta_fields=["shape"])
 
 
 class CusparseltBackend(Backend):
@@ -272,32 +348,33 @@ class CusparseltBackend(Backend):
             and problem.dtype == jnp.dtype(jnp.bfloat16))
 
   def prepare(self, w, mask, transposable):
-    # The Pallas kernels apply (or find) the mask and write both compressed
-    # copies in one pass; from_sparse24 re-lays them out for cuSPARSELt.
-    # COMPRESSOR = "cusparselt" uses cusparseLtSpMMACompress2 instead (for
-    # the benchmarks' comparison).
-    sp = _PALLAS.compress(jax.lax.stop_gradient(w), mask, transposable)
+    w = jax.lax.stop_gradient(w)
     if COMPRESSOR == "cusparselt":
+      # cusparseLtSpMMACompress2 on the masked weight (for the benchmarks'
+      # comparison): the Pallas kernel finds or applies the mask, XLA
+      # decompresses, cuSPARSELt compresses each direction.
+      sp = _PALLAS.compress(w, mask, transposable)
       masked = decompress(sp)
       fwd = compress(masked, transpose=False)
       bwd = compress(masked, transpose=True) if transposable else None
-    else:
-      fwd, bwd = from_sparse24(sp)
-    return Operand(fwd, bwd, sp)
+      return Operand(fwd, bwd, sp.meta, tuple(w.shape))
+    fwd, bwd, meta = compress_for_products(w, mask, transposable)
+    return Operand(fwd, bwd, meta, tuple(w.shape))
 
   def forward(self, x, operand: Operand, precision):
     del precision  # cuSPARSELt accumulates in float32
-    k, n = operand.sparse.shape
+    k, n = operand.shape
     return matmul(x, operand.fwd, k=k, n=n)
 
   def backward_dx(self, dy, operand: Operand, precision):
-    k, n = operand.sparse.shape
+    k, n = operand.shape
     if operand.bwd is not None:
       return matmul(dy, operand.bwd, k=k, n=n, transpose=True)
-    return xla_matmul(dy, decompress(operand.sparse).T, precision)
+    return xla_matmul(dy, _dense_from_fwd(operand.fwd, operand.meta, k, n).T, precision)
 
   def mask_grad(self, dw, operand: Operand):
-    return jnp.where(operand.sparse.mask(), dw, jnp.zeros((), dw.dtype))
+    mask = Mask24(operand.meta, operand.shape).unpack()
+    return jnp.where(mask, dw, jnp.zeros((), dw.dtype))
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     # A Sparse24 is the portable format; this re-lays it out for cuSPARSELt

@@ -184,6 +184,7 @@ struct Plan {
   cusparseLtMatmulDescriptor_t matmul;
   cusparseLtMatmulAlgSelection_t alg;
   cusparseLtMatmulPlan_t plan;
+  size_t compressed_size = 0;  // of the structured operand
   std::mutex search_mu;
   bool searched = false;
   int alg_id = -1;
@@ -238,6 +239,9 @@ std::string GetPlan(const PlanKey& key, const cusparseLtHandle_t* handle,
     JSP_CSLT_MSG(cusparseLtMatmulAlgSelectionInit,
                  (handle, &p->alg, &p->matmul, CUSPARSELT_MATMUL_ALG_DEFAULT));
     JSP_CSLT_MSG(cusparseLtMatmulPlanInit, (handle, &p->plan, &p->matmul, &p->alg));
+    size_t buffer_size = 0;
+    JSP_CSLT_MSG(cusparseLtSpMMACompressedSize2,
+                 (handle, sparse_a ? &p->a : &p->b, &p->compressed_size, &buffer_size));
     it = plans.emplace(key, std::move(p)).first;
   }
   *out = it->second.get();
@@ -255,7 +259,7 @@ int DtypeCode(ffi::DataType t) {
 
 ffi::Error CompressImpl(cudaStream_t stream, int32_t device,
                         ffi::ScratchAllocator scratch, ffi::AnyBuffer dense,
-                        ffi::Result<ffi::Buffer<ffi::U8>> out, int64_t rows,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t rows,
                         int64_t cols, int64_t order, int64_t op,
                         int64_t sparse_a) {
   int dtype_code = DtypeCode(dense.element_type());
@@ -291,7 +295,7 @@ ffi::Error CompressImpl(cudaStream_t stream, int32_t device,
   }
   JSP_CSLT(cusparseLtSpMMACompress2,
            (handle, &sd->desc, static_cast<int>(sparse_a), Op(op),
-            dense.untyped_data(), out->typed_data(), buffer, stream));
+            dense.untyped_data(), out->untyped_data(), buffer, stream));
   return ffi::Error::Success();
 }
 
@@ -322,6 +326,13 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
   Plan* p;
   err = GetPlan(key, handle, &p);
   if (!err.empty()) return ffi::Error::Internal(err);
+  const ffi::AnyBuffer& structured = sparse_a ? a : b;
+  if (structured.size_bytes() != p->compressed_size)
+    return ffi::Error::InvalidArgument(
+        "jsparse24 cuSPARSELt matmul: the compressed operand has " +
+        std::to_string(structured.size_bytes()) +
+        " bytes, cusparseLtSpMMACompressedSize2 says " +
+        std::to_string(p->compressed_size));
 
   float alpha = 1.0f, beta = 0.0f;
   cudaStream_t streams[1] = {stream};
@@ -371,7 +382,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspCusparseltCompress, CompressImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("order")

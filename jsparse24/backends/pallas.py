@@ -53,6 +53,27 @@ def _kernels():
   return prune24, spmm24
 
 
+def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
+  """The compress kernels on `w` with `mask` (None: prune by magnitude; a
+  bool array or a Mask24): `(values, meta, values_t, meta_t)` in `layout`
+  (see pallas_kernels.prune24), the transposed pair None unless `transposed`."""
+  prune24, _ = _kernels()
+  interpret = _INTERPRET[0]
+  w = jax.lax.stop_gradient(w)
+  if mask is None and not transposed:
+    return prune24.prune_compress(w, interpret=interpret, layout=layout)
+  if mask is None:
+    # The fused transposable prune kernel (prune24.prune_compress with
+    # transposable=True) is exact in interpret mode but its Triton
+    # compilation does not finish (benchmarks/NOTES.md), so the 4x4
+    # pattern search runs in XLA here; the compression is the kernel.
+    mask = Mask24.from_weights(w, transposable=True)
+  meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
+  values, values_t, meta_t = prune24.compress_with_meta(
+      w, meta, transposed=transposed, interpret=interpret, layout=layout)
+  return values, meta, values_t, meta_t
+
+
 class PallasBackend(Backend):
   name = "pallas"
 
@@ -83,21 +104,7 @@ class PallasBackend(Backend):
     return self.compress(w, mask, transposable)
 
   def compress(self, w, mask, transposed):
-    prune24, _ = _kernels()
-    interpret = _INTERPRET[0]
-    w = jax.lax.stop_gradient(w)
-    if mask is None and not transposed:
-      values, meta, values_t, meta_t = prune24.prune_compress(w, interpret=interpret)
-    else:
-      if mask is None:
-        # The fused transposable prune kernel (prune24.prune_compress with
-        # transposable=True) is exact in interpret mode but its Triton
-        # compilation does not finish (benchmarks/NOTES.md), so the 4x4
-        # pattern search runs in XLA here; the compression is the kernel.
-        mask = Mask24.from_weights(w, transposable=True)
-      meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
-      values, values_t, meta_t = prune24.compress_with_meta(
-          w, meta, transposed=transposed, interpret=interpret)
+    values, meta, values_t, meta_t = compress_arrays(w, mask, transposed)
     return Sparse24(values, meta, values_t, meta_t, tuple(w.shape))
 
   def forward(self, x, operand: Sparse24, precision):
