@@ -216,6 +216,18 @@ def test_prefers_only_measured_shapes(monkeypatch):
   assert not backend.prefers(_problem(m=2048, k=1024))
 
 
+def test_algorithm_choice_per_dtype(monkeypatch):
+  # bfloat16: cusparseLtMatmulSearch; float16: jsparse24's search over the
+  # configuration ids that ran (the library's own search crashes there).
+  assert cusparselt._search_attrs(jnp.bfloat16) == (1, -1)
+  assert cusparselt._search_attrs(jnp.float16) == (2, 34)
+  monkeypatch.setitem(cusparselt.SEARCH, jnp.dtype(jnp.float16), "default")
+  assert cusparselt._search_attrs(jnp.float16) == (0, -1)
+  monkeypatch.setitem(cusparselt.SEARCH, jnp.dtype(jnp.float16), ("fastest", 3))
+  with pytest.raises(ValueError, match="unknown mode"):
+    cusparselt._search_attrs(jnp.float16)
+
+
 def test_unavailable_on_cpu_without_building(monkeypatch):
   if jax.default_backend() != "cpu":
     pytest.skip("checks the CPU message")

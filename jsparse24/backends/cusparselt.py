@@ -19,10 +19,10 @@ No transposed copy of `w` is ever materialised. M is padded to a multiple of
 
 Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
 TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
-of compute capability 8.0+. The matmul plans and the algorithm that
-`cusparseLtMatmulSearch` picks on the first call of each shape are cached per
-process. Under `vmap`, a batch of activations against one weight folds into
-M; batched weights run one product per weight (`lax.map`).
+of compute capability 8.0+. The matmul plans and the algorithm picked on the
+first call of each shape (`SEARCH`) are cached per process. Under `vmap`, a
+batch of activations against one weight folds into M; batched weights run one
+product per weight (`lax.map`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ PAD_M = 16
 # measured the training step (masking and compression included) faster than
 # dense XLA on an H200: bfloat16, M (rows of x) >= AUTO_MIN_M, K and N >=
 # AUTO_MIN_KN (1.06-1.10x at M = 2048, 1.14-1.17x at 4096, 1.19-1.26x from
-# 8192 on; 0.93-0.97x at M = 1024). float16 runs cuSPARSELt's default
-# algorithm, which measured slower than dense (see SEARCH), so never auto.
+# 8192 on; 0.93-0.97x at M = 1024). Not float16, although it measured
+# 1.21-1.27x at M >= 8192 when named explicitly: its algorithm search (SEARCH)
+# relies on configuration ids checked only on an H200 with cuSPARSELt 0.8.0,
+# and a wrong id crashes the process, which an automatic choice must not risk.
 AUTO_MIN_M: int | None = 2048
 AUTO_MIN_KN = 4096
 # Who writes cuSPARSELt's compressed buffers in `prepare`: "jsparse24" (the
@@ -61,15 +63,34 @@ AUTO_MIN_KN = 4096
 # (cusparseLtSpMMACompress2 on the masked weight).
 COMPRESSOR = "jsparse24"
 _PALLAS = PallasBackend()
-# Per dtype: run cusparseLtMatmulSearch on the first call of each shape
-# (True), or use cuSPARSELt's default algorithm (False). With cuSPARSELt
-# 0.8.0 on an H200 the search hits an illegal instruction for float16 (one
-# of the algorithms it tries), so float16 keeps the default algorithm.
-SEARCH = {jnp.dtype(jnp.bfloat16): True, jnp.dtype(jnp.float16): False}
+# Per dtype, how the first call of each shape picks cuSPARSELt's algorithm
+# (the choice is cached for the process): "cusparselt" runs
+# cusparseLtMatmulSearch; ("configs", n) times configuration ids 0..n-1 on the
+# real buffers and keeps the fastest (jsparse24's search, in the shim);
+# "default" takes cuSPARSELt's default. cusparseLtMatmulSearch cannot be used
+# for float16 with cuSPARSELt 0.8.0 on an H200: it tries every id, and the
+# float16 ids from 34 on hit an illegal instruction (ids 0-33 ran, both
+# directions, at 8192^3 and 16384x4096x16384; benchmarks/NOTES.md). The
+# default algorithm measured slower than dense XLA there (0.72-0.80x), the
+# search 1.21-1.27x faster (training step); it makes the first call of each
+# float16 shape and direction slow (a first forward call at 8192^3: 13.6 s,
+# against 1.1 s in bfloat16), then costs nothing.
+SEARCH: dict[Any, Any] = {jnp.dtype(jnp.bfloat16): "cusparselt",
+                          jnp.dtype(jnp.float16): ("configs", 34)}
 
 
-def _search(dtype) -> int:
-  return int(SEARCH[jnp.dtype(dtype)])
+def _search_attrs(dtype) -> tuple[int, int]:
+  """(search, alg) attributes of the matmul FFI call (cusparselt_ffi.cc)."""
+  mode = SEARCH[jnp.dtype(dtype)]
+  if mode == "cusparselt":
+    return 1, -1
+  if mode == "default":
+    return 0, -1
+  kind, count = mode
+  if kind != "configs" or count < 1:
+    raise ValueError(f"cusparselt.SEARCH: unknown mode {mode!r}")
+  return 2, int(count)
+
 
 _COL = 1
 _N, _T = 0, 1
@@ -247,6 +268,7 @@ def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> j
         f"cusparselt matmul: the compressed operand must be {x.dtype.name}{list(want)}"
         f" (buffer_shape of a {k}x{n} weight, x's dtype), got {c.dtype.name}{list(c.shape)}")
   _check_size(x.dtype, k, n)
+  search, alg = _search_attrs(x.dtype)
   m = x.shape[0]
   pad = -m % PAD_M
   if pad:
@@ -262,7 +284,7 @@ def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> j
   y = call(c, x, m=np.int64(out), n=np.int64(mp), k=np.int64(inner),
            op_a=np.int64(_T if transpose else _N), op_b=np.int64(_N), sparse_a=np.int64(1),
            order_a=np.int64(_COL), order_b=np.int64(_COL), order_d=np.int64(_COL),
-           search=np.int64(_search(x.dtype)))
+           search=np.int64(search), alg=np.int64(alg))
   return y[:m] if pad else y
 
 

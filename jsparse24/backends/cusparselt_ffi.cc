@@ -7,8 +7,15 @@
 // Everything that costs host time is cached per device for the life of the
 // process: the cuSPARSELt handle, the structured-matrix descriptors used by
 // compression, and the matmul plans (descriptors, algorithm selection, plan).
-// A plan built with search=1 runs cusparseLtMatmulSearch once, on its first
-// execution (with the real buffers), and keeps the algorithm it chose.
+// How a plan picks its algorithm (attributes `search` and `alg`):
+//   search=0: cuSPARSELt's default, or configuration id `alg` if alg >= 0;
+//   search=1: cusparseLtMatmulSearch, once, on the plan's first execution
+//             (with the real buffers);
+//   search=2: jsparse24's own search, likewise once: times configuration ids
+//             0 .. alg-1 (CUDA events, on the real buffers; each id has its
+//             own cached plan) and runs the fastest's plan from then on. For when cusparseLtMatmulSearch cannot be used (it
+//             tries every id, and with cuSPARSELt 0.8.0 on an H200 the
+//             float16 ids from 34 on hit an illegal instruction).
 // Cached objects are never destroyed: they live as long as the CUDA context,
 // and destroying them from a static destructor after CUDA has shut down
 // would crash at exit.
@@ -62,6 +69,13 @@ std::string CudaMessage(const char* call, cudaError_t status) {
     cusparseStatus_t jsp_status_ = fn args;                         \
     if (jsp_status_ != CUSPARSE_STATUS_SUCCESS)                     \
       return CsltMessage(#fn, jsp_status_);                         \
+  } while (0)
+
+#define JSP_CUDA(fn, args)                                          \
+  do {                                                              \
+    cudaError_t jsp_status_ = fn args;                              \
+    if (jsp_status_ != cudaSuccess)                                 \
+      return ffi::Error::Internal(CudaMessage(#fn, jsp_status_));   \
   } while (0)
 
 #define JSP_CUDA_MSG(fn, args)                                      \
@@ -175,9 +189,10 @@ std::string GetSparseDesc(int device, int dtype_code, int64_t rows,
 // ---------------------------------------------------------------------------
 // Matmul plans.
 
-// device, dtype, m, n, k, op_a, op_b, sparse_a, order_a, order_b, order_d, search
+// device, dtype, m, n, k, op_a, op_b, sparse_a, order_a, order_b, order_d,
+// search, alg
 using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int64_t>;
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 struct Plan {
   cusparseLtMatDescriptor_t a, b, d;
@@ -187,6 +202,7 @@ struct Plan {
   size_t compressed_size = 0;  // of the structured operand
   std::mutex search_mu;
   bool searched = false;
+  const Plan* chosen = nullptr;  // search=2: the plan of the fastest id
   int alg_id = -1;
 };
 
@@ -218,9 +234,8 @@ std::string GetPlan(const PlanKey& key, const cusparseLtHandle_t* handle,
   auto it = plans.find(key);
   if (it == plans.end()) {
     auto [device, dtype_code, m, n, k, op_a, op_b, sparse_a, order_a, order_b,
-          order_d, search] = key;
+          order_d, search, alg] = key;
     (void)device;
-    (void)search;
     cudaDataType_t type = ValueType(dtype_code);
     auto p = std::make_unique<Plan>();
     // D = op(A) op(B): op(A) is m x k, op(B) is k x n, D is m x n.
@@ -238,6 +253,11 @@ std::string GetPlan(const PlanKey& key, const cusparseLtHandle_t* handle,
                   &p->d, CUSPARSE_COMPUTE_32F));
     JSP_CSLT_MSG(cusparseLtMatmulAlgSelectionInit,
                  (handle, &p->alg, &p->matmul, CUSPARSELT_MATMUL_ALG_DEFAULT));
+    if (search == 0 && alg >= 0) {
+      int id = static_cast<int>(alg);
+      JSP_CSLT_MSG(cusparseLtMatmulAlgSetAttribute,
+                   (handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &id, sizeof(id)));
+    }
     JSP_CSLT_MSG(cusparseLtMatmulPlanInit, (handle, &p->plan, &p->matmul, &p->alg));
     size_t buffer_size = 0;
     JSP_CSLT_MSG(cusparseLtSpMMACompressedSize2,
@@ -304,7 +324,8 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
                       ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
                       int64_t m, int64_t n, int64_t k, int64_t op_a,
                       int64_t op_b, int64_t sparse_a, int64_t order_a,
-                      int64_t order_b, int64_t order_d, int64_t search) {
+                      int64_t order_b, int64_t order_d, int64_t search,
+                      int64_t alg) {
   int dtype_code = DtypeCode(d->element_type());
   if (dtype_code < 0)
     return ffi::Error::InvalidArgument(
@@ -322,7 +343,7 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
   std::string err = GetHandle(device, &handle);
   if (!err.empty()) return ffi::Error::Internal(err);
   PlanKey key{device, dtype_code, m, n, k, op_a, op_b, sparse_a,
-              order_a, order_b, order_d, search};
+              order_a, order_b, order_d, search, alg};
   Plan* p;
   err = GetPlan(key, handle, &p);
   if (!err.empty()) return ffi::Error::Internal(err);
@@ -336,9 +357,9 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
 
   float alpha = 1.0f, beta = 0.0f;
   cudaStream_t streams[1] = {stream};
-  auto workspace = [&](void** ws) -> ffi::Error {
+  auto workspace = [&](const Plan* plan, void** ws) -> ffi::Error {
     size_t size = 0;
-    JSP_CSLT(cusparseLtMatmulGetWorkspace, (handle, &p->plan, &size));
+    JSP_CSLT(cusparseLtMatmulGetWorkspace, (handle, &plan->plan, &size));
     *ws = nullptr;
     if (size > 0) {
       std::optional<void*> got = scratch.Allocate(size, 16);
@@ -353,23 +374,64 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
   if (search != 0) {
     std::lock_guard<std::mutex> lock(p->search_mu);
     if (!p->searched) {
-      void* ws;
-      ffi::Error e = workspace(&ws);
-      if (e.failure()) return e;
-      JSP_CSLT(cusparseLtMatmulSearch,
-               (handle, &p->plan, &alpha, a.untyped_data(), b.untyped_data(),
-                &beta, d->untyped_data(), d->untyped_data(), ws, streams, 1));
-      JSP_CSLT(cusparseLtMatmulAlgGetAttribute,
-               (handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &p->alg_id,
-                sizeof(p->alg_id)));
+      if (search == 2) {
+        // Time configuration ids [0, alg), each with its own cached plan
+        // (search=0, alg=id), on the real buffers; keep the fastest. An id
+        // past cuSPARSELt's last one fails in GetPlan and ends the loop.
+        cudaEvent_t start, stop;
+        JSP_CUDA(cudaEventCreate, (&start));
+        JSP_CUDA(cudaEventCreate, (&stop));
+        float best_ms = 0.0f;
+        for (int64_t id = 0; id < alg; ++id) {
+          PlanKey ck{device, dtype_code, m, n, k, op_a, op_b, sparse_a,
+                     order_a, order_b, order_d, 0, id};
+          Plan* c;
+          if (!GetPlan(ck, handle, &c).empty()) break;
+          void* ws;
+          ffi::Error e = workspace(c, &ws);
+          if (e.failure()) return e;
+          for (int r = 0; r <= 5; ++r) {  // run 0 warms up
+            if (r == 1) JSP_CUDA(cudaEventRecord, (start, stream));
+            JSP_CSLT(cusparseLtMatmul,
+                     (handle, &c->plan, &alpha, a.untyped_data(), b.untyped_data(),
+                      &beta, d->untyped_data(), d->untyped_data(), ws, streams, 1));
+          }
+          JSP_CUDA(cudaEventRecord, (stop, stream));
+          JSP_CUDA(cudaEventSynchronize, (stop));
+          float ms = 0.0f;
+          JSP_CUDA(cudaEventElapsedTime, (&ms, start, stop));
+          if (p->chosen == nullptr || ms < best_ms) {
+            p->chosen = c;
+            p->alg_id = static_cast<int>(id);
+            best_ms = ms;
+          }
+        }
+        cudaEventDestroy(start);
+        cudaEventDestroy(stop);
+        if (p->chosen == nullptr)
+          return ffi::Error::Internal(
+              "jsparse24 cuSPARSELt matmul: the configuration search found no"
+              " configuration that runs");
+      } else {
+        void* ws;
+        ffi::Error e = workspace(p, &ws);
+        if (e.failure()) return e;
+        JSP_CSLT(cusparseLtMatmulSearch,
+                 (handle, &p->plan, &alpha, a.untyped_data(), b.untyped_data(),
+                  &beta, d->untyped_data(), d->untyped_data(), ws, streams, 1));
+        JSP_CSLT(cusparseLtMatmulAlgGetAttribute,
+                 (handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &p->alg_id,
+                  sizeof(p->alg_id)));
+      }
       p->searched = true;
     }
   }
+  const Plan* run = p->chosen != nullptr ? p->chosen : p;
   void* ws;
-  ffi::Error e = workspace(&ws);
+  ffi::Error e = workspace(run, &ws);
   if (e.failure()) return e;
   JSP_CSLT(cusparseLtMatmul,
-           (handle, &p->plan, &alpha, a.untyped_data(), b.untyped_data(), &beta,
+           (handle, &run->plan, &alpha, a.untyped_data(), b.untyped_data(), &beta,
             d->untyped_data(), d->untyped_data(), ws, streams, 1));
   return ffi::Error::Success();
 }
@@ -406,7 +468,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspCusparseltMatmul, MatmulImpl,
                                   .Attr<int64_t>("order_a")
                                   .Attr<int64_t>("order_b")
                                   .Attr<int64_t>("order_d")
-                                  .Attr<int64_t>("search"));
+                                  .Attr<int64_t>("search")
+                                  .Attr<int64_t>("alg"));
 
 namespace {
 
