@@ -214,6 +214,10 @@ def test_prefers_only_measured_shapes(monkeypatch):
   # Only the measured region: bfloat16, K and N of at least AUTO_MIN_KN.
   assert not backend.prefers(_problem(m=2048, dtype=jnp.float16))
   assert not backend.prefers(_problem(m=2048, k=1024))
+  # Without a transposable mask dx is dense: it paid off only from larger M.
+  monkeypatch.setattr(cusparselt, "AUTO_MIN_M_PLAIN", 8192)
+  assert not backend.prefers(_problem(m=4096, transposable=False))
+  assert backend.prefers(_problem(m=8192, transposable=False))
 
 
 def test_algorithm_choice_per_dtype(monkeypatch):

@@ -56,11 +56,16 @@ PAD_M = 16
 # 1.21-1.27x at M >= 8192 when named explicitly: its algorithm search (SEARCH)
 # relies on configuration ids checked only on an H200 with cuSPARSELt 0.8.0,
 # and a wrong id crashes the process, which an automatic choice must not risk.
+# Those figures are for transposable masks (dx on the sparse tensor cores too);
+# without one, dx is a dense product and the step measured 1.04-1.09x at
+# M = 8192-16384 (benchmarks/results), unmeasured below: AUTO_MIN_M_PLAIN.
 AUTO_MIN_M: int | None = 2048
+AUTO_MIN_M_PLAIN = 8192
 AUTO_MIN_KN = 4096
 # Who writes cuSPARSELt's compressed buffers in `prepare`: "jsparse24" (the
-# Pallas compress kernel + an XLA re-layout) or "cusparselt"
-# (cusparseLtSpMMACompress2 on the masked weight).
+# Pallas compress kernel in cuSPARSELt's layout + the metadata written in
+# place, `compress_for_products`) or "cusparselt" (cusparseLtSpMMACompress2 on
+# the masked weight; for the benchmarks' comparison).
 COMPRESSOR = "jsparse24"
 _PALLAS = PallasBackend()
 # Per dtype, how the first call of each shape picks cuSPARSELt's algorithm
@@ -365,8 +370,10 @@ class CusparseltBackend(Backend):
           f" multiples of {ALIGN_KN}")
 
   def prefers(self, problem: Problem) -> bool:
-    return (AUTO_MIN_M is not None and problem.m >= AUTO_MIN_M
-            and min(problem.k, problem.n) >= AUTO_MIN_KN
+    if AUTO_MIN_M is None:
+      return False
+    min_m = AUTO_MIN_M if problem.transposable else max(AUTO_MIN_M, AUTO_MIN_M_PLAIN)
+    return (problem.m >= min_m and min(problem.k, problem.n) >= AUTO_MIN_KN
             and problem.dtype == jnp.dtype(jnp.bfloat16))
 
   def prepare(self, w, mask, transposable):
