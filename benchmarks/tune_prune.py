@@ -51,7 +51,9 @@ def main(argv=None):
   bw = _common.copy_bandwidth()
   w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
   meta = prune24.prune_compress(w)[1]
-  meta_t = jsparse24.Mask24.from_weights(w, transposable=True).meta()  # for apply_t
+  meta_t = None
+  if "apply_t" in args.which.split(","):  # a transposable mask (XLA pattern search)
+    meta_t = jsparse24.Mask24.from_weights(w, transposable=True).meta()
   for which in args.which.split(","):
     transposable = which == "transposable"
     both = which in ("transposable", "apply_t")

@@ -255,17 +255,6 @@ def compress_for_products(w: jax.Array, mask, transposable: bool):
   return fwd, bwd, meta
 
 
-def _dense_from_fwd(fwd: jax.Array, meta: jax.Array, k: int, n: int) -> jax.Array:
-  """The masked dense `[K, N]` weight from a forward buffer's values."""
-  v = fwd[:k // 2].reshape(k // 4, 2, n)
-  codes = _codes(meta, k // 4).T.astype(jnp.int32)[:, None, :]  # [K/4, 1, N]
-  lane = jnp.arange(4, dtype=jnp.int32)[None, :, None]
-  zero = jnp.zeros((), fwd.dtype)
-  dense = jnp.where(lane == (codes & 3), v[:, 0:1],
-                    jnp.where(lane == (codes >> 2), v[:, 1:2], zero))
-  return dense.reshape(k, n)
-
-
 def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> jax.Array:
   want = buffer_shape(k, n, transpose=transpose)
   if c.shape != want or c.dtype != x.dtype:
@@ -399,7 +388,9 @@ class CusparseltBackend(Backend):
     k, n = operand.shape
     if operand.bwd is not None:
       return matmul(dy, operand.bwd, k=k, n=n, transpose=True)
-    return xla_matmul(dy, _dense_from_fwd(operand.fwd, operand.meta, k, n).T, precision)
+    # The forward buffer's values ([K/2, N]) are Sparse24's values transposed.
+    sp = Sparse24(operand.fwd[:k // 2].T, operand.meta, shape=(k, n))
+    return xla_matmul(dy, decompress(sp).T, precision)
 
   def mask_grad(self, dw, operand: Operand):
     mask = Mask24(operand.meta, operand.shape).unpack()
