@@ -8,7 +8,8 @@ count:
 
 * `dense`: the same model with `nn.Dense` MLP layers (identical `params` tree,
   so both runs start from the very same weights), trained with AdamW;
-* `2:4`: `jsparse24.optim.mask_update` chained before AdamW. It holds the 2:4
+* `2:4`: `jsparse24.optim.mask_update` chained before AdamW (masks of the
+  kind `--mask` names; by default SparseDense's: transposable). It holds the 2:4
   masks (dense warm-up, then a magnitude rebuild every `--rebuild-every` steps,
   frozen for the last 20% of training) and adds a masked decay to the pruned
   weights; the forward pass reads the masks with `jsparse24.optim.masks`.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -154,10 +156,14 @@ class MLP(nn.Module):
   hidden: int
   sparse: bool
   dtype: Any = None
+  transposable: bool | None = None  # None: SparseDense's default
 
   @nn.compact
   def __call__(self, x):
-    linear = jsparse24.SparseDense if self.sparse else nn.Dense
+    linear = nn.Dense
+    if self.sparse:
+      kind = {} if self.transposable is None else {"transposable": self.transposable}
+      linear = functools.partial(jsparse24.SparseDense, **kind)
     h = linear(self.hidden, dtype=self.dtype, name="up")(x)
     h = nn.gelu(h)
     return linear(x.shape[-1], dtype=self.dtype, name="down")(h)
@@ -168,6 +174,7 @@ class Block(nn.Module):
   heads: int
   sparse_mlp: bool
   dtype: Any = None
+  transposable: bool | None = None
 
   @nn.compact
   def __call__(self, x, mask):
@@ -175,7 +182,8 @@ class Block(nn.Module):
     x = x + nn.MultiHeadDotProductAttention(
         num_heads=self.heads, dtype=self.dtype, deterministic=True, name="attn")(h, mask=mask)
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
-    return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, name="mlp")(h)
+    return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
+                   name="mlp")(h)
 
 
 class CharLM(nn.Module):
@@ -189,6 +197,7 @@ class CharLM(nn.Module):
   max_len: int
   sparse_mlp: bool
   dtype: Any = None
+  transposable: bool | None = None
 
   @nn.compact
   def __call__(self, tokens):
@@ -198,7 +207,8 @@ class CharLM(nn.Module):
     x = (x + pos[: tokens.shape[-1]]).astype(self.dtype or jnp.float32)
     mask = nn.make_causal_mask(tokens)
     for i in range(self.layers):
-      x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, name=f"block_{i}")(x, mask)
+      x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
+                name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -404,6 +414,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  help="dense steps before the first 2:4 mask (default: 10%% of --steps)")
   p.add_argument("--rebuild-every", type=int,
                  help="steps between mask rebuilds (default: 10%% of --steps)")
+  p.add_argument("--mask", choices=("default", "plain", "transposable"), default="default",
+                 help="2:4 mask kind of the sparse layers ('default': SparseDense's)")
   p.add_argument("--decay", type=float, default=2e-4,
                  help="masked decay of pruned weights (SR-STE)")
   p.add_argument("--seed", type=int, default=0)
@@ -427,7 +439,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def make_run(name: str, sparse: bool, args, sample) -> Run:
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
-  model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype)
+  transposable = None if args.mask == "default" else args.mask == "transposable"
+  model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
+                 transposable)
   variables = jax.jit(model.init)(jax.random.key(args.seed), sample)
   lr = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps,
@@ -458,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f" {len(CORPORA[args.corpus])} stdlib files; vocabulary {VOCAB} (ln = {math.log(VOCAB):.3f})")
   print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads,"
         f" seq {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr},"
-        f" {args.dtype}; 2:4 MLP: dense warm-up {args.mask_warmup} steps, rebuild"
+        f" {args.dtype}; 2:4 MLP ({args.mask} masks): dense warm-up {args.mask_warmup} steps, rebuild"
         f" every {args.rebuild_every}, decay {args.decay}")
 
   os.makedirs(args.out, exist_ok=True)

@@ -3,7 +3,7 @@
 Public API (everything else is internal):
 
 * formats: `prune_24`, `is_24`, `compress`, `decompress`, `Sparse24`, `Mask24`
-* the op: `sparse_dot` (custom_vjp; gradient modes "ste" and "masked")
+* the op: `sparse_dot` (differentiable; gradient modes "ste" and "masked")
 * Flax Linen: `SparseDense`, `sparsify` (patch an existing model's `Dense`
   layers by module-path regex), `rebuild_masks`, `compress_params`
 * Flax NNX: `jsparse24.nnx.SparseLinear`

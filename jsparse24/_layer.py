@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24
-from jsparse24._ops import sparse_dot
+from jsparse24._ops import sparse_dot, sparse_or_dense_dot
 
 
 def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
@@ -20,17 +20,14 @@ def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   `kernel` by magnitude now. Inputs are already promoted to one dtype."""
   out_dtype = inputs.dtype if preferred_element_type is None else preferred_element_type
 
-  def sparse(inputs, kernel):
+  if active is None:
     y = sparse_dot(inputs, kernel, mask, gradient=gradient, transposable=transposable,
                    implementation=implementation, precision=precision)
-    return y.astype(out_dtype)
-
-  def dense(inputs, kernel):
-    return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                               precision=precision,
-                               preferred_element_type=preferred_element_type)
-
-  y = sparse(inputs, kernel) if active is None else jax.lax.cond(active, sparse, dense, inputs, kernel)
+  else:
+    y = sparse_or_dense_dot(inputs, kernel, mask, active, gradient=gradient,
+                            transposable=transposable, implementation=implementation,
+                            precision=precision)
+  y = y.astype(out_dtype)
   if bias is not None:
     y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
   return y

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from typing import Any, Literal
 
@@ -13,41 +11,8 @@ from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, backends
 from jsparse24._format import Mask24, Sparse24
-from jsparse24.backends.xla import matmul
 
 GRADIENT_MODES = ("ste", "masked")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  backend: backends.Backend
-  gradient: str
-  transposable: bool
-  precision: Any
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _sparse_dot(x, w, mask, cfg: _Config):
-  return cfg.backend.forward(x, cfg.backend.prepare(w, mask, cfg.transposable),
-                             cfg.precision)
-
-
-def _sparse_dot_fwd(x, w, mask, cfg: _Config):
-  operand = cfg.backend.prepare(w, mask, cfg.transposable)
-  return cfg.backend.forward(x, operand, cfg.precision), (x, operand)
-
-
-def _sparse_dot_bwd(cfg: _Config, res, dy):
-  x, operand = res
-  dx = cfg.backend.backward_dx(dy, operand, cfg.precision)
-  # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
-  dw = matmul(x.T, dy, cfg.precision)
-  if cfg.gradient == "masked":
-    dw = cfg.backend.mask_grad(dw, operand)
-  return dx.astype(x.dtype), dw.astype(x.dtype), None
-
-
-_sparse_dot.defvjp(_sparse_dot_fwd, _sparse_dot_bwd)
 
 
 def sparse_dot(
@@ -60,7 +25,10 @@ def sparse_dot(
     implementation: str | None = None,
     precision: Any = None,
 ) -> Float[Array, "... N"]:
-  """`x @ (w * mask)` with `w` 2:4 sparse along K; a `jax.custom_vjp`.
+  """`x @ (w * mask)` with `w` 2:4 sparse along K, differentiable.
+
+  The reference backend (`"xla"`) is plain JAX ops (forward and reverse
+  mode); the GPU backends are a `jax.custom_vjp` (`backends.base`).
 
   Args:
     x: `[..., K]` activations (floating).
@@ -89,7 +57,26 @@ def sparse_dot(
     >>> bool(jnp.allclose(y, x @ (w * jsparse24.prune_24(w))))
     True
   """
-  fn = "sparse_dot"
+  return _dot("sparse_dot", x, w, mask, None, gradient=gradient, transposable=transposable,
+              implementation=implementation, precision=precision)
+
+
+def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implementation,
+                        precision):
+  """`sparse_dot`, or the plain dense `x @ w` (full `dw`) where the bool
+  scalar `active` is False: the product of a layer in a schedule's dense
+  phases (internal; `SparseDense` and `nnx.SparseLinear` call it).
+
+  The reference backend folds `active` into its mask (`mask | ~active`), one
+  elementwise op that XLA fuses: no branch. The others run a `lax.cond`
+  between the sparse product and XLA's dense one (`Backend.dot`).
+  """
+  return _dot("SparseDense", x, w, mask, active, gradient=gradient,
+              transposable=transposable, implementation=implementation,
+              precision=precision)
+
+
+def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, precision):
   if gradient not in GRADIENT_MODES:
     raise ValueError(f"{fn}: unknown gradient={gradient!r}; expected one of {GRADIENT_MODES}.")
   x = jnp.asarray(x)
@@ -131,10 +118,12 @@ def sparse_dot(
 
   dtype = jnp.result_type(x.dtype, w.dtype)
   backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, transposable))
-  cfg = _Config(backend, gradient, transposable, precision)
+  cfg = backends.DotConfig(gradient, transposable, precision)
   lead = x.shape[:-1]
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
-  y = _sparse_dot(x2, w.astype(dtype), mask, cfg)
+  if active is not None:
+    active = jnp.asarray(active, jnp.bool_)
+  y = backend.dot(x2, w.astype(dtype), mask, active, cfg)
   return y.reshape(*lead, w.shape[1])
 
 

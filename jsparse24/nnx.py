@@ -33,7 +33,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from jsparse24._format import Mask24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24.linen import SparsityOptions
+from jsparse24.linen import SparsityOptions, resolve_transposable
 
 
 
@@ -57,6 +57,8 @@ class SparseLinear(nnx.Module):
   (`"ste"` or `"masked"`), `transposable`, `implementation` and
   `mask_source` (`"collection"`: a `SparsityMask` made from the initial
   kernel; `"dynamic"`: prune the kernel by magnitude at every call).
+  `transposable=None` (the default) is transposable where `out_features` is
+  a multiple of 4, as in `jsparse24.SparseDense`.
 
   `in_features` must be a multiple of 4 (and `out_features` too when
   `transposable`). A custom `dot_general` is refused: the product is
@@ -93,17 +95,19 @@ class SparseLinear(nnx.Module):
       kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
       bias_metadata: Mapping[str, Any] = MappingProxyType({}),
       gradient: Literal["ste", "masked"] = "ste",
-      transposable: bool = False,
+      transposable: bool | None = None,
       implementation: str | None = None,
       mask_source: Literal["collection", "dynamic"] = "collection",
   ):
     SparsityOptions(gradient, transposable, implementation, mask_source)  # validates
+    explicit = transposable
+    transposable = resolve_transposable(transposable, out_features)
     if in_features % 4:
       raise ValueError(
           f"SparseLinear: in_features={in_features} is not a multiple of 4; 2:4"
           f" sparsity keeps 2 of every 4 consecutive input features (the"
           f" contraction axis of the kernel).")
-    if transposable and out_features % 4:
+    if explicit and out_features % 4:
       raise ValueError(
           f"SparseLinear: out_features={out_features} is not a multiple of 4,"
           f" which a transposable mask (2:4 along both kernel axes) needs.")

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jsparse24.linen import _map_layers, rebuild_masks
+from jsparse24.linen import _map_layers, layers_by_path, path_keys, rebuild_masks
 
 DENSITY = 0.5  # 2 of 4 kept
 
@@ -157,15 +157,23 @@ def mask_update(
   uses_decay = callable(decay) or decay != 0.0
 
   def set_active(masks, active):
+    # Broadcast, not replace: a stack of layers (nn.scan) has one flag per layer.
     active = jnp.asarray(active, jnp.bool_)
-    return _per_layer(lambda layer: {**layer, "active": active}, masks)
+    return _per_layer(
+        lambda layer: {**layer, "active": jnp.broadcast_to(active, _shape(layer["active"]))},
+        masks)
+
+  def per_layer_value(masks, value):
+    return _per_layer(lambda layer: jnp.broadcast_to(
+        jnp.asarray(value, jnp.float32), _shape(layer["active"])), masks)
+
+  def sparsity_of(masks, active):
+    return per_layer_value(masks, jnp.where(active, 1 - DENSITY, 0.0))
 
   def init_fn(params):
     masks = set_active(rebuild_masks(params, template), schedule.sparse(0))
-    zeros = _per_layer(lambda _: jnp.zeros((), jnp.float32), masks)
-    density = _per_layer(lambda _: jnp.where(schedule.sparse(0), 1 - DENSITY, 0.0).astype(jnp.float32), masks)
-    return MaskUpdateState(jnp.zeros((), jnp.int32), masks, zeros, density,
-                           jnp.zeros((), jnp.int32))
+    return MaskUpdateState(jnp.zeros((), jnp.int32), masks, per_layer_value(masks, 0.0),
+                           sparsity_of(masks, schedule.sparse(0)), jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -173,43 +181,66 @@ def mask_update(
       raise ValueError("mask_update: `update` needs `params` (tx.update(grads, state, params)).")
     step = state.count
     if uses_decay:
-      lam = jnp.asarray(decay_fn(step), jnp.float32)
-
-      def add_decay(layer, layer_params, path):
-        w = layer_params["kernel"]
-        pruned = jnp.where(layer["mask"].unpack(), jnp.zeros((), w.dtype), w)
-        return jnp.where(layer["active"], lam, 0.0).astype(w.dtype) * pruned
-
-      extra = _map_layers(add_decay, state.masks, params)
-      updates = _add_at_kernels(updates, extra)
+      updates = _add_masked_decay(updates, params, state.masks,
+                                  jnp.asarray(decay_fn(step), jnp.float32))
 
     nxt = step + 1
     do_rebuild = schedule.rebuild(nxt)
 
+    # Everything below but the flag updates runs only on rebuild steps: the
+    # new masks and the flip-rate statistic (a pass over every mask).
     def rebuilt():
       new = rebuild_masks(params, state.masks)
 
-      def flips(old, layer_new):
-        return jnp.mean(old["mask"].unpack() != layer_new["mask"].unpack()).astype(jnp.float32)
+      def flips(old, layer_new, path):
+        del path
+        changed = old["mask"].unpack() != layer_new["mask"].unpack()
+        return jnp.mean(changed, axis=(-2, -1), dtype=jnp.float32)
 
-      flip = _map_layers(lambda o, n, path: flips(o, n), state.masks, new)
-      return new, flip
+      return new, _map_layers(flips, state.masks, new)
 
     masks, flip = jax.lax.cond(do_rebuild, rebuilt, lambda: (state.masks, state.flip_rate))
     active = schedule.sparse(nxt)
     masks = set_active(masks, active)
-    density = _per_layer(lambda _: jnp.where(active, 1 - DENSITY, 0.0).astype(jnp.float32), masks)
     last = jnp.where(do_rebuild, nxt, state.last_rebuild).astype(jnp.int32)
-    return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, density, last)
+    return updates, MaskUpdateState(optax.safe_increment(step), masks, flip,
+                                    sparsity_of(masks, active), last)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _add_at_kernels(updates: Mapping, extra: Any) -> dict:
-  """`updates[<layer>]["kernel"] += extra[<layer>]` for every layer in `extra`."""
-  if not isinstance(extra, Mapping):  # a layer: `extra` is its kernel's term
-    return {**updates, "kernel": updates["kernel"] + extra}
-  return {**updates, **{k: _add_at_kernels(updates[k], v) for k, v in extra.items()}}
+def _shape(a) -> tuple[int, ...]:
+  return tuple(getattr(a, "shape", ()))
+
+
+def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array):
+  """`updates` with `lam * (1 - mask) * kernel` added to every active sparse
+  layer's kernel entry. Mapped over the updates tree, so its container types
+  (`FrozenDict`) are kept. The mask is expanded in the kernel's own layout
+  (`Mask24.unpack`), so XLA fuses the whole term into the optimizer's
+  elementwise pass over the kernel: no extra pass over the weights per step.
+  """
+  layers = layers_by_path(masks)
+  seen = set()
+
+  def add(path, update, weight):
+    keys = path_keys(path)
+    layer = layers.get(keys[:-1]) if keys and keys[-1] == "kernel" else None
+    if layer is None or update is None:
+      return update
+    seen.add(keys[:-1])
+    # One flag per layer (an [L] stack under nn.scan) against [..., K, N].
+    scale = jnp.where(layer["active"], lam, 0.0)[..., None, None].astype(weight.dtype)
+    pruned = jnp.where(layer["mask"].unpack(), jnp.zeros((), weight.dtype), weight)
+    return update + (scale * pruned).astype(update.dtype)
+
+  out = jax.tree_util.tree_map_with_path(add, updates, params, is_leaf=lambda x: x is None)
+  missing = sorted("/".join(map(str, p)) for p in set(layers) - seen)
+  if missing:
+    raise ValueError(
+        f"mask_update: the gradients have no 'kernel' for the sparse layer(s) {missing};"
+        f" pass the gradients of the params the 'sparsity' collection was made for.")
+  return out
 
 
 def _find_state(opt_state) -> MaskUpdateState:

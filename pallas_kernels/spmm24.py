@@ -149,5 +149,5 @@ def sparse_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
 def sparse_matmul_reference(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -> jax.Array:
   """Plain-jnp definition: `x @ decompress(values, meta)` in float32."""
   from jsparse24 import _format  # pylint: disable=g-import-not-at-top
-  w = _format.decompress(_format.Sparse24(values, meta, None, None, (k, values.shape[0])))
+  w = _format.decompress(_format.Sparse24(values, meta))
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -3,6 +3,7 @@
 the FFI shim from pip-installed headers, the build's error messages, and the
 dispatch rules. The products themselves are tested in tests/test_gpu.py."""
 
+import functools
 import pathlib
 import platform
 
@@ -205,19 +206,31 @@ def test_check_supported_names_the_limits():
     backend.check_supported(_problem(n=4100))
 
 
-def test_prefers_only_measured_shapes(monkeypatch):
+def test_prefers_follows_the_measured_table():
   backend = cusparselt.CusparseltBackend()
-  monkeypatch.setattr(cusparselt, "AUTO_MIN_M", None)
-  assert not backend.prefers(_problem(m=1 << 20))
-  monkeypatch.setattr(cusparselt, "AUTO_MIN_M", 2048)
-  assert backend.prefers(_problem(m=2048)) and not backend.prefers(_problem(m=2047))
-  # Only the measured region: bfloat16, K and N of at least AUTO_MIN_KN.
-  assert not backend.prefers(_problem(m=2048, dtype=jnp.float16))
-  assert not backend.prefers(_problem(m=2048, k=1024))
-  # Without a transposable mask dx is dense: it paid off only from larger M.
-  monkeypatch.setattr(cusparselt, "AUTO_MIN_M_PLAIN", 8192)
-  assert not backend.prefers(_problem(m=4096, transposable=False))
-  assert backend.prefers(_problem(m=8192, transposable=False))
+  table = cusparselt.AUTO_MIN_M
+  # Every grid cell: from its M on, not below it; never where it is None.
+  for transposable in (True, False):
+    for i, k in enumerate(cusparselt.AUTO_GRID):
+      for j, n in enumerate(cusparselt.AUTO_GRID):
+        min_m = table[transposable][i][j]
+        p = functools.partial(_problem, k=k, n=n, transposable=transposable)
+        if min_m is None:
+          assert not backend.prefers(p(m=1 << 20)), (k, n, transposable)
+        else:
+          assert backend.prefers(p(m=min_m)) and not backend.prefers(p(m=min_m - 1)), (k, n)
+  # Between grid points: the cell below (3072 -> 2048); below the grid: never.
+  assert table[True][0][1] is None and not backend.prefers(_problem(m=1 << 20, k=1024, n=3072))
+  assert backend.prefers(_problem(m=table[True][1][1], k=3072, n=3072))
+  assert not backend.prefers(_problem(m=1 << 20, k=512, n=16384))
+  assert backend.prefers(_problem(m=1 << 20, k=65536, n=65536))
+  # A model of width 1024 stays on the reference (measured no faster there).
+  assert not any(backend.prefers(_problem(m=1 << 20, k=k, n=n))
+                 for k, n in ((1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)))
+  # bfloat16 only (float16 only when named: its algorithm search is unsafe).
+  assert not backend.prefers(_problem(m=1 << 20, dtype=jnp.float16))
+  # The measured facts the table encodes: dx dense (plain) needs larger M.
+  assert table[True][2][2] == 4096 and table[False][2][2] == 8192
 
 
 def test_algorithm_choice_per_dtype(monkeypatch):

@@ -40,10 +40,12 @@ def test_dense_checkpoint_loads_and_matches_masked_dense(use_bias, k, n):
   assert jax.tree.structure(sparse_vars["params"]) == jax.tree.structure(dense_params)
   assert jax.tree.map(lambda a: (a.shape, a.dtype), sparse_vars["params"]) == \
       jax.tree.map(lambda a: (a.shape, a.dtype), dense_params)
-  # Load the dense checkpoint; masks rebuilt from it.
+  # Load the dense checkpoint; masks rebuilt from it. The default mask kind:
+  # transposable where the output size allows it (n % 4 == 0), else plain.
   sparsity = jsparse24.rebuild_masks(dense_params, sparse_vars["sparsity"])
+  assert sparsity["mask"].transposable == (n % 4 == 0)
   y = sparse.apply({"params": dense_params, "sparsity": sparsity}, x)
-  mask = jsparse24.prune_24(dense_params["kernel"])
+  mask = jsparse24.prune_24(dense_params["kernel"], transposable=n % 4 == 0)
   np.testing.assert_array_equal(sparsity["mask"].unpack(), mask)
   masked = {**dense_params, "kernel": dense_params["kernel"] * mask}
   np.testing.assert_allclose(y, dense.apply({"params": masked}, x), rtol=1e-5, atol=1e-5)
@@ -86,7 +88,8 @@ def test_dynamic_mask_source_follows_the_kernel():
   assert "sparsity" not in v
   kernel = _rand(7, (8, 4))
   y = layer.apply({"params": {"kernel": kernel}}, x)
-  np.testing.assert_allclose(y, x @ (kernel * jsparse24.prune_24(kernel)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(y, x @ (kernel * jsparse24.prune_24(kernel, transposable=True)),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_inactive_layer_is_dense():
@@ -104,7 +107,7 @@ def test_clear_errors():
   with pytest.raises(ValueError, match="sparsity.*collection"):
     layer.apply({"params": v["params"]}, x)
   with pytest.raises(ValueError, match="does not fit this layer"):
-    jsparse24.SparseDense(4, transposable=True).apply(v, x)
+    jsparse24.SparseDense(4, transposable=False).apply(v, x)
   with pytest.raises(ValueError, match="multiple of 4"):
     jsparse24.SparseDense(4).init(jax.random.key(0), _rand(0, (2, 6)))
   with pytest.raises(ValueError, match="dot_general"):
@@ -142,7 +145,7 @@ def test_sparsify_patches_matching_dense_layers_only():
   dense_vars = model.init(jax.random.key(0), x)
   patched = jsparse24.sparsify(model, [
       (r"block_0/mlp/.*", {"gradient": "masked", "transposable": True}),
-      (r".*/mlp/.*", {}),
+      (r".*/mlp/.*", {"transposable": False}),
   ])
   v = patched.init(jax.random.key(0), x)
   # The params tree is the dense model's, unchanged.

@@ -59,7 +59,7 @@ def test_signature_matches_nnx_linear():
     if name != "rngs":
       assert sparse[name].default is p.default or sparse[name].default == p.default, name
   assert sparse["rngs"].default is inspect.Parameter.empty
-  extra = {"gradient": "ste", "transposable": False, "implementation": None,
+  extra = {"gradient": "ste", "transposable": None, "implementation": None,
            "mask_source": "collection"}
   for name, default in extra.items():
     assert sparse[name].kind == inspect.Parameter.KEYWORD_ONLY, name
@@ -96,7 +96,7 @@ def test_dense_params_load_then_rebuild():
   np.testing.assert_array_equal(_mask(layer), stale)
   np.testing.assert_allclose(layer(x), _linear_with_kernel(layer, kernel * stale)(x), **TOL)
   # ... until it is rebuilt from the loaded kernel.
-  new = np.asarray(_prune_24(linear.kernel[...]))
+  new = np.asarray(_prune_24(linear.kernel[...], transposable=True))  # the default kind
   assert (new != stale).any()
   jnnx.rebuild_masks(layer)
   np.testing.assert_array_equal(_mask(layer), new)
@@ -114,10 +114,18 @@ def test_stored_mask_is_prune_24_of_kernel(transposable):
   assert layer.active[...].dtype == jnp.bool_ and bool(layer.active[...])
 
 
+def test_default_mask_kind_is_transposable_where_out_features_allow():
+  assert _layer(seed=5).mask.get_value().transposable  # OUT = 20
+  odd = jnnx.SparseLinear(IN, 10, rngs=nnx.Rngs(5))
+  assert not odd.mask.get_value().transposable
+  with pytest.raises(ValueError, match="out_features=10"):
+    jnnx.SparseLinear(IN, 10, transposable=True, rngs=nnx.Rngs(5))
+
+
 def test_transposable_mask_is_24_along_both_axes():
   both = _layer(seed=5, transposable=True).mask.get_value().unpack()
   assert bool(jsparse24.is_24(both, axis=0)) and bool(jsparse24.is_24(both, axis=1))
-  plain = _layer(seed=5).mask.get_value().unpack()
+  plain = _layer(seed=5, transposable=False).mask.get_value().unpack()
   assert bool(jsparse24.is_24(plain, axis=0)) and not bool(jsparse24.is_24(plain, axis=1))
 
 
@@ -185,7 +193,7 @@ def test_dynamic_mask_follows_kernel():
   _randomize_kernel(layer, 16)
   stored.kernel.set_value(layer.kernel[...])
   kernel = layer.kernel[...]
-  want = _linear_with_kernel(layer, kernel * _prune_24(kernel))(x)
+  want = _linear_with_kernel(layer, kernel * _prune_24(kernel, transposable=True))(x)
   np.testing.assert_allclose(layer(x), want, **TOL)
   assert not np.allclose(stored(x), want, **TOL)  # the stored mask is stale
 

@@ -16,7 +16,7 @@ from jsparse24 import optim
 class _Net(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = jsparse24.SparseDense(32, name="up")(x)
+    x = jsparse24.SparseDense(32, name="up", transposable=False)(x)
     x = jsparse24.SparseDense(8, name="down", transposable=True, gradient="masked")(nn.relu(x))
     return nn.Dense(1, name="head")(x)
 
@@ -130,6 +130,29 @@ def test_masked_decay_adds_to_pruned_kernel_gradients_only():
     state = new_state
   with pytest.raises(ValueError, match="params"):
     tx.update(grads, state)
+
+
+def test_masked_decay_keeps_frozendict_and_fuses():
+  """Decay on FrozenDict params returns FrozenDict updates (apply_updates
+  works), names a layer missing from the gradients, and expands the masks
+  without a bool transpose (so XLA fuses the term into the optimizer)."""
+  from flax.core import freeze  # pylint: disable=g-import-not-at-top
+  from tests.test_sparse_dot import bool_transposes  # pylint: disable=g-import-not-at-top
+  _, _, variables, _, _ = _setup(optim.MaskSchedule())
+  params = freeze(variables["params"])
+  tx = optax.chain(optim.mask_update(variables["sparsity"], decay=0.5), optax.sgd(1.0))
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(grads, state, params)
+  assert type(updates) is type(params)
+  new = optax.apply_updates(params, updates)
+  mask = optim.masks(state)["up"]["mask"].unpack()
+  np.testing.assert_allclose(new["up"]["kernel"],
+                             params["up"]["kernel"] * (1 - 0.5 * ~mask), rtol=1e-6)
+  assert bool_transposes(lambda g, s, p: tx.update(g, s, p)[0], grads, state, params) == []
+  missing = {k: v for k, v in variables["params"].items() if k != "down"}
+  with pytest.raises(ValueError, match=r"mask_update: .*\['down'\]"):
+    optim.mask_update(variables["sparsity"], decay=0.5).update(missing, state[0], missing)
 
 
 def test_state_fields_and_lookup():

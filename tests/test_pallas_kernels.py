@@ -117,7 +117,7 @@ def test_sparse_matmul_matches_reference(m, k, n, dtype, tol, lane_dots):
   cfg = spmm24.MatmulConfig(16, 16, 128 if lane_dots else 32, 4, 2, lane_dots)
   got = spmm24.sparse_matmul(x, values, meta, k=k, config=cfg, interpret=True)
   ref = jnp.dot(x.astype(jnp.float32), jsparse24.decompress(
-      jsparse24.Sparse24(values, meta, None, None, (k, n))).astype(jnp.float32))
+      jsparse24.Sparse24(values, meta)).astype(jnp.float32))
   assert got.shape == (m, n) and got.dtype == dtype
   err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
   assert err < tol, err

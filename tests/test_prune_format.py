@@ -831,10 +831,15 @@ def test_mask24_pytree():
   mk3 = jax.tree.map(lambda a: np.asarray(a).copy(), mk)
   assert jax.tree.structure(mk3) == treedef
   np.testing.assert_array_equal(np.asarray(mk3.packed), np.asarray(mk.packed))
-  # vmap of pack over a stack: one Mask24 per slice, the packed leaf stacked.
+  # vmap of pack over a stack: the packed leaf stacked, and the stack's
+  # shape says so (static metadata holds only the trailing (K, N)).
   stack = np.stack([random_24_mask(rng, (8, 12)) for _ in range(3)])
   mks = jax.jit(jax.vmap(jsparse24.Mask24.pack))(stack)
-  assert mks.packed.shape == (3, 12, 1) and mks.shape == (8, 12)
+  assert mks.packed.shape == (3, 12, 1) and mks.shape == (3, 8, 12)
+  assert jax.tree.structure(mks) == jax.tree.structure(jsparse24.Mask24.pack(stack))
+  one = jax.tree.map(lambda a: a[1], mks)
+  assert one.shape == (8, 12)
+  np.testing.assert_array_equal(np.asarray(one.unpack()), stack[1])
   np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(lambda a: a.unpack()))(mks)), stack)
 
 

@@ -9,6 +9,7 @@ per dtype and scaled with the square root of the contraction length.
 
 import contextlib
 import functools
+import re
 import sys
 import zlib
 from unittest import mock
@@ -406,6 +407,32 @@ def test_backward_does_not_prune_again(gradient, transposable):
   y = _f64(x) @ np.where(m, _f64(w), 0)
   assert value == pytest.approx(np.sum(y ** 2), rel=1e-5)
   assert_close(dw, ref_fwd_bwd(x, w, m, 2 * y, gradient)[2], F32, 3, "dw")
+
+
+def bool_transposes(fn, *args) -> list[str]:
+  """The transposes of bool tensors in `fn`'s lowered program. Expanding a
+  `Mask24` must never transpose a weight-sized bool mask: XLA then writes
+  it to memory in a separate pass instead of fusing the expansion into its
+  consumer (measured slower than a dense product on the GPU)."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return [line.strip() for line in text.splitlines()
+          if "transpose" in line and re.search(r"x\s*i1>", line)]
+
+
+@pytest.mark.parametrize("transposable,k", [(False, 64), (True, 64), (False, 44)])
+def test_mask24_expands_without_a_bool_transpose(transposable, k):
+  rng = _rng("fuse", transposable, k)
+  x, w = _normal(rng, (16, k), F32), _normal(rng, (k, 32), F32)
+  m = jsparse24.Mask24.from_weights(w, transposable=transposable)
+
+  def step(x, w, m):
+    y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, m, implementation="xla",
+                                                       gradient="masked"), x, w)
+    return vjp(y)
+
+  assert bool_transposes(step, x, w, m) == []
+  assert bool_transposes(lambda m: m.unpack(), m) == []
+  np.testing.assert_array_equal(m.unpack(), _prune(w, transposable=transposable))
 
 
 # ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ explicitly either runs or raises `BackendUnavailableError` / `ValueError`.
 
 from __future__ import annotations
 
-from jsparse24.backends.base import Backend, BackendUnavailableError, Problem
+from jsparse24.backends.base import Backend, BackendUnavailableError, DotConfig, Problem
 from jsparse24.backends.cusparselt import CusparseltBackend
 from jsparse24.backends.pallas import PallasBackend
 from jsparse24.backends.xla import XlaBackend
@@ -81,4 +81,4 @@ def select_compress(implementation: str | None, w) -> Backend:
   return backend
 
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "Problem", "select", "select_compress"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem", "select", "select_compress"]

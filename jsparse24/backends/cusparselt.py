@@ -40,7 +40,7 @@ from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends.pallas import PallasBackend, compress_arrays
-from jsparse24.backends.xla import matmul as xla_matmul
+from jsparse24.backends.base import matmul as xla_matmul
 
 _DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
 # K and N must be multiples of this (cuSPARSELt's structured-matrix minimum
@@ -48,20 +48,50 @@ _DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
 ALIGN_KN = 64
 # M is padded to a multiple of this inside each product.
 PAD_M = 16
-# implementation=None takes this backend only where benchmarks/bench_cusparselt.py
-# measured the training step (masking and compression included) faster than
-# dense XLA on an H200: bfloat16, M (rows of x) >= AUTO_MIN_M, K and N >=
-# AUTO_MIN_KN (1.06-1.10x at M = 2048, 1.14-1.17x at 4096, 1.19-1.26x from
-# 8192 on; 0.93-0.97x at M = 1024). Not float16, although it measured
-# 1.21-1.27x at M >= 8192 when named explicitly: its algorithm search (SEARCH)
-# relies on configuration ids checked only on an H200 with cuSPARSELt 0.8.0,
-# and a wrong id crashes the process, which an automatic choice must not risk.
-# Those figures are for transposable masks (dx on the sparse tensor cores too);
-# without one, dx is a dense product and the step measured 1.04-1.09x at
-# M = 8192-16384 (benchmarks/results), unmeasured below: AUTO_MIN_M_PLAIN.
-AUTO_MIN_M: int | None = 2048
-AUTO_MIN_M_PLAIN = 8192
-AUTO_MIN_KN = 4096
+# implementation=None takes this backend where benchmarks/bench_auto.py measured
+# the linear-layer training step at least 2% faster than dense XLA (y, dx, dw; a
+# float32 kernel cast to bfloat16 in the step, as nn.Dense(dtype=bfloat16) does;
+# masking and compression included), on an H100, 2026-11-23
+# (benchmarks/results/nvidia-h100-80gb-hbm3.md; the K = 16384, N >= 2048 cells
+# from that day's first sweep, with bfloat16 kernels). Per mask kind (transposable
+# or not), rows K and columns N of AUTO_GRID: the smallest M (rows of x) from
+# which it did at that M and every larger M of the sweep (M = 2048 ... 16384);
+# None: at none. A shape between grid points takes the grid point below it (a
+# smaller product gains less); K or N below the grid never. At M = 1024 it lost
+# everywhere (0.47-0.94x with a transposable mask). Without a transposable mask
+# dx is dense and the gains are small (at most 1.10x), so few cells qualify.
+# K = 1024 and N = 1024 are None although the layer alone measured up to 1.10x
+# at M = 16384: inside a model (blocks in nn.scan, d_model 1024) the same
+# products measured no faster than XLA's dense ones (profile in
+# benchmarks/NOTES.md), and the whole step 0.95-0.98x of dense.
+# Only bfloat16: float16 picks its algorithm with configuration ids checked on
+# an H200 with cuSPARSELt 0.8.0 only (SEARCH), and a wrong id kills the
+# process, which an automatic choice must not risk; name it explicitly.
+AUTO_GRID = (1024, 2048, 4096, 8192, 16384)
+AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
+    True: (  # transposable masks: y and dx on the sparse tensor cores
+        (None, None, None, None, None),
+        (None, 8192, 4096, 2048, 2048),
+        (None, 4096, 4096, 2048, 2048),
+        (None, 4096, 2048, 2048, 2048),
+        (None, 4096, 4096, 4096, 4096),
+    ),
+    False: (  # plain masks: y sparse, dx dense
+        (None, None, None, None, None),
+        (None, None, None, None, 8192),
+        (None, 16384, 8192, None, 4096),
+        (None, None, 16384, 8192, 4096),
+        (None, None, None, 8192, 8192),
+    ),
+}
+
+
+def _grid_index(size: int) -> int | None:
+  """Index of the largest AUTO_GRID value <= size (None: below the grid)."""
+  below = [i for i, g in enumerate(AUTO_GRID) if g <= size]
+  return below[-1] if below else None
+
+
 # Who writes cuSPARSELt's compressed buffers in `prepare`: "jsparse24" (the
 # Pallas compress kernel in cuSPARSELt's layout + the metadata written in
 # place, `compress_for_products`) or "cusparselt" (cusparseLtSpMMACompress2 on
@@ -359,11 +389,11 @@ class CusparseltBackend(Backend):
           f" multiples of {ALIGN_KN}")
 
   def prefers(self, problem: Problem) -> bool:
-    if AUTO_MIN_M is None:
+    i, j = _grid_index(problem.k), _grid_index(problem.n)
+    if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
       return False
-    min_m = AUTO_MIN_M if problem.transposable else max(AUTO_MIN_M, AUTO_MIN_M_PLAIN)
-    return (problem.m >= min_m and min(problem.k, problem.n) >= AUTO_MIN_KN
-            and problem.dtype == jnp.dtype(jnp.bfloat16))
+    min_m = AUTO_MIN_M[problem.transposable][i][j]
+    return min_m is not None and problem.m >= min_m
 
   def prepare(self, w, mask, transposable):
     w = jax.lax.stop_gradient(w)
@@ -389,7 +419,7 @@ class CusparseltBackend(Backend):
     if operand.bwd is not None:
       return matmul(dy, operand.bwd, k=k, n=n, transpose=True)
     # The forward buffer's values ([K/2, N]) are Sparse24's values transposed.
-    sp = Sparse24(operand.fwd[:k // 2].T, operand.meta, shape=(k, n))
+    sp = Sparse24(operand.fwd[:k // 2].T, operand.meta)
     return xla_matmul(dy, decompress(sp).T, precision)
 
   def mask_grad(self, dw, operand: Operand):

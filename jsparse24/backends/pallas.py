@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24.backends.base import Backend, Problem
-from jsparse24.backends.xla import matmul
+from jsparse24.backends.base import matmul
 
 _INTERPRET = [False]
 
@@ -105,7 +105,7 @@ class PallasBackend(Backend):
 
   def compress(self, w, mask, transposed):
     values, meta, values_t, meta_t = compress_arrays(w, mask, transposed)
-    return Sparse24(values, meta, values_t, meta_t, tuple(w.shape))
+    return Sparse24(values, meta, values_t, meta_t)
 
   def forward(self, x, operand: Sparse24, precision):
     del precision

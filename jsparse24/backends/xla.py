@@ -1,32 +1,23 @@
-"""The reference backend: masked dense products in plain `jnp`.
+"""The reference backend: the masked dense product in plain JAX ops.
 
 Runs everywhere (CPU, GPU, TPU) and defines the contract the other backends are
-tested against. Its operand is `(w * mask, mask)`: the forward builds the
-masked weight once and the backward reuses it.
+tested against. It is written as a dense model's layer is, `x @ w` on the
+masked weight, and differentiated by JAX itself; only the straight-through
+gradient of the mask is a `custom_jvp` (the identity). So XLA sees what it
+sees for `nn.Dense` plus one select that it fuses into the weight's cast, and
+a model whose layers fall back to this backend runs at the dense model's
+speed; it also supports forward-mode autodiff, and batching keeps a shared
+weight's gradient one product.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._prune import prune_24
-from jsparse24.backends.base import Backend
-
-
-def accumulation_dtype(dtype) -> Any:
-  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-
-
-def matmul(a: jax.Array, b: jax.Array, precision: Any = None) -> jax.Array:
-  """`a @ b` over the last axis of a and first of b, fp32 accumulation."""
-  out = jax.lax.dot_general(
-      a, b, (((a.ndim - 1,), (0,)), ((), ())), precision=precision,
-      preferred_element_type=accumulation_dtype(a.dtype))
-  return out.astype(jnp.result_type(a.dtype, b.dtype))
+from jsparse24.backends.base import Backend, DotConfig, matmul
 
 
 def dense_mask(w: jax.Array, mask: jax.Array | Mask24 | None,
@@ -38,24 +29,34 @@ def dense_mask(w: jax.Array, mask: jax.Array | Mask24 | None,
   return mask
 
 
+@jax.custom_jvp
+def _mask_ste(w: jax.Array, mask: jax.Array) -> jax.Array:
+  """`w * mask` whose derivative in `w` is the identity (straight-through)."""
+  return jnp.where(mask, w, jnp.zeros((), w.dtype))
+
+
+@_mask_ste.defjvp
+def _mask_ste_jvp(primals, tangents):
+  w, mask = primals
+  return _mask_ste(w, mask), tangents[0]
+
+
 class XlaBackend(Backend):
   name = "xla"
 
   def compress(self, w, mask, transposed):
     return compress_reference(w, mask, transposed)
 
-  def prepare(self, w, mask, transposable):
-    m = jax.lax.stop_gradient(dense_mask(w, mask, transposable))
-    return jnp.where(m, w, jnp.zeros((), w.dtype)), m
-
-  def forward(self, x, operand, precision):
-    return matmul(x, operand[0], precision)
-
-  def backward_dx(self, dy, operand, precision):
-    return matmul(dy, operand[0].T, precision)
-
-  def mask_grad(self, dw, operand):
-    return jnp.where(operand[1], dw, jnp.zeros((), dw.dtype))
+  def dot(self, x, w, mask, active, cfg: DotConfig):
+    m = jax.lax.stop_gradient(dense_mask(w, mask, cfg.transposable))
+    if active is not None:
+      m = m | ~active  # the dense phase: every weight kept
+    wm = _mask_ste(w, m) if cfg.gradient == "ste" else jnp.where(m, w, jnp.zeros((), w.dtype))
+    # The dtype convention of nn.Dense: the product in x's dtype (XLA
+    # accumulates 16-bit products in float32), not a float32 result cast
+    # down afterwards, which costs a pass over y.
+    return jax.lax.dot_general(x, wm, (((x.ndim - 1,), (0,)), ((), ())),
+                               precision=cfg.precision)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     return matmul(x, decompress(sp), precision)

@@ -1,0 +1,287 @@
+"""Stacked layers: blocks stacked with Linen `nn.scan` / `nn.vmap` and NNX
+`nnx.vmap` / `nnx.scan` keep one mask and one `active` flag per layer through
+`init`, `apply`, `rebuild_masks`, `mask_update`, `compress_params`, `sparsify`
+and an Orbax save/restore.
+
+Every check compares the stacked model with the same computation written
+layer by layer (`_unrolled`), so a stack that mixes up layers, or a mask of
+the stacked shape, fails.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import jsparse24
+from jsparse24 import nnx as jnnx
+from jsparse24 import optim
+
+L, D, H = 3, 8, 16
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+class _Block(nn.Module):
+  """x + down(relu(up(x))); `dense=True` builds it from plain `nn.Dense`."""
+
+  dense: bool = False
+
+  @nn.compact
+  def __call__(self, x, _):
+    if self.dense:
+      up, down = nn.Dense(H, name="up"), nn.Dense(D, name="down")
+    else:
+      up = jsparse24.SparseDense(H, name="up", transposable=False)
+      down = jsparse24.SparseDense(D, name="down")  # the default kind: transposable
+    return x + down(nn.relu(up(x))), None
+
+
+class _Scanned(nn.Module):
+  dense: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(_Block, variable_axes={"params": 0, "sparsity": 0},
+                    split_rngs={"params": True}, length=L)
+    return stack(self.dense, name="blocks")(x, None)[0]
+
+
+def _x(seed=0, shape=(5, D)):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _unrolled(params, masks, x):
+  """The stacked model layer by layer with numpy masks: `masks[name][i]` is
+  layer i's dense bool mask (None: dense)."""
+  x = np.asarray(x, np.float64)
+  for i in range(L):
+    def lin(name, h):
+      w = np.asarray(params[name]["kernel"][i], np.float64)
+      if masks[name] is not None:
+        w = w * masks[name][i]
+      return h @ w + np.asarray(params[name]["bias"][i])
+    x = x + lin("down", np.maximum(lin("up", x), 0))
+  return x
+
+
+def _slices(mask: jsparse24.Mask24) -> list[np.ndarray]:
+  """Each layer's dense mask, unpacked from its own slice of the stack."""
+  return [np.asarray(jax.tree.map(lambda a: a[i], mask).unpack()) for i in range(L)]
+
+
+def _stack_masks(sparsity):
+  return {name: _slices(sparsity["blocks"][name]["mask"]) for name in ("up", "down")}
+
+
+def test_scan_init_keeps_one_mask_and_flag_per_layer():
+  model = _Scanned()
+  v = model.init(jax.random.key(1), _x())
+  for name, (k, n), transposable in (("up", (D, H), False), ("down", (H, D), True)):
+    layer = v["sparsity"]["blocks"][name]
+    assert layer["mask"].shape == (L, k, n) and layer["active"].shape == (L,)
+    for i, m in enumerate(_slices(layer["mask"])):
+      want = jsparse24.prune_24(v["params"]["blocks"][name]["kernel"][i], transposable=transposable)
+      np.testing.assert_array_equal(m, want)
+  np.testing.assert_allclose(model.apply(v, _x()),
+                             _unrolled(v["params"]["blocks"], _stack_masks(v["sparsity"]), _x()),
+                             **TOL)
+
+
+def test_scan_rebuild_masks_per_layer_and_dense_phase():
+  model = _Scanned()
+  v = model.init(jax.random.key(1), _x())
+  params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(7), a.shape), v["params"])
+  sparsity = jsparse24.rebuild_masks(params, v["sparsity"])
+  masks = _stack_masks(sparsity)
+  for name, transposable in (("up", False), ("down", True)):
+    for i in range(L):
+      np.testing.assert_array_equal(
+          masks[name][i],
+          jsparse24.prune_24(params["blocks"][name]["kernel"][i], transposable=transposable))
+  np.testing.assert_allclose(model.apply({"params": params, "sparsity": sparsity}, _x()),
+                             _unrolled(params["blocks"], masks, _x()), **TOL)
+  # Layer 1 of "up" dense, the others sparse: the flag is per layer.
+  active = jnp.array([True, False, True])
+  mixed = jax.tree.map(lambda a: a, sparsity)
+  mixed["blocks"]["up"]["active"] = active
+  up = [m if bool(a) else np.ones_like(m) for m, a in zip(masks["up"], active)]
+  np.testing.assert_allclose(model.apply({"params": params, "sparsity": mixed}, _x()),
+                             _unrolled(params["blocks"], {**masks, "up": up}, _x()), **TOL)
+
+
+def test_sparsify_a_scanned_dense_model():
+  dense = _Scanned(dense=True)
+  sparse = jsparse24.sparsify(dense, {r"blocks/up": {"transposable": False}, r"blocks/down": {}})
+  v = sparse.init(jax.random.key(1), _x())
+  ref = _Scanned().init(jax.random.key(1), _x())
+  assert jax.tree.structure(v) == jax.tree.structure(ref)
+  for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(sparse.apply(v, _x()),
+                             _unrolled(v["params"]["blocks"], _stack_masks(v["sparsity"]), _x()),
+                             **TOL)
+
+
+def _setup(schedule, decay):
+  model = _Scanned()
+  x, y = _x(0), _x(1)
+  v = model.init(jax.random.key(2), x)
+  tx = optax.chain(optim.mask_update(v["sparsity"], schedule, decay=decay), optax.sgd(0.05))
+  return model, tx, v["params"], x, y
+
+
+def _train(model, tx, params, state, x, y, steps):
+  @jax.jit
+  def step(params, state):
+    def loss(p):
+      out = model.apply({"params": p, "sparsity": optim.masks(state)}, x)
+      return jnp.mean((out - y) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  losses = []
+  for _ in range(steps):
+    params, state, value = step(params, state)
+    losses.append(float(value))
+  return params, state, losses
+
+
+def test_mask_update_on_a_stack_rebuilds_flags_and_decays_per_layer():
+  lam = 0.5
+  schedule = optim.MaskSchedule(warmup_steps=1, rebuild_every=2)
+  model, tx, params, x, y = _setup(schedule, lam)
+  state = tx.init(params)
+  assert optim.masks(state)["blocks"]["up"]["active"].shape == (L,)
+  for step in range(5):
+    old = _stack_masks(optim.masks(state))
+    grads = jax.tree.map(jnp.zeros_like, params)
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    inner = new_state[0]
+    for name in ("up", "down"):
+      layer = optim.masks(new_state)["blocks"][name]
+      assert layer["active"].shape == (L,) and layer["mask"].shape[0] == L
+      np.testing.assert_array_equal(layer["active"], np.full(L, bool(schedule.sparse(step + 1))))
+      # The decay of step `step`: per layer, from that layer's held mask.
+      w = np.asarray(params["blocks"][name]["kernel"])
+      on = bool(schedule.sparse(step))
+      want = np.stack([lam * on * w[i] * ~old[name][i] for i in range(L)])
+      np.testing.assert_allclose(-updates["blocks"][name]["kernel"] / 0.05, want, rtol=1e-5, atol=1e-7)
+      new = _slices(layer["mask"])
+      if bool(schedule.rebuild(step + 1)):
+        transposable = name == "down"
+        for i in range(L):
+          np.testing.assert_array_equal(new[i], jsparse24.prune_24(w[i], transposable=transposable))
+        want_flip = [np.mean(new[i] != old[name][i]) for i in range(L)]
+        np.testing.assert_allclose(inner.flip_rate["blocks"][name], want_flip, rtol=1e-6)
+      else:
+        for a, b in zip(new, old[name]):
+          np.testing.assert_array_equal(a, b)
+    state = new_state
+    params = jax.tree.map(lambda p: p + 0.2 * jax.random.normal(jax.random.key(step), p.shape),
+                          params)
+  stats = optim.stats(state)
+  assert stats["blocks/up"]["sparsity"].shape == (L,)
+
+
+def test_compress_params_on_a_stack_and_orbax_resume(tmp_path):
+  schedule = optim.MaskSchedule(warmup_steps=1, rebuild_every=2)
+  model, tx, params0, x, y = _setup(schedule, 1e-3)
+  state0 = tx.init(params0)
+  p_full, s_full, l_full = _train(model, tx, params0, state0, x, y, 6)
+  p3, s3, l3 = _train(model, tx, params0, state0, x, y, 3)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "step3", {"params": p3, "opt_state": s3})
+  ckpt.wait_until_finished()
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": p3, "opt_state": s3})
+  restored = ckpt.restore(tmp_path / "step3", abstract)
+  assert jax.tree.structure(restored) == jax.tree.structure(abstract)
+  p_res, s_res, l_res = _train(model, tx, restored["params"], restored["opt_state"], x, y, 3)
+  assert l3 + l_res == l_full
+  for a, b in zip(jax.tree.leaves((p_res, s_res)), jax.tree.leaves((p_full, s_full))):
+    np.testing.assert_array_equal(a, b)
+
+  masks = optim.masks(s_full)
+  compressed = jsparse24.compress_params(p_full, masks)
+  up = compressed["blocks"]["up"]["kernel"]
+  assert isinstance(up, jsparse24.Sparse24) and up.shape == (L, D, H)
+  assert compressed["blocks"]["down"]["kernel"].has_transpose
+  np.testing.assert_allclose(model.apply({"params": compressed}, x),
+                             model.apply({"params": p_full, "sparsity": masks}, x), **TOL)
+  mixed = jax.tree.map(lambda a: a, masks)
+  mixed["blocks"]["up"]["active"] = jnp.array([True, False, True])
+  with pytest.raises(ValueError, match="blocks/up.*partly sparse"):
+    jsparse24.compress_params(p_full, mixed)
+
+
+class _VmappedLayer(nn.Module):
+  """Three independent layers applied to three inputs (an ensemble)."""
+
+  @nn.compact
+  def __call__(self, xs):
+    ensemble = nn.vmap(jsparse24.SparseDense, variable_axes={"params": 0, "sparsity": 0},
+                       split_rngs={"params": True}, in_axes=0, out_axes=0)
+    return ensemble(H, transposable=False, name="layers")(xs)
+
+
+def test_nn_vmap_stack_and_rebuild():
+  model = _VmappedLayer()
+  xs = _x(3, (L, 5, D))
+  v = model.init(jax.random.key(4), xs)
+  layer = v["sparsity"]["layers"]
+  assert layer["mask"].shape == (L, D, H) and layer["active"].shape == (L,)
+  params = jax.tree.map(lambda a: -a, v["params"])
+  sparsity = jsparse24.rebuild_masks(params, v["sparsity"])
+  masks = _slices(sparsity["layers"]["mask"])
+  kernel = np.asarray(params["layers"]["kernel"])
+  want = np.stack([xs[i] @ (kernel[i] * masks[i]) + params["layers"]["bias"][i] for i in range(L)])
+  for i in range(L):
+    np.testing.assert_array_equal(masks[i], jsparse24.prune_24(kernel[i]))
+  np.testing.assert_allclose(model.apply({"params": params, "sparsity": sparsity}, xs), want, **TOL)
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.up = jnnx.SparseLinear(D, H, rngs=rngs, transposable=False)
+    self.down = jnnx.SparseLinear(H, D, rngs=rngs)  # the default kind: transposable
+
+  def __call__(self, x):
+    return x + self.down(nnx.relu(self.up(x)))
+
+
+def test_nnx_vmap_and_scan_stack():
+  @nnx.split_rngs(splits=L)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return _NnxBlock(rngs)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+  def forward(x, block):
+    return block(x)
+
+  blocks = create(nnx.Rngs(0))
+  assert blocks.up.mask.get_value().shape == (L, D, H) and blocks.up.active[...].shape == (L,)
+
+  def reference(x):
+    params = {name: {"kernel": getattr(blocks, name).kernel[...],
+                     "bias": getattr(blocks, name).bias[...]} for name in ("up", "down")}
+    masks = {name: _slices(getattr(blocks, name).mask.get_value()) for name in ("up", "down")}
+    return _unrolled(params, masks, x)
+
+  x = _x()
+  np.testing.assert_allclose(forward(x, blocks), reference(x), **TOL)
+  blocks.up.kernel.set_value(-2.0 * blocks.up.kernel[...] ** 3)
+  jnnx.rebuild_masks(blocks)
+  for i, m in enumerate(_slices(blocks.up.mask.get_value())):
+    np.testing.assert_array_equal(m, jsparse24.prune_24(blocks.up.kernel[...][i]))
+  np.testing.assert_allclose(forward(x, blocks), reference(x), **TOL)
+  blocks.down.active.set_value(jnp.array([False, True, False]))
+  dense_down = [np.ones((H, D), bool), _slices(blocks.down.mask.get_value())[1], np.ones((H, D), bool)]
+  params = {name: {"kernel": getattr(blocks, name).kernel[...], "bias": getattr(blocks, name).bias[...]}
+            for name in ("up", "down")}
+  want = _unrolled(params, {"up": _slices(blocks.up.mask.get_value()), "down": dense_down}, x)
+  np.testing.assert_allclose(forward(x, blocks), want, **TOL)
