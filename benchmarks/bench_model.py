@@ -1,0 +1,666 @@
+"""Whole model: a GPT-style decoder trained dense and 2:4 sparse, side by side.
+
+    PYTHONPATH=. python benchmarks/bench_model.py [--widths 1024,2048] [--remat] [--json PATH]
+
+The model is written the way LLM users write one, and made sparse without
+editing it:
+
+* `GPT`: token + learned position embeddings, `--layers` pre-LayerNorm blocks
+  stacked with `nn.scan` (optionally `nn.remat` inside the scan), a final
+  LayerNorm and a dense output head over `--vocab` tokens. Each block has
+  exactly four `nn.Dense` layers, `qkv` (d -> 3d), `out` (d -> d), `up`
+  (d -> 4d) and `down` (4d -> d), all without bias (as most current LLMs),
+  causal attention through `jax.nn.dot_product_attention` (cuDNN on a GPU,
+  XLA elsewhere; `--attention`) with heads of 128 and a GELU MLP. bfloat16
+  compute, float32 params.
+* dense: AdamW (lr 1e-4, weight decay 0.1) on softmax cross-entropy of random
+  tokens (`--batch` x `--seq` = 16,384 tokens per step by default).
+* 2:4: the same model through `jsparse24.sparsify(model, {r".*/(qkv|out|up|down)": {}})`
+  (default options: the library picks the backend; `--mask` overrides only the
+  mask kind), with
+  `jsparse24.optim.mask_update(..., MaskSchedule(rebuild_every=R), decay=2e-4)`
+  chained before the same AdamW; the forward pass reads
+  `jsparse24.optim.masks(opt_state)`. Same init key, same params.
+
+Per width it times the whole training step of both (steps that do not rebuild
+the masks), one rebuild step, and a breakdown of where the 2:4 step's time
+goes (linear layers, compression, attention, optimizer, the rest), each part
+its own jitted program at the model's shapes; then the ceilings the breakdown
+implies. Tables are printed and written to benchmarks/results/<gpu>.md.
+
+Default depths (`DEFAULTS`) fit JAX's default GPU memory pool on an 80 GB
+H100 (75% of it, about 58 GiB); `memory_estimate` says what is counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import pathlib
+import time
+import traceback
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+import jsparse24
+from benchmarks import _common
+
+# d_model -> (blocks, remat) that fit the H100's default pool (`memory_estimate`).
+# 2048 x 16 was the first choice by `memory_estimate`, but its 2:4 step needed
+# 62 GiB on the H100 (XLA's rematerialization could not bring it under the
+# 57 GiB pool), more than the estimate counts: 12 blocks fit both models.
+DEFAULTS = {1024: (24, False), 2048: (12, False), 4096: (8, True), 8192: (2, True)}
+POOL_GIB = 0.75 * 78  # JAX preallocates 75% of the GPU; an 80 GB H100 shows JAX ~78 GiB
+HEAD_DIM = 128
+SPARSE_LAYERS = r".*/(qkv|out|up|down)"
+MASK_KINDS = {"default": {}, "plain": {"transposable": False},
+              "transposable": {"transposable": True}}
+LR, WEIGHT_DECAY, MASK_DECAY = 1e-4, 0.1, 2e-4
+# Recompute everything in the backward pass. A policy that saves matmul
+# outputs (`dots_with_no_batch_dims_saveable`) would treat the two models
+# differently: XLA's dots are saveable but the 2:4 products are custom calls,
+# so only the 2:4 model would recompute its linear layers.
+REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
+
+
+# --- the model --------------------------------------------------------------------
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm decoder block; scanned, so it takes and returns a carry."""
+
+  d_model: int
+  attention: str | None  # `implementation=` of jax.nn.dot_product_attention
+  dtype: Any = jnp.bfloat16
+
+  @nn.compact
+  def __call__(self, x, _):
+    batch, seq, d = x.shape
+    heads = d // HEAD_DIM
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_attn")(x)
+    qkv = nn.Dense(3 * d, use_bias=False, dtype=self.dtype, name="qkv")(h)
+    q, k, v = jnp.unstack(qkv.reshape(batch, seq, 3, heads, HEAD_DIM), axis=2)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+    x = x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="out")(a.reshape(batch, seq, d))
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
+    h = nn.gelu(nn.Dense(4 * d, use_bias=False, dtype=self.dtype, name="up")(h))
+    return x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="down")(h), None
+
+
+class GPT(nn.Module):
+  vocab: int
+  d_model: int
+  layers: int
+  max_len: int
+  attention: str | None
+  remat: bool = False
+  dtype: Any = jnp.bfloat16
+
+  @nn.compact
+  def __call__(self, tokens):
+    init = nn.initializers.normal(0.02)
+    x = nn.Embed(self.vocab, self.d_model, embedding_init=init, dtype=self.dtype,
+                 name="embed")(tokens)
+    pos = self.param("pos_embed", init, (self.max_len, self.d_model))
+    x = x + pos[: tokens.shape[-1]].astype(self.dtype)
+    block = nn.remat(Block, policy=REMAT_POLICY, prevent_cse=False) if self.remat else Block
+    # "sparsity" stacks like "params": one mask per block once sparsified.
+    blocks = nn.scan(block, variable_axes={"params": 0, "sparsity": 0},
+                     split_rngs={"params": True}, length=self.layers)
+    x, _ = blocks(self.d_model, self.attention, self.dtype, name="blocks")(x, None)
+    x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
+    return nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
+
+
+def layer_shapes(d: int) -> dict[str, tuple[int, int]]:
+  """(K, N) of each block's linear layers."""
+  return {"qkv": (d, 3 * d), "out": (d, d), "up": (d, 4 * d), "down": (4 * d, d)}
+
+
+def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
+                    vocab: int) -> dict[str, float]:
+  """Peak device bytes of the 2:4 training step (the larger of the two), by part.
+
+  The timed steps donate their params and optimizer state, so the state is
+  held once. Activations: a block saves about 18 bf16 `[tokens, d]` tensors
+  for its backward pass (LayerNorm inputs and outputs, q/k/v, the attention
+  output, the residual, and the 4d-wide MLP input and GELU output); with remat
+  only its input, plus one block's worth while it is recomputed.
+  """
+  linear = 12 * d * d * layers
+  parts = {
+      "state": 16 * params,  # f32 params, AdamW's two moments, grads
+      "masks": 2 * linear / 8,  # packed, 1 bit/weight: held, and the update's new ones
+      "weights": 2 * linear,  # bf16 copies of the kernels the products read
+      "compressed": (1 if remat else layers) * 12 * d * d * 1.2,  # 2:4 operands kept for dx
+      "activations": (2 * layers + 36) * d * tokens if remat else 36 * d * tokens * layers,
+      "logits": 12 * tokens * vocab,  # bf16 logits, their f32 upcast and its gradient
+  }
+  return {**parts, "total": sum(parts.values())}
+
+
+# --- training steps ------------------------------------------------------------------
+
+
+def lm_loss(logits, tokens):
+  """Next-token softmax cross-entropy; `logits` are those of `tokens[:, :-1]`."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+
+def make_train_step(apply, tx):
+  """jit((params, opt_state, tokens) -> (params, opt_state, loss)), donating the
+  state as a training loop does: the 8192-wide model fits only that way."""
+
+  def step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(
+        lambda p: lm_loss(apply(p, opt_state, tokens[:, :-1]), tokens))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_update(tx):
+  """The optimizer alone: jit((params, opt_state, grads) -> (params, opt_state, None))."""
+
+  def update(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, None
+
+  return jax.jit(update, donate_argnums=(0, 1))
+
+
+def at_count(opt_state, count: int):
+  """The optimizer state with mask_update's step count set to `count` (it is
+  the first element of our chain). Set outside the jitted step, so the count
+  stays a runtime input and the compiled step keeps its rebuild branch."""
+  return (opt_state[0]._replace(count=jnp.asarray(count, jnp.int32)), *opt_state[1:])
+
+
+def threaded(step, params, opt_state, count: int | None = None):
+  """A callable for `_common.bench`, which calls it again and again with the
+  same arguments: it feeds each call the state the previous (donating) call
+  returned, pinned at mask_update step `count` when given, so every timed
+  call is the same step. Returns (callable, the live state)."""
+  state = {"params": params, "opt": opt_state}
+
+  def run(*args):
+    opt = state["opt"] if count is None else at_count(state["opt"], count)
+    state["params"], state["opt"], _ = step(state["params"], opt, *args)
+    return state["params"], state["opt"]  # blocking on these waits for the whole step
+
+  return run, state
+
+
+def compile_step(step, *args):
+  t0 = time.perf_counter()
+  compiled = step.lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+_fingerprint = jax.jit(lambda tree: jax.tree.map(
+    lambda a: jnp.sum(jnp.abs(a.astype(jnp.float32))), tree))
+
+
+def _signature(tree):
+  shapes = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), tree)
+  return jax.tree.structure(tree), shapes
+
+
+def masks_by_layer(sparsity) -> dict[str, jsparse24.Mask24]:
+  """{"blocks/qkv": Mask24, ...} of a "sparsity" collection."""
+  flat = traverse_util.flatten_dict(sparsity, sep="/")
+  return {path.removesuffix("/mask"): m for path, m in flat.items() if path.endswith("/mask")}
+
+
+def masked_params(params, sparsity):
+  """`params` with every sparse layer's kernel times its mask: the dense model
+  applied to them computes what the 2:4 model computes."""
+  masks = masks_by_layer(sparsity)
+
+  def mask(path, a):
+    layer = "/".join(k.key for k in path).removesuffix("/kernel")
+    return jnp.where(masks[layer].unpack(), a, 0) if layer in masks else a
+
+  return jax.tree_util.tree_map_with_path(mask, params)
+
+
+# --- breakdown parts ---------------------------------------------------------------------
+
+
+def time_fwd_bwd(timer, fn, params, rest, x, dy, passes: int) -> float:
+  """Seconds per step of `fn(params, rest, x)`: forward + `jax.vjp` with
+  respect to `params` and `x`, plus `passes - 1` more forwards (remat's
+  recomputation)."""
+
+  @jax.jit
+  def fwd_bwd(params, rest, x, dy):
+    y, vjp = jax.vjp(lambda p, x: fn(p, rest, x), params, x)
+    return y, *vjp(dy)
+
+  t = timer(fwd_bwd, params, rest, x, dy)
+  return t + (passes - 1) * timer(jax.jit(fn), params, rest, x) if passes > 1 else t
+
+
+def time_linear(timer, layer, k: int, n: int, batch: int, seq: int,
+                passes: int) -> dict[str, float]:
+  """Seconds per step of one linear layer (y, dx, dw) on bf16 activations,
+  with its float32 kernel (and, for SparseDense, the stored mask from
+  `init`); and of compressing its kernel, where a GPU backend can."""
+  kx, kd, kp = jax.random.split(jax.random.key(k * 7 + n), 3)
+  x = jax.random.normal(kx, (batch, seq, k), jnp.bfloat16)
+  dy = jax.random.normal(kd, (batch, seq, n), jnp.bfloat16)
+  variables = jax.jit(layer.init)(kp, x)
+  params, rest = variables["params"], {c: v for c, v in variables.items() if c != "params"}
+  out = {"step": time_fwd_bwd(timer, lambda p, r, x: layer.apply({"params": p, **r}, x),
+                              params, rest, x, dy, passes)}
+  if "sparsity" in rest and jsparse24.available_implementations()["pallas"] is None:
+    mask = rest["sparsity"]["mask"]
+    compress = jax.jit(lambda w, m: jsparse24.compress(w, m, transposed=m.transposable))
+    out["compress"] = timer(compress, params["kernel"].astype(jnp.bfloat16), mask) * passes
+  return out
+
+
+def time_attention(timer, d: int, batch: int, seq: int, implementation, passes: int) -> float:
+  """Seconds per step of the model's attention call (q, k, v -> dq, dk, dv)."""
+  shape = (batch, seq, d // HEAD_DIM, HEAD_DIM)
+  kq, kk, kv, kd = jax.random.split(jax.random.key(d), 4)
+  q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16) for key in (kq, kk, kv, kd))
+
+  def attention(kv, _, q):
+    return jax.nn.dot_product_attention(q, *kv, is_causal=True, implementation=implementation)
+
+  return time_fwd_bwd(timer, attention, (k, v), None, q, do, passes)
+
+
+def time_optimizer(timer, tx, params, opt_state, count: int | None = None) -> float:
+  """Seconds of `tx.update` + `optax.apply_updates` over the whole params tree."""
+  grads = jax.jit(lambda t: jax.tree.map(lambda a: jnp.full_like(a, 1e-3), t))(params)
+  run, _ = threaded(make_update(tx), params, opt_state, count)
+  return timer(run, grads)
+
+
+# --- one width --------------------------------------------------------------------------
+
+
+def run_width(cfg: dict, timer, result: dict) -> None:
+  """Measures one width, filling `result` (which has d_model, layers, remat)
+  as it goes, so that a failure keeps what was measured and `result["phase"]`
+  says where it stopped."""
+  d, layers, remat = result["d_model"], result["layers"], result["remat"]
+  batch, seq, vocab, rebuild_every = cfg["batch"], cfg["seq"], cfg["vocab"], cfg["rebuild_every"]
+  tokens_per_step = batch * seq
+
+  def phase(name):
+    result["phase"] = name
+    print(f"[d_model {d}] {name}", flush=True)
+
+  phase("setup")
+  model = GPT(vocab, d, layers, seq, cfg["attention"], remat)
+  sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: MASK_KINDS[cfg["mask"]]})
+  key_data, key_init = jax.random.split(jax.random.key(0))
+  tokens = jax.random.randint(key_data, (batch, seq + 1), 0, vocab, jnp.int32)
+  dense_shapes = jax.eval_shape(model.init, key_init, tokens[:, :-1])["params"]
+  n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(dense_shapes))
+  mem = memory_estimate(n_params, d, layers, remat, tokens_per_step, vocab)
+  result.update(params=n_params, sparse_weights=12 * d * d * layers,
+                memory_estimate_gib={k: v / 2**30 for k, v in mem.items()})
+  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  pool, whose = (limit / 2**30, "this device's") if limit else (POOL_GIB, "an 80 GB H100's")
+  parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
+  print(f"[d_model {d}] {layers} blocks{' (remat)' if remat else ''}, {d // HEAD_DIM} heads,"
+        f" {n_params / 1e6:,.0f}M params; memory estimate {mem['total'] / 2**30:.1f} GiB"
+        f" ({parts}); {whose} pool {pool:.1f} GiB"
+        + (": MAY NOT FIT" if mem["total"] / 2**30 > pool else ""), flush=True)
+
+  # The layers' mask kind: --mask, or the library's default (transposable
+  # where the output size is a multiple of 4: every layer here).
+  transposable = MASK_KINDS[cfg["mask"]].get("transposable")
+  result["implementations"] = {
+      kind: jsparse24.selected_implementation(
+          (batch, seq, k), (k, n), jnp.bfloat16,
+          transposable=n % 4 == 0 if transposable is None else transposable)
+      for kind, (k, n) in layer_shapes(d).items()}
+  print(f"[d_model {d}] automatic 2:4 backend per layer: {result['implementations']}", flush=True)
+
+  adamw = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+
+  phase("dense: init, compile, first step")
+  params = jax.jit(model.init)(key_init, tokens[:, :-1])["params"]
+  fingerprint = jax.tree.leaves(jax.tree.map(float, _fingerprint(params)))
+  opt_state = jax.jit(adamw.init)(params)
+  step, compile_s = compile_step(
+      make_train_step(lambda p, _, x: model.apply({"params": p}, x), adamw),
+      params, opt_state, tokens)
+  params, opt_state, loss = step(params, opt_state, tokens)
+  dense = result["dense"] = {"compile_s": compile_s, "first_loss": float(loss)}
+  print(f"[d_model {d}] dense: train step compiled in {compile_s:.1f} s, first-step loss"
+        f" {dense['first_loss']:.4f}", flush=True)
+
+  phase("dense: timing")
+  run, state = threaded(step, params, opt_state)
+  dense["step_ms"] = timer(run, tokens) * 1e3
+  dense["tokens_per_s"] = tokens_per_step / dense["step_ms"] * 1e3
+  print(f"[d_model {d}] dense: {dense['step_ms']:.2f} ms/step, {dense['tokens_per_s']:,.0f}"
+        f" tokens/s", flush=True)
+  phase("dense: AdamW alone")
+  dense["optimizer_ms"] = time_optimizer(timer, adamw, state["params"], state["opt"]) * 1e3
+  del params, opt_state, run, state, step
+
+  phase("2:4: init, compile, first step")
+  variables = jax.jit(sparse.init)(key_init, tokens[:, :-1])
+  params = variables["params"]
+  if _signature(params) != _signature(dense_shapes):
+    raise AssertionError("the 2:4 model's params tree differs from the dense model's")
+  # Two compiled init programs may round an initializer differently by an ulp.
+  if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in
+             zip(jax.tree.leaves(jax.tree.map(float, _fingerprint(params))), fingerprint)):
+    raise AssertionError("the 2:4 model's initial params differ from the dense model's")
+  result["mask_shapes"] = {path: list(m.shape)
+                           for path, m in masks_by_layer(variables["sparsity"]).items()}
+  print(f"[d_model {d}] 2:4 masks (path: stacked shape): {result['mask_shapes']}", flush=True)
+  schedule = jsparse24.optim.MaskSchedule(rebuild_every=rebuild_every)
+  tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"], schedule, decay=MASK_DECAY),
+                   adamw)
+  opt_state = jax.jit(tx.init)(params)
+  del variables
+  # The 2:4 model must compute the dense model on the masked kernels. (Against
+  # the dense model itself its loss agrees only statistically: the final
+  # LayerNorm makes any model's loss at init about ln(vocab) + 1/2.)
+  reference = float(jax.jit(lambda p, s, t: lm_loss(
+      model.apply({"params": masked_params(p, s)}, t[:, :-1]), t))(
+          params, jsparse24.optim.masks(opt_state), tokens))
+  step, compile_s = compile_step(
+      make_train_step(lambda p, o, x: sparse.apply(
+          {"params": p, "sparsity": jsparse24.optim.masks(o)}, x), tx),
+      params, opt_state, tokens)
+  params, opt_state, loss = step(params, opt_state, tokens)
+  sp = result["sparse"] = {"compile_s": compile_s, "first_loss": float(loss),
+                           "reference_loss": reference}
+  print(f"[d_model {d}] 2:4: train step compiled in {compile_s:.1f} s, first-step loss"
+        f" {sp['first_loss']:.4f} (dense model on the masked kernels {reference:.4f};"
+        f" dense model {dense['first_loss']:.4f})", flush=True)
+  if not (math.isfinite(sp["first_loss"])
+          and abs(sp["first_loss"] - reference) <= 1e-2 * reference):
+    raise AssertionError(f"2:4 first-step loss {sp['first_loss']} is not finite or differs from"
+                         f" the dense model's on the masked kernels ({reference}) by more than 1%")
+
+  # The timed calls check it: `last_rebuild` stays 0, then becomes R.
+  plain, rebuild = 0, rebuild_every - 1
+  phase(f"2:4: timing (mask_update count pinned at {plain}: no rebuild)")
+  run, state = threaded(step, params, opt_state, count=plain)
+  sp["step_ms"] = timer(run, tokens) * 1e3
+  sp["tokens_per_s"] = tokens_per_step / sp["step_ms"] * 1e3
+  last = int(state["opt"][0].last_rebuild)
+  if last != 0:
+    raise AssertionError(f"a timed 2:4 step rebuilt the masks (last_rebuild={last})")
+  print(f"[d_model {d}] 2:4: {sp['step_ms']:.2f} ms/step, {sp['tokens_per_s']:,.0f} tokens/s,"
+        f" {sp['tokens_per_s'] / dense['tokens_per_s']:.3f}x dense", flush=True)
+
+  phase(f"2:4: timing a rebuild step (count pinned at {rebuild})")
+  run, state = threaded(step, state["params"], state["opt"], count=rebuild)
+  sp["rebuild_step_ms"] = timer(run, tokens) * 1e3
+  last = int(state["opt"][0].last_rebuild)
+  if last != rebuild_every:
+    raise AssertionError(f"the rebuild step did not rebuild (last_rebuild={last})")
+  sp["rebuild_extra_ms_per_step"] = (sp["rebuild_step_ms"] - sp["step_ms"]) / rebuild_every
+  result["ratio"] = sp["tokens_per_s"] / dense["tokens_per_s"]
+  result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
+                                                      + sp["rebuild_extra_ms_per_step"])
+  print(f"[d_model {d}] 2:4 rebuild step: {sp['rebuild_step_ms']:.2f} ms, amortised over"
+        f" {rebuild_every} steps {sp['rebuild_extra_ms_per_step']:.3f} ms/step", flush=True)
+  phase("2:4: mask_update + AdamW alone")
+  sp["optimizer_ms"] = time_optimizer(timer, tx, state["params"], state["opt"], plain) * 1e3
+  del params, opt_state, run, state, step
+
+  phase("breakdown: linear layers, attention")
+  result["breakdown"] = breakdown(cfg, timer, result)
+  del result["phase"]
+
+
+def breakdown(cfg: dict, timer, result: dict) -> dict:
+  """Times the parts at the model's shapes and splits both steps into them."""
+  d, layers, remat = result["d_model"], result["layers"], result["remat"]
+  batch, seq = cfg["batch"], cfg["seq"]
+  passes = 2 if remat else 1  # forward passes per step: remat recomputes each block's
+  per_layer = {}
+  for kind, (k, n) in layer_shapes(d).items():
+    dense = time_linear(timer, nn.Dense(n, use_bias=False, dtype=jnp.bfloat16), k, n, batch,
+                        seq, passes)
+    sparse = time_linear(timer, jsparse24.SparseDense(n, use_bias=False, dtype=jnp.bfloat16,
+                                                      **MASK_KINDS[cfg["mask"]]),
+                         k, n, batch, seq, passes)
+    per_layer[kind] = {"k": k, "n": n, "implementation": result["implementations"][kind],
+                       "dense_ms": dense["step"] * 1e3, "sparse_ms": sparse["step"] * 1e3,
+                       "compress_ms": sparse["compress"] * 1e3 if "compress" in sparse else None}
+    print(f"[d_model {d}] {kind} {k}x{n}: dense {dense['step'] * 1e3:.3f} ms, 2:4"
+          f" {sparse['step'] * 1e3:.3f} ms ({result['implementations'][kind]})", flush=True)
+  attention_ms = time_attention(timer, d, batch, seq, cfg["attention"], passes) * 1e3 * layers
+
+  dense_step, sparse_step = result["dense"]["step_ms"], result["sparse"]["step_ms"]
+  out = {"layers": per_layer, "attention_ms": attention_ms}
+  out["linear_dense_ms"] = sum(p["dense_ms"] for p in per_layer.values()) * layers
+  out["linear_sparse_ms"] = sum(p["sparse_ms"] for p in per_layer.values()) * layers
+  compress = [p["compress_ms"] for p in per_layer.values()]
+  out["compress_ms"] = None if None in compress else sum(compress) * layers
+  opt_dense, opt_sparse = result["dense"]["optimizer_ms"], result["sparse"]["optimizer_ms"]
+  out["mask_update_ms"] = opt_sparse - opt_dense
+  out["mask_update_pct"] = 100 * out["mask_update_ms"] / sparse_step
+  out["other_dense_ms"] = dense_step - out["linear_dense_ms"] - attention_ms - opt_dense
+  out["other_sparse_ms"] = sparse_step - out["linear_sparse_ms"] - attention_ms - opt_sparse
+  # (a) y (every forward pass, the recomputed one too) and dx at half cost,
+  # dw dense: 1.5x on the products without remat, 1.6x with.
+  products = (0.5 * passes + 0.5 + 1) / (passes + 2)
+  linear = out["linear_dense_ms"]
+  out["ceiling_bound"] = dense_step / (dense_step - linear + linear * products)
+  # (b) the dense step with its linear layers and optimizer swapped for the
+  # 2:4 ones, as measured alone.
+  out["ceiling_measured"] = dense_step / (dense_step - linear - opt_dense
+                                          + out["linear_sparse_ms"] + opt_sparse)
+  return out
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def _na(v):
+  return "n/a" if v is None else v
+
+
+def _get(r: dict, *keys):
+  """r[k0][k1]..., or "FAILED" where the width stopped before measuring it."""
+  for k in keys:
+    if not isinstance(r, dict) or k not in r:
+      return "FAILED"
+    r = r[k]
+  return r
+
+
+def _blocks(r: dict) -> str:
+  return f"{r['layers']}{' (remat)' if r['remat'] else ''}"
+
+
+def main_table(results: list[dict]) -> str:
+  rows = [[r["d_model"], _blocks(r), _get(r, "dense", "step_ms"), _get(r, "dense", "tokens_per_s"),
+           _get(r, "sparse", "step_ms"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
+           _get(r, "sparse", "rebuild_step_ms"), _get(r, "sparse", "rebuild_extra_ms_per_step"),
+           _get(r, "ratio_with_rebuilds"), r["status"]]
+          for r in results]
+  return _common.table(["d_model", "blocks", "dense ms/step", "dense tokens/s", "2:4 ms/step",
+                        "2:4 tokens/s", "ratio (2:4 / dense tokens/s)", "2:4 rebuild step ms",
+                        "rebuild extra ms/step (amortised)", "ratio with rebuilds", "status"],
+                       rows)
+
+
+def breakdown_tables(r: dict) -> str:
+  b = r["breakdown"]
+  dense_step, sparse_step = r["dense"]["step_ms"], r["sparse"]["step_ms"]
+  recompute = " + recomputed fwd" if r["remat"] else ""
+  parts = [
+      ["full training step", dense_step, sparse_step],
+      [f"linear layers (qkv, out, up, down) fwd+bwd{recompute}", b["linear_dense_ms"],
+       b["linear_sparse_ms"]],
+      ["  of which compression (proxy)", "", _na(b["compress_ms"])],
+      [f"attention fwd+bwd{recompute}", b["attention_ms"], b["attention_ms"]],
+      ["optimizer (dense: AdamW; 2:4: mask_update + AdamW)", r["dense"]["optimizer_ms"],
+       r["sparse"]["optimizer_ms"]],
+      ["everything else (step - parts above)", b["other_dense_ms"], b["other_sparse_ms"]],
+  ]
+  rows = [p + [p[2] - p[1] if isinstance(p[1], float) and isinstance(p[2], float) else ""]
+          for p in parts]
+  layer_rows = [[kind, f"{p['k']}x{p['n']}", r["layers"], p["implementation"], p["dense_ms"],
+                 p["sparse_ms"], p["dense_ms"] / p["sparse_ms"], _na(p["compress_ms"])]
+                for kind, p in b["layers"].items()]
+  return (f"d_model {r['d_model']}, {r['layers']} blocks{' with remat' if r['remat'] else ''},"
+          f" {r['params'] / 1e6:,.0f}M params"
+          f" (memory estimate {r['memory_estimate_gib']['total']:.1f} GiB); ms per step, summed"
+          f" over all blocks:\n\n"
+          + _common.table(["part", "dense ms", "2:4 ms", "2:4 - dense ms"], rows)
+          + f"\n\nmask_update per-step overhead {b['mask_update_ms']:.3f} ms"
+          f" ({b['mask_update_pct']:.2f}% of the 2:4 step); ceilings: (a) bound"
+          f" {b['ceiling_bound']:.3f}x, (b) with measured parts {b['ceiling_measured']:.3f}x;"
+          f" measured {r['ratio']:.3f}x.\n\nPer layer, one block (fwd+bwd{recompute}; ms):\n\n"
+          + _common.table(["layer", "K x N", "count", "2:4 backend (automatic)", "dense",
+                           "2:4", "speedup", "compress (proxy)"], layer_rows))
+
+
+def summary_table(results: list[dict]) -> str:
+  rows = [[r["d_model"], _blocks(r),
+           f"{r['params'] / 1e6:,.0f}M" if "params" in r else "FAILED",
+           _get(r, "dense", "tokens_per_s"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
+           _get(r, "breakdown", "mask_update_pct"), _get(r, "breakdown", "ceiling_measured")]
+          for r in results]
+  return _common.table(["d_model", "blocks", "params", "dense tokens/s", "2:4 tokens/s", "ratio",
+                        "mask_update overhead % of 2:4 step", "ceiling (b)"], rows)
+
+
+def notes(cfg: dict) -> str:
+  return (
+      f"GPT-style decoder (`benchmarks/bench_model.py`): pre-LayerNorm blocks stacked with"
+      f" `nn.scan`, four bias-free `nn.Dense` per block (qkv d->3d, out d->d, up d->4d,"
+      f" down 4d->d), causal `jax.nn.dot_product_attention` (implementation"
+      f" {cfg['attention'] or 'None: XLA'}), heads of {HEAD_DIM}, GELU MLP, vocabulary"
+      f" {cfg['vocab']},"
+      f" dense output head; bf16 compute, f32 params; AdamW (lr {LR}, weight decay"
+      f" {WEIGHT_DECAY}); {cfg['batch']}x{cfg['seq']} = {cfg['batch'] * cfg['seq']:,} random"
+      f" tokens per step. Remat: `nn.remat` around the block, policy `nothing_saveable`"
+      f" (saving matmul outputs would favour the dense model: XLA's dots are saveable, the"
+      f" 2:4 products are custom calls). Default depths fit JAX's default memory pool on"
+      f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`."
+      f" 2:4 = the same model through `jsparse24.sparsify(model,"
+      f" {{{SPARSE_LAYERS!r}: {MASK_KINDS[cfg['mask']]}}})` (mask kind: {cfg['mask']}; the"
+      f" backend is the automatic choice, named per layer below) and"
+      f" `mask_update(MaskSchedule(rebuild_every={cfg['rebuild_every']}), decay={MASK_DECAY})`"
+      f" chained before AdamW; same init params. Steps donate their state (a training"
+      f" loop does); the 2:4 steps are timed with mask_update's count pinned to a step that"
+      f" does not rebuild, and once pinned to one that does (its extra cost shown amortised"
+      f" over {cfg['rebuild_every']} steps).\n\n"
+      f"Breakdown: each part is its own jitted program at the model's shapes, summed over"
+      f" the blocks (with remat the recomputed forward is added): linear layers = `nn.Dense`"
+      f" vs `jsparse24.SparseDense` forward + `jax.vjp` (y, dx, dw) from f32 params on bf16"
+      f" activations, masking and compression included; compression = `jsparse24.compress`"
+      f" of each bf16 kernel with its mask, a proxy for the per-step compression inside the"
+      f" product (the same Pallas kernel family; n/a without a GPU); optimizer = `tx.update`"
+      f" + `optax.apply_updates` alone on the whole params tree; everything else"
+      f" (embeddings, head, norms, loss, residuals) = the full step minus those parts, and"
+      f" goes negative where the parts overlap inside the whole step. Ceilings: (a) the"
+      f" dense step with its linear layers at the 2:4 products bound (y and dx at half"
+      f" cost, dw dense: 1.5x, 1.6x with remat); (b) the dense step with its linear layers"
+      f" and optimizer replaced by the measured 2:4 ones.")
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--widths", default="1024,2048,4096,8192", help="d_model values, comma-separated")
+  p.add_argument("--layers", default=None,
+                 help="blocks: one value for every width, or one per width (default: " + ", ".join(
+                     f"{d}: {n}{' with remat' if r else ''}" for d, (n, r) in DEFAULTS.items())
+                 + ")")
+  p.add_argument("--remat", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                 help="nn.remat around each block (auto: per DEFAULTS, off for other widths)")
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--vocab", type=int, default=32768)
+  p.add_argument("--rebuild-every", type=int, default=100, help="R: mask rebuild period (>= 2)")
+  p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
+                 help="dot_product_attention implementation (auto: cudnn on a GPU, else XLA)")
+  p.add_argument("--mask", default="default", choices=sorted(MASK_KINDS),
+                 help="2:4 mask kind of the sparse layers (default: the library's default)")
+  p.add_argument("--quick", action="store_true", help="one timing repeat (CPU smoke test)")
+  p.add_argument("--json", default=None, help="also write every number to this JSON file")
+  p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
+  args = p.parse_args(argv)
+
+  widths = [int(w) for w in args.widths.split(",")]
+  if any(w % HEAD_DIM for w in widths):
+    p.error(f"--widths: every d_model must be a multiple of the head size {HEAD_DIM}")
+  if args.rebuild_every < 2:
+    p.error("--rebuild-every must be >= 2 (with 1 every step rebuilds)")
+  if args.layers is None and any(w not in DEFAULTS for w in widths):
+    p.error(f"--layers is needed for widths without a default depth ({sorted(DEFAULTS)})")
+  if args.layers is None:
+    layers = {w: DEFAULTS[w][0] for w in widths}
+  else:
+    values = [int(v) for v in args.layers.split(",")]
+    if len(values) not in (1, len(widths)):
+      p.error(f"--layers: give one value, or one per width ({len(widths)})")
+    layers = dict(zip(widths, values * len(widths) if len(values) == 1 else values))
+  remat = {w: args.remat == "on" or (args.remat == "auto" and DEFAULTS.get(w, (0, False))[1])
+           for w in widths}
+  attention = {"auto": "cudnn" if jax.default_backend() == "gpu" else None,
+               "cudnn": "cudnn", "xla": "xla"}[args.attention]
+  cfg = {"widths": widths, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
+         "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask}
+  timer = (functools.partial(_common.bench, min_time=0.0, repeats=1) if args.quick
+           else _common.bench)
+  env = _common.environment()
+  print(env, flush=True)
+  print(f"backends: {jsparse24.available_implementations()}", flush=True)
+
+  results = []
+  for d in widths:
+    t0 = time.time()
+    result = {"d_model": d, "layers": layers[d], "remat": remat[d], "status": "ok"}
+    try:
+      run_width(cfg, timer, result)
+    except Exception as e:  # pylint: disable=broad-except  (OOM too: on to the next width)
+      traceback.print_exc()
+      result["status"] = f"FAILED in {result.get('phase', 'setup')}: {type(e).__name__}"
+      result["error"] = traceback.format_exc()
+      print(f"[d_model {d}] {result['status']}", flush=True)
+    results.append(result)
+    print(f"[d_model {d}] done in {time.time() - t0:.0f} s", flush=True)
+    # Free this width's buffers and compiled programs before the next one.
+    gc.collect()
+    jax.clear_caches()
+
+  tables = (f"{main_table(results)}\n\n"
+            + "".join(f"{breakdown_tables(r)}\n\n" for r in results if "breakdown" in r)
+            + f"Summary:\n\n{summary_table(results)}\n")
+  out = {"environment": env, "config": cfg, "widths": results}
+  if args.json:
+    path = pathlib.Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}", flush=True)
+  if not args.no_write:
+    title = (f"Whole model: GPT-style decoder, d_model {','.join(map(str, widths))},"
+             f" {args.batch}x{args.seq} tokens per step, {args.mask} masks")
+    path = _common.write_section(title, f"{env}\n\n{notes(cfg)}\n\n{tables}")
+    print(f"wrote {path}", flush=True)
+  print(f"\n{tables}", flush=True)
+  return out
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,31 @@
+"""benchmarks/bench_model.py runs end to end on CPU at a tiny size: init under
+nn.scan, sparsify, mask_update, the timed steps, the breakdown and the tables."""
+
+import math
+
+import pytest
+
+from benchmarks import bench_model
+
+LAYERS = 2
+
+
+def test_bench_model_runs_on_cpu(capsys):
+  out = bench_model.main(["--widths", "128", "--layers", str(LAYERS), "--seq", "32",
+                          "--batch", "2", "--vocab", "512", "--rebuild-every", "5",
+                          "--quick", "--no-write"])
+  (r,) = out["widths"]
+  assert r["status"] == "ok", r.get("error")
+  assert r["dense"]["tokens_per_s"] > 0 and r["sparse"]["tokens_per_s"] > 0
+  assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+  # One stacked mask per layer kind, leading axis = blocks (nn.scan).
+  assert r["mask_shapes"] == {f"blocks/{kind}": [LAYERS, kin, kout] for kind, (kin, kout)
+                              in bench_model.layer_shapes(128).items()}
+  assert r["sparse"]["first_loss"] == pytest.approx(r["sparse"]["reference_loss"], rel=1e-2)
+  b = r["breakdown"]
+  assert set(b["layers"]) == {"qkv", "out", "up", "down"}
+  assert b["compress_ms"] is None  # no GPU backend on CPU
+  assert all(math.isfinite(b[key]) for key in ("ceiling_bound", "ceiling_measured",
+                                               "mask_update_pct"))
+  printed = capsys.readouterr().out
+  assert printed.rstrip().splitlines()[-1].startswith("| 128 | 2 |")  # the summary table, last
