@@ -68,8 +68,8 @@ def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implement
   phases (internal; `SparseDense` and `nnx.SparseLinear` call it).
 
   The reference backend folds `active` into its mask (`mask | ~active`), one
-  elementwise op that XLA fuses: no branch. The others run a `lax.cond`
-  between the sparse product and XLA's dense one (`Backend.dot`).
+  elementwise op that XLA fuses: no branch. The others choose between the
+  sparse product and XLA's dense one inside their custom_vjp (`Backend.dot`).
   """
   return _dot("SparseDense", x, w, mask, active, gradient=gradient,
               transposable=transposable, implementation=implementation,

@@ -327,9 +327,29 @@ def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
   return _map_layers(rebuild, sparsity, params)
 
 
-def path_keys(path) -> tuple:
+def _path_keys(path) -> tuple:
   """The plain keys of a `jax.tree_util` key path (`("blocks", "up", "kernel")`)."""
   return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def map_sparse_kernels(fn, layers: Mapping[tuple, Any], tree: Any, *rest: Any):
+  """`tree` with `fn(layers[path], kernel, *rest_kernels)` in place of the
+  `"kernel"` leaf of every layer path in `layers` (other leaves unchanged),
+  mapped with `tree_map_with_path` so that container types (`FrozenDict`)
+  survive; `rest` are trees of the same structure. Returns (the new tree,
+  the sorted layer paths of `layers` that `tree` has no kernel for)."""
+  seen = set()
+
+  def visit(path, leaf, *others):
+    keys = _path_keys(path)
+    layer = layers.get(keys[:-1]) if keys and keys[-1] == "kernel" else None
+    if layer is None or leaf is None:
+      return leaf
+    seen.add(keys[:-1])
+    return fn(layer, leaf, *others)
+
+  out = jax.tree_util.tree_map_with_path(visit, tree, *rest, is_leaf=lambda x: x is None)
+  return out, sorted("/".join(map(str, p)) for p in set(layers) - seen)
 
 
 def compress_params(params: Mapping, sparsity: Mapping) -> Any:
@@ -357,18 +377,8 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
           f"{fn}: layer {'/'.join(path)!r} is a stack whose layers are partly"
           f" sparse and partly dense (active={flags.tolist()}); one stacked kernel"
           f" cannot be partly compressed.")
-  seen = set()
-
-  def replace(path, leaf):
-    keys = path_keys(path)
-    mask = chosen.get(keys[:-1]) if keys and keys[-1] == "kernel" else None
-    if mask is None:
-      return leaf
-    seen.add(keys[:-1])
-    return compress(leaf, mask, transposed=mask.transposable)
-
-  out = jax.tree_util.tree_map_with_path(replace, params)
-  missing = sorted("/".join(p) for p in set(chosen) - seen)
+  out, missing = map_sparse_kernels(
+      lambda mask, kernel: compress(kernel, mask, transposed=mask.transposable), chosen, params)
   if missing:
     raise ValueError(f"{fn}: no kernel in params for sparse layer(s) {missing}.")
   return out

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jsparse24.linen import _map_layers, layers_by_path, path_keys, rebuild_masks
+from jsparse24.linen import _map_layers, layers_by_path, map_sparse_kernels, rebuild_masks
 
 DENSITY = 0.5  # 2 of 4 kept
 
@@ -220,22 +220,14 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array):
   (`Mask24.unpack`), so XLA fuses the whole term into the optimizer's
   elementwise pass over the kernel: no extra pass over the weights per step.
   """
-  layers = layers_by_path(masks)
-  seen = set()
 
-  def add(path, update, weight):
-    keys = path_keys(path)
-    layer = layers.get(keys[:-1]) if keys and keys[-1] == "kernel" else None
-    if layer is None or update is None:
-      return update
-    seen.add(keys[:-1])
+  def add(layer, update, weight):
     # One flag per layer (an [L] stack under nn.scan) against [..., K, N].
     scale = jnp.where(layer["active"], lam, 0.0)[..., None, None].astype(weight.dtype)
     pruned = jnp.where(layer["mask"].unpack(), jnp.zeros((), weight.dtype), weight)
     return update + (scale * pruned).astype(update.dtype)
 
-  out = jax.tree_util.tree_map_with_path(add, updates, params, is_leaf=lambda x: x is None)
-  missing = sorted("/".join(map(str, p)) for p in set(layers) - seen)
+  out, missing = map_sparse_kernels(add, layers_by_path(masks), updates, params)
   if missing:
     raise ValueError(
         f"mask_update: the gradients have no 'kernel' for the sparse layer(s) {missing};"

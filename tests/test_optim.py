@@ -191,9 +191,11 @@ def test_training_reduces_loss_with_rebuilds():
   assert int(state[0].last_rebuild) == 27
 
 
-def test_checkpoint_restore_resumes_bit_for_bit(tmp_path):
-  model, tx, variables, x, y = _setup(optim.MaskSchedule(warmup_steps=1, rebuild_every=2), decay=1e-3)
-  params0, state0 = variables["params"], tx.init(variables["params"])
+def check_orbax_resume_bit_for_bit(tmp_path, model, tx, params0, x, y):
+  """6 steps straight against 3, an Orbax save/restore, then 3 more: the same
+  losses, params and optimizer state bit for bit. Returns the 6-step
+  (params, opt_state). Shared with the stacked-layer tests."""
+  state0 = tx.init(params0)
   p_full, s_full, l_full = _train(model, tx, params0, state0, x, y, 6)
   p3, s3, l3 = _train(model, tx, params0, state0, x, y, 3)
 
@@ -208,6 +210,12 @@ def test_checkpoint_restore_resumes_bit_for_bit(tmp_path):
   assert l3 + l_res == l_full
   for a, b in zip(jax.tree.leaves((p_res, s_res)), jax.tree.leaves((p_full, s_full))):
     np.testing.assert_array_equal(a, b)
+  return p_full, s_full
+
+
+def test_checkpoint_restore_resumes_bit_for_bit(tmp_path):
+  model, tx, variables, x, y = _setup(optim.MaskSchedule(warmup_steps=1, rebuild_every=2), decay=1e-3)
+  check_orbax_resume_bit_for_bit(tmp_path, model, tx, variables["params"], x, y)
 
 
 def test_pmap_step_matches_single_device_step():

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 import jsparse24
 from jsparse24 import nnx as jnnx
 from jsparse24 import optim
+from tests.test_optim import check_orbax_resume_bit_for_bit
 
 L, D, H = 3, 8, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -134,23 +134,6 @@ def _setup(schedule, decay):
   return model, tx, v["params"], x, y
 
 
-def _train(model, tx, params, state, x, y, steps):
-  @jax.jit
-  def step(params, state):
-    def loss(p):
-      out = model.apply({"params": p, "sparsity": optim.masks(state)}, x)
-      return jnp.mean((out - y) ** 2)
-    value, grads = jax.value_and_grad(loss)(params)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, value
-
-  losses = []
-  for _ in range(steps):
-    params, state, value = step(params, state)
-    losses.append(float(value))
-  return params, state, losses
-
-
 def test_mask_update_on_a_stack_rebuilds_flags_and_decays_per_layer():
   lam = 0.5
   schedule = optim.MaskSchedule(warmup_steps=1, rebuild_every=2)
@@ -191,19 +174,7 @@ def test_mask_update_on_a_stack_rebuilds_flags_and_decays_per_layer():
 def test_compress_params_on_a_stack_and_orbax_resume(tmp_path):
   schedule = optim.MaskSchedule(warmup_steps=1, rebuild_every=2)
   model, tx, params0, x, y = _setup(schedule, 1e-3)
-  state0 = tx.init(params0)
-  p_full, s_full, l_full = _train(model, tx, params0, state0, x, y, 6)
-  p3, s3, l3 = _train(model, tx, params0, state0, x, y, 3)
-  ckpt = ocp.StandardCheckpointer()
-  ckpt.save(tmp_path / "step3", {"params": p3, "opt_state": s3})
-  ckpt.wait_until_finished()
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": p3, "opt_state": s3})
-  restored = ckpt.restore(tmp_path / "step3", abstract)
-  assert jax.tree.structure(restored) == jax.tree.structure(abstract)
-  p_res, s_res, l_res = _train(model, tx, restored["params"], restored["opt_state"], x, y, 3)
-  assert l3 + l_res == l_full
-  for a, b in zip(jax.tree.leaves((p_res, s_res)), jax.tree.leaves((p_full, s_full))):
-    np.testing.assert_array_equal(a, b)
+  p_full, s_full = check_orbax_resume_bit_for_bit(tmp_path, model, tx, params0, x, y)
 
   masks = optim.masks(s_full)
   compressed = jsparse24.compress_params(p_full, masks)

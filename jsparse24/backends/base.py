@@ -145,10 +145,11 @@ _custom_dot.defvjp(_custom_dot_fwd, _custom_dot_bwd)
 
 
 # The dense phase switch lives inside the custom_vjp, so that the residuals
-# are exactly (x, operand, w): a `lax.cond` around two differentiable
-# branches would save both branches' residuals, the untaken one as zeros of
-# the size of x, every step. Measured on an H100, that cost 1.5-4% of a
-# stacked model's step and 2.3x the residual memory (benchmarks/NOTES.md).
+# are exactly (x, w, operand, active): a `lax.cond` around two differentiable
+# branches saves both branches' residuals, the untaken one as zeros of the
+# size of x, every step. Measured on an H100 that way, a scan of 24 d_model
+# 1024 MLP blocks ran 3.9% slower, and the d_model 2048 x 16 model of
+# bench_model.py ran out of memory (benchmarks/NOTES.md).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _custom_dot_or_dense(x, w, mask, active, backend: Backend, cfg: DotConfig):
   return _custom_dot_or_dense_fwd(x, w, mask, active, backend, cfg)[0]
