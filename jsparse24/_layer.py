@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24
-from jsparse24._ops import sparse_dot, sparse_or_dense_dot
+from jsparse24._ops import sparse_or_dense_dot
 
 
 def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
@@ -17,16 +17,14 @@ def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
                          precision: Any, preferred_element_type: Any = None) -> jax.Array:
   """`inputs @ (kernel * mask) + bias`; the plain dense product while `active`
   is False (dense phases of a schedule). `mask=None, active=None` prunes
-  `kernel` by magnitude now. Inputs are already promoted to one dtype."""
+  `kernel` by magnitude now. `inputs` and `bias` are already promoted to the
+  compute dtype; `kernel` is in its parameter dtype (float32 in mixed
+  precision) and is cast to the compute dtype inside the product, which then
+  returns its gradient in the parameter dtype directly."""
   out_dtype = inputs.dtype if preferred_element_type is None else preferred_element_type
-
-  if active is None:
-    y = sparse_dot(inputs, kernel, mask, gradient=gradient, transposable=transposable,
-                   implementation=implementation, precision=precision)
-  else:
-    y = sparse_or_dense_dot(inputs, kernel, mask, active, gradient=gradient,
-                            transposable=transposable, implementation=implementation,
-                            precision=precision)
+  y = sparse_or_dense_dot(inputs, kernel, mask, active, gradient=gradient,
+                          transposable=transposable, implementation=implementation,
+                          precision=precision, dtype=inputs.dtype)
   y = y.astype(out_dtype)
   if bias is not None:
     y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))

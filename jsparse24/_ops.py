@@ -62,10 +62,13 @@ def sparse_dot(
 
 
 def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implementation,
-                        precision):
+                        precision, dtype=None):
   """`sparse_dot`, or the plain dense `x @ w` (full `dw`) where the bool
-  scalar `active` is False: the product of a layer in a schedule's dense
-  phases (internal; `SparseDense` and `nnx.SparseLinear` call it).
+  scalar `active` is False (None: always sparse): the product of a layer in a
+  schedule's dense phases (internal; `SparseDense` and `nnx.SparseLinear`
+  call it). `dtype`: the compute dtype (the layer's promoted dtype); `w`
+  stays in its own dtype and is cast inside the product, so that its
+  gradient comes out in that dtype straight from the product.
 
   The reference backend folds `active` into its mask (`mask | ~active`), one
   elementwise op that XLA fuses: no branch. The others choose between the
@@ -73,10 +76,11 @@ def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implement
   """
   return _dot("SparseDense", x, w, mask, active, gradient=gradient,
               transposable=transposable, implementation=implementation,
-              precision=precision)
+              precision=precision, dtype=dtype)
 
 
-def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, precision):
+def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, precision,
+         dtype=None):
   if gradient not in GRADIENT_MODES:
     raise ValueError(f"{fn}: unknown gradient={gradient!r}; expected one of {GRADIENT_MODES}.")
   x = jnp.asarray(x)
@@ -92,7 +96,10 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     _check_contraction(fn, x, w.shape)
     dtype = jnp.result_type(x.dtype, w.dtype)
     backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, w.has_transpose))
-    return backend.forward_compressed(x.astype(dtype), w, precision)
+    # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
+    # axis as M before this flattening).
+    y = backend.forward_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision)
+    return y.reshape(*x.shape[:-1], w.shape[1])
 
   w = jnp.asarray(w)
   _checks.check_float(fn, "w", w)
@@ -116,14 +123,15 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
   if mask is not None and not isinstance(mask, Mask24):
     mask = _checks.check_dense_mask(fn, mask, w.shape, transposable)
 
-  dtype = jnp.result_type(x.dtype, w.dtype)
+  dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
   backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, transposable))
   cfg = backends.DotConfig(gradient, transposable, precision)
   lead = x.shape[:-1]
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
   if active is not None:
     active = jnp.asarray(active, jnp.bool_)
-  y = backend.dot(x2, w.astype(dtype), mask, active, cfg)
+  # `w` keeps its dtype: the backend casts it to x's (Backend.dot).
+  y = backend.dot(x2, w, mask, active, cfg)
   return y.reshape(*lead, w.shape[1])
 
 

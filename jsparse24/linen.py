@@ -86,7 +86,9 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
   opts = dataclasses.replace(opts, transposable=resolve_transposable(opts.transposable,
                                                                     module.features))
   mask, active = _layer_mask(module, kernel, opts)
-  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  # nn.Dense's promotion decides the compute dtype; the kernel itself goes
+  # in uncast (sparse_dense_forward casts it inside the product).
+  inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
   return sparse_dense_forward(inputs, kernel, bias, mask, active, gradient=opts.gradient,
                               transposable=opts.transposable,

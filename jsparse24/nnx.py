@@ -160,7 +160,9 @@ class SparseLinear(nnx.Module):
           " takes no output sharding); constrain the output yourself.")
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    # nnx.Linear's promotion decides the compute dtype; the kernel itself
+    # goes in uncast (sparse_dense_forward casts it inside the product).
+    inputs, _, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
     return sparse_dense_forward(
         inputs, kernel, bias,
         self.mask.get_value() if self.mask is not None else None,

@@ -224,8 +224,11 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array):
   def add(layer, update, weight):
     # One flag per layer (an [L] stack under nn.scan) against [..., K, N].
     scale = jnp.where(layer["active"], lam, 0.0)[..., None, None].astype(weight.dtype)
-    pruned = jnp.where(layer["mask"].unpack(), jnp.zeros((), weight.dtype), weight)
-    return update + (scale * pruned).astype(update.dtype)
+    # A select between two updates, not `where(mask, 0, weight)`: XLA merged
+    # that zero with the zero-filled gradient buffers of nn.scan and read it
+    # from memory, a weight-sized float32 buffer per layer (benchmarks/NOTES.md).
+    return jnp.where(layer["mask"].unpack(), update,
+                     update + (scale * weight).astype(update.dtype))
 
   out, missing = map_sparse_kernels(add, layers_by_path(masks), updates, params)
   if missing:

@@ -78,6 +78,17 @@ def test_train_lm_learns_dense_and_sparse(train_lm):
     assert val[-1] < val[0], (run, val)
     assert val[-1] < math.log(256) - 1.0, (run, val)  # well below chance
   assert result["final_val_loss_sparse"] < result["final_val_loss_dense"] + 0.5
+  for run in ("dense", "2:4"):  # the throughput the report prints
+    assert result["tokens_per_s"][run] > 0, result["tokens_per_s"]
+    assert result["tokens_per_s_sparse_steps"][run] > 0, result["tokens_per_s_sparse_steps"]
+
+
+def test_train_lm_throughput_counts_only_the_timed_stretches():
+  run = load_example("train_lm").Run("x", None, None, False)
+  run.segments = [(1, 3, 1.0), (3, 10, 2.0), (11, 20, 3.0)]  # (first step, end step, s)
+  assert run.tokens_per_s(100) == (2 + 7 + 9) * 100 / 6.0
+  assert run.tokens_per_s(100, from_step=11) == 9 * 100 / 3.0
+  assert math.isnan(run.tokens_per_s(100, from_step=12))
 
 
 def test_train_lm_sparse_run_used_24_masks(train_lm):

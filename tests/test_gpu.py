@@ -175,3 +175,19 @@ def test_cusparselt_rejects_unsupported_calls():
     jsparse24.compress(w.astype(jnp.bfloat16), implementation="cusparselt")
   # float32 falls back to the next backend under implementation=None.
   assert jsparse24.selected_implementation((8, 256), (256, 128), jnp.float32) != "cusparselt"
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "cusparselt"])
+def test_compressed_weight_with_leading_axes(implementation):
+  """A Sparse24 weight applied to x[B, T, K] (what a compressed model does)
+  gives [B, T, N]; the cusparselt product read x's first axis as M before
+  sparse_dot flattened the leading axes."""
+  k, n = 256, 128
+  w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (4, 32, k), jnp.bfloat16)
+  sp = jsparse24.compress(w, transposed=True, implementation="pallas")
+  got = jsparse24.sparse_dot(x, sp, implementation=implementation)
+  assert got.shape == (4, 32, n)
+  want = jsparse24.sparse_dot(x, sp, implementation="xla")
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-2, atol=1e-2)

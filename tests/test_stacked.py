@@ -256,3 +256,37 @@ def test_nnx_vmap_and_scan_stack():
             for name in ("up", "down")}
   want = _unrolled(params, {"up": _slices(blocks.up.mask.get_value()), "down": dense_down}, x)
   np.testing.assert_allclose(forward(x, blocks), want, **TOL)
+
+
+def test_scan_backward_reads_the_stacked_kernels_without_a_copy():
+  """Under nn.scan the custom_vjp products keep the (float32) kernel itself as
+  their residual, which JAX's scan forwards from the stacked params: the
+  forward scan returns no weight-shaped stack. (A bfloat16 copy of every
+  kernel, [L, K, N], was stacked there when the layer cast it before the
+  product: a write and a read of 2 bytes per weight per step.)"""
+  from jsparse24.backends.pallas import interpret_mode
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      up = jsparse24.SparseDense(H, name="up", implementation="pallas", dtype=jnp.bfloat16)
+      down = jsparse24.SparseDense(D, name="down", implementation="pallas", dtype=jnp.bfloat16)
+      return x + down(nn.relu(up(x))), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      blocks = nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                       split_rngs={"params": True}, length=L)
+      return blocks(name="blocks")(x, None)[0]
+
+  model, x = Model(), jnp.ones((4, D), jnp.bfloat16)
+  with interpret_mode():
+    v = model.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: model.apply(
+        {"params": p, "sparsity": v["sparsity"]}, x).astype(jnp.float32).sum()))(v["params"])
+  scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  assert len(scans) == 2  # forward (with residuals), backward
+  stacked = {tuple(o.aval.shape) for o in scans[0].outvars}
+  for kernel in ((L, D, H), (L, H, D)):
+    assert kernel not in stacked, (kernel, stacked)

@@ -86,8 +86,9 @@ class Backend(abc.ABC):
 
   def dot(self, x: jax.Array, w: jax.Array, mask: jax.Array | Mask24 | None,
           active: jax.Array | None, cfg: DotConfig) -> jax.Array:
-    """`x[M, K] @ (w*mask)[K, N]` (x, w of one dtype), differentiable in `x`
-    and `w` with `cfg.gradient`'s `dw`. `active`: None, or a bool scalar;
+    """`x[M, K] @ (w*mask)[K, N]` computed in x's dtype, differentiable in
+    `x` and `w` with `cfg.gradient`'s `dw` (in w's dtype; `w` may be wider
+    than x, e.g. a float32 kernel with bfloat16 compute, and is cast inside). `active`: None, or a bool scalar;
     where it is False the product is the plain dense `x @ w` (full `dw`): a
     schedule's dense phase."""
     if active is None:
@@ -121,24 +122,46 @@ class Backend(abc.ABC):
     """`x @ decompress(sp)` for inference on a compressed weight."""
 
 
+def _weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
+  """`dw = x^T dy`, accumulated in float32 and returned in w's own dtype.
+
+  `w` may be wider than x (a layer's float32 kernel with bfloat16 compute,
+  cast inside the product): the product then writes the float32 gradient
+  directly, with no bfloat16 rounding and no separate conversion pass.
+  """
+  out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=accumulation_dtype(x.dtype))
+  return out.astype(w.dtype)
+
+
+# `w` arrives in its own dtype (a layer's float32 kernel) and is cast to x's
+# dtype inside (prepare and the dense branch), so that the residual is the
+# kernel itself: under nn.scan that is a slice of the stacked parameters,
+# which JAX's scan forwards to the backward pass instead of stacking a
+# bfloat16 copy of every weight (benchmarks/NOTES.md, "Whole model").
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _custom_dot(x, w, mask, backend: Backend, cfg: DotConfig):
-  return backend.forward(x, backend.prepare(w, mask, cfg.transposable), cfg.precision)
+  return _custom_dot_fwd(x, w, mask, backend, cfg)[0]
 
 
 def _custom_dot_fwd(x, w, mask, backend: Backend, cfg: DotConfig):
-  operand = backend.prepare(w, mask, cfg.transposable)
-  return backend.forward(x, operand, cfg.precision), (x, operand)
+  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
+  return backend.forward(x, operand, cfg.precision), (x, operand, _dtype_token(w))
+
+
+def _dtype_token(w: jax.Array) -> jax.Array:
+  """A zero-size array that carries w's dtype into the backward pass."""
+  return jnp.zeros((0,), w.dtype)
 
 
 def _custom_dot_bwd(backend: Backend, cfg: DotConfig, res, dy):
-  x, operand = res
+  x, operand, w_dtype = res
   dx = backend.backward_dx(dy, operand, cfg.precision)
   # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
-  dw = matmul(x.T, dy, cfg.precision)
+  dw = _weight_grad(x, dy, w_dtype, cfg.precision)
   if cfg.gradient == "masked":
     dw = backend.mask_grad(dw, operand)
-  return dx.astype(x.dtype), dw.astype(x.dtype), None
+  return dx.astype(x.dtype), dw, None
 
 
 _custom_dot.defvjp(_custom_dot_fwd, _custom_dot_bwd)
@@ -156,20 +179,20 @@ def _custom_dot_or_dense(x, w, mask, active, backend: Backend, cfg: DotConfig):
 
 
 def _custom_dot_or_dense_fwd(x, w, mask, active, backend: Backend, cfg: DotConfig):
-  operand = backend.prepare(w, mask, cfg.transposable)
+  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
   y = jax.lax.cond(active, lambda: backend.forward(x, operand, cfg.precision),
-                   lambda: matmul(x, w, cfg.precision))
+                   lambda: matmul(x, w.astype(x.dtype), cfg.precision))
   return y, (x, w, operand, active)
 
 
 def _custom_dot_or_dense_bwd(backend: Backend, cfg: DotConfig, res, dy):
   x, w, operand, active = res
   dx = jax.lax.cond(active, lambda: backend.backward_dx(dy, operand, cfg.precision),
-                    lambda: matmul(dy, w.T, cfg.precision))
-  dw = matmul(x.T, dy, cfg.precision)
+                    lambda: matmul(dy, w.astype(dy.dtype).T, cfg.precision))
+  dw = _weight_grad(x, dy, w, cfg.precision)
   if cfg.gradient == "masked":
     dw = jnp.where(active, backend.mask_grad(dw, operand), dw)
-  return dx.astype(x.dtype), dw.astype(x.dtype), None, None
+  return dx.astype(x.dtype), dw, None, None
 
 
 _custom_dot_or_dense.defvjp(_custom_dot_or_dense_fwd, _custom_dot_or_dense_bwd)

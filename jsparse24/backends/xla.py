@@ -48,6 +48,7 @@ class XlaBackend(Backend):
     return compress_reference(w, mask, transposed)
 
   def dot(self, x, w, mask, active, cfg: DotConfig):
+    w = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
     m = jax.lax.stop_gradient(dense_mask(w, mask, cfg.transposable))
     if active is not None:
       m = m | ~active  # the dense phase: every weight kept
