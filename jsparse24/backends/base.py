@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24, Sparse24
+from jsparse24._sharding import weight_grad_sharding
 
 
 def accumulation_dtype(dtype) -> Any:
@@ -129,8 +130,10 @@ def _weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> j
   cast inside the product): the product then writes the float32 gradient
   directly, with no bfloat16 rounding and no separate conversion pass.
   """
+  sharding = weight_grad_sharding(w)  # Explicit mesh axes: dw sharded like w
+  kw = {} if sharding is None else {"out_sharding": sharding}
   out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
-                            preferred_element_type=accumulation_dtype(x.dtype))
+                            preferred_element_type=accumulation_dtype(x.dtype), **kw)
   return out.astype(w.dtype)
 
 
@@ -146,19 +149,16 @@ def _custom_dot(x, w, mask, backend: Backend, cfg: DotConfig):
 
 def _custom_dot_fwd(x, w, mask, backend: Backend, cfg: DotConfig):
   operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
-  return backend.forward(x, operand, cfg.precision), (x, operand, _dtype_token(w))
-
-
-def _dtype_token(w: jax.Array) -> jax.Array:
-  """A zero-size array that carries w's dtype into the backward pass."""
-  return jnp.zeros((0,), w.dtype)
+  # w itself is a residual only for its dtype and sharding (dw's); it costs
+  # nothing: the parameter is alive anyway, and nn.scan forwards it.
+  return backend.forward(x, operand, cfg.precision), (x, w, operand)
 
 
 def _custom_dot_bwd(backend: Backend, cfg: DotConfig, res, dy):
-  x, operand, w_dtype = res
+  x, w, operand = res
   dx = backend.backward_dx(dy, operand, cfg.precision)
   # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
-  dw = _weight_grad(x, dy, w_dtype, cfg.precision)
+  dw = _weight_grad(x, dy, w, cfg.precision)
   if cfg.gradient == "masked":
     dw = backend.mask_grad(dw, operand)
   return dx.astype(x.dtype), dw, None

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, decompress
+from jsparse24._sharding import rows_parallel
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends.pallas import PallasBackend, compress_arrays
@@ -292,24 +293,35 @@ def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> j
         f"cusparselt matmul: the compressed operand must be {x.dtype.name}{list(want)}"
         f" (buffer_shape of a {k}x{n} weight, x's dtype), got {c.dtype.name}{list(c.shape)}")
   _check_size(x.dtype, k, n)
-  search, alg = _search_attrs(x.dtype)
-  m = x.shape[0]
-  pad = -m % PAD_M
-  if pad:
-    x = jnp.pad(x, ((0, pad), (0, 0)))
-  mp = m + pad
-  out = k if transpose else n  # columns of the result
-  inner = n if transpose else k  # contraction length
-  # Column-major GEMM D[out, M] = op(A)[out, inner] @ B[inner, M]: A is the
-  # structured W^T (N x K column-major: the w buffer), B = x^T and D = y^T
-  # (the row-major x and y buffers).
-  call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul",
-                          jax.ShapeDtypeStruct((mp, out), x.dtype))
-  y = call(c, x, m=np.int64(out), n=np.int64(mp), k=np.int64(inner),
-           op_a=np.int64(_T if transpose else _N), op_b=np.int64(_N), sparse_a=np.int64(1),
-           order_a=np.int64(_COL), order_b=np.int64(_COL), order_d=np.int64(_COL),
-           search=np.int64(search), alg=np.int64(alg))
-  return y[:m] if pad else y
+  # Partitioned over M under jit with sharded activations (the FFI call
+  # itself has no sharding rule): each device multiplies its own rows.
+  return rows_parallel(_ffi_matmul(k, n, transpose, *_search_attrs(x.dtype)), x, c)
+
+
+@functools.cache
+def _ffi_matmul(k: int, n: int, transpose: bool, search: int, alg: int):
+  """The per-device product `x[M, K or N] -> [M, N or K]` on buffer `c`."""
+
+  def run(x, c):
+    m = x.shape[0]
+    pad = -m % PAD_M
+    if pad:
+      x = jnp.pad(x, ((0, pad), (0, 0)))
+    mp = m + pad
+    out = k if transpose else n  # columns of the result
+    inner = n if transpose else k  # contraction length
+    # Column-major GEMM D[out, M] = op(A)[out, inner] @ B[inner, M]: A is the
+    # structured W^T (N x K column-major: the w buffer), B = x^T and D = y^T
+    # (the row-major x and y buffers).
+    call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul",
+                            jax.ShapeDtypeStruct((mp, out), x.dtype))
+    y = call(c, x, m=np.int64(out), n=np.int64(mp), k=np.int64(inner),
+             op_a=np.int64(_T if transpose else _N), op_b=np.int64(_N), sparse_a=np.int64(1),
+             order_a=np.int64(_COL), order_b=np.int64(_COL), order_d=np.int64(_COL),
+             search=np.int64(search), alg=np.int64(alg))
+    return y[:m] if pad else y
+
+  return run
 
 
 @functools.cache

@@ -19,11 +19,13 @@ benchmarks/NOTES.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24, Sparse24, decompress
+from jsparse24._sharding import rows_parallel, whole_on_each_device
 from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends.base import matmul
 
@@ -61,7 +63,8 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
   interpret = _INTERPRET[0]
   w = jax.lax.stop_gradient(w)
   if mask is None and not transposed:
-    return prune24.prune_compress(w, interpret=interpret, layout=layout)
+    return whole_on_each_device(
+        functools.partial(prune24.prune_compress, interpret=interpret, layout=layout), w)
   if mask is None:
     # The fused transposable prune kernel (prune24.prune_compress with
     # transposable=True) is exact in interpret mode but its Triton
@@ -69,9 +72,17 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
     # pattern search runs in XLA here; the compression is the kernel.
     mask = Mask24.from_weights(w, transposable=True)
   meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
-  values, values_t, meta_t = prune24.compress_with_meta(
-      w, meta, transposed=transposed, interpret=interpret, layout=layout)
+  values, values_t, meta_t = whole_on_each_device(
+      functools.partial(prune24.compress_with_meta, transposed=transposed,
+                        interpret=interpret, layout=layout), w, meta)
   return values, meta, values_t, meta_t
+
+
+@functools.cache
+def _spmm(k: int, interpret: bool):
+  """The per-device product `x[M, K] @ W` from `W`'s values and metadata."""
+  _, spmm24 = _kernels()
+  return functools.partial(spmm24.sparse_matmul, k=k, interpret=interpret)
 
 
 class PallasBackend(Backend):
@@ -109,9 +120,9 @@ class PallasBackend(Backend):
 
   def forward(self, x, operand: Sparse24, precision):
     del precision
-    _, spmm24 = _kernels()
-    return spmm24.sparse_matmul(x, operand.values, operand.meta, k=operand.shape[0],
-                                interpret=_INTERPRET[0])
+    # Partitioned over M under jit with sharded activations (_sharding).
+    return rows_parallel(_spmm(operand.shape[0], _INTERPRET[0]), x, operand.values,
+                         operand.meta)
 
   def backward_dx(self, dy, operand: Sparse24, precision):
     if operand.has_transpose:

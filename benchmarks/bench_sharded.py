@@ -1,0 +1,151 @@
+"""Multi-GPU training steps with `jax.jit` over a mesh: dense vs 2:4, 1 and N GPUs.
+
+    PYTHONPATH=. python benchmarks/bench_sharded.py [--d 4096] [--tokens 16384]
+
+An MLP block (`x + down(gelu(up(x)))`, d_model `--d`, hidden 4d, bf16
+compute, f32 params, `--tokens` tokens per step), trained with one `jax.jit`
+step (`mask_update` + SGD for 2:4, SGD for dense). The 2:4 layers are
+`SparseDense(transposable=True, implementation="cusparselt")`. Layouts over a
+1-D mesh of all local GPUs:
+
+* data parallel: tokens sharded, params and optimizer state replicated;
+* FSDP: tokens sharded, params (and SGD's state) sharded on their output axis,
+  gathered whole inside the step (`with_sharding_constraint`).
+
+Per layout and model: ms per step on 1 GPU and on all, the scaling, and the
+collectives in the compiled HLO by kind. Written to results/<gpu>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jsparse24
+from benchmarks import _common
+
+
+class Block(nn.Module):
+  d: int
+  sparse: bool
+  implementation: str = "cusparselt"
+
+  @nn.compact
+  def __call__(self, x):
+    if self.sparse:
+      layer = lambda n, name: jsparse24.SparseDense(  # noqa: E731
+          n, name=name, dtype=jnp.bfloat16, use_bias=False, transposable=True,
+          implementation=self.implementation)
+    else:
+      layer = lambda n, name: nn.Dense(n, name=name, dtype=jnp.bfloat16, use_bias=False)  # noqa: E731
+    return x + layer(self.d, "down")(nn.gelu(layer(4 * self.d, "up")(x)))
+
+
+def collectives(hlo: str) -> dict[str, int]:
+  return {k: len(re.findall(r" " + k + r"(?:-start)?\(", hlo))
+          for k in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")}
+
+
+def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: str):
+  model = Block(d, sparse, implementation)
+  x = jax.random.normal(jax.random.key(0), (tokens, d), jnp.bfloat16)
+  v = model.init(jax.random.key(1), x)
+  sgd = optax.sgd(1e-3)
+  if sparse:
+    tx = optax.chain(jsparse24.optim.mask_update(
+        v["sparsity"], jsparse24.optim.MaskSchedule(rebuild_every=1000), decay=2e-4), sgd)
+  else:
+    tx = sgd
+  gather = NamedSharding(mesh, P()) if layout == "fsdp" else None
+
+  def step(params, opt_state, x):
+    def loss(p):
+      if gather is not None:
+        p = jax.lax.with_sharding_constraint(p, gather)
+      variables = {"params": p}
+      if sparse:
+        variables["sparsity"] = jsparse24.optim.masks(opt_state)
+      return jnp.mean(model.apply(variables, x).astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = v["params"]
+  opt_state = tx.init(params)
+  rows = NamedSharding(mesh, P("data"))
+  if layout == "fsdp":
+    put = lambda a: jax.device_put(a, NamedSharding(  # noqa: E731
+        mesh, P(*([None] * (a.ndim - 1)), "data") if a.ndim >= 1 and a.shape[-1] % mesh.size == 0
+        else P()))
+  else:
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
+  params = jax.tree.map(put, params)
+  opt_state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), opt_state)
+  return jax.jit(step), params, opt_state, jax.device_put(x, rows)
+
+
+def run(sparse, d, tokens, devices, layout, implementation):
+  mesh = jax.sharding.Mesh(devices, ("data",))
+  step, params, opt_state, x = make(sparse, d, tokens, mesh, layout, implementation)
+  hlo = step.lower(params, opt_state, x).compile().as_text()
+  state = {"p": params, "o": opt_state}
+
+  def call(x):
+    state["p"], state["o"] = step(state["p"], state["o"], x)
+    return state["p"]
+
+  ms = _common.bench(call, x) * 1e3
+  return ms, collectives(hlo)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--d", type=int, default=4096)
+  p.add_argument("--tokens", type=int, default=16384)
+  p.add_argument("--implementation", default="cusparselt",
+                 help="the 2:4 layers' backend ('xla' for a CPU smoke test)")
+  p.add_argument("--json", default=None)
+  p.add_argument("--no-write", action="store_true")
+  args = p.parse_args(argv)
+  devs = jax.local_devices()
+  n = len(devs)
+  rows, out = [], []
+  for layout in ("data", "fsdp"):
+    res = {}
+    for sparse in (False, True):
+      one, _ = run(sparse, args.d, args.tokens, devs[:1], layout, args.implementation)
+      many, coll = run(sparse, args.d, args.tokens, devs, layout, args.implementation)
+      res[sparse] = (one, many, coll)
+      name = "2:4" if sparse else "dense"
+      print(f"{layout:5s} {name:5s}: 1 GPU {one:.2f} ms, {n} GPUs {many:.2f} ms,"
+            f" scaling {one / many:.2f}x, collectives {coll}", flush=True)
+      out.append({"layout": layout, "model": name, "ms_1": one, f"ms_{n}": many,
+                  "scaling": one / many, "collectives": coll})
+    for sparse in (False, True):
+      one, many, coll = res[sparse]
+      rows.append([layout, "2:4" if sparse else "dense", one, many, one / many,
+                   res[False][1] / many, ", ".join(f"{v} {k}" for k, v in coll.items() if v) or "none"])
+  body = (f"{_common.environment()}\n\nMLP block d_model {args.d}, hidden {4 * args.d},"
+          f" {args.tokens} tokens per step, bf16 compute / f32 params; 2:4 ="
+          f" SparseDense(transposable=True, implementation={args.implementation!r}) + mask_update;"
+          f" one jax.jit step over a 1-D mesh of {n} GPUs (`benchmarks/bench_sharded.py`).\n\n"
+          + _common.table(["layout", "model", "1 GPU ms", f"{n} GPUs ms", "scaling",
+                           f"dense {n}-GPU ms / this", f"collectives ({n} GPUs)"], rows))
+  print(body)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"environment": _common.environment(), "results": out}, f, indent=1)
+  if not args.no_write:
+    print("wrote", _common.write_section(f"Multi-GPU: jit over a mesh of {n}, MLP block", body))
+
+
+if __name__ == "__main__":
+  main()

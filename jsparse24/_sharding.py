@@ -1,0 +1,120 @@
+"""Sharding rules for the products that XLA cannot partition by itself.
+
+The `"pallas"` and `"cusparselt"` products are custom calls (a Pallas kernel,
+an FFI call): XLA knows nothing of how they may be split, so under `jax.jit`
+with sharded inputs it gathers their operands onto every device and computes
+the whole product everywhere. Here they get a rule, through
+`jax.experimental.custom_partitioning` (both of XLA's partitioners):
+
+* `rows_parallel`: `y[M, N] = f(x[M, K], *weight_side)` where every row of y
+  depends on the same row of x only (a `shard_map` instead where the mesh
+  axes are Explicit: there the sharding is part of the types and Pallas
+  calls only accept per-device arrays). x and y keep x's sharding of M (any mesh
+  axes); x's other axes and every weight-side operand are made whole on each
+  device (a sharded weight is gathered first, as XLA does for a dense
+  layer's weight under FSDP). That covers data parallelism and FSDP: no
+  activation is ever gathered.
+
+Tensor parallelism (a weight sharded on K or N through the product) is not
+handled here: such a weight is gathered whole (correct, not faster).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+_FACTORS = "abcdefghijlopqrstuvwxyz"  # weight-side factor names (not m, k, n)
+
+
+def _rows_spec(sharding: Any, ndim: int) -> P:
+  """The spec that keeps `sharding`'s partition of axis 0 and no other."""
+  spec = getattr(sharding, "spec", None)
+  first = spec[0] if spec is not None and len(spec) else None
+  return P(first, *([None] * (ndim - 1)))
+
+
+def _rule(ranks: tuple[int, ...]) -> str:
+  """Shardy's rule: x and y share their first factor, nothing else is shared."""
+  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  operands = ", ".join(" ".join(next(names) for _ in range(r)) if r else "" for r in ranks)
+  return f"m k, {operands} -> m n" if ranks else "m k -> m n"
+
+
+@functools.cache
+def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
+
+  @custom_partitioning
+  def call(x, *operands):
+    return fn(x, *operands)
+
+  def infer(mesh, arg_shapes, result_shape):
+    return NamedSharding(mesh, _rows_spec(arg_shapes[0].sharding, len(result_shape.shape)))
+
+  def partition(mesh, arg_shapes, result_shape):
+    x = arg_shapes[0]
+    spec = _rows_spec(x.sharding, len(x.shape))
+    args = (NamedSharding(mesh, spec),) + tuple(NamedSharding(mesh, P()) for _ in arg_shapes[1:])
+    out = NamedSharding(mesh, _rows_spec(x.sharding, len(result_shape.shape)))
+    return mesh, fn, out, args
+
+  call.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                     sharding_rule=_rule(ranks))
+  return call
+
+
+def _explicit_mesh(a: jax.Array) -> Any:
+  """The mesh of `a`'s sharding type where it has Explicit axes, else None."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  if explicit is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
+    return None
+  return mesh
+
+
+def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array:
+  """`fn(x, *operands)` (x `[M, K]`, result `[M, N]`) partitioned over M.
+
+  `fn` must be hashable and stable (a module-level function, or a
+  `functools.cache`d closure): one partitioned op is built per `fn` and
+  operand ranks. With Explicit mesh axes the sharding is part of x's type,
+  so the split is a `shard_map` over x's own partition of M (the kernels
+  inside see per-device arrays, as Pallas requires there).
+  """
+  mesh = _explicit_mesh(x)
+  if mesh is None:
+    return _wrap(fn, tuple(a.ndim for a in operands))(x, *operands)
+  rows = _rows_spec(jax.typeof(x).sharding, x.ndim)
+  operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in operands)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) + (P(),) * len(operands),
+                       out_specs=_rows_spec(jax.typeof(x).sharding, 2),
+                       check_vma=False)(jax.sharding.reshard(x, NamedSharding(mesh, rows)),
+                                        *operands)
+
+
+def weight_grad_sharding(w: jax.Array) -> Any:
+  """`out_sharding` for a product that makes w's gradient: w's sharding
+  where the mesh has Explicit axes (there JAX needs it to resolve a product
+  contracted over a sharded axis), else None."""
+  return jax.typeof(w).sharding if _explicit_mesh(w) is not None else None
+
+
+def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
+  """`fn(*args)` with every argument and result whole on every device: for
+  the kernels that prepare a weight (prune, compress), which need all of it.
+  With Auto axes XLA gathers a sharded weight for such a call by itself;
+  with Explicit axes the call runs in a `shard_map` over replicated specs
+  (Pallas calls only accept per-device arrays there)."""
+  mesh = next((m for m in map(_explicit_mesh, args) if m is not None), None)
+  if mesh is None:
+    return fn(*args)
+  args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                       check_vma=False)(*args)

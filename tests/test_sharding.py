@@ -1,0 +1,160 @@
+"""Training under `jax.jit` on a mesh (8 fake CPU devices): data parallel and
+FSDP layouts give the single-device step's results, and the compiled program
+holds only the collectives the layout needs (no activation is gathered).
+
+The "pallas" backend runs in interpret mode here, so its products are the
+same custom-partitioned ops as on a GPU (`jsparse24._sharding`); without
+their rule XLA gathered the activations onto every device.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jsparse24
+from jsparse24 import optim
+from jsparse24.backends.pallas import interpret_mode
+
+D, H, B, T = 64, 128, 8, 12  # B*T differs from D and H: shapes tell activations from weights
+
+
+class _MLP(nn.Module):
+  implementation: str
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(implementation=self.implementation, use_bias=False)
+    h = nn.relu(jsparse24.SparseDense(H, name="up", **kw)(x))
+    return jsparse24.SparseDense(D, name="down", **kw)(h)
+
+
+def _setup(implementation, gather_params=None):
+  model = _MLP(implementation)
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  y = jax.random.normal(jax.random.key(1), (B, T, D))
+  v = model.init(jax.random.key(2), x)
+  tx = optax.chain(optim.mask_update(v["sparsity"], optim.MaskSchedule(rebuild_every=2),
+                                     decay=1e-3), optax.adam(1e-2))
+
+  def step(params, opt_state, x, y):
+    def loss_fn(p):
+      if gather_params is not None:  # FSDP: whole weights for the products
+        p = jax.lax.with_sharding_constraint(p, gather_params)
+      out = model.apply({"params": p, "sparsity": optim.masks(opt_state)}, x)
+      return jnp.mean((out - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step), v["params"], tx.init(v["params"]), x, y
+
+
+def _collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
+  """Result shapes of each collective in the compiled HLO, by kind."""
+  out = {}
+  for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+               "collective-permute"):
+    shapes = re.findall(r"= \(?\w+\[([\d,]*)\][^=]*? " + kind + r"(?:-start)?\(", hlo)
+    out[kind] = [tuple(int(d) for d in s.split(",") if d) for s in shapes]
+  return out
+
+
+def _run(implementation, mesh, param_spec, steps=3, gather=False):
+  """(single-device results, sharded results, compiled HLO of the sharded step)."""
+  step, params, opt_state, x, y = _setup(implementation)
+  if gather:
+    step = _setup(implementation, NamedSharding(mesh, P()))[0]
+  ref = []
+  p, o = params, opt_state
+  for _ in range(steps):
+    p, o, loss = step(p, o, x, y)
+    ref.append((loss, p, optim.masks(o)))
+
+  data = NamedSharding(mesh, P("data"))
+  put_param = lambda a: jax.device_put(  # noqa: E731
+      a, NamedSharding(mesh, param_spec(a)))
+  sp = jax.tree.map(put_param, params)
+  so = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), opt_state)
+  sx, sy = jax.device_put(x, data), jax.device_put(y, data)
+  hlo = step.lower(sp, so, sx, sy).compile().as_text()
+  got = []
+  for _ in range(steps):
+    sp, so, loss = step(sp, so, sx, sy)
+    got.append((loss, sp, optim.masks(so)))
+  return ref, got, hlo
+
+
+def _assert_same(ref, got):
+  for (l0, p0, m0), (l1, p1, m1) in zip(ref, got):
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4), p0, p1)
+    for a, b in zip(jax.tree.leaves(m0), jax.tree.leaves(m1)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _activation_shapes():
+  return {(B, T, D), (B, T, H), (B * T, D), (B * T, H), (B, T, H // 2), (B * T, H // 2)}
+
+
+def _mesh(axis_type):
+  return jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_data_parallel_equals_one_device_and_gathers_nothing(implementation, axis_type):
+  mesh = _mesh(getattr(jax.sharding.AxisType, axis_type))
+  with interpret_mode():
+    ref, got, hlo = _run(implementation, mesh, lambda a: P())
+  _assert_same(ref, got)
+  coll = _collectives(hlo)
+  assert coll["all-gather"] == [], coll  # nothing is gathered: not x, not dy
+  assert coll["all-reduce"], coll  # the gradients (and the loss) are summed
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_fsdp_gathers_weights_only(implementation):
+  """Weights sharded on their output axis at rest and gathered for the
+  products (the step constrains them whole, as an FSDP step does for
+  nn.Dense): only weights are gathered, never an activation."""
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  spec = lambda a: P(*([None] * (a.ndim - 1)), "data")  # noqa: E731
+  with interpret_mode():
+    ref, got, hlo = _run(implementation, mesh, spec, gather=True)
+  _assert_same(ref, got)
+  coll = _collectives(hlo)
+  gathered = set(coll["all-gather"])
+  assert not gathered & _activation_shapes(), coll
+  assert gathered <= {(D, H), (H, D), (H, D // 8), (D, H // 8), (H,), (D,)}, coll
+
+
+def test_rows_parallel_splits_a_custom_call_over_rows():
+  """An op XLA cannot partition (a host callback stands in for the Pallas and
+  FFI custom calls of a GPU) compiles to each device's own rows under
+  `rows_parallel`, with no collective; called directly, x is gathered.
+  (Compiled only: XLA's CPU runtime crashes running a host callback inside a
+  custom-partitioned op. The products' results under sharding are checked
+  by the training tests above.)"""
+  from jsparse24._sharding import rows_parallel
+
+  def kernel(x, w):
+    return jax.pure_callback(lambda a, b: np.tanh(a @ b),
+                             jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype), x, w)
+
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (64, 16)), NamedSharding(mesh, P("data")))
+  w = jax.device_put(jax.random.normal(jax.random.key(1), (16, 8)), NamedSharding(mesh, P()))
+  compiled = jax.jit(lambda x, w: rows_parallel(kernel, x, w)).lower(x, w).compile()
+  assert compiled.output_shardings.spec[0] == "data"
+  coll = _collectives(compiled.as_text())
+  assert not any(coll.values()), coll
+  # Without the rule, XLA gathers x for the callback.
+  plain = _collectives(jax.jit(kernel).lower(x, w).compile().as_text())
+  assert plain["all-gather"], plain
