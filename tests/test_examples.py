@@ -152,3 +152,20 @@ def test_patch_model_sparsifies_only_the_mlps():
   assert result["compressed_max_abs_error"] < 1e-4
   for layer in sparse_layers_of(result["masks"]).values():
     assert bool(jsparse24.is_24(layer["mask"].unpack(), axis=0))
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp"])
+def test_sharded_train_learns_on_a_mesh(layout):
+  """8 fake CPU devices: both runs learn, and their state stays in the layout's
+  shardings (replicated for data parallel, sharded at rest for FSDP)."""
+  out = load_example("sharded_train").main(
+      ["--layout", layout, "--steps", "30", "--batch", "16", "--d-model", "32",
+       "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2"])
+  for run in ("dense", "2:4"):
+    r = out[run]
+    assert r["loss_last"] < r["loss_first"] - 0.5, (run, r["loss_first"], r["loss_last"])
+    assert r["tokens_per_s"] > 0
+    kernel = r["params"]["block_0"]["mlp"]["up"]["kernel"]
+    assert len(kernel.sharding.device_set) == 8
+    want = () if layout == "data" else (None, "data")
+    assert tuple(kernel.sharding.spec) == want, kernel.sharding

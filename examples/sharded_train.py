@@ -1,0 +1,140 @@
+"""`train_lm`'s model trained with `jax.jit` on a mesh of all local devices:
+data parallel or FSDP, dense and 2:4 side by side, with tokens/s.
+
+The model, data and optimizer are `examples/train_lm.py`'s (byte-level
+transformer, MLP layers `jsparse24.SparseDense` in the 2:4 run, `mask_update`
+chained before AdamW). One `jax.jit` train step; the layout is only in the
+shardings of its inputs (and, for FSDP, one constraint inside the step):
+
+* `--layout data`: each batch split over the devices, params and optimizer
+  state replicated. The 2:4 products run on each device's own rows (no
+  activation is gathered; `jsparse24` gives its custom calls a sharding rule).
+* `--layout fsdp`: params and optimizer state sharded over the devices at
+  rest (on the last axis where it divides), gathered whole inside the step for
+  the products (`with_sharding_constraint`), gradients reduce-scattered.
+
+Tensor parallelism is not offered yet: `jsparse24`'s products gather a weight
+sharded through them (README, "Several GPUs").
+
+    python examples/sharded_train.py --layout fsdp              # CPU, tiny
+    python examples/sharded_train.py --size gpu --layout data   # GPUs
+
+On a CPU, ask for fake devices first:
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def _train_lm():
+  path = pathlib.Path(__file__).with_name("train_lm.py")
+  spec = importlib.util.spec_from_file_location("train_lm", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules.setdefault("train_lm", module)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _param_spec(a, n: int) -> P:
+  """FSDP at rest: the last axis over the devices where it divides."""
+  if a.ndim >= 1 and a.shape[-1] % n == 0:
+    return P(*([None] * (a.ndim - 1)), "data")
+  return P()
+
+
+def make_step(lm, run, layout: str, mesh):
+  whole = NamedSharding(mesh, P())
+
+  def step(params, opt_state, x, y):
+    def objective(p):
+      if layout == "fsdp":  # whole weights for the products, sharded at rest
+        p = jax.lax.with_sharding_constraint(p, whole)
+      return lm.loss_fn(run.model, run.variables(p, opt_state), x, y)
+
+    loss, grads = jax.value_and_grad(objective)(params)
+    updates, opt_state = run.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def train(lm, run, args, data, mesh) -> dict:
+  n = mesh.size
+  rows = NamedSharding(mesh, P("data"))
+  state_sharding = (lambda a: NamedSharding(mesh, _param_spec(a, n))) if args.layout == "fsdp" \
+      else (lambda a: NamedSharding(mesh, P()))
+  params = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.params)
+  opt_state = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.opt_state)
+  step = make_step(lm, run, args.layout, mesh)
+  # Timed from the step after the first sparse one (compilation and
+  # cuSPARSELt's algorithm search happen before), as in train_lm.
+  start = min(args.mask_warmup + 2, args.steps - 1)
+  losses, t0 = [], None
+  for i in range(args.steps):
+    if i == start:
+      jax.block_until_ready(params)
+      t0 = time.perf_counter()
+    x, y = lm.train_batch(data, i, args.batch, args.seq_len, args.seed)
+    x, y = jax.device_put(x, rows), jax.device_put(y, rows)
+    params, opt_state, loss = step(params, opt_state, x, y)
+    losses.append(loss)
+  jax.block_until_ready(params)
+  timed = args.steps - start if t0 is not None else 0
+  tokens_per_s = (timed * args.batch * args.seq_len / (time.perf_counter() - t0)
+                  if timed else float("nan"))
+  losses = [float(v) for v in losses]
+  return {"loss_first": losses[0], "loss_last": float(np.mean(losses[-10:])),
+          "tokens_per_s": tokens_per_s, "params": params, "opt_state": opt_state}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  lm = _train_lm()
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--layout", choices=("data", "fsdp"), default="data")
+  p.add_argument("--size", choices=sorted(lm.PRESETS), default="small")
+  p.add_argument("--steps", type=int, default=None)
+  p.add_argument("--batch", type=int, default=None,
+                 help="sequences per step, all devices together (a multiple of their number)")
+  args, rest = p.parse_known_args(argv)
+  lm_args = lm.parse_args(["--size", args.size] + rest
+                          + (["--steps", str(args.steps)] if args.steps else [])
+                          + (["--batch", str(args.batch)] if args.batch else []))
+  lm_args.layout = args.layout
+  devices = jax.devices()
+  if lm_args.batch % len(devices):
+    p.error(f"--batch {lm_args.batch} must be a multiple of the {len(devices)} devices.")
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  data, _ = lm.load_text(lm.corpus_files(lm_args.corpus))
+  sample = jnp.zeros((1, lm_args.seq_len), jnp.int32)
+  print(f"{len(devices)} devices ({devices[0].platform}), layout {args.layout};"
+        f" d_model {lm_args.d_model}, {lm_args.layers} layers, batch {lm_args.batch} x"
+        f" {lm_args.seq_len}, {lm_args.steps} steps")
+  out = {}
+  for name, sparse in (("dense", False), ("2:4", True)):
+    run = lm.make_run(name, sparse, lm_args, sample)
+    out[name] = train(lm, run, lm_args, data, mesh)
+    r = out[name]
+    print(f"{name:>5}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} (mean of the last"
+          f" 10 steps), {r['tokens_per_s']:,.0f} tokens/s")
+  ratio = out["2:4"]["tokens_per_s"] / out["dense"]["tokens_per_s"]
+  if math.isfinite(ratio):
+    print(f"2:4 / dense tokens/s: {ratio:.3f}x (timed from the step after the first sparse one)")
+  return out
+
+
+if __name__ == "__main__":
+  main()
