@@ -127,10 +127,13 @@ def layer_paths(tree: dict, is_layer) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--dense-steps", type=int, default=100)
-  p.add_argument("--sparse-steps", type=int, default=60)
-  p.add_argument("--seed", type=int, default=0)
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--dense-steps", type=int, default=100,
+                 help="steps of dense training before the model is made 2:4")
+  p.add_argument("--sparse-steps", type=int, default=60,
+                 help="steps of 2:4 fine-tuning after `sparsify`")
+  p.add_argument("--seed", type=int, default=0, help="seed of the data and init")
   args = p.parse_args(argv)
   print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}")
 

@@ -67,12 +67,14 @@ def leaves_identical_across_devices(tree) -> bool:
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--steps", type=int, default=200)
-  p.add_argument("--batch-per-device", type=int, default=64)
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--log-every", type=int, default=25)
-  p.add_argument("--seed", type=int, default=0)
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--steps", type=int, default=200, help="training steps")
+  p.add_argument("--batch-per-device", type=int, default=64,
+                 help="examples per device per step (the global batch is this x devices)")
+  p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+  p.add_argument("--log-every", type=int, default=25, help="steps between loss printouts")
+  p.add_argument("--seed", type=int, default=0, help="seed of the teacher, data and init")
   return p.parse_args(argv)
 
 

@@ -103,12 +103,18 @@ def train(lm, run, args, data, mesh) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
   lm = _train_lm()
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--layout", choices=("data", "fsdp"), default="data")
-  p.add_argument("--size", choices=sorted(lm.PRESETS), default="small")
-  p.add_argument("--steps", type=int, default=None)
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      epilog="Every other flag is train_lm.py's (model, data, schedule; see its --help).")
+  p.add_argument("--layout", choices=("data", "fsdp"), default="data",
+                 help="data parallel, or FSDP (params sharded at rest) (default: data)")
+  p.add_argument("--size", choices=sorted(lm.PRESETS), default="small",
+                 help="train_lm's preset (default: small)")
+  p.add_argument("--steps", type=int, default=None,
+                 help="training steps of each run (default: the preset's)")
   p.add_argument("--batch", type=int, default=None,
-                 help="sequences per step, all devices together (a multiple of their number)")
+                 help="sequences per step, all devices together (a multiple of their"
+                      " number; default: the preset's)")
   args, rest = p.parse_known_args(argv)
   lm_args = lm.parse_args(["--size", args.size] + rest
                           + (["--steps", str(args.steps)] if args.steps else [])

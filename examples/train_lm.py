@@ -32,7 +32,11 @@ Run:
 
     python examples/train_lm.py                # CPU, both runs in a few minutes
     python examples/train_lm.py --size gpu     # larger model, bf16, for a GPU
-    python examples/train_lm.py --steps 800 --resume   # train further
+    python examples/train_lm.py --steps 1500 --resume  # train further
+
+On `--resume` the learning-rate and mask schedules are those of the new
+`--steps` (a longer run stretches them); a checkpoint already at or past
+`--steps` trains nothing, and the run says so.
 
 On CPU the `"xla"` backend runs (a masked dense product): the 2:4 run shows
 the accuracy of 2:4 training, not its speed.
@@ -444,23 +448,38 @@ def plot(runs: Sequence[Run], path: str) -> None:
 # --- main ---------------------------------------------------------------------
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows defaults, but not the None of the flags a preset or another flag
+  fills in (their help says where the value comes from)."""
+
+  def _get_help_string(self, action):
+    if action.default is None:
+      return action.help
+    return super()._get_help_string(action)
+
+
+def _preset_help(key: str, text: str) -> str:
+  values = ", ".join(f"{name}: {preset[key]}" for name, preset in PRESETS.items())
+  return f"{text} (by --size; {values})"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=_HelpFormatter)
   p.add_argument("--size", choices=sorted(PRESETS), default="small",
                  help="preset for the flags left unset: 'small' (CPU, minutes) or 'gpu'")
-  p.add_argument("--steps", type=int, help="training steps of each run")
-  p.add_argument("--batch", type=int, help="sequences per batch")
-  p.add_argument("--seq-len", type=int, help="bytes per sequence")
-  p.add_argument("--d-model", type=int, help="model width (a multiple of 4 and of --heads)")
-  p.add_argument("--layers", type=int, help="transformer blocks")
-  p.add_argument("--heads", type=int, help="attention heads")
-  p.add_argument("--lr", type=float, help="peak AdamW learning rate")
-  p.add_argument("--eval-every", type=int, help="steps between validations and checkpoints")
-  p.add_argument("--eval-batches", type=int, help="validation batches per evaluation")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+  p.add_argument("--steps", type=int, help=_preset_help("steps", "training steps of each run"))
+  p.add_argument("--batch", type=int, help=_preset_help("batch", "sequences per batch"))
+  p.add_argument("--seq-len", type=int, help=_preset_help("seq_len", "bytes per sequence"))
+  p.add_argument("--d-model", type=int, help=_preset_help("d_model", "model width (a multiple of 4 and of --heads)"))
+  p.add_argument("--layers", type=int, help=_preset_help("layers", "transformer blocks"))
+  p.add_argument("--heads", type=int, help=_preset_help("heads", "attention heads"))
+  p.add_argument("--lr", type=float, help=_preset_help("lr", "peak AdamW learning rate"))
+  p.add_argument("--eval-every", type=int, help=_preset_help("eval_every", "steps between validations and checkpoints"))
+  p.add_argument("--eval-batches", type=int, help=_preset_help("eval_batches", "validation batches per evaluation"))
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), help=_preset_help("dtype", "compute dtype"))
   p.add_argument("--corpus", choices=sorted(CORPORA),
-                 help="which fixed list of standard-library files to train on")
+                 help=_preset_help("corpus", "which fixed list of standard-library files to train on"))
   p.add_argument("--mask-warmup", type=int,
                  help="dense steps before the first 2:4 mask (default: 10%% of --steps)")
   p.add_argument("--rebuild-every", type=int,
@@ -469,7 +488,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  help="2:4 mask kind of the sparse layers ('default': SparseDense's)")
   p.add_argument("--decay", type=float, default=2e-4,
                  help="masked decay of pruned weights (SR-STE)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
   p.add_argument("--out", default=os.path.join("runs", "train_lm"), help="output folder")
   p.add_argument("--resume", action="store_true",
                  help="continue both runs from their latest checkpoints in --out")
@@ -546,6 +565,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             restore(mngr, run)
       print(f"{run.name}: resuming from step {run.step}" if run.step else
             f"{run.name}: no checkpoint in {ckpt_dir}, starting from step 0")
+      if run.step >= args.steps:
+        print(f"{run.name}: NOTHING TO TRAIN: the checkpoint is at step {run.step} and"
+              f" --steps is {args.steps}; pass --steps above {run.step} to train further.")
     elif os.path.isdir(ckpt_dir):
       shutil.rmtree(ckpt_dir)  # a fresh run replaces the old checkpoints
     start_steps[run.name] = run.step

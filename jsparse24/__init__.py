@@ -13,8 +13,8 @@ Public API (everything else is internal):
 """
 
 from jsparse24 import nnx, optim
-from jsparse24._format import Mask24, Sparse24, compress, decompress
-from jsparse24._ops import selected_implementation, sparse_dot
+from jsparse24._format import Mask24, Sparse24, decompress
+from jsparse24._ops import compress, selected_implementation, sparse_dot
 from jsparse24._prune import is_24, prune_24
 from jsparse24.backends import BACKENDS as _BACKENDS
 from jsparse24.backends import BackendUnavailableError

@@ -22,11 +22,21 @@ def is_concrete(x: Any) -> bool:
 
 def check_float(fn: str, name: str, x: Any) -> None:
   dtype = jnp.result_type(x)
-  if not jnp.issubdtype(dtype, jnp.floating):
+  if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
     raise TypeError(
         f"{fn}: `{name}` must have a floating dtype (bfloat16, float16,"
         f" float32 or float64), got {dtype}."
     )
+
+
+def check_nonempty(fn: str, name: str, shape: tuple[int, ...], axes: tuple[int, ...],
+                   what: str) -> None:
+  """Raises for a zero-size axis among `axes` (2:4 groups need 4 elements)."""
+  for axis in axes:
+    if shape[axis] == 0:
+      raise ValueError(
+          f"{fn}: `{name}.shape[{axis}]` = 0 ({what}); a 2:4 sparse weight needs"
+          f" at least one group of 4 along each axis (shape {tuple(shape)}).")
 
 
 def normalize_axis(fn: str, name: str, axis: int, ndim: int) -> int:

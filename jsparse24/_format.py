@@ -162,48 +162,6 @@ class Sparse24:
     return Sparse24(self.values_t, self.meta_t, self.values, self.meta)
 
 
-def compress(
-    w: Float[Array, "... K N"],
-    mask: "Bool[Array, '... K N'] | Mask24 | None" = None,
-    *,
-    transposed: bool = False,
-    implementation: str | None = None,
-) -> Sparse24:
-  """Compresses `w` with a 2:4 mask (along K, axis -2) into a `Sparse24`.
-
-  Args:
-    w: floating `[..., K, N]`, K a multiple of 4.
-    mask: bool `[..., K, N]` with exactly 2 of every 4 kept along K (as made
-      by `prune_24`), a `Mask24`, or None to prune `w` by magnitude now (with
-      the transposable rule when `transposed=True`). A concrete bool mask is
-      checked; inside `jit` the 2:4 property is the caller's promise (masks
-      from `prune_24` and `Mask24` always keep it).
-    transposed: also store the transpose (the mask must then be 2:4 along N
-      too, i.e. transposable; N a multiple of 4).
-    implementation: None (the fused Pallas kernel on a GPU for 2-D weights,
-      else the reference), `"xla"` or `"pallas"`. All give identical bits.
-
-  Returns:
-    A `Sparse24` with `decompress(compress(w, m)) == w * m` exactly.
-  """
-  fn = "compress"
-  w = jnp.asarray(w)
-  _checks.check_float(fn, "w", w)
-  if w.ndim < 2:
-    raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
-  _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2)
-  if transposed:
-    _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1, "N, for the transposed copy")
-  if isinstance(mask, Mask24):
-    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
-    if transposed and not mask.transposable:
-      raise ValueError(f"{fn}: transposed=True needs a transposable Mask24.")
-  elif mask is not None:
-    mask = _checks.check_dense_mask(fn, mask, w.shape, transposed)
-  from jsparse24 import backends  # pylint: disable=g-import-not-at-top  (backends import this module)
-  return backends.select_compress(implementation, w).compress(w, mask, transposed)
-
-
 @functools.partial(jax.jit, static_argnums=2)
 def compress_reference(w: jax.Array, mask: "jax.Array | Mask24 | None",
                        transposed: bool) -> Sparse24:

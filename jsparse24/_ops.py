@@ -1,4 +1,6 @@
-"""`sparse_dot`: the differentiable 2:4 sparse product and its gradient modes."""
+"""The entry points that dispatch to a backend: `sparse_dot` (the differentiable
+2:4 sparse product and its gradient modes) and `compress`. The formats
+(`_format`) stand below them and import no backend."""
 
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     raise ValueError(
         f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}; for stacked"
         f" weights use jax.vmap.")
+  _checks.check_nonempty(fn, "w", w.shape, (0, 1), "K or N")
   _checks.check_multiple_of_4(fn, "w", w.shape, 0)
   _check_contraction(fn, x, w.shape)
 
@@ -152,3 +155,45 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = Fal
   """The backend `sparse_dot(..., implementation=None)` runs for these shapes
   (x `[..., K]`, w `[K, N]`) and dtype on this machine."""
   return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable)).name
+
+
+def compress(
+    w: Float[Array, "... K N"],
+    mask: Bool[Array, "... K N"] | Mask24 | None = None,
+    *,
+    transposed: bool = False,
+    implementation: str | None = None,
+) -> Sparse24:
+  """Compresses `w` with a 2:4 mask (along K, axis -2) into a `Sparse24`.
+
+  Args:
+    w: floating `[..., K, N]`, K a multiple of 4.
+    mask: bool `[..., K, N]` with exactly 2 of every 4 kept along K (as made
+      by `prune_24`), a `Mask24`, or None to prune `w` by magnitude now (with
+      the transposable rule when `transposed=True`). A concrete bool mask is
+      checked; inside `jit` the 2:4 property is the caller's promise (masks
+      from `prune_24` and `Mask24` always keep it).
+    transposed: also store the transpose (the mask must then be 2:4 along N
+      too, i.e. transposable; N a multiple of 4).
+    implementation: None (the fused Pallas kernel on a GPU for 2-D weights,
+      else the reference), `"xla"` or `"pallas"`. All give identical bits.
+
+  Returns:
+    A `Sparse24` with `decompress(compress(w, m)) == w * m` exactly.
+  """
+  fn = "compress"
+  w = jnp.asarray(w)
+  _checks.check_float(fn, "w", w)
+  if w.ndim < 2:
+    raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
+  _checks.check_nonempty(fn, "w", w.shape, (w.ndim - 2, w.ndim - 1), "K or N")
+  _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2)
+  if transposed:
+    _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1, "N, for the transposed copy")
+  if isinstance(mask, Mask24):
+    _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
+    if transposed and not mask.transposable:
+      raise ValueError(f"{fn}: transposed=True needs a transposable Mask24.")
+  elif mask is not None:
+    mask = _checks.check_dense_mask(fn, mask, w.shape, transposed)
+  return backends.select_compress(implementation, w).compress(w, mask, transposed)

@@ -21,9 +21,9 @@ import numpy as np
 from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
-from jsparse24._format import Mask24, Sparse24, compress
+from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24._ops import GRADIENT_MODES, sparse_dot
+from jsparse24._ops import GRADIENT_MODES, compress, sparse_dot
 
 COLLECTION = "sparsity"
 MASK_SOURCES = ("collection", "dynamic")

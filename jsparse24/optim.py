@@ -44,7 +44,10 @@ class MaskSchedule:
     rebuild_every: rebuild every this many steps after the first sparse step
       (`warmup_steps + k * rebuild_every`, k >= 1); None = one-shot: the masks
       built at the first sparse step are kept.
-    freeze_after: no rebuild at steps `>= freeze_after` (masks frozen).
+    freeze_after: no periodic rebuild at steps `>= freeze_after` (masks
+      frozen). The first build at the end of the warm-up (step
+      `warmup_steps`) always happens: before it the layers are dense and the
+      masks are those of the initial weights.
     dense_after: steps `>= dense_after` run dense again (final dense
       fine-tuning); None = sparse to the end.
 
@@ -153,8 +156,16 @@ def mask_update(
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sparsity)
   if not jax.tree.leaves(template):
     raise ValueError("mask_update: the 'sparsity' collection has no sparse layer.")
+  if isinstance(decay, bool) or not (callable(decay) or isinstance(decay, (int, float))
+                                     or (hasattr(decay, "shape") and hasattr(decay, "dtype")
+                                         and jnp.ndim(decay) == 0)):
+    raise TypeError(
+        f"mask_update: `decay` must be a number, a scalar array or a `step -> value`"
+        f" schedule, got {type(decay).__name__} {decay!r}.")
   decay_fn = decay if callable(decay) else (lambda _: decay)
-  uses_decay = callable(decay) or decay != 0.0
+  # A traced decay (optax.inject_hyperparams under jit) cannot be compared
+  # with 0 here; it is applied, adding nothing where it is 0.
+  uses_decay = not isinstance(decay, (int, float)) or decay != 0.0
 
   def set_active(masks, active):
     # Broadcast, not replace: a stack of layers (nn.scan) has one flag per layer.

@@ -407,22 +407,3 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   if not transposed:
     return values, None, None
   return values, outs[1][:k, :n // 2], _with_pad_code(outs[2][:k, :math.ceil(n / 8)], n)
-
-
-# --- references --------------------------------------------------------------
-
-
-def prune_compress_reference(w: jax.Array, *, transposable: bool = False):
-  """Plain-jnp definition of `prune_compress` (jsparse24's reference format)."""
-  from jsparse24 import _format, _prune  # pylint: disable=g-import-not-at-top
-  mask = _prune.prune_24(w, axis=0, transposable=transposable)
-  sp = _format.compress_reference(w, mask, transposable)
-  return sp.values, sp.meta, sp.values_t, sp.meta_t
-
-
-def compress_with_meta_reference(w: jax.Array, meta: jax.Array, *, transposed: bool = False):
-  """Plain-jnp definition of `compress_with_meta`."""
-  from jsparse24 import _format  # pylint: disable=g-import-not-at-top
-  mask = _format.Mask24.from_meta(meta, tuple(w.shape), transposed)
-  sp = _format.compress_reference(w, mask, transposed)
-  return sp.values, sp.values_t, sp.meta_t

@@ -144,10 +144,3 @@ def sparse_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
       name="jsparse24_spmm",
   )(x, values, meta)
   return out[:m, :n]
-
-
-def sparse_matmul_reference(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -> jax.Array:
-  """Plain-jnp definition: `x @ decompress(values, meta)` in float32."""
-  from jsparse24 import _format  # pylint: disable=g-import-not-at-top
-  w = _format.decompress(_format.Sparse24(values, meta))
-  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -169,3 +169,30 @@ def test_sharded_train_learns_on_a_mesh(layout):
     assert len(kernel.sharding.device_set) == 8
     want = () if layout == "data" else (None, "data")
     assert tuple(kernel.sharding.spec) == want, kernel.sharding
+
+
+def test_train_lm_resume_at_or_past_steps_says_so(train_lm, capsys, tmp_path):
+  module, out, _ = train_lm
+  import shutil
+  copy = tmp_path / "copy"
+  shutil.copytree(out, copy)  # keep the shared fixture's checkpoints as they are
+  capsys.readouterr()
+  module.main(TINY_LM + ["--out", str(copy), "--resume"])  # the checkpoint is at --steps
+  assert "NOTHING TO TRAIN" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["pmap_train", "patch_model", "train_lm", "sharded_train"])
+def test_every_example_flag_has_help_text(name, capsys):
+  import re
+  with pytest.raises(SystemExit):
+    load_example(name).main(["--help"])
+  text = capsys.readouterr().out.split("options:")[1]
+  # One entry per option: its flag column, then its description.
+  entries = re.split(r"\n  (?=-)", "\n" + text)[1:]
+  assert entries, text
+  for entry in entries:
+    flag, _, rest = entry.partition("  ")
+    words = re.sub(r"\(default: [^)]*\)", "", rest).split()
+    if flag.startswith("-h"):
+      continue
+    assert words, f"{name}: no help text for {flag.split()[0]}"

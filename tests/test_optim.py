@@ -132,6 +132,31 @@ def test_masked_decay_adds_to_pruned_kernel_gradients_only():
     tx.update(grads, state)
 
 
+def test_decay_as_an_injected_hyperparameter_under_jit():
+  """optax.inject_hyperparams passes `decay` as a traced array under jit (it
+  failed: `decay != 0.0` on a tracer); the decay it adds is the one given."""
+  _, _, variables, _, _ = _setup(optim.MaskSchedule())
+  params = variables["params"]
+  tx = optax.inject_hyperparams(optim.mask_update, static_args=("sparsity", "schedule"))(
+      variables["sparsity"], optim.MaskSchedule(), decay=0.25)
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  mask = optim.masks(state.inner_state)["up"]["mask"].unpack()
+  np.testing.assert_allclose(updates["up"]["kernel"], 0.25 * params["up"]["kernel"] * (~mask),
+                             rtol=1e-6)
+  state.hyperparams["decay"] = jnp.asarray(0.0)
+  updates, _ = jax.jit(tx.update)(grads, state, params)
+  np.testing.assert_array_equal(updates["up"]["kernel"], 0)
+
+
+@pytest.mark.parametrize("decay", ["0.1", None, [0.1], True, jnp.ones(3)])
+def test_decay_of_a_wrong_type_is_refused_at_construction(decay):
+  _, _, variables, _, _ = _setup(optim.MaskSchedule())
+  with pytest.raises(TypeError, match="mask_update: `decay`"):
+    optim.mask_update(variables["sparsity"], decay=decay)
+
+
 def test_masked_decay_keeps_frozendict_and_fuses():
   """Decay on FrozenDict params returns FrozenDict updates (apply_updates
   works), names a layer missing from the gradients, and expands the masks

@@ -106,11 +106,18 @@ def _find_library(stem: str, roots) -> pathlib.Path | None:
       directory = root / sub
       if not directory.is_dir():
         continue
-      # Prefer the unversioned name, then the highest soname version.
-      hits = sorted(directory.glob(f"{stem}.so*"), key=lambda p: (p.name != f"{stem}.so", p.name))
+      # Prefer the unversioned name, then the highest soname version
+      # (compared as numbers: .so.0.10.1 is above .so.0.8.0).
+      hits = list(directory.glob(f"{stem}.so*"))
       if hits:
-        return hits[0]
+        return max(hits, key=lambda p: (p.name == f"{stem}.so", _version(p.name, stem)))
   return None
+
+
+def _version(name: str, stem: str) -> tuple[int, ...]:
+  """`lib.so.1.2.3` -> (1, 2, 3) (a non-numeric part counts as -1)."""
+  tail = name[len(f"{stem}.so"):].lstrip(".")
+  return tuple(int(part) if part.isdigit() else -1 for part in tail.split(".") if part)
 
 
 def _ffi_include_dir() -> str:
@@ -199,10 +206,15 @@ def build(toolchain: Toolchain | None = None, directory: os.PathLike | None = No
   library = out_dir / _LIBRARY_NAME
   if library.is_file():
     return library
-  out_dir.mkdir(parents=True, exist_ok=True)
-  # Compile to a temporary name and rename: concurrent builds (pytest -n,
-  # several processes on one host) never see a half-written library.
-  fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+  try:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Compile to a temporary name and rename: concurrent builds (pytest -n,
+    # several processes on one host) never see a half-written library.
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+  except OSError as e:
+    raise BuildError(
+        f"cannot write the cuSPARSELt shim under the cache directory {out_dir}: {e};"
+        f" set JSPARSE24_CACHE_DIR to a writable directory.") from e
   os.close(fd)
   cmd = toolchain.command(str(_SOURCE), tmp)
   log.info("jsparse24: building the cuSPARSELt shim: %s", " ".join(cmd))
