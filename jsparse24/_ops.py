@@ -4,15 +4,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, backends
-from jsparse24._format import Mask24, Sparse24
+from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
+from jsparse24.backends.base import matmul
 
 GRADIENT_MODES = ("ste", "masked")
 
@@ -100,7 +103,11 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, w.has_transpose))
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
-    y = backend.forward_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision)
+    x2 = x.astype(dtype).reshape(-1, x.shape[-1])
+    if backend.name == "xla":  # plain ops: JAX differentiates them (forward mode too)
+      y = backend.forward_compressed(x2, w, precision)
+    else:
+      y = _compressed_product(x2, w, backend, precision)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
   w = jnp.asarray(w)
@@ -136,6 +143,40 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
   # `w` keeps its dtype: the backend casts it to x's (Backend.dot).
   y = backend.dot(x2, w, mask, active, cfg)
   return y.reshape(*lead, w.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _compressed_product(x, sp: Sparse24, backend, precision):
+  """`x @ decompress(sp)` on `backend`, differentiable in x and in `sp.values`
+  on every backend (the Pallas and cuSPARSELt calls have no transpose rule)."""
+  return backend.forward_compressed(x, sp, precision)
+
+
+def _compressed_product_fwd(x, sp, backend, precision):
+  return backend.forward_compressed(x, sp, precision), (x, sp)
+
+
+def _compressed_product_bwd(backend, precision, res, dy):
+  x, sp = res
+  k, n = sp.shape
+  # dx = dy @ W^T: on the sparse kernels where sp holds the transposed copy.
+  if sp.has_transpose:
+    dx = backend.forward_compressed(dy, sp.transpose(), precision)
+  else:
+    dx = matmul(dy, decompress(sp).T, precision)
+  # d values = (x^T dy) at the kept positions (the forward reads `values` only).
+  dw = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+  kept = compress_reference(dw, Mask24.from_meta(sp.meta, (k, n)), False)
+  zero = lambda a: (None if a is None else  # noqa: E731
+                    np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.inexact)
+                    else jnp.zeros_like(a))
+  d_sp = Sparse24(kept.values.astype(sp.values.dtype), zero(sp.meta), zero(sp.values_t),
+                  zero(sp.meta_t))
+  return dx.astype(x.dtype), d_sp
+
+
+_compressed_product.defvjp(_compressed_product_fwd, _compressed_product_bwd)
 
 
 def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:

@@ -191,3 +191,22 @@ def test_compressed_weight_with_leading_axes(implementation):
   want = jsparse24.sparse_dot(x, sp, implementation="xla")
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cusparselt_grad_through_a_compressed_weight(transposed):
+  """Differentiable in x and in the kept values (no transpose rule before)."""
+  w = jax.random.normal(jax.random.key(0), (256, 128), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (64, 256), jnp.bfloat16)
+  sp = jsparse24.compress(w, transposed=transposed, implementation="pallas")
+
+  def loss(impl):
+    return lambda x, v: jnp.sum(jsparse24.sparse_dot(
+        x, jsparse24.Sparse24(v, sp.meta, sp.values_t, sp.meta_t),
+        implementation=impl).astype(jnp.float32) ** 2)
+
+  got = jax.jit(jax.grad(loss("cusparselt"), (0, 1)))(x, sp.values)
+  want = jax.jit(jax.grad(loss("xla"), (0, 1)))(x, sp.values)
+  for g, r in zip(got, want):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-2
