@@ -20,7 +20,22 @@ def is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def check_dense_array(fn: str, name: str, x: Any) -> None:
+  """Raises for a jsparse24 container (or any non-array) where a dense array
+  is expected, naming what was passed instead."""
+  kind = type(x).__name__
+  if kind == "Sparse24":
+    raise TypeError(f"{fn}: `{name}` is a Sparse24 (already compressed); pass the dense"
+                    f" array (jsparse24.decompress gives it back).")
+  if kind == "Mask24":
+    raise TypeError(f"{fn}: `{name}` is a Mask24 (a mask, not values); pass the dense"
+                    f" array (Mask24.unpack() gives the bool mask).")
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(x, (int, float, list, tuple)):
+    raise TypeError(f"{fn}: `{name}` must be an array, got {kind}.")
+
+
 def check_float(fn: str, name: str, x: Any) -> None:
+  check_dense_array(fn, name, x)
   dtype = jnp.result_type(x)
   if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
     raise TypeError(

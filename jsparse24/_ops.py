@@ -88,8 +88,8 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
          dtype=None):
   if gradient not in GRADIENT_MODES:
     raise ValueError(f"{fn}: unknown gradient={gradient!r}; expected one of {GRADIENT_MODES}.")
-  x = jnp.asarray(x)
   _checks.check_float(fn, "x", x)
+  x = jnp.asarray(x)
   if x.ndim < 1:
     raise ValueError(f"{fn}: `x` must be [..., K], got a scalar.")
 
@@ -110,8 +110,8 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
       y = _compressed_product(x2, w, backend, precision)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
-  w = jnp.asarray(w)
   _checks.check_float(fn, "w", w)
+  w = jnp.asarray(w)
   if w.ndim != 2:
     raise ValueError(
         f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}; for stacked"
@@ -195,6 +195,18 @@ def _problem(x_shape, w_shape, dtype, transposable) -> backends.Problem:
 def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False) -> str:
   """The backend `sparse_dot(..., implementation=None)` runs for these shapes
   (x `[..., K]`, w `[K, N]`) and dtype on this machine."""
+  fn = "selected_implementation"
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _checks.FLOAT_DTYPES]:
+    raise TypeError(f"{fn}: `dtype` must be bfloat16, float16, float32 or float64, got"
+                    f" {jnp.dtype(dtype)}.")
+  if len(tuple(w_shape)) != 2 or not tuple(x_shape):
+    raise ValueError(f"{fn}: expected x_shape [..., K] and w_shape [K, N], got {tuple(x_shape)}"
+                     f" and {tuple(w_shape)}.")
+  _checks.check_nonempty(fn, "w", tuple(w_shape), (0, 1), "K or N")
+  _checks.check_multiple_of_4(fn, "w", tuple(w_shape), 0)
+  if tuple(x_shape)[-1] != tuple(w_shape)[0]:
+    raise ValueError(f"{fn}: x_shape[-1] = {tuple(x_shape)[-1]} does not match K ="
+                     f" w_shape[0] = {tuple(w_shape)[0]}.")
   return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable)).name
 
 
@@ -223,8 +235,8 @@ def compress(
     A `Sparse24` with `decompress(compress(w, m)) == w * m` exactly.
   """
   fn = "compress"
-  w = jnp.asarray(w)
   _checks.check_float(fn, "w", w)
+  w = jnp.asarray(w)
   if w.ndim < 2:
     raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
   _checks.check_nonempty(fn, "w", w.shape, (w.ndim - 2, w.ndim - 1), "K or N")

@@ -166,8 +166,8 @@ def prune_24(
            [1, 0, 1, 0]], dtype=int32)
   """
   fn = "prune_24"
-  w = jnp.asarray(w)
   _checks.check_float(fn, "w", w)
+  w = jnp.asarray(w)
   if w.ndim == 0:
     raise ValueError(f"{fn}: `w` must have at least one axis, got a scalar.")
   ax = _checks.normalize_axis(fn, "w", axis, w.ndim)
@@ -191,7 +191,9 @@ def prune_24(
 
 def is_24(mask: Bool[Array, "..."], *, axis: int = -2) -> jax.Array:
   """True iff every group of 4 along `axis` keeps exactly 2 (a scalar bool)."""
+  _checks.check_dense_array("is_24", "mask", mask)
   mask = jnp.asarray(mask)
+  _checks.check_mask_dtype("is_24", mask)
   ax = _checks.normalize_axis("is_24", "mask", axis, mask.ndim)
   _checks.check_multiple_of_4("is_24", "mask", mask.shape, ax)
   m = jnp.moveaxis(mask, ax, -1)

@@ -182,9 +182,27 @@ Rules = Mapping[str, Mapping[str, Any] | SparsityOptions] | Sequence[
 
 
 def _normalize_rules(rules: Rules) -> tuple[tuple[re.Pattern, SparsityOptions], ...]:
+  if isinstance(rules, (str, bytes)) or not isinstance(rules, (Mapping, list, tuple)):
+    raise TypeError(
+        f"sparsify: `rules` must be {{regex: options}} or [(regex, options), ...], got"
+        f" {type(rules).__name__} {rules!r} (for every matching layer with default options:"
+        f" {{{rules!r}: {{}}}}).")
   items = rules.items() if isinstance(rules, Mapping) else rules
   out = []
-  for pattern, opts in items:
+  for item in items:
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+      raise TypeError(f"sparsify: each rule must be a (regex, options) pair, got {item!r}.")
+    pattern, opts = item
+    if not isinstance(pattern, str):
+      raise TypeError(f"sparsify: rule {pattern!r}: the pattern must be a regex string.")
+    if not isinstance(opts, (SparsityOptions, Mapping)):
+      raise TypeError(
+          f"sparsify: rule {pattern!r}: options must be a dict of SparseDense options or a"
+          f" SparsityOptions (use {{}} for the defaults), got {type(opts).__name__} {opts!r}.")
+    try:
+      compiled = re.compile(pattern)
+    except re.error as e:
+      raise ValueError(f"sparsify: rule {pattern!r} is not a valid regex: {e}.") from e
     if not isinstance(opts, SparsityOptions):
       unknown = set(opts) - {f.name for f in dataclasses.fields(SparsityOptions)}
       if unknown:
@@ -192,7 +210,7 @@ def _normalize_rules(rules: Rules) -> tuple[tuple[re.Pattern, SparsityOptions], 
             f"sparsify: rule {pattern!r} has unknown option(s) {sorted(unknown)};"
             f" expected some of {[f.name for f in dataclasses.fields(SparsityOptions)]}.")
       opts = SparsityOptions(**opts)
-    out.append((re.compile(pattern), opts))
+    out.append((compiled, opts))
   if not out:
     raise ValueError("sparsify: `rules` is empty.")
   return tuple(out)
@@ -323,7 +341,13 @@ def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
   def rebuild(layer, layer_params, path):
     kernel = layer_params.get("kernel") if isinstance(layer_params, Mapping) else None
     if kernel is None:
-      raise ValueError(f"no kernel in params for sparse layer {'/'.join(path)!r}.")
+      raise ValueError(
+          f"rebuild_masks: `params` has no kernel for the sparse layer {'/'.join(path)!r}"
+          f" (pass the model's params first, then its 'sparsity' collection).")
+    if isinstance(kernel, Sparse24):
+      raise TypeError(
+          f"rebuild_masks: the kernel of layer {'/'.join(path)!r} is a Sparse24 (already"
+          f" compressed); masks are rebuilt from dense params.")
     return {**layer, "mask": Mask24.from_weights(kernel, transposable=layer["mask"].transposable)}
 
   return _map_layers(rebuild, sparsity, params)
@@ -350,7 +374,8 @@ def map_sparse_kernels(fn, layers: Mapping[tuple, Any], tree: Any, *rest: Any):
     seen.add(keys[:-1])
     return fn(layer, leaf, *others)
 
-  out = jax.tree_util.tree_map_with_path(visit, tree, *rest, is_leaf=lambda x: x is None)
+  out = jax.tree_util.tree_map_with_path(
+      visit, tree, *rest, is_leaf=lambda x: x is None or isinstance(x, Sparse24))
   return out, sorted("/".join(map(str, p)) for p in set(layers) - seen)
 
 
@@ -379,6 +404,13 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
           f"{fn}: layer {'/'.join(path)!r} is a stack whose layers are partly"
           f" sparse and partly dense (active={flags.tolist()}); one stacked kernel"
           f" cannot be partly compressed.")
+  for path in chosen:
+    node = params
+    for key in (*path, "kernel"):
+      node = node.get(key) if isinstance(node, Mapping) else None
+    if isinstance(node, Sparse24):
+      raise TypeError(f"{fn}: the kernel of layer {'/'.join(path)!r} is already a Sparse24"
+                      f" (were the params compressed twice?); pass the dense params.")
   out, missing = map_sparse_kernels(
       lambda mask, kernel: compress(kernel, mask, transposed=mask.transposable), chosen, params)
   if missing:

@@ -180,6 +180,8 @@ def rebuild_masks(model: nnx.Module) -> None:
   schedule during training; it also works inside `nnx.jit`. Layers with
   `mask_source="dynamic"` have no stored mask and are skipped.
   """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"rebuild_masks: `model` must be an nnx.Module, got {type(model).__name__}.")
   for _, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and layer.mask is not None:
       old = layer.mask.get_value()

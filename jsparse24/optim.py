@@ -27,8 +27,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jsparse24._format import Mask24
 from jsparse24.linen import _map_layers, layers_by_path, map_sparse_kernels, rebuild_masks
 
 DENSITY = 0.5  # 2 of 4 kept
@@ -60,6 +62,13 @@ class MaskSchedule:
   dense_after: int | None = None
 
   def __post_init__(self):
+    for name in ("warmup_steps", "rebuild_every", "freeze_after", "dense_after"):
+      v = getattr(self, name)
+      if (v is not None or name == "warmup_steps") and (
+          isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+        raise TypeError(f"MaskSchedule: {name} must be an int"
+                        f"{'' if name == 'warmup_steps' else ' or None'}, got"
+                        f" {type(v).__name__} {v!r}.")
     if self.warmup_steps < 0:
       raise ValueError(f"MaskSchedule: warmup_steps must be >= 0, got {self.warmup_steps}.")
     if self.rebuild_every is not None and self.rebuild_every < 1:
@@ -153,6 +162,15 @@ def mask_update(
     raise TypeError(
         f"mask_update: `sparsity` must be the model's 'sparsity' collection (a"
         f" dict), got {type(sparsity).__name__}.")
+  if not isinstance(schedule, MaskSchedule):
+    raise TypeError(
+        f"mask_update: `schedule` must be a MaskSchedule, got {type(schedule).__name__}"
+        f" {schedule!r} (e.g. MaskSchedule(rebuild_every={schedule!r})).")
+  if not any(isinstance(leaf, Mask24) for leaf in jax.tree.leaves(
+      sparsity, is_leaf=lambda a: isinstance(a, Mask24))):
+    raise ValueError(
+        "mask_update: `sparsity` holds no Mask24: pass the model's 'sparsity' collection"
+        " (variables['sparsity'] from init), not its params.")
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sparsity)
   if not jax.tree.leaves(template):
     raise ValueError("mask_update: the 'sparsity' collection has no sparse layer.")
@@ -231,6 +249,14 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array):
   (`Mask24.unpack`), so XLA fuses the whole term into the optimizer's
   elementwise pass over the kernel: no extra pass over the weights per step.
   """
+
+  if jax.tree.structure(updates) != jax.tree.structure(params):
+    have = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(updates)}
+    want = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)}
+    raise ValueError(
+        f"mask_update: the gradients and the params differ in structure (missing from the"
+        f" gradients: {sorted(want - have)[:5]}; not in the params: {sorted(have - want)[:5]});"
+        f" pass the gradients of every parameter.")
 
   def add(layer, update, weight):
     # One flag per layer (an [L] stack under nn.scan) against [..., K, N].

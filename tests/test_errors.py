@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the function and the argument, and
 failures of the environment are reported once, not crashed on (issue 11)."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -88,3 +89,74 @@ def test_the_formats_import_no_backend():
               [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
               if isinstance(node, ast.ImportFrom) else [])
       assert not any("backends" in m or m.endswith("_ops") for m in mods), (name, mods)
+
+
+def _net_and_vars():
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jsparse24.SparseDense(8, name="up")(x)
+
+  net = Net()
+  return net, net.init(jax.random.key(1), jnp.ones((2, 16)))
+
+
+def _plain():
+  import flax.linen as nn
+
+  class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, name="up")(x)
+
+  return Plain()
+
+
+def _bad_calls():
+  from jsparse24 import optim
+  w = jax.random.normal(jax.random.key(0), (16, 8))
+  sp, m = jsparse24.compress(w), jsparse24.Mask24.from_weights(w)
+  _, v = _net_and_vars()
+  x = jnp.ones((2, 16))
+  return [
+      (lambda: jsparse24.prune_24(sp), TypeError, r"prune_24: `w` is a Sparse24"),
+      (lambda: jsparse24.prune_24(m), TypeError, r"prune_24: `w` is a Mask24"),
+      (lambda: jsparse24.compress(sp), TypeError, r"compress: `w` is a Sparse24"),
+      (lambda: jsparse24.sparse_dot(x, m), TypeError, r"sparse_dot: `w` is a Mask24"),
+      (lambda: jsparse24.sparse_dot(sp, w), TypeError, r"sparse_dot: `x` is a Sparse24"),
+      (lambda: jsparse24.rebuild_masks(v["sparsity"], v["sparsity"]), ValueError,
+       r"rebuild_masks: `params` has no kernel for the sparse layer 'up'"),
+      (lambda: jsparse24.compress_params(
+          jsparse24.compress_params(v["params"], v["sparsity"]), v["sparsity"]),
+       TypeError, r"compress_params: the kernel of layer 'up' is already a Sparse24"),
+      (lambda: optim.mask_update(v["params"]), ValueError, r"mask_update: `sparsity` holds no Mask24"),
+      (lambda: optim.mask_update(v["sparsity"], 100), TypeError,
+       r"mask_update: `schedule` must be a MaskSchedule"),
+      (lambda: jsparse24.sparsify(_plain(), "up"), TypeError, r"sparsify: `rules` must be"),
+      (lambda: jsparse24.sparsify(_plain(), {"up": None}), TypeError,
+       r"sparsify: rule 'up': options must be"),
+      (lambda: jsparse24.sparsify(_plain(), {"up[": {}}), ValueError,
+       r"sparsify: rule 'up\[' is not a valid regex"),
+      (lambda: optim.MaskSchedule(warmup_steps="3"), TypeError, r"MaskSchedule: warmup_steps must be an int"),
+      (lambda: optim.MaskSchedule(rebuild_every=2.5), TypeError, r"MaskSchedule: rebuild_every must be an int"),
+      (lambda: optim.MaskSchedule(rebuild_every=True), TypeError, r"MaskSchedule: rebuild_every must be an int"),
+      (lambda: jsparse24.selected_implementation((2, 16), (16, 8), jnp.int32), TypeError,
+       r"selected_implementation: `dtype`"),
+      (lambda: jsparse24.selected_implementation((2, 15), (15, 8), jnp.float32), ValueError,
+       r"selected_implementation: `w.shape\[0\]` = 15"),
+      (lambda: jsparse24.is_24(jnp.ones((8, 4))), TypeError, r"is_24: `mask` must be a bool"),
+      (lambda: jsparse24.nnx.rebuild_masks({"a": 1}), TypeError, r"rebuild_masks: `model` must be an nnx.Module"),
+      (lambda: (lambda tx: tx.update({"up": {"bias": jnp.zeros(8)}}, tx.init(v["params"]), v["params"]))(
+          optim.mask_update(v["sparsity"], decay=0.1)), ValueError,
+       r"mask_update: the gradients and the params differ in structure \(missing from the"
+       r" gradients: \[\"\['up'\]\['kernel'\]\"\]"),
+  ]
+
+
+@pytest.mark.parametrize("index", range(20))
+def test_wrong_objects_and_types_get_errors_that_name_function_and_argument(index):
+  call, kind, match = _bad_calls()[index]
+  with pytest.raises(kind, match=match):
+    call()
