@@ -146,6 +146,10 @@ def mask_update(
   Returns:
     A `GradientTransformationExtraArgs`; its `update` needs `params`.
 
+  Steps are the transform's own updates: inside `optax.MultiSteps(tx, k)`
+  (gradient accumulation) it runs once per k micro-steps, so the schedule
+  counts optimizer steps, not micro-steps.
+
   Example:
     >>> import jax, jax.numpy as jnp, optax, jsparse24
     >>> layer = jsparse24.SparseDense(4)

@@ -56,6 +56,7 @@ def test_schedule_values(kw, rebuilds, sparse):
   # Traced steps agree with Python ints.
   traced = jax.jit(jax.vmap(lambda i: (s.rebuild(i), s.sparse(i))))(jnp.arange(25))
   assert [i for i in range(25) if bool(traced[0][i])] == rebuilds
+  assert [i for i in range(25) if bool(traced[1][i])] == sparse
 
 
 def test_schedule_rejects_bad_values():
@@ -105,8 +106,11 @@ def test_masks_rebuilt_exactly_when_scheduled(kw):
     assert int(new_state[0].count) == step
     if expected_rebuild:
       assert int(new_state[0].last_rebuild) == step
-      for layer in optim.stats(new_state).values():
-        assert 0.0 < float(layer["flip_rate"]) <= 1.0
+      for name, layer in optim.stats(new_state).items():
+        # The fraction of mask entries that changed at this rebuild, exactly.
+        want = float(np.mean(masks[name] != new_masks[name]))
+        assert want > 0
+        np.testing.assert_allclose(float(layer["flip_rate"]), want, rtol=1e-6)
     params = optax.apply_updates(params, updates)
     state, masks = new_state, new_masks
 
@@ -292,3 +296,21 @@ def test_jitted_update_compiles_once():
   for _ in range(3):
     _, state = update(grads, state, params)
   assert update._cache_size() == 1  # pylint: disable=protected-access
+
+
+def test_multisteps_counts_optimizer_steps_not_micro_steps():
+  """Gradient accumulation with optax.MultiSteps(k): mask_update runs once per
+  k micro-steps, so its schedule counts optimizer steps (documented)."""
+  schedule = optim.MaskSchedule(rebuild_every=2)
+  model, _, variables, x, y = _setup(schedule)
+  k = 3
+  tx = optax.MultiSteps(optax.chain(optim.mask_update(variables["sparsity"], schedule),
+                                    optax.adam(1e-2)), every_k_schedule=k)
+  params, state = variables["params"], tx.init(variables["params"])
+  step = jax.jit(lambda p, s: tx.update(jax.grad(lambda q: _loss(
+      model, q, optim.masks(s), x, y))(p), s, p))
+  for micro in range(1, 4 * k + 1):
+    updates, state = step(params, state)
+    params = optax.apply_updates(params, updates)
+    assert int(state.inner_opt_state[0].count) == micro // k, micro
+  assert int(state.inner_opt_state[0].last_rebuild) == 4  # optimizer step 4, micro-step 12

@@ -226,6 +226,19 @@ def test_precision_argument():
   m = random_24_mask(rng, 12, 6)
   y = jax.jit(functools.partial(jsparse24.sparse_dot, precision=jax.lax.Precision.HIGHEST))(x, w, m)
   assert_close(y, _f64(x) @ np.where(m, _f64(w), 0), F32, 12)
+  # The argument reaches every product of the step (forward and both
+  # gradients): on CPU the numbers alone cannot tell (f32 is exact there).
+  for precision in (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT):
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jsparse24.sparse_dot(
+        x, w, m, precision=precision).sum(), (0, 1)))(x, w)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3, dots
+    for e in dots:
+      got = e.params["precision"]
+      got = got if isinstance(got, tuple) else (got, got)
+      want = None if precision == jax.lax.Precision.DEFAULT else precision
+      assert all(p == want or (want is None and p in (None, jax.lax.Precision.DEFAULT))
+                 for p in got), (precision, got)
 
 
 def test_nonfinite_weights_pruned_do_not_leak():
