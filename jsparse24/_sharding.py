@@ -25,6 +25,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -49,8 +50,28 @@ def _rule(ranks: tuple[int, ...]) -> str:
 def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
 
   @custom_partitioning
-  def call(x, *operands):
+  def partitioned(x, *operands):
     return fn(x, *operands)
+
+  # custom_partitioning has no batching rule: under vmap, a batch of x
+  # against shared operands folds into the rows (one product); batched
+  # operands run one product per batch element.
+  @jax.custom_batching.custom_vmap
+  def call(x, *operands):
+    return partitioned(x, *operands)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, x, *operands):
+    x_batched, *ops_batched = in_batched
+    if not any(ops_batched):
+      b, m = x.shape[0], x.shape[1]
+      y = call(x.reshape(b * m, *x.shape[2:]), *operands)
+      return y.reshape(b, m, *y.shape[1:]), True
+    if not x_batched:
+      x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    operands = tuple(o if bat else jnp.broadcast_to(o, (axis_size, *o.shape))
+                     for o, bat in zip(operands, ops_batched))
+    return jax.lax.map(lambda args: call(*args), (x, *operands)), True
 
   def infer(mesh, arg_shapes, result_shape):
     return NamedSharding(mesh, _rows_spec(arg_shapes[0].sharding, len(result_shape.shape)))
@@ -62,8 +83,8 @@ def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
     out = NamedSharding(mesh, _rows_spec(x.sharding, len(result_shape.shape)))
     return mesh, fn, out, args
 
-  call.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                     sharding_rule=_rule(ranks))
+  partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                            sharding_rule=_rule(ranks))
   return call
 
 

@@ -587,3 +587,26 @@ def test_selected_implementation_reports_the_automatic_choice():
   # sparse_dot(implementation=None) dispatches to.
   assert jsparse24.selected_implementation((16, 64), (64, 32), jnp.bfloat16) == "xla"
   assert jsparse24.selected_implementation((3, 5, 64), (64, 32), jnp.float32, transposable=True) == "xla"
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_vmap_over_the_pallas_products(shared):
+  """vmap over activations (a shared weight) or over weights too: the Pallas
+  products (custom-partitioned ops, which have no batching rule of their own)
+  give the reference's values and gradients."""
+  from jsparse24.backends.pallas import interpret_mode
+  rng = _rng("vmap-pallas")
+  x = jnp.asarray(_normal(rng, (3, 8, 64), F32))
+  w = jnp.asarray(_normal(rng, (64, 32), F32) if shared else _normal(rng, (3, 64, 32), F32))
+
+  def loss(impl):
+    def one(xb, wb):
+      return jsparse24.sparse_dot(xb, wb, transposable=True, implementation=impl)
+    f = jax.vmap(one, in_axes=(0, None if shared else 0))
+    return lambda x, w: (f(x, w) ** 2).sum()
+
+  with interpret_mode():
+    got = jax.jit(jax.value_and_grad(loss("pallas"), (0, 1)))(x, w)
+  want = jax.value_and_grad(loss("xla"), (0, 1))(x, w)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-3)
