@@ -291,8 +291,11 @@ def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
 
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, jsparse24
-    >>> mlp = nn.Sequential([nn.Dense(16, name="up"), nn.relu, nn.Dense(8, name="down")])
-    >>> sparse = jsparse24.sparsify(mlp, {r"up": {"gradient": "masked"}})
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return nn.Dense(8, name="down")(nn.relu(nn.Dense(16, name="up")(x)))
+    >>> sparse = jsparse24.sparsify(MLP(), {r"up": {"gradient": "masked"}})
     >>> variables = sparse.init(jax.random.key(0), jnp.ones((1, 8)))
     >>> list(variables["sparsity"])
     ['up']
