@@ -225,16 +225,21 @@ def test_compress_params_serves_the_same_outputs():
 
 
 def test_sparse_dense_works_under_jit_vmap_and_remat():
+  """Against the formula, not against itself: y = x @ (kernel * mask) + bias,
+  and the straight-through gradients (dkernel = x^T dy for every weight)."""
   x = _rand(0, (4, 3, 16))
   layer = jsparse24.SparseDense(8)
   v = layer.init(jax.random.key(1), x[0])
-  want = jax.vmap(lambda xi: layer.apply(v, xi))(x)
+  v = {**v, "params": {"kernel": _rand(5, (16, 8)), "bias": _rand(6, (8,))}}
+  mask = v["sparsity"]["mask"].unpack()
+  want = x @ jnp.where(mask, v["params"]["kernel"], 0) + v["params"]["bias"]
   got = jax.jit(jax.vmap(lambda xi: layer.apply(v, xi)))(x)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   remat = nn.remat(jsparse24.SparseDense)(8)
-  g1 = jax.grad(lambda p: remat.apply({**v, "params": p}, x).sum())(v["params"])
-  g2 = jax.grad(lambda p: layer.apply({**v, "params": p}, x).sum())(v["params"])
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), g1, g2)
+  c = _rand(7, (4, 3, 8))
+  g = jax.grad(lambda p: (remat.apply({**v, "params": p}, x) * c).sum())(v["params"])
+  np.testing.assert_allclose(g["kernel"], jnp.einsum("btk,btn->kn", x, c), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(g["bias"], c.sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
 def test_mask24_in_collection_is_packed():

@@ -203,3 +203,12 @@ def test_public_compress_and_inference_through_pallas():
 def test_pallas_is_never_chosen_automatically_before_it_measured_faster():
   with interpret_mode():
     assert jsparse24.selected_implementation((16, 64), (64, 32), jnp.bfloat16) == "xla"
+  # The policy itself, as on a GPU (not interpreting): no shape qualifies yet
+  # (AUTO_MAX_M = 0: the Pallas product never measured faster than XLA's).
+  from jsparse24.backends import Problem
+  from jsparse24.backends.pallas import PallasBackend
+  for m in (1, 16, 128, 4096, 65536):
+    for dtype in (jnp.bfloat16, jnp.float16):
+      problem = Problem(m=m, k=4096, n=4096, dtype=jnp.dtype(dtype), transposable=True,
+                        platform="gpu")
+      assert not PallasBackend().prefers(problem), (m, dtype)

@@ -582,11 +582,25 @@ def test_sparse24_weight_errors():
     jsparse24.sparse_dot(X, stacked)
 
 
-def test_selected_implementation_reports_the_automatic_choice():
-  # On CPU only the reference runs; the function must agree with what
-  # sparse_dot(implementation=None) dispatches to.
+def test_selected_implementation_reports_the_automatic_choice(monkeypatch):
+  """It names the backend that sparse_dot(implementation=None) then runs: the
+  reference on CPU, and the Pallas one where that backend prefers the shape
+  (made available in interpret mode and made to prefer it here)."""
+  from jsparse24.backends import pallas
   assert jsparse24.selected_implementation((16, 64), (64, 32), jnp.bfloat16) == "xla"
   assert jsparse24.selected_implementation((3, 5, 64), (64, 32), jnp.float32, transposable=True) == "xla"
+  x, w = jnp.ones((16, 64)), jnp.ones((64, 32))
+
+  def kernels_of(fn):
+    return str(jax.make_jaxpr(fn)(x, w))
+
+  with pallas.interpret_mode():
+    monkeypatch.setattr(pallas.PallasBackend, "prefers", lambda self, problem: problem.m <= 16)
+    assert jsparse24.selected_implementation((16, 64), (64, 32), jnp.float32) == "pallas"
+    assert jsparse24.selected_implementation((32, 64), (64, 32), jnp.float32) == "xla"
+    auto = kernels_of(lambda x, w: jsparse24.sparse_dot(x, w))
+    assert kernels_of(lambda x, w: jsparse24.sparse_dot(x, w, implementation="pallas")) == auto
+    assert kernels_of(lambda x, w: jsparse24.sparse_dot(x, w, implementation="xla")) != auto
 
 
 @pytest.mark.parametrize("shared", [True, False])
