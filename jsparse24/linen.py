@@ -388,7 +388,11 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
   transposable). A model applied to the result computes with the compressed
   weights; no `"sparsity"` collection is needed then. A stack of layers
   (`nn.scan`) becomes one stacked `Sparse24`. The container types of `params`
-  are kept.
+  are kept (`FrozenDict` too).
+
+  Call it outside `jax.jit`: it decides per layer, from the concrete
+  `active` flags, whether to compress (layers in a dense phase keep their
+  dense kernels); traced flags raise a `TypeError`.
   """
   fn = "compress_params"
   chosen = {}

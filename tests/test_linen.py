@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,9 @@ def test_compress_params_serves_the_same_outputs():
   x = _rand(0, (3, 16))
   patched = jsparse24.sparsify(_Model(), {r".*/mlp/.*": {"transposable": True}})
   v = patched.init(jax.random.key(0), x)
+  # Non-zero biases (init makes them 0), so that a dropped bias shows.
+  v = {**v, "params": jax.tree_util.tree_map_with_path(
+      lambda path, a: _rand(len(path), a.shape) if path[-1].key == "bias" else a, v["params"])}
   compressed = jsparse24.compress_params(v["params"], v["sparsity"])
   kernels = [leaf for leaf in jax.tree.leaves(compressed, is_leaf=lambda a: isinstance(a, jsparse24.Sparse24))
              if isinstance(leaf, jsparse24.Sparse24)]
@@ -222,6 +226,12 @@ def test_compress_params_serves_the_same_outputs():
   np.testing.assert_allclose(y, patched.apply(v, x), rtol=1e-6, atol=1e-6)
   dense_bytes = sum(k.shape[0] * k.shape[1] * 4 for k in kernels)
   assert sum(k.nbytes for k in kernels) <= 0.57 * dense_bytes
+  # FrozenDict params keep their type; under jit the per-layer choice cannot
+  # be made (traced 'active' flags): a named error, documented.
+  frozen = jsparse24.compress_params(flax.core.freeze(v["params"]), v["sparsity"])
+  assert isinstance(frozen, flax.core.FrozenDict)
+  with pytest.raises(TypeError, match="compress_params: the 'active' flags .* traced"):
+    jax.jit(jsparse24.compress_params)(v["params"], v["sparsity"])
 
 
 def test_sparse_dense_works_under_jit_vmap_and_remat():
