@@ -39,10 +39,18 @@ PAD_CODE = 0x4  # indices (0, 1): a valid code for the padding nibble
 
 
 def _group_indices(mask_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """mask_t: [..., G, 4] bool with 2 kept -> (i0, i1) int32 [..., G]."""
+  """mask_t: [..., G, 4] bool with 2 kept -> (i0, i1) int32 [..., G], i0 < i1.
+
+  A group that does not keep 2 (possible only for a traced mask, which cannot
+  be checked) still gets two distinct indices, so that every format reads it
+  alike: its first and last kept element; with one kept, that one and the
+  lowest other; with none kept, elements 0 and 3.
+  """
   i0 = jnp.argmax(mask_t, axis=-1).astype(jnp.int32)
   i1 = (3 - jnp.argmax(mask_t[..., ::-1], axis=-1)).astype(jnp.int32)
-  return i0, i1
+  one = i0 == i1
+  other = jnp.where(i0 == 0, 1, 0).astype(jnp.int32)
+  return jnp.where(one, jnp.minimum(i0, other), i0), jnp.where(one, jnp.maximum(i0, other), i1)
 
 
 def _pack_codes(codes: jax.Array) -> jax.Array:

@@ -40,7 +40,11 @@ def sparse_dot(
     w: `[K, N]` dense weights (Flax kernel layout), or a `Sparse24` for
       inference (then `mask` must be None; differentiable in `x` only).
     mask: bool `[K, N]` with 2 of every 4 kept along K, a `Mask24`, or None to
-      prune `w` by magnitude now (dynamic sparsity; `jsparse24.prune_24`).
+      prune `w` by magnitude now (dynamic sparsity; `jsparse24.prune_24`). A
+      concrete bool mask is checked; inside `jit` one that is not 2:4 is read
+      as `Mask24.pack(mask)` reads it, on every backend: each group of 4 keeps
+      its first and its last kept element (with one kept, that one and the
+      lowest other; with none, elements 0 and 3).
     gradient: `"ste"` (default): `dw = x^T @ dy` for every weight, pruned ones
       included (straight-through dense gradient); `"masked"`: `dw * mask`.
       `dx = dy @ (w*mask)^T` is exact in both modes.
@@ -132,6 +136,11 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     _checks.check_multiple_of_4(fn, "w", w.shape, 1, "N, for a transposable mask")
   if mask is not None and not isinstance(mask, Mask24):
     mask = _checks.check_dense_mask(fn, mask, w.shape, transposable)
+    if not _checks.is_concrete(mask):
+      # Inside jit the 2:4 property cannot be checked: every backend reads
+      # the mask as Mask24.pack(mask) does (the compressed paths must), so
+      # one input gives one answer everywhere.
+      mask = Mask24.pack(mask, transposable=transposable)
 
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
   backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, transposable))

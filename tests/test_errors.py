@@ -160,3 +160,34 @@ def test_wrong_objects_and_types_get_errors_that_name_function_and_argument(inde
   call, kind, match = _bad_calls()[index]
   with pytest.raises(kind, match=match):
     call()
+
+
+def test_a_non_24_bool_mask_inside_jit_gives_one_answer_on_every_path():
+  """Documented: inside jit a bool mask is read as Mask24.pack reads it, on
+  every backend and through compress (the "xla" product used the raw mask,
+  the compressed paths pack's reading)."""
+  import numpy as np
+  from jsparse24.backends.pallas import interpret_mode
+  w = jax.random.normal(jax.random.key(0), (16, 8))
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  m = np.array(jsparse24.prune_24(w))
+  m[0:4, 0] = [True, True, True, False]  # 3 kept
+  m[4:8, 1] = [False, False, False, True]  # 1 kept
+  m[8:12, 2] = False  # none kept
+  m = jnp.asarray(m)
+  packed = jax.jit(lambda m: jsparse24.Mask24.pack(m).unpack())(m)
+  assert bool(jsparse24.is_24(packed, axis=0))  # every group read as a valid 2:4 pattern
+  np.testing.assert_array_equal(packed[0:4, 0], [True, False, True, False])  # first, last
+  np.testing.assert_array_equal(packed[4:8, 1], [True, False, False, True])  # + lowest other
+  np.testing.assert_array_equal(packed[8:12, 2], [True, False, False, True])  # none: 0 and 3
+  with interpret_mode():
+    outs = {
+        impl: jax.jit(lambda x, w, m, impl=impl: jsparse24.sparse_dot(x, w, m, implementation=impl))(x, w, m)
+        for impl in ("xla", "pallas")}
+    outs["compress"] = jax.jit(lambda x, w, m: jsparse24.sparse_dot(
+        x, jsparse24.compress(w, m, implementation="xla")))(x, w, m)
+  want = x @ jnp.where(packed, w, 0)
+  for name, y in outs.items():
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  with pytest.raises(ValueError, match="not 2:4"):  # outside jit: checked
+    jsparse24.sparse_dot(x, w, m)
