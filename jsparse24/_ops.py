@@ -38,7 +38,8 @@ def sparse_dot(
   Args:
     x: `[..., K]` activations (floating).
     w: `[K, N]` dense weights (Flax kernel layout), or a `Sparse24` for
-      inference (then `mask` must be None; differentiable in `x` only).
+      inference (then `mask` must be None; differentiable in `x` and in its
+      kept values on every backend).
     mask: bool `[K, N]` with 2 of every 4 kept along K, a `Mask24`, or None to
       prune `w` by magnitude now (dynamic sparsity; `jsparse24.prune_24`). A
       concrete bool mask is checked; inside `jit` one that is not 2:4 is read
