@@ -105,7 +105,9 @@ def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
         f" {COLLECTION!r} collection, but none was passed to `apply`. Pass"
         f" the variables from `init` (e.g. `model.apply(variables, x)`), or"
         f" `{{'params': params, {COLLECTION!r}: jsparse24.optim.masks(opt_state)}}`"
-        f" when training with jsparse24.optim, or set mask_source='dynamic'.")
+        f" when training with jsparse24.optim, or set mask_source='dynamic'. (Params"
+        f" from compress_params keep a dense kernel for a layer that was in a dense"
+        f" phase, active=False; such a layer still needs its collection.)")
   mask = module.variable(
       COLLECTION, "mask",
       lambda: Mask24.from_weights(kernel, transposable=opts.transposable)).value

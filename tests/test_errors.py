@@ -191,3 +191,16 @@ def test_a_non_24_bool_mask_inside_jit_gives_one_answer_on_every_path():
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5, err_msg=name)
   with pytest.raises(ValueError, match="not 2:4"):  # outside jit: checked
     jsparse24.sparse_dot(x, w, m)
+
+
+def test_compressed_params_with_a_dense_phase_layer_say_what_is_missing():
+  """compress_params keeps the dense kernel of a layer in a dense phase
+  (documented); applying such params without the collection names why."""
+  net, v = _net_and_vars()
+  off = {"up": {**v["sparsity"]["up"], "active": jnp.array(False)}}
+  compressed = jsparse24.compress_params(v["params"], off)
+  assert not isinstance(compressed["up"]["kernel"], jsparse24.Sparse24)
+  with pytest.raises(ValueError, match=r"layer 'up' takes its 2:4 mask.*dense phase, active=False"):
+    net.apply({"params": compressed}, jnp.ones((2, 16)))
+  y = net.apply({"params": compressed, "sparsity": off}, jnp.ones((2, 16)))
+  assert y.shape == (2, 8)
