@@ -23,7 +23,7 @@ def is_concrete(x: Any) -> bool:
 def check_dense_array(fn: str, name: str, x: Any) -> None:
   """Raises for a jsparse24 container (or any non-array) where a dense array
   is expected, naming what was passed instead."""
-  kind = type(x).__name__
+  kind = type(x).__name__  # by name: _format (Sparse24, Mask24) imports this module
   if kind == "Sparse24":
     raise TypeError(f"{fn}: `{name}` is a Sparse24 (already compressed); pass the dense"
                     f" array (jsparse24.decompress gives it back).")
@@ -36,7 +36,11 @@ def check_dense_array(fn: str, name: str, x: Any) -> None:
 
 def check_float(fn: str, name: str, x: Any) -> None:
   check_dense_array(fn, name, x)
-  dtype = jnp.result_type(x)
+  check_float_dtype(fn, name, jnp.result_type(x))
+
+
+def check_float_dtype(fn: str, name: str, dtype: Any) -> None:
+  dtype = jnp.dtype(dtype)
   if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
     raise TypeError(
         f"{fn}: `{name}` must have a floating dtype (bfloat16, float16,"

@@ -4,18 +4,15 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, backends
-from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
-from jsparse24.backends.base import matmul
+from jsparse24._format import Mask24, Sparse24
 
 GRADIENT_MODES = ("ste", "masked")
 
@@ -108,11 +105,7 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, w.has_transpose))
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
-    x2 = x.astype(dtype).reshape(-1, x.shape[-1])
-    if backend.name == "xla":  # plain ops: JAX differentiates them (forward mode too)
-      y = backend.forward_compressed(x2, w, precision)
-    else:
-      y = _compressed_product(x2, w, backend, precision)
+    y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
   _checks.check_float(fn, "w", w)
@@ -155,40 +148,6 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
   return y.reshape(*lead, w.shape[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _compressed_product(x, sp: Sparse24, backend, precision):
-  """`x @ decompress(sp)` on `backend`, differentiable in x and in `sp.values`
-  on every backend (the Pallas and cuSPARSELt calls have no transpose rule)."""
-  return backend.forward_compressed(x, sp, precision)
-
-
-def _compressed_product_fwd(x, sp, backend, precision):
-  return backend.forward_compressed(x, sp, precision), (x, sp)
-
-
-def _compressed_product_bwd(backend, precision, res, dy):
-  x, sp = res
-  k, n = sp.shape
-  # dx = dy @ W^T: on the sparse kernels where sp holds the transposed copy.
-  if sp.has_transpose:
-    dx = backend.forward_compressed(dy, sp.transpose(), precision)
-  else:
-    dx = matmul(dy, decompress(sp).T, precision)
-  # d values = (x^T dy) at the kept positions (the forward reads `values` only).
-  dw = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
-  kept = compress_reference(dw, Mask24.from_meta(sp.meta, (k, n)), False)
-  zero = lambda a: (None if a is None else  # noqa: E731
-                    np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.inexact)
-                    else jnp.zeros_like(a))
-  d_sp = Sparse24(kept.values.astype(sp.values.dtype), zero(sp.meta), zero(sp.values_t),
-                  zero(sp.meta_t))
-  return dx.astype(x.dtype), d_sp
-
-
-_compressed_product.defvjp(_compressed_product_fwd, _compressed_product_bwd)
-
-
 def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:
   if x.shape[-1] != w_shape[0]:
     raise ValueError(
@@ -206,9 +165,7 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = Fal
   """The backend `sparse_dot(..., implementation=None)` runs for these shapes
   (x `[..., K]`, w `[K, N]`) and dtype on this machine."""
   fn = "selected_implementation"
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _checks.FLOAT_DTYPES]:
-    raise TypeError(f"{fn}: `dtype` must be bfloat16, float16, float32 or float64, got"
-                    f" {jnp.dtype(dtype)}.")
+  _checks.check_float_dtype(fn, "dtype", dtype)
   if len(tuple(w_shape)) != 2 or not tuple(x_shape):
     raise ValueError(f"{fn}: expected x_shape [..., K] and w_shape [K, N], got {tuple(x_shape)}"
                      f" and {tuple(w_shape)}.")

@@ -112,12 +112,11 @@ def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array
   mesh = _explicit_mesh(x)
   if mesh is None:
     return _wrap(fn, tuple(a.ndim for a in operands))(x, *operands)
-  rows = _rows_spec(jax.typeof(x).sharding, x.ndim)
+  rows = _rows_spec(jax.typeof(x).sharding, 2)  # x and the result are both [rows, cols]
   operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in operands)
   return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) + (P(),) * len(operands),
-                       out_specs=_rows_spec(jax.typeof(x).sharding, 2),
-                       check_vma=False)(jax.sharding.reshard(x, NamedSharding(mesh, rows)),
-                                        *operands)
+                       out_specs=rows, check_vma=False)(
+                           jax.sharding.reshard(x, NamedSharding(mesh, rows)), *operands)
 
 
 def weight_grad_sharding(w: jax.Array) -> Any:

@@ -407,21 +407,20 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
           f" compress_params outside jax.jit (it decides per layer whether to"
           f" compress).") from e
     if flags.all():
-      chosen[path] = layer["mask"]
+      chosen[path] = (path, layer["mask"])
     elif flags.any():
       raise ValueError(
           f"{fn}: layer {'/'.join(path)!r} is a stack whose layers are partly"
           f" sparse and partly dense (active={flags.tolist()}); one stacked kernel"
           f" cannot be partly compressed.")
-  for path in chosen:
-    node = params
-    for key in (*path, "kernel"):
-      node = node.get(key) if isinstance(node, Mapping) else None
-    if isinstance(node, Sparse24):
+  def compress_kernel(layer, kernel):
+    path, mask = layer
+    if isinstance(kernel, Sparse24):  # map_sparse_kernels hands it over whole
       raise TypeError(f"{fn}: the kernel of layer {'/'.join(path)!r} is already a Sparse24"
                       f" (were the params compressed twice?); pass the dense params.")
-  out, missing = map_sparse_kernels(
-      lambda mask, kernel: compress(kernel, mask, transposed=mask.transposable), chosen, params)
+    return compress(kernel, mask, transposed=mask.transposable)
+
+  out, missing = map_sparse_kernels(compress_kernel, chosen, params)
   if missing:
     raise ValueError(f"{fn}: no kernel in params for sparse layer(s) {missing}.")
   return out

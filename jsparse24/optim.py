@@ -176,8 +176,6 @@ def mask_update(
         "mask_update: `sparsity` holds no Mask24: pass the model's 'sparsity' collection"
         " (variables['sparsity'] from init), not its params.")
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sparsity)
-  if not jax.tree.leaves(template):
-    raise ValueError("mask_update: the 'sparsity' collection has no sparse layer.")
   if isinstance(decay, bool) or not (callable(decay) or isinstance(decay, (int, float))
                                      or (hasattr(decay, "shape") and hasattr(decay, "dtype")
                                          and jnp.ndim(decay) == 0)):

@@ -17,8 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jsparse24._format import Mask24, Sparse24
+from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._sharding import weight_grad_sharding
 
 
@@ -122,6 +123,13 @@ class Backend(abc.ABC):
   def forward_compressed(self, x: jax.Array, sp: Sparse24, precision: Any) -> jax.Array:
     """`x @ decompress(sp)` for inference on a compressed weight."""
 
+  def dot_compressed(self, x: jax.Array, sp: Sparse24, precision: Any) -> jax.Array:
+    """`x[M, K] @ decompress(sp)`, differentiable in `x` and in `sp.values`.
+    By default a custom_vjp around `forward_compressed` (the Pallas and
+    cuSPARSELt calls have no transpose rule); the reference backend
+    overrides it with its plain ops."""
+    return _compressed_product(x, sp, self, precision)
+
 
 def _weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
   """`dw = x^T dy`, accumulated in float32 and returned in w's own dtype.
@@ -196,3 +204,39 @@ def _custom_dot_or_dense_bwd(backend: Backend, cfg: DotConfig, res, dy):
 
 
 _custom_dot_or_dense.defvjp(_custom_dot_or_dense_fwd, _custom_dot_or_dense_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _compressed_product(x, sp: Sparse24, backend: Backend, precision):
+  return backend.forward_compressed(x, sp, precision)
+
+
+def _compressed_product_fwd(x, sp, backend: Backend, precision):
+  return backend.forward_compressed(x, sp, precision), (x, sp)
+
+
+def _compressed_product_bwd(backend: Backend, precision, res, dy):
+  x, sp = res
+  # dx = dy @ W^T: on the sparse kernels where sp holds the transposed copy.
+  if sp.has_transpose:
+    dx = backend.forward_compressed(dy, sp.transpose(), precision)
+  else:
+    dx = matmul(dy, decompress(sp).T, precision)
+  # d values = (x^T dy) at the kept positions (the forward reads `values` only).
+  dw = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=accumulation_dtype(x.dtype))
+  kept = compress_reference(dw, Mask24.from_meta(sp.meta, sp.shape), False)
+
+  def zero(a):  # the metadata and the unread transposed copy get no gradient
+    if a is None:
+      return None
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+      return jnp.zeros_like(a)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+  d_sp = Sparse24(kept.values.astype(sp.values.dtype), zero(sp.meta), zero(sp.values_t),
+                  zero(sp.meta_t))
+  return dx.astype(x.dtype), d_sp
+
+
+_compressed_product.defvjp(_compressed_product_fwd, _compressed_product_bwd)

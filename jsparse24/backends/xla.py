@@ -61,3 +61,7 @@ class XlaBackend(Backend):
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     return matmul(x, decompress(sp), precision)
+
+  def dot_compressed(self, x, sp: Sparse24, precision):
+    # Plain ops: JAX differentiates them itself (forward mode too).
+    return self.forward_compressed(x, sp, precision)
