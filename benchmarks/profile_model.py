@@ -1,21 +1,34 @@
-"""Profiles one training step of `bench_model.py`'s GPT, dense and 2:4 (defaults),
-and prints where the GPU time goes: kernel time by category, the top kernels,
-and the step's span (span minus kernel time = GPU idle).
+"""Profiles one training step of `bench_model.py`'s GPT in several variants and
+prints where the GPU time goes: interleaved step timings, kernel time by
+category, the kernels whose time differs most from the dense step's, and the
+step's span (span minus kernel time = GPU idle).
 
-    PYTHONPATH=. python benchmarks/profile_model.py D_MODEL BLOCKS [remat]
+    PYTHONPATH=. python benchmarks/profile_model.py D_MODEL BLOCKS [--remat]
+        [--variants dense,sparse,fixed,nodecay] [--out DIR]
+
+Variants (same model, same init params):
+  dense    `nn.Dense` layers, AdamW;
+  sparse   `sparsify` defaults + `mask_update(rebuild_every=100, decay)` + AdamW
+           (what `bench_model.py` times);
+  fixed    the 2:4 model with the init masks held fixed, plain AdamW (no
+           `mask_update`): the model's own cost;
+  nodecay  as `sparse` with decay 0.
 
 Uses `jax.profiler.trace(..., create_perfetto_trace=True)` and reads the
-Perfetto JSON it writes under /tmp/profm. What it found is in NOTES.md
-("Whole model"): at d_model 2048 the 2:4 step does less kernel work than the
-dense one but idles ~19 ms more.
+Perfetto JSON it writes. Run it with XLA's command buffers off
+(`XLA_FLAGS=--xla_gpu_enable_command_buffer=`) so that every kernel carries its
+HLO op. With `--out`, the optimised HLO of each variant's step is written there.
 """
+import argparse
 import collections
 import glob
 import gzip
 import json
 import os
+import pathlib
 import re
-import sys
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +36,6 @@ import optax
 
 import jsparse24
 from benchmarks import bench_model as bm
-
-BATCH, SEQ, VOCAB = 8, 2048, 32768
-
 
 def gpu_events(path: str) -> list[dict]:
   """The GPU ("X") events of the Perfetto trace written under `path`."""
@@ -54,9 +64,17 @@ def category(name: str) -> str:
   return "other fusions"
 
 
-def step_of(name: str, d: int, layers: int, remat: bool, tokens):
-  """(train step, params, optimizer state) of the dense or the 2:4 model."""
-  model = bm.GPT(VOCAB, d, layers, SEQ, "cudnn", remat)
+def kernel_key(event: dict) -> str:
+  """A name that is stable across two compiled programs: the HLO op's name
+  (or the kernel's) without XLA's numeric suffixes."""
+  args = event.get("args", {})
+  name = args.get("hlo_op") or args.get("long_name") or event["name"]
+  return re.sub(r"[._]\d+", "", name)[:80]
+
+
+def step_of(name: str, d: int, layers: int, remat: bool, tokens, vocab: int, attention):
+  """(train step, params, optimizer state) of one variant."""
+  model = bm.GPT(vocab, d, layers, tokens.shape[1] - 1, attention, remat)
   adamw = optax.adamw(bm.LR, weight_decay=bm.WEIGHT_DECAY)
   if name == "dense":
     params = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])["params"]
@@ -64,47 +82,109 @@ def step_of(name: str, d: int, layers: int, remat: bool, tokens):
     return step, params, jax.jit(adamw.init)(params)
   sparse = jsparse24.sparsify(model, {bm.SPARSE_LAYERS: {}})
   variables = jax.jit(sparse.init)(jax.random.key(1), tokens[:, :-1])
+  if name == "fixed":
+    masks = variables["sparsity"]
+    step = bm.make_train_step(
+        lambda p, _, x: sparse.apply({"params": p, "sparsity": masks}, x), adamw)
+    return step, variables["params"], jax.jit(adamw.init)(variables["params"])
+  decay = 0.0 if name == "nodecay" else bm.MASK_DECAY
   tx = optax.chain(jsparse24.optim.mask_update(
-      variables["sparsity"], jsparse24.optim.MaskSchedule(rebuild_every=100), decay=bm.MASK_DECAY),
+      variables["sparsity"], jsparse24.optim.MaskSchedule(rebuild_every=100), decay=decay),
                    adamw)
   step = bm.make_train_step(lambda p, o, x: sparse.apply(
       {"params": p, "sparsity": jsparse24.optim.masks(o)}, x), tx)
   return step, variables["params"], jax.jit(tx.init)(variables["params"])
 
 
-def main(argv):
-  d, layers, remat = int(argv[0]), int(argv[1]), len(argv) > 2
-  tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ + 1), 0, VOCAB, jnp.int32)
-  cats = {}
-  for name in ("dense", "sparse"):
-    step, params, opt = step_of(name, d, layers, remat, tokens)
-    for _ in range(3):  # compile and warm up; the profiled step does not rebuild masks
-      params, opt, loss = step(params, opt, tokens)
+def profile(name, state, tokens, trace_dir):
+  """Kernel times of one step: ({key: (us, count)}, {category: us}, span us)."""
+  step, params, opt = state["step"], state["params"], state["opt"]
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    params, opt, loss = step(params, opt, tokens)
     jax.block_until_ready(loss)
-    path = f"/tmp/profm/{name}"
-    with jax.profiler.trace(path, create_perfetto_trace=True):
-      params, opt, loss = step(params, opt, tokens)
+  state["params"], state["opt"] = params, opt
+  events = gpu_events(trace_dir)
+  if not events:
+    return {}, {}, 0.0
+  print(f"   ({name}) first kernel event args: {sorted(events[0].get('args', {}))}")
+  by, cats = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(float)
+  for e in events:
+    entry = by[kernel_key(e)]
+    entry[0] += e.get("dur", 0)
+    entry[1] += 1
+    cats[category(e["name"])] += e.get("dur", 0)
+  span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+  return dict(by), dict(cats), span
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("d_model", type=int)
+  p.add_argument("blocks", type=int)
+  p.add_argument("--remat", action="store_true")
+  p.add_argument("--variants", default="dense,sparse,fixed")
+  p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+  p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--vocab", type=int, default=32768)
+  p.add_argument("--out", default=None, help="write each variant's optimised HLO here")
+  args = p.parse_args()
+  d, layers = args.d_model, args.blocks
+  variants = args.variants.split(",")
+  tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, args.vocab,
+                              jnp.int32)
+  attention = "cudnn" if jax.default_backend() == "gpu" else None
+  states = {}
+  for name in variants:
+    step, params, opt = step_of(name, d, layers, args.remat, tokens, args.vocab, attention)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, opt, tokens).compile()
+    print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.out:
+      out = pathlib.Path(args.out)
+      out.mkdir(parents=True, exist_ok=True)
+      (out / f"hlo_{d}_{name}.txt").write_text(compiled.as_text())
+    for _ in range(2):  # warm up; no step rebuilds masks (the first rebuild is at 100)
+      params, opt, loss = compiled(params, opt, tokens)
+    jax.block_until_ready(loss)
+    states[name] = {"step": compiled, "params": params, "opt": opt}
+
+  times = collections.defaultdict(list)
+  for _ in range(args.rounds):
+    for name in variants:
+      s = states[name]
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        s["params"], s["opt"], loss = s["step"](s["params"], s["opt"], tokens)
       jax.block_until_ready(loss)
-    events = gpu_events(path)
-    by, count, cats[name] = (collections.defaultdict(float), collections.Counter(),
-                             collections.defaultdict(float))
-    for e in events:
-      kernel = re.sub(r"\.\d+$", "", e["name"])[:70]
-      by[kernel] += e.get("dur", 0)
-      count[kernel] += 1
-      cats[name][category(e["name"])] += e.get("dur", 0)
-    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-    print(f"== {name}: span {span / 1e3:.2f} ms, kernel time {sum(by.values()) / 1e3:.2f} ms,"
-          f" {len(events)} kernels")
-    for c, t in sorted(cats[name].items(), key=lambda kv: -kv[1]):
+      times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+  base = statistics.median(times[variants[0]])
+  print(f"\nstep time, median of {args.rounds} interleaved rounds of {args.steps} steps:")
+  for name in variants:
+    med = statistics.median(times[name])
+    print(f"  {name:8s} {med:8.2f} ms  ({base / med:.3f}x of {variants[0]} speed;"
+          f" rounds {', '.join(f'{t:.1f}' for t in times[name])})")
+
+  prof = {name: profile(name, states[name], tokens, f"/tmp/profm/{d}_{name}")
+          for name in variants}
+  for name in variants:
+    by, cats, span = prof[name]
+    total = sum(t for t, _ in by.values())
+    print(f"\n== {name}: span {span / 1e3:.2f} ms, kernel time {total / 1e3:.2f} ms,"
+          f" idle {(span - total) / 1e3:.2f} ms, {sum(c for _, c in by.values())} kernels")
+    for c, t in sorted(cats.items(), key=lambda kv: -kv[1]):
       print(f"   {c:18s} {t / 1e3:8.2f} ms")
-    for kernel, t in sorted(by.items(), key=lambda kv: -kv[1])[:25]:
-      print(f"  {t / 1e3:8.2f} ms x{count[kernel]:4d} {kernel}")
-    del step, params, opt
-  print("category diffs (2:4 - dense, ms):")
-  for c in sorted(set(cats["dense"]) | set(cats["sparse"])):
-    print(f"  {c:18s} {(cats['sparse'].get(c, 0) - cats['dense'].get(c, 0)) / 1e3:+8.2f}")
+  ref = prof[variants[0]][0]
+  for name in variants[1:]:
+    by = prof[name][0]
+    diffs = {k: (by.get(k, (0, 0))[0] - ref.get(k, (0, 0))[0],
+                 by.get(k, (0, 0))[1] - ref.get(k, (0, 0))[1]) for k in set(by) | set(ref)}
+    print(f"\nkernels that differ most, {name} - {variants[0]} (ms, count):")
+    for k, (t, c) in sorted(diffs.items(), key=lambda kv: -abs(kv[1][0]))[:30]:
+      print(f"  {t / 1e3:+8.3f} ms {c:+5d}  {k}")
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main()

@@ -210,11 +210,8 @@ def mask_update(
     del extra_args
     if params is None:
       raise ValueError("mask_update: `update` needs `params` (tx.update(grads, state, params)).")
+    _check_updates(updates, params, state.masks)
     step = state.count
-    if uses_decay:
-      updates = _add_masked_decay(updates, params, state.masks,
-                                  jnp.asarray(decay_fn(step), jnp.float32))
-
     nxt = step + 1
     do_rebuild = schedule.rebuild(nxt)
 
@@ -231,6 +228,21 @@ def mask_update(
       return new, _map_layers(flips, state.masks, new)
 
     masks, flip = jax.lax.cond(do_rebuild, rebuilt, lambda: (state.masks, state.flip_rate))
+    # The sparse kernels' updates depend on the rebuild's outputs, so that
+    # the optimizer's in-place write of the new params (donated buffers)
+    # provably follows the rebuild's read of the old ones. Without a data
+    # dependency XLA cannot order the two and copies every sparse kernel
+    # before the step to keep the old values for the conditional: two passes
+    # over the float32 weights per step, 2.2% of the step of a d_model 1024
+    # GPT on an H100 (benchmarks/NOTES.md). (`optimization_barrier` does not
+    # order them for XLA's copy removal; a data dependency does.) Flip rates
+    # are means of bools, so `after` is always True, but XLA cannot fold it.
+    after = sum(jnp.sum(f) for f in jax.tree.leaves(flip)) >= 0
+    if uses_decay:
+      updates = _add_masked_decay(updates, params, state.masks,
+                                  jnp.asarray(decay_fn(step), jnp.float32), after)
+    else:
+      updates = _ordered_after(updates, state.masks, after)
     active = schedule.sparse(nxt)
     masks = set_active(masks, active)
     last = jnp.where(do_rebuild, nxt, state.last_rebuild).astype(jnp.int32)
@@ -244,14 +256,7 @@ def _shape(a) -> tuple[int, ...]:
   return tuple(getattr(a, "shape", ()))
 
 
-def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array):
-  """`updates` with `lam * (1 - mask) * kernel` added to every active sparse
-  layer's kernel entry. Mapped over the updates tree, so its container types
-  (`FrozenDict`) are kept. The mask is expanded in the kernel's own layout
-  (`Mask24.unpack`), so XLA fuses the whole term into the optimizer's
-  elementwise pass over the kernel: no extra pass over the weights per step.
-  """
-
+def _check_updates(updates, params, masks: Mapping) -> None:
   if jax.tree.structure(updates) != jax.tree.structure(params):
     have = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(updates)}
     want = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)}
@@ -259,22 +264,44 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array):
         f"mask_update: the gradients and the params differ in structure (missing from the"
         f" gradients: {sorted(want - have)[:5]}; not in the params: {sorted(have - want)[:5]});"
         f" pass the gradients of every parameter.")
+  missing = map_sparse_kernels(lambda layer, u: u, layers_by_path(masks), updates)[1]
+  if missing:
+    raise ValueError(
+        f"mask_update: the gradients have no 'kernel' for the sparse layer(s) {missing};"
+        f" pass the gradients of the params the 'sparsity' collection was made for.")
+
+
+def _ordered_after(updates, masks: Mapping, after: jax.Array):
+  """`updates`, bit for bit (a select, not an addition: signed zeros and NaN
+  kept), with every sparse kernel's entry computed from the always-True
+  scalar `after`: a data dependency only (see `mask_update`). The untaken
+  side is `-u`, not a zero: XLA merged a zero with nn.scan's zero-filled
+  gradient buffers and read it from memory (benchmarks/NOTES.md)."""
+  return map_sparse_kernels(lambda layer, u: jnp.where(after, u, -u),
+                            layers_by_path(masks), updates)[0]
+
+
+def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: jax.Array):
+  """`updates` with `lam * (1 - mask) * kernel` added to every active sparse
+  layer's kernel entry. `after` (always True) only orders the term after the
+  rebuild (see `mask_update`); it enters through the per-layer scale, so the
+  elementwise term stays the one XLA fuses. Mapped over the updates tree, so
+  its container types (`FrozenDict`) are kept. The mask is expanded in the
+  kernel's own layout (`Mask24.unpack`), so XLA fuses the whole term into the
+  optimizer's elementwise pass over the kernel: no extra pass over the
+  weights per step.
+  """
 
   def add(layer, update, weight):
     # One flag per layer (an [L] stack under nn.scan) against [..., K, N].
-    scale = jnp.where(layer["active"], lam, 0.0)[..., None, None].astype(weight.dtype)
+    scale = jnp.where(layer["active"] & after, lam, 0.0)[..., None, None].astype(weight.dtype)
     # A select between two updates, not `where(mask, 0, weight)`: XLA merged
     # that zero with the zero-filled gradient buffers of nn.scan and read it
     # from memory, a weight-sized float32 buffer per layer (benchmarks/NOTES.md).
     return jnp.where(layer["mask"].unpack(), update,
                      update + (scale * weight).astype(update.dtype))
 
-  out, missing = map_sparse_kernels(add, layers_by_path(masks), updates, params)
-  if missing:
-    raise ValueError(
-        f"mask_update: the gradients have no 'kernel' for the sparse layer(s) {missing};"
-        f" pass the gradients of the params the 'sparsity' collection was made for.")
-  return out
+  return map_sparse_kernels(add, layers_by_path(masks), updates, params)[0]
 
 
 def _find_state(opt_state) -> MaskUpdateState:
