@@ -138,7 +138,9 @@ def test_shim_builds_from_pip_headers_and_loads(tmp_path):
   import ctypes  # pylint: disable=g-import-not-at-top
   lib = ctypes.CDLL(str(path))
   for symbol in list(build.TARGETS.values()) + ["jsp_cusparselt_compressed_size",
-                                                 "jsp_cusparselt_version"]:
+                                                 "jsp_cusparselt_version",
+                                                 "jsp_cusparselt_set_algorithm_cache",
+                                                 "jsp_cusparselt_searches"]:
     assert hasattr(lib, symbol), symbol
   lib.jsp_cusparselt_version.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
   assert build.version(lib).startswith("0.")
@@ -261,3 +263,24 @@ def test_auto_choice_checks_availability_only_for_shapes_it_would_take(monkeypat
                       lambda self: pytest.fail("availability asked for a call it would not take"))
   for problem in (_problem(m=16), _problem(dtype=jnp.float32, m=1 << 16)):
     assert backends.select(None, problem).name != "cusparselt"
+
+
+@pytest.mark.parametrize("loaded,refused", [("0.8.0", False), ("0.8.1", False),
+                                            ("0.10.0", True), ("0.7.1", True)])
+def test_only_a_verified_cusparselt_version_is_used(monkeypatch, loaded, refused):
+  """jsparse24 writes cuSPARSELt's compressed layout itself: a library version
+  whose layout was not checked is refused with a reason naming both versions
+  (the backend is then unavailable: explicit requests raise, the automatic
+  choice falls back)."""
+  monkeypatch.setattr(build, "load", lambda: "a library")
+  monkeypatch.setattr(build, "version", lambda lib: loaded)
+  cusparselt._load_or_reason.cache_clear()
+  try:
+    lib, reason = cusparselt._load_or_reason()
+  finally:
+    cusparselt._load_or_reason.cache_clear()
+  if refused:
+    assert lib is None and f"cuSPARSELt {loaded} is loaded" in reason and "0.8.x" in reason
+    assert "nvidia-cusparselt-cu13==0.8.0" in reason
+  else:
+    assert lib == "a library" and reason is None

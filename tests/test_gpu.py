@@ -210,3 +210,42 @@ def test_cusparselt_grad_through_a_compressed_weight(transposed):
   for g, r in zip(got, want):
     g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-2
+
+
+_RESTART_SCRIPT = """
+import hashlib, json, sys
+import jax, jax.numpy as jnp, numpy as np
+import jsparse24
+from jsparse24.backends import cusparselt
+x = jax.random.normal(jax.random.key(0), (4096, 1024), jnp.bfloat16)
+w = jax.random.normal(jax.random.key(1), (1024, 2048), jnp.bfloat16)
+dy = jax.random.normal(jax.random.key(2), (4096, 2048), jnp.bfloat16)
+mask = jsparse24.Mask24.from_weights(w, transposable=True)
+y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, mask, implementation="cusparselt"),
+                 x, w)
+dx, _ = vjp(dy)
+digest = hashlib.sha256(np.asarray(y).tobytes() + np.asarray(dx).tobytes()).hexdigest()
+print(json.dumps({"searches": cusparselt._library().jsp_cusparselt_searches(),
+                  "digest": digest}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cusparselt_algorithm_choice_survives_a_restart(tmp_path, dtype):
+  """A second process reads the first one's algorithm searches from the cache
+  file instead of searching (bfloat16: cusparseLtMatmulSearch; float16:
+  jsparse24's own search), and computes the same bits."""
+  import json, os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  script = _RESTART_SCRIPT.replace("jnp.bfloat16", f"jnp.{dtype}")
+  env = {**os.environ, "JSPARSE24_CACHE_DIR": str(tmp_path)}
+
+  def run():
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+  first, second = run(), run()
+  assert first["searches"] == 2, first  # the forward and the dx product
+  assert (tmp_path / "cusparselt-algorithms.txt").read_text().count("\n") == 2
+  assert second["searches"] == 0, second
+  assert second["digest"] == first["digest"]

@@ -249,7 +249,18 @@ def load() -> ctypes.CDLL:
       ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p,
       ctypes.c_size_t]
   lib.jsp_cusparselt_version.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
+  lib.jsp_cusparselt_set_algorithm_cache.argtypes = [ctypes.c_char_p]
+  lib.jsp_cusparselt_searches.restype = ctypes.c_int64
+  lib.jsp_cusparselt_set_algorithm_cache(str(algorithm_cache()).encode())
   return lib
+
+
+def algorithm_cache() -> pathlib.Path:
+  """The file where the shim records each matmul algorithm search's result
+  (keyed by GPU, cuSPARSELt version and problem), so that later processes
+  reuse it instead of searching: a resumed run then computes with the same
+  algorithm, bit for bit. Delete it to search again."""
+  return cache_dir() / "cusparselt-algorithms.txt"
 
 
 def version(lib: ctypes.CDLL) -> str:

@@ -132,12 +132,29 @@ _COL = 1
 _N, _T = 0, 1
 
 
+# cuSPARSELt versions (major.minor) on which jsparse24's own writing of the
+# compressed layout (byte-identical to cusparseLtSpMMACompress2) and the
+# float16 configuration ids (SEARCH) were checked on a GPU; pyproject.toml
+# pins 0.8.0. Another version may lay its buffers out differently, which
+# would give wrong products without any error, so it is refused.
+VERIFIED_VERSIONS = ("0.8",)
+
+
 @functools.cache
 def _load_or_reason() -> tuple[Any, str | None]:
   try:
-    return build.load(), None
+    lib = build.load()
   except build.BuildError as e:
     return None, str(e)
+  loaded = build.version(lib)
+  if ".".join(loaded.split(".")[:2]) not in VERIFIED_VERSIONS:
+    return None, (
+        f"cuSPARSELt {loaded} is loaded, but jsparse24 writes cuSPARSELt's compressed"
+        f" layout itself and checked it on cuSPARSELt"
+        f" {', '.join(v + '.x' for v in VERIFIED_VERSIONS)} only (another layout would"
+        f" give wrong products silently); install nvidia-cusparselt-cu13==0.8.0 (the"
+        f" [cuda] extra) or point JSPARSE24_CUSPARSELT_HOME at a 0.8 install")
+  return lib, None
 
 
 def _library():

@@ -12,13 +12,21 @@
 //   search=1: cusparseLtMatmulSearch, once, on the plan's first execution
 //             (with the real buffers);
 //   search=2: jsparse24's own search, likewise once: times configuration ids
-//             0 .. alg-1 (CUDA events, on the real buffers; each id has its
-//             own cached plan) and runs the fastest's plan from then on. For when cusparseLtMatmulSearch cannot be used (it
+//             0 .. min(alg, the library's maximum id + 1) - 1 (CUDA events, on
+//             the real buffers; each id has its own cached plan; an id whose
+//             plan cannot be made is skipped) and runs the fastest's plan
+//             from then on. For when cusparseLtMatmulSearch cannot be used (it
 //             tries every id, and with cuSPARSELt 0.8.0 on an H200 the
 //             float16 ids from 34 on hit an illegal instruction).
+// A search's result (configuration id and split-K settings) is written to the
+// algorithm cache file, if one is set (jsp_cusparselt_set_algorithm_cache),
+// keyed by the GPU, the cuSPARSELt version and the plan's key; a later process
+// reads it instead of searching again, so that a resumed run computes with the
+// same algorithm (bit for bit) and skips the search's cost.
 // Cached objects are never destroyed: they live as long as the CUDA context,
 // and destroying them from a static destructor after CUDA has shut down
-// would crash at exit.
+// would crash at exit. Objects made by a call that fails midway are destroyed
+// before it returns.
 //
 // Every CUDA / cuSPARSELt status is checked; a failure becomes an FFI error
 // that names the failing call.
@@ -26,6 +34,7 @@
 #include <cuda_runtime_api.h>
 #include <cusparseLt.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -203,8 +212,165 @@ struct Plan {
   std::mutex search_mu;
   bool searched = false;
   const Plan* chosen = nullptr;  // search=2: the plan of the fastest id
-  int alg_id = -1;
+  // Which cuSPARSELt objects exist (destroyed by PlanGuard if making the
+  // plan fails midway).
+  int made_matrices = 0;
+  bool made_alg = false, made_plan = false;
 };
+
+// Destroys a plan's cuSPARSELt objects unless released: a plan whose making
+// failed midway leaks nothing.
+class PlanGuard {
+ public:
+  explicit PlanGuard(Plan* p) : p_(p) {}
+  void Release() { p_ = nullptr; }
+  ~PlanGuard() {
+    if (p_ == nullptr) return;
+    if (p_->made_plan) cusparseLtMatmulPlanDestroy(&p_->plan);
+    if (p_->made_alg) cusparseLtMatmulAlgSelectionDestroy(&p_->alg);
+    cusparseLtMatDescriptor_t* matrices[3] = {&p_->a, &p_->b, &p_->d};
+    for (int i = 0; i < p_->made_matrices; ++i) cusparseLtMatDescriptorDestroy(matrices[i]);
+  }
+
+ private:
+  Plan* p_;
+};
+
+// A pair of CUDA events, destroyed on every return path.
+class EventPair {
+ public:
+  std::string Create() {
+    JSP_CUDA_MSG(cudaEventCreate, (&start));
+    made_start_ = true;
+    JSP_CUDA_MSG(cudaEventCreate, (&stop));
+    made_stop_ = true;
+    return "";
+  }
+  ~EventPair() {
+    if (made_start_) cudaEventDestroy(start);
+    if (made_stop_) cudaEventDestroy(stop);
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+
+ private:
+  bool made_start_ = false, made_stop_ = false;
+};
+
+// ---------------------------------------------------------------------------
+// The algorithm cache file: one line per searched plan,
+//   <key> <config id> <split-K> <split-K mode> <split-K buffers>
+// with no spaces in <key>. Lines are appended (O_APPEND writes of one short
+// line: concurrent processes do not interleave them); the last line of a key
+// wins when read.
+
+struct Choice {
+  int config_id, split_k, split_k_mode, split_k_buffers;
+};
+
+std::mutex g_cache_mu;  // guards the three below
+std::string g_cache_path;
+bool g_cache_read = false;
+std::map<std::string, Choice> g_cache;
+int64_t g_searches = 0;  // searches run by this process (read by the tests)
+
+std::map<std::string, Choice>& CachedChoices() {  // g_cache_mu held
+  if (!g_cache_read && !g_cache_path.empty()) {
+    // C stdio, not iostreams: the shim is loaded into processes that carry
+    // other libstdc++ builds (jaxlib, torch), and its stream code crashed there.
+    if (FILE* in = std::fopen(g_cache_path.c_str(), "r")) {
+      char key[1024];
+      Choice c;
+      while (std::fscanf(in, "%1023s %d %d %d %d", key, &c.config_id, &c.split_k,
+                         &c.split_k_mode, &c.split_k_buffers) == 5)
+        g_cache[key] = c;
+      std::fclose(in);
+    }
+    g_cache_read = true;
+  }
+  return g_cache;
+}
+
+// "<gpu name>/sm<major><minor>/cusparselt<version>/<the plan key>", spaces
+// replaced, or "" when the GPU cannot be named.
+std::string CacheKey(const PlanKey& key) {
+  int device = std::get<0>(key);
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "";
+  int major = 0, minor = 0, patch = 0;
+  if (cusparseLtGetProperty(MAJOR_VERSION, &major) != CUSPARSE_STATUS_SUCCESS ||
+      cusparseLtGetProperty(MINOR_VERSION, &minor) != CUSPARSE_STATUS_SUCCESS ||
+      cusparseLtGetProperty(PATCH_LEVEL, &patch) != CUSPARSE_STATUS_SUCCESS)
+    return "";
+  auto [dev, dtype_code, m, n, k, op_a, op_b, sparse_a, order_a, order_b, order_d,
+        search, alg] = key;
+  (void)dev;
+  char text[1024];
+  std::snprintf(text, sizeof(text),
+                "%s/sm%d%d/cusparselt%d.%d.%d/%d,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,"
+                "%lld,%lld",
+                prop.name, prop.major, prop.minor, major, minor, patch, dtype_code,
+                static_cast<long long>(m), static_cast<long long>(n),
+                static_cast<long long>(k), static_cast<long long>(op_a),
+                static_cast<long long>(op_b), static_cast<long long>(sparse_a),
+                static_cast<long long>(order_a), static_cast<long long>(order_b),
+                static_cast<long long>(order_d), static_cast<long long>(search),
+                static_cast<long long>(alg));
+  std::string s = text;
+  for (char& ch : s)
+    if (ch == ' ' || ch == '\t' || ch == '\n') ch = '_';
+  return s;
+}
+
+std::optional<Choice> LookUpChoice(const std::string& key) {
+  if (key.empty()) return std::nullopt;
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  auto& cache = CachedChoices();
+  auto it = cache.find(key);
+  if (it == cache.end()) return std::nullopt;
+  return it->second;
+}
+
+void RecordChoice(const std::string& key, const Choice& c) {
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  ++g_searches;
+  if (key.empty() || g_cache_path.empty()) return;
+  CachedChoices()[key] = c;
+  if (FILE* out = std::fopen(g_cache_path.c_str(), "a")) {
+    std::fprintf(out, "%s %d %d %d %d\n", key.c_str(), c.config_id, c.split_k,
+                 c.split_k_mode, c.split_k_buffers);
+    std::fclose(out);
+  }
+}
+
+std::string ReadChoice(const cusparseLtHandle_t* handle, const Plan& p, Choice* c) {
+  JSP_CSLT_MSG(cusparseLtMatmulAlgGetAttribute,
+               (handle, &p.alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &c->config_id,
+                sizeof(c->config_id)));
+  JSP_CSLT_MSG(cusparseLtMatmulAlgGetAttribute,
+               (handle, &p.alg, CUSPARSELT_MATMUL_SPLIT_K, &c->split_k, sizeof(c->split_k)));
+  JSP_CSLT_MSG(cusparseLtMatmulAlgGetAttribute,
+               (handle, &p.alg, CUSPARSELT_MATMUL_SPLIT_K_MODE, &c->split_k_mode,
+                sizeof(c->split_k_mode)));
+  JSP_CSLT_MSG(cusparseLtMatmulAlgGetAttribute,
+               (handle, &p.alg, CUSPARSELT_MATMUL_SPLIT_K_BUFFERS, &c->split_k_buffers,
+                sizeof(c->split_k_buffers)));
+  return "";
+}
+
+std::string ApplyChoice(const cusparseLtHandle_t* handle, Plan* p, const Choice& c) {
+  JSP_CSLT_MSG(cusparseLtMatmulAlgSetAttribute,
+               (handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &c.config_id,
+                sizeof(c.config_id)));
+  JSP_CSLT_MSG(cusparseLtMatmulAlgSetAttribute,
+               (handle, &p->alg, CUSPARSELT_MATMUL_SPLIT_K, &c.split_k, sizeof(c.split_k)));
+  JSP_CSLT_MSG(cusparseLtMatmulAlgSetAttribute,
+               (handle, &p->alg, CUSPARSELT_MATMUL_SPLIT_K_MODE, &c.split_k_mode,
+                sizeof(c.split_k_mode)));
+  JSP_CSLT_MSG(cusparseLtMatmulAlgSetAttribute,
+               (handle, &p->alg, CUSPARSELT_MATMUL_SPLIT_K_BUFFERS, &c.split_k_buffers,
+                sizeof(c.split_k_buffers)));
+  return "";
+}
 
 std::map<PlanKey, std::unique_ptr<Plan>>& Plans() {
   static auto* plans = new std::map<PlanKey, std::unique_ptr<Plan>>;
@@ -238,33 +404,58 @@ std::string GetPlan(const PlanKey& key, const cusparseLtHandle_t* handle,
     (void)device;
     cudaDataType_t type = ValueType(dtype_code);
     auto p = std::make_unique<Plan>();
+    PlanGuard guard(p.get());
     // D = op(A) op(B): op(A) is m x k, op(B) is k x n, D is m x n.
     int64_t a_rows = op_a == 0 ? m : k, a_cols = op_a == 0 ? k : m;
     int64_t b_rows = op_b == 0 ? k : n, b_cols = op_b == 0 ? n : k;
     std::string err;
     err = InitMatrix(handle, &p->a, sparse_a != 0, a_rows, a_cols, order_a, type);
     if (!err.empty()) return err;
+    p->made_matrices = 1;
     err = InitMatrix(handle, &p->b, sparse_a == 0, b_rows, b_cols, order_b, type);
     if (!err.empty()) return err;
+    p->made_matrices = 2;
     err = InitMatrix(handle, &p->d, false, m, n, order_d, type);
     if (!err.empty()) return err;
+    p->made_matrices = 3;
     JSP_CSLT_MSG(cusparseLtMatmulDescriptorInit,
                  (handle, &p->matmul, Op(op_a), Op(op_b), &p->a, &p->b, &p->d,
                   &p->d, CUSPARSE_COMPUTE_32F));
     JSP_CSLT_MSG(cusparseLtMatmulAlgSelectionInit,
                  (handle, &p->alg, &p->matmul, CUSPARSELT_MATMUL_ALG_DEFAULT));
+    p->made_alg = true;
     if (search == 0 && alg >= 0) {
       int id = static_cast<int>(alg);
       JSP_CSLT_MSG(cusparseLtMatmulAlgSetAttribute,
                    (handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &id, sizeof(id)));
     }
+    if (search != 0) {
+      // A search made by an earlier process (algorithm cache file): use its
+      // result instead of searching again.
+      std::optional<Choice> cached = LookUpChoice(CacheKey(key));
+      if (cached.has_value()) {
+        err = ApplyChoice(handle, p.get(), *cached);
+        if (!err.empty()) return err;
+        p->searched = true;
+      }
+    }
     JSP_CSLT_MSG(cusparseLtMatmulPlanInit, (handle, &p->plan, &p->matmul, &p->alg));
+    p->made_plan = true;
     size_t buffer_size = 0;
     JSP_CSLT_MSG(cusparseLtSpMMACompressedSize2,
                  (handle, sparse_a ? &p->a : &p->b, &p->compressed_size, &buffer_size));
+    guard.Release();
     it = plans.emplace(key, std::move(p)).first;
   }
   *out = it->second.get();
+  return "";
+}
+
+// The largest configuration id of a plan's matmul (cuSPARSELt's
+// CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID).
+std::string MaxConfigId(const cusparseLtHandle_t* handle, const Plan& p, int* max_id) {
+  JSP_CSLT_MSG(cusparseLtMatmulAlgGetAttribute,
+               (handle, &p.alg, CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID, max_id, sizeof(*max_id)));
   return "";
 }
 
@@ -374,44 +565,50 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
   if (search != 0) {
     std::lock_guard<std::mutex> lock(p->search_mu);
     if (!p->searched) {
+      Choice choice;
       if (search == 2) {
-        // Time configuration ids [0, alg), each with its own cached plan
-        // (search=0, alg=id), on the real buffers; keep the fastest. An id
-        // past cuSPARSELt's last one fails in GetPlan and ends the loop.
-        cudaEvent_t start, stop;
-        JSP_CUDA(cudaEventCreate, (&start));
-        JSP_CUDA(cudaEventCreate, (&stop));
+        // Time configuration ids [0, min(alg, max id + 1)), each with its own
+        // cached plan (search=0, alg=id), on the real buffers; keep the
+        // fastest. An id whose plan cannot be made is skipped.
+        int max_id = 0;
+        err = MaxConfigId(handle, *p, &max_id);
+        if (!err.empty()) return ffi::Error::Internal(err);
+        int64_t ids = std::min<int64_t>(alg, static_cast<int64_t>(max_id) + 1);
+        EventPair events;
+        err = events.Create();
+        if (!err.empty()) return ffi::Error::Internal(err);
         float best_ms = 0.0f;
-        for (int64_t id = 0; id < alg; ++id) {
+        Plan* best = nullptr;
+        for (int64_t id = 0; id < ids; ++id) {
           PlanKey ck{device, dtype_code, m, n, k, op_a, op_b, sparse_a,
                      order_a, order_b, order_d, 0, id};
           Plan* c;
-          if (!GetPlan(ck, handle, &c).empty()) break;
+          if (!GetPlan(ck, handle, &c).empty()) continue;
           void* ws;
           ffi::Error e = workspace(c, &ws);
           if (e.failure()) return e;
           for (int r = 0; r <= 5; ++r) {  // run 0 warms up
-            if (r == 1) JSP_CUDA(cudaEventRecord, (start, stream));
+            if (r == 1) JSP_CUDA(cudaEventRecord, (events.start, stream));
             JSP_CSLT(cusparseLtMatmul,
                      (handle, &c->plan, &alpha, a.untyped_data(), b.untyped_data(),
                       &beta, d->untyped_data(), d->untyped_data(), ws, streams, 1));
           }
-          JSP_CUDA(cudaEventRecord, (stop, stream));
-          JSP_CUDA(cudaEventSynchronize, (stop));
+          JSP_CUDA(cudaEventRecord, (events.stop, stream));
+          JSP_CUDA(cudaEventSynchronize, (events.stop));
           float ms = 0.0f;
-          JSP_CUDA(cudaEventElapsedTime, (&ms, start, stop));
-          if (p->chosen == nullptr || ms < best_ms) {
-            p->chosen = c;
-            p->alg_id = static_cast<int>(id);
+          JSP_CUDA(cudaEventElapsedTime, (&ms, events.start, events.stop));
+          if (best == nullptr || ms < best_ms) {
+            best = c;
             best_ms = ms;
           }
         }
-        cudaEventDestroy(start);
-        cudaEventDestroy(stop);
-        if (p->chosen == nullptr)
+        if (best == nullptr)
           return ffi::Error::Internal(
               "jsparse24 cuSPARSELt matmul: the configuration search found no"
               " configuration that runs");
+        err = ReadChoice(handle, *best, &choice);
+        if (!err.empty()) return ffi::Error::Internal(err);
+        p->chosen = best;
       } else {
         void* ws;
         ffi::Error e = workspace(p, &ws);
@@ -419,10 +616,10 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
         JSP_CSLT(cusparseLtMatmulSearch,
                  (handle, &p->plan, &alpha, a.untyped_data(), b.untyped_data(),
                   &beta, d->untyped_data(), d->untyped_data(), ws, streams, 1));
-        JSP_CSLT(cusparseLtMatmulAlgGetAttribute,
-                 (handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &p->alg_id,
-                  sizeof(p->alg_id)));
+        err = ReadChoice(handle, *p, &choice);
+        if (!err.empty()) return ffi::Error::Internal(err);
       }
+      RecordChoice(CacheKey(key), choice);
       p->searched = true;
     }
   }
@@ -510,6 +707,22 @@ int jsp_cusparselt_version(int* version, char* msg, size_t msg_len) {
     return Report(CsltMessage("cusparseLtGetProperty", s), msg, msg_len);
   *version = major * 1000000 + minor * 100 + patch;
   return 0;
+}
+
+// Sets the algorithm cache file (module comment); "" turns it off. Returns 0.
+int jsp_cusparselt_set_algorithm_cache(const char* path) {
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  g_cache_path = path == nullptr ? "" : path;
+  g_cache_read = false;
+  g_cache.clear();
+  return 0;
+}
+
+// Algorithm searches this process has run (a plan whose choice came from the
+// cache file ran none).
+int64_t jsp_cusparselt_searches() {
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  return g_searches;
 }
 
 }  // extern "C"
