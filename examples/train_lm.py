@@ -13,6 +13,9 @@ count:
   masks (dense warm-up, then a magnitude rebuild every `--rebuild-every` steps,
   frozen for the last 20% of training) and adds a masked decay to the pruned
   weights; the forward pass reads the masks with `jsparse24.optim.masks`.
+  With `--mvue` its MLP kernels learn from the output gradient pruned 2:4 by
+  the minimum-variance unbiased rule (`SparseDense(weight_grad="mvue")`, one
+  key per step folded from the seed, so `--resume` continues bit for bit).
 
 The text ships with Python: a fixed list of standard-library modules
 (`--corpus`: 8 files, ~0.6 MB, by default; every `.py` file of the standard
@@ -186,13 +189,14 @@ class MLP(nn.Module):
   sparse: bool
   dtype: Any = None
   transposable: bool | None = None  # None: SparseDense's default
+  weight_grad: str = "dense"
 
   @nn.compact
   def __call__(self, x):
     linear = nn.Dense
     if self.sparse:
       kind = {} if self.transposable is None else {"transposable": self.transposable}
-      linear = functools.partial(jsparse24.SparseDense, **kind)
+      linear = functools.partial(jsparse24.SparseDense, weight_grad=self.weight_grad, **kind)
     h = linear(self.hidden, dtype=self.dtype, name="up")(x)
     h = nn.gelu(h)
     return linear(x.shape[-1], dtype=self.dtype, name="down")(h)
@@ -204,6 +208,7 @@ class Block(nn.Module):
   sparse_mlp: bool
   dtype: Any = None
   transposable: bool | None = None
+  weight_grad: str = "dense"
 
   @nn.compact
   def __call__(self, x, mask):
@@ -212,7 +217,7 @@ class Block(nn.Module):
         num_heads=self.heads, dtype=self.dtype, deterministic=True, name="attn")(h, mask=mask)
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
     return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
-                   name="mlp")(h)
+                   self.weight_grad, name="mlp")(h)
 
 
 class CharLM(nn.Module):
@@ -227,6 +232,7 @@ class CharLM(nn.Module):
   sparse_mlp: bool
   dtype: Any = None
   transposable: bool | None = None
+  weight_grad: str = "dense"  # of the sparse MLP layers: "dense" or "mvue"
 
   @nn.compact
   def __call__(self, tokens):
@@ -237,7 +243,7 @@ class CharLM(nn.Module):
     mask = nn.make_causal_mask(tokens)
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
-                name=f"block_{i}")(x, mask)
+                self.weight_grad, name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -259,6 +265,9 @@ class Run:
   history: dict = dataclasses.field(default_factory=lambda: {
       "eval_steps": [], "train": [], "val": [], "train_curve": []})
   seconds: float = 0.0
+  # weight_grad="mvue": the key that step `s` folds `s` into (so that a
+  # resumed run draws the same pruning of the output gradients).
+  mvue_key: Any = None
   # Training-step time only (no compilation, evaluation or checkpointing):
   # (first step, end step, seconds) of each stretch timed between two syncs.
   segments: list = dataclasses.field(default_factory=list)
@@ -276,18 +285,23 @@ class Run:
     return {"params": params}
 
 
-def loss_fn(model, variables, x, y):
-  logits = model.apply(variables, x)
+def loss_fn(model, variables, x, y, rngs=None):
+  logits = model.apply(variables, x, rngs=rngs)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def make_steps(run: Run):
   """(train_step, eval_loss), both jitted."""
 
+  def rngs(step):
+    if run.mvue_key is None:
+      return None
+    return {"mvue": run.mvue_key if step is None else jax.random.fold_in(run.mvue_key, step)}
+
   @jax.jit
-  def train_step(params, opt_state, x, y):
+  def train_step(params, opt_state, x, y, step):
     def objective(p):
-      return loss_fn(run.model, run.variables(p, opt_state), x, y)
+      return loss_fn(run.model, run.variables(p, opt_state), x, y, rngs(step))
 
     loss, grads = jax.value_and_grad(objective)(params)
     updates, opt_state = run.tx.update(grads, opt_state, params)
@@ -296,7 +310,8 @@ def make_steps(run: Run):
   @jax.jit
   def eval_loss(params, opt_state, xs, ys):
     variables = run.variables(params, opt_state)
-    losses = jax.lax.map(lambda b: loss_fn(run.model, variables, *b), (xs, ys))
+    # No gradient is taken here: the key is drawn from and never used.
+    losses = jax.lax.map(lambda b: loss_fn(run.model, variables, *b, rngs(None)), (xs, ys))
     return losses.mean()
 
   return train_step, eval_loss
@@ -347,7 +362,7 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
   first, seg_start, seg_t0 = run.step, None, None
   while run.step < args.steps:
     x, y = train_batch(data, run.step, args.batch, args.seq_len, args.seed)
-    run.params, run.opt_state, loss = train_step(run.params, run.opt_state, x, y)
+    run.params, run.opt_state, loss = train_step(run.params, run.opt_state, x, y, run.step)
     run.step += 1
     if run.step == first + 1:
       jax.block_until_ready(loss)
@@ -488,6 +503,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  help="2:4 mask kind of the sparse layers ('default': SparseDense's)")
   p.add_argument("--decay", type=float, default=2e-4,
                  help="masked decay of pruned weights (SR-STE)")
+  p.add_argument("--mvue", action="store_true",
+                 help="2:4 run: the MLP kernels' gradients from the output gradient pruned 2:4"
+                      " by the minimum-variance unbiased rule (SparseDense(weight_grad='mvue'))")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
   p.add_argument("--out", default=os.path.join("runs", "train_lm"), help="output folder")
   p.add_argument("--resume", action="store_true",
@@ -510,8 +528,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def make_run(name: str, sparse: bool, args, sample) -> Run:
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
   transposable = None if args.mask == "default" else args.mask == "transposable"
+  weight_grad = "mvue" if sparse and args.mvue else "dense"
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
-                 transposable)
+                 transposable, weight_grad)
   variables = jax.jit(model.init)(jax.random.key(args.seed), sample)
   lr = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps,
@@ -528,7 +547,8 @@ def make_run(name: str, sparse: bool, args, sample) -> Run:
   else:
     tx = optimizer
   params = variables["params"]
-  return Run(name, model, tx, sparse, params, jax.jit(tx.init)(params))
+  mvue_key = jax.random.fold_in(jax.random.key(args.seed), 1) if weight_grad == "mvue" else None
+  return Run(name, model, tx, sparse, params, jax.jit(tx.init)(params), mvue_key=mvue_key)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -544,7 +564,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads,"
         f" seq {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr},"
         f" {args.dtype}; 2:4 MLP ({args.mask} masks): dense warm-up {args.mask_warmup} steps, rebuild"
-        f" every {args.rebuild_every}, decay {args.decay}")
+        f" every {args.rebuild_every}, decay {args.decay}"
+        + (", MVUE weight gradients" if args.mvue else ""))
 
   os.makedirs(args.out, exist_ok=True)
   sample = jnp.zeros((1, args.seq_len), jnp.int32)

@@ -3,7 +3,9 @@
 Public API (everything else is internal):
 
 * formats: `prune_24`, `is_24`, `compress`, `decompress`, `Sparse24`, `Mask24`
-* the op: `sparse_dot` (differentiable; gradient modes "ste" and "masked")
+* the op: `sparse_dot` (differentiable; gradient modes "ste" and "masked";
+  `weight_grad="mvue"`: an unbiased 2:4-pruned output gradient for `dw`,
+  `mvue_24` and its `mvue_24_probabilities`)
 * Flax Linen: `SparseDense`, `sparsify` (patch an existing model's `Dense`
   layers by module-path regex), `rebuild_masks`, `compress_params`
 * Flax NNX: `jsparse24.nnx.SparseLinear`
@@ -14,6 +16,7 @@ Public API (everything else is internal):
 
 from jsparse24 import nnx, optim
 from jsparse24._format import Mask24, Sparse24, decompress
+from jsparse24._mvue import mvue_24, mvue_24_probabilities
 from jsparse24._ops import compress, selected_implementation, sparse_dot
 from jsparse24._prune import is_24, prune_24
 from jsparse24.backends import BACKENDS as _BACKENDS
@@ -38,6 +41,8 @@ __all__ = [
     "compress_params",
     "decompress",
     "is_24",
+    "mvue_24",
+    "mvue_24_probabilities",
     "nnx",
     "optim",
     "prune_24",

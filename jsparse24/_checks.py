@@ -39,6 +39,20 @@ def check_float(fn: str, name: str, x: Any) -> None:
   check_float_dtype(fn, name, jnp.result_type(x))
 
 
+def check_key(fn: str, name: str, key: Any, needed_for: str) -> None:
+  """`key` must be one PRNG key: a typed key array of shape () or a raw
+  uint32[2] key."""
+  if key is None:
+    raise ValueError(f"{fn}: {needed_for} needs `{name}`, a PRNG key (jax.random.key(...)).")
+  dtype = getattr(key, "dtype", None)
+  shape = tuple(getattr(key, "shape", ()))
+  typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  if not ((typed and shape == ()) or (not typed and dtype == jnp.uint32 and shape == (2,))):
+    raise TypeError(
+        f"{fn}: `{name}` must be one PRNG key (jax.random.key(...)), got"
+        f" {type(key).__name__} of dtype {dtype} and shape {shape}.")
+
+
 def check_float_dtype(fn: str, name: str, dtype: Any) -> None:
   dtype = jnp.dtype(dtype)
   if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:

@@ -15,6 +15,7 @@ from jsparse24 import _checks, backends
 from jsparse24._format import Mask24, Sparse24
 
 GRADIENT_MODES = ("ste", "masked")
+WEIGHT_GRADS = ("dense", "mvue")
 
 
 def sparse_dot(
@@ -26,6 +27,8 @@ def sparse_dot(
     transposable: bool | None = None,
     implementation: str | None = None,
     precision: Any = None,
+    weight_grad: Literal["dense", "mvue"] = "dense",
+    key: jax.Array | None = None,
 ) -> Float[Array, "... N"]:
   """`x @ (w * mask)` with `w` 2:4 sparse along K, differentiable.
 
@@ -52,6 +55,16 @@ def sparse_dot(
     implementation: None (the fastest available backend for this call), or
       one of `"xla"`, `"pallas"`, `"cusparselt"`.
     precision: passed to the dense XLA products.
+    weight_grad: `"dense"` (default): `dw` from the whole output gradient;
+      `"mvue"`: `dw = x^T @ mvue_24(dy, key)`, the output gradient pruned 2:4
+      along the rows of `x` (all leading axes flattened) by the
+      minimum-variance unbiased rule (`jsparse24.mvue_24`), so that
+      `E[dw]` is the dense `dw` (Hu et al., ICML 2024). Composes with both
+      gradient modes; `dx` stays exact; reverse mode only (a custom_vjp on
+      every backend). For now the pruned product runs on XLA's dense kernels
+      on every backend (no speed-up yet).
+    key: a PRNG key, required with `weight_grad="mvue"` (the same key gives
+      the same `dw`, bit for bit).
 
   Returns:
     `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in
@@ -65,11 +78,12 @@ def sparse_dot(
     True
   """
   return _dot("sparse_dot", x, w, mask, None, gradient=gradient, transposable=transposable,
-              implementation=implementation, precision=precision)
+              implementation=implementation, precision=precision, weight_grad=weight_grad,
+              key=key)
 
 
 def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implementation,
-                        precision, dtype=None):
+                        precision, dtype=None, weight_grad="dense", key=None):
   """`sparse_dot`, or the plain dense `x @ w` (full `dw`) where the bool
   scalar `active` is False (None: always sparse): the product of a layer in a
   schedule's dense phases (internal; `SparseDense` and `nnx.SparseLinear`
@@ -81,15 +95,23 @@ def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implement
   elementwise op that XLA fuses: no branch. The others choose between the
   sparse product and XLA's dense one inside their custom_vjp (`Backend.dot`).
   """
-  return _dot("SparseDense", x, w, mask, active, gradient=gradient,
-              transposable=transposable, implementation=implementation,
-              precision=precision, dtype=dtype)
+  return _dot("SparseDense", x, w, mask, active,
+              gradient=gradient, transposable=transposable, implementation=implementation,
+              precision=precision, dtype=dtype, weight_grad=weight_grad, key=key,
+              key_required=False)
 
 
 def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, precision,
-         dtype=None):
+         dtype=None, weight_grad="dense", key=None, key_required=True):
+  """`key_required=False` (the layers): without a key the product runs, and
+  only taking its gradient raises (backends.base.weight_grad), so that a
+  model with MVUE layers runs inference without an rng."""
   if gradient not in GRADIENT_MODES:
     raise ValueError(f"{fn}: unknown gradient={gradient!r}; expected one of {GRADIENT_MODES}.")
+  if weight_grad not in WEIGHT_GRADS:
+    raise ValueError(f"{fn}: unknown weight_grad={weight_grad!r}; expected one of {WEIGHT_GRADS}.")
+  if weight_grad == "mvue" and (key is not None or key_required):
+    _checks.check_key(fn, "key", key, "weight_grad='mvue'")
   _checks.check_float(fn, "x", x)
   x = jnp.asarray(x)
   if x.ndim < 1:
@@ -98,6 +120,9 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
   if isinstance(w, Sparse24):
     if mask is not None:
       raise ValueError(f"{fn}: `w` is a Sparse24 (already masked); pass mask=None.")
+    if weight_grad != "dense":
+      raise ValueError(f"{fn}: weight_grad={weight_grad!r} needs a dense `w` (a Sparse24 is"
+                       f" for inference; its gradient is that of its kept values).")
     if len(w.shape) != 2:
       raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
     _check_contraction(fn, x, w.shape)
@@ -138,13 +163,13 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
 
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
   backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, transposable))
-  cfg = backends.DotConfig(gradient, transposable, precision)
+  cfg = backends.DotConfig(gradient, transposable, precision, weight_grad)
   lead = x.shape[:-1]
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
   if active is not None:
     active = jnp.asarray(active, jnp.bool_)
   # `w` keeps its dtype: the backend casts it to x's (Backend.dot).
-  y = backend.dot(x2, w, mask, active, cfg)
+  y = backend.dot(x2, w, mask, active, cfg, key if weight_grad == "mvue" else None)
   return y.reshape(*lead, w.shape[1])
 
 

@@ -23,10 +23,12 @@ from flax.linen.dtypes import promote_dtype as _promote_dtype
 
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24._ops import GRADIENT_MODES, compress, sparse_dot
+from jsparse24._ops import GRADIENT_MODES, WEIGHT_GRADS, compress, sparse_dot
 
 COLLECTION = "sparsity"
 MASK_SOURCES = ("collection", "dynamic")
+# The rng stream of `weight_grad="mvue"` (`model.apply(..., rngs={"mvue": key})`).
+MVUE_RNG = "mvue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,16 +50,26 @@ class SparsityOptions:
       `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
       by `jsparse24.optim`); `"dynamic"`: prune the kernel by magnitude at
       every call (no collection needed).
+    weight_grad: `"dense"`, or `"mvue"`: the kernel's gradient from the
+      output gradient pruned 2:4 along the tokens by the minimum-variance
+      unbiased rule (`jsparse24.sparse_dot`). Its randomness comes from the
+      `"mvue"` rng stream: `apply(..., rngs={"mvue": key})` (Linen; under
+      `nn.scan`, add `"mvue"` to `split_rngs` for one key per layer), or the
+      module's `rngs` (NNX).
   """
 
   gradient: Literal["ste", "masked"] = "ste"
   transposable: bool | None = None
   implementation: str | None = None
   mask_source: Literal["collection", "dynamic"] = "collection"
+  weight_grad: Literal["dense", "mvue"] = "dense"
 
   def __post_init__(self):
     if self.gradient not in GRADIENT_MODES:
       raise ValueError(f"unknown gradient={self.gradient!r}; expected one of {GRADIENT_MODES}.")
+    if self.weight_grad not in WEIGHT_GRADS:
+      raise ValueError(
+          f"unknown weight_grad={self.weight_grad!r}; expected one of {WEIGHT_GRADS}.")
     if self.mask_source not in MASK_SOURCES:
       raise ValueError(f"unknown mask_source={self.mask_source!r}; expected one of {MASK_SOURCES}.")
 
@@ -90,9 +102,14 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
   # in uncast (sparse_dense_forward casts it inside the product).
   inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
+  # Without the stream (inference) the product runs; taking its gradient
+  # then raises, naming the stream (backends.base.weight_grad).
+  key = (module.make_rng(MVUE_RNG)
+         if opts.weight_grad == "mvue" and module.has_rng(MVUE_RNG) else None)
   return sparse_dense_forward(inputs, kernel, bias, mask, active, gradient=opts.gradient,
                               transposable=opts.transposable,
-                              implementation=opts.implementation, precision=module.precision)
+                              implementation=opts.implementation, precision=module.precision,
+                              weight_grad=opts.weight_grad, key=key)
 
 
 def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
@@ -169,11 +186,12 @@ class SparseDense(nn.Module):
   transposable: bool | None = None
   implementation: str | None = None
   mask_source: Literal["collection", "dynamic"] = "collection"
+  weight_grad: Literal["dense", "mvue"] = "dense"
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
     opts = SparsityOptions(self.gradient, self.transposable, self.implementation,
-                           self.mask_source)
+                           self.mask_source, self.weight_grad)
     return _dense_layer(self, inputs, opts)
 
 

@@ -33,7 +33,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from jsparse24._format import Mask24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24.linen import SparsityOptions, resolve_transposable
+from jsparse24.linen import MVUE_RNG, SparsityOptions, resolve_transposable
 
 
 
@@ -54,9 +54,11 @@ class SparseLinear(nnx.Module):
   has the same parameters (`kernel [in, out]`, `bias`); the output equals
   `nnx.Linear` applied to `kernel * mask`. The keyword-only sparsity options
   mean what they mean in `jsparse24.linen.SparsityOptions`: `gradient`
-  (`"ste"` or `"masked"`), `transposable`, `implementation` and
+  (`"ste"` or `"masked"`), `transposable`, `implementation`,
   `mask_source` (`"collection"`: a `SparsityMask` made from the initial
-  kernel; `"dynamic"`: prune the kernel by magnitude at every call).
+  kernel; `"dynamic"`: prune the kernel by magnitude at every call) and
+  `weight_grad` (`"mvue"`: the layer keeps a fork of `rngs["mvue"]`, or of
+  the default stream, and draws one key per call from it).
   `transposable=None` (the default) is transposable where `out_features` is
   a multiple of 4, as in `jsparse24.SparseDense`.
 
@@ -98,8 +100,10 @@ class SparseLinear(nnx.Module):
       transposable: bool | None = None,
       implementation: str | None = None,
       mask_source: Literal["collection", "dynamic"] = "collection",
+      weight_grad: Literal["dense", "mvue"] = "dense",
   ):
-    SparsityOptions(gradient, transposable, implementation, mask_source)  # validates
+    SparsityOptions(gradient, transposable, implementation, mask_source,
+                    weight_grad)  # validates
     explicit = transposable
     transposable = resolve_transposable(transposable, out_features)
     if in_features % 4:
@@ -137,6 +141,16 @@ class SparseLinear(nnx.Module):
     else:
       self.mask = nnx.data(None)
       self.active = nnx.data(None)
+    # After the parameter draws, so that the params are nnx.Linear's.
+    self.mvue_rngs: nnx.RngStream | None
+    if weight_grad == "mvue":
+      if MVUE_RNG not in rngs and "default" not in rngs:
+        raise ValueError(
+            f"SparseLinear: weight_grad='mvue' needs an {MVUE_RNG!r} (or 'default') rng"
+            f" stream in `rngs`, e.g. nnx.Rngs(params=0, {MVUE_RNG}=1).")
+      self.mvue_rngs = rngs[MVUE_RNG].fork()
+    else:
+      self.mvue_rngs = nnx.data(None)
 
     self.in_features = in_features
     self.out_features = out_features
@@ -151,6 +165,7 @@ class SparseLinear(nnx.Module):
     self.transposable = transposable
     self.implementation = implementation
     self.mask_source = mask_source
+    self.weight_grad = weight_grad
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
     """`inputs @ (kernel * mask) + bias` over the last axis of `inputs`."""
@@ -169,7 +184,8 @@ class SparseLinear(nnx.Module):
         self.active[...] if self.active is not None else None,
         gradient=self.gradient, transposable=self.transposable,
         implementation=self.implementation, precision=self.precision,
-        preferred_element_type=self.preferred_element_type)
+        preferred_element_type=self.preferred_element_type, weight_grad=self.weight_grad,
+        key=self.mvue_rngs() if self.mvue_rngs is not None else None)
 
 
 def rebuild_masks(model: nnx.Module) -> None:

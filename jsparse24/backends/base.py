@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
+from jsparse24._mvue import mvue_24
 from jsparse24._sharding import weight_grad_sharding
 
 
@@ -42,6 +43,7 @@ class DotConfig:
   gradient: str  # "ste" or "masked"
   transposable: bool
   precision: Any
+  weight_grad: str = "dense"  # "dense" or "mvue" (dw from the MVUE-pruned dy)
 
 
 class BackendUnavailableError(ValueError):
@@ -87,15 +89,16 @@ class Backend(abc.ABC):
     raise NotImplementedError(f"the {self.name!r} backend has no compress")
 
   def dot(self, x: jax.Array, w: jax.Array, mask: jax.Array | Mask24 | None,
-          active: jax.Array | None, cfg: DotConfig) -> jax.Array:
+          active: jax.Array | None, cfg: DotConfig, key: jax.Array | None = None) -> jax.Array:
     """`x[M, K] @ (w*mask)[K, N]` computed in x's dtype, differentiable in
     `x` and `w` with `cfg.gradient`'s `dw` (in w's dtype; `w` may be wider
-    than x, e.g. a float32 kernel with bfloat16 compute, and is cast inside). `active`: None, or a bool scalar;
-    where it is False the product is the plain dense `x @ w` (full `dw`): a
-    schedule's dense phase."""
+    than x, e.g. a float32 kernel with bfloat16 compute, and is cast inside).
+    `active`: None, or a bool scalar; where it is False the product is the
+    plain dense `x @ w` (full `dw`): a schedule's dense phase. With
+    `cfg.weight_grad == "mvue"`, `dw = x^T mvue_24(dy, key)` while sparse."""
     if active is None:
-      return _custom_dot(x, w, mask, self, cfg)
-    return _custom_dot_or_dense(x, w, mask, active, self, cfg)
+      return _custom_dot(x, w, mask, key, self, cfg)
+    return _custom_dot_or_dense(x, w, mask, active, key, self, cfg)
 
   # The pieces of the default `dot` (a backend that overrides `dot` needs none).
 
@@ -131,16 +134,30 @@ class Backend(abc.ABC):
     return _compressed_product(x, sp, self, precision)
 
 
-def _weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
-  """`dw = x^T dy`, accumulated in float32 and returned in w's own dtype.
+def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, cfg: DotConfig,
+                key: jax.Array | None = None, active: jax.Array | None = None) -> jax.Array:
+  """`dw = x^T dy`, accumulated in float32 and returned in w's own dtype;
+  with `cfg.weight_grad == "mvue"`, `x^T mvue_24(dy, key)` (dy pruned 2:4
+  along M, unbiased) where `active` (None: always) is True.
 
   `w` may be wider than x (a layer's float32 kernel with bfloat16 compute,
   cast inside the product): the product then writes the float32 gradient
   directly, with no bfloat16 rounding and no separate conversion pass.
   """
+  if cfg.weight_grad == "mvue":
+    if key is None:
+      # A layer applied without its rng stream: fine for inference, but the
+      # gradient needs the key. (Raised while JAX traces the gradient.)
+      raise ValueError(
+          "SparseDense / SparseLinear with weight_grad='mvue': its gradient draws from the"
+          " 'mvue' rng stream, and the layer was applied without it; pass"
+          " rngs={'mvue': key} to `apply` (a new key per step, e.g."
+          " jax.random.fold_in(key, step)), or give an NNX layer an 'mvue' stream.")
+    pruned = mvue_24(dy, key, axis=0)
+    dy = pruned if active is None else jnp.where(active, pruned, dy)
   sharding = weight_grad_sharding(w)  # Explicit mesh axes: dw sharded like w
   kw = {} if sharding is None else {"out_sharding": sharding}
-  out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
+  out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=cfg.precision,
                             preferred_element_type=accumulation_dtype(x.dtype), **kw)
   return out.astype(w.dtype)
 
@@ -150,26 +167,26 @@ def _weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> j
 # kernel itself: under nn.scan that is a slice of the stacked parameters,
 # which JAX's scan forwards to the backward pass instead of stacking a
 # bfloat16 copy of every weight (benchmarks/NOTES.md, "Whole model").
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _custom_dot(x, w, mask, backend: Backend, cfg: DotConfig):
-  return _custom_dot_fwd(x, w, mask, backend, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _custom_dot(x, w, mask, key, backend: Backend, cfg: DotConfig):
+  return _custom_dot_fwd(x, w, mask, key, backend, cfg)[0]
 
 
-def _custom_dot_fwd(x, w, mask, backend: Backend, cfg: DotConfig):
+def _custom_dot_fwd(x, w, mask, key, backend: Backend, cfg: DotConfig):
   operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
   # w itself is a residual only for its dtype and sharding (dw's); it costs
   # nothing: the parameter is alive anyway, and nn.scan forwards it.
-  return backend.forward(x, operand, cfg.precision), (x, w, operand)
+  return backend.forward(x, operand, cfg.precision), (x, w, operand, key)
 
 
 def _custom_dot_bwd(backend: Backend, cfg: DotConfig, res, dy):
-  x, w, operand = res
+  x, w, operand, key = res
   dx = backend.backward_dx(dy, operand, cfg.precision)
   # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
-  dw = _weight_grad(x, dy, w, cfg.precision)
+  dw = weight_grad(x, dy, w, cfg, key)
   if cfg.gradient == "masked":
     dw = backend.mask_grad(dw, operand)
-  return dx.astype(x.dtype), dw, None
+  return dx.astype(x.dtype), dw, None, None
 
 
 _custom_dot.defvjp(_custom_dot_fwd, _custom_dot_bwd)
@@ -181,26 +198,26 @@ _custom_dot.defvjp(_custom_dot_fwd, _custom_dot_bwd)
 # size of x, every step. Measured on an H100 that way, a scan of 24 d_model
 # 1024 MLP blocks ran 3.9% slower, and the d_model 2048 x 16 model of
 # bench_model.py ran out of memory (benchmarks/NOTES.md).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _custom_dot_or_dense(x, w, mask, active, backend: Backend, cfg: DotConfig):
-  return _custom_dot_or_dense_fwd(x, w, mask, active, backend, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _custom_dot_or_dense(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
+  return _custom_dot_or_dense_fwd(x, w, mask, active, key, backend, cfg)[0]
 
 
-def _custom_dot_or_dense_fwd(x, w, mask, active, backend: Backend, cfg: DotConfig):
+def _custom_dot_or_dense_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
   y = jax.lax.cond(active, lambda: backend.forward(x, operand, cfg.precision),
                    lambda: matmul(x, w.astype(x.dtype), cfg.precision))
-  return y, (x, w, operand, active)
+  return y, (x, w, operand, active, key)
 
 
 def _custom_dot_or_dense_bwd(backend: Backend, cfg: DotConfig, res, dy):
-  x, w, operand, active = res
+  x, w, operand, active, key = res
   dx = jax.lax.cond(active, lambda: backend.backward_dx(dy, operand, cfg.precision),
                     lambda: matmul(dy, w.astype(dy.dtype).T, cfg.precision))
-  dw = _weight_grad(x, dy, w, cfg.precision)
+  dw = weight_grad(x, dy, w, cfg, key, active)
   if cfg.gradient == "masked":
     dw = jnp.where(active, backend.mask_grad(dw, operand), dw)
-  return dx.astype(x.dtype), dw, None, None
+  return dx.astype(x.dtype), dw, None, None, None
 
 
 _custom_dot_or_dense.defvjp(_custom_dot_or_dense_fwd, _custom_dot_or_dense_bwd)

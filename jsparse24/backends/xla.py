@@ -12,12 +12,14 @@ weight's gradient one product.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._prune import prune_24
-from jsparse24.backends.base import Backend, DotConfig, matmul
+from jsparse24.backends.base import Backend, DotConfig, matmul, weight_grad
 
 
 def dense_mask(w: jax.Array, mask: jax.Array | Mask24 | None,
@@ -47,7 +49,10 @@ class XlaBackend(Backend):
   def compress(self, w, mask, transposed):
     return compress_reference(w, mask, transposed)
 
-  def dot(self, x, w, mask, active, cfg: DotConfig):
+  def dot(self, x, w, mask, active, cfg: DotConfig, key=None):
+    if cfg.weight_grad == "mvue":
+      return _mvue_dot(x, w, jax.lax.stop_gradient(dense_mask(w, mask, cfg.transposable)),
+                       active, key, cfg)
     w = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
     m = jax.lax.stop_gradient(dense_mask(w, mask, cfg.transposable))
     if active is not None:
@@ -65,3 +70,31 @@ class XlaBackend(Backend):
   def dot_compressed(self, x, sp: Sparse24, precision):
     # Plain ops: JAX differentiates them itself (forward mode too).
     return self.forward_compressed(x, sp, precision)
+
+
+# The MVUE weight gradient needs the output gradient itself (JAX's own
+# transpose of the product gives no hook for it): a custom_vjp with the same
+# products as the plain path above, and dw = x^T mvue_24(dy) while sparse.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mvue_dot(x, w, m, active, key, cfg: DotConfig):
+  return _mvue_dot_fwd(x, w, m, active, key, cfg)[0]
+
+
+def _mvue_dot_fwd(x, w, m, active, key, cfg: DotConfig):
+  kept = m if active is None else m | ~active
+  wm = jnp.where(kept, w.astype(x.dtype), jnp.zeros((), x.dtype))
+  y = jax.lax.dot_general(x, wm, (((x.ndim - 1,), (0,)), ((), ())), precision=cfg.precision)
+  return y, (x, w, kept, active, key)
+
+
+def _mvue_dot_bwd(cfg: DotConfig, res, dy):
+  x, w, kept, active, key = res
+  wm = jnp.where(kept, w.astype(dy.dtype), jnp.zeros((), dy.dtype))
+  dx = matmul(dy, wm.T, cfg.precision)
+  dw = weight_grad(x, dy, w, cfg, key, active)
+  if cfg.gradient == "masked":
+    dw = jnp.where(kept, dw, jnp.zeros((), dw.dtype))
+  return dx.astype(x.dtype), dw, None, None, None
+
+
+_mvue_dot.defvjp(_mvue_dot_fwd, _mvue_dot_bwd)

@@ -1,0 +1,259 @@
+"""MVUE 2:4 pruning of the output gradient (`weight_grad="mvue"`): the
+estimator's statistics against its formula, its edge cases, and the weight
+gradient of `sparse_dot` and the layers on every CPU-testable backend."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jsparse24
+from jsparse24 import nnx as jnnx
+from jsparse24.backends.pallas import interpret_mode
+
+
+def _groups_last(a):
+  """[M, N] (M a multiple of 4) -> [M/4, N, 4]."""
+  return np.moveaxis(np.asarray(a).reshape(a.shape[0] // 4, 4, -1), 1, -1)
+
+
+def test_probabilities_are_the_minimum_variance_marginals():
+  g = jnp.array([[1., 2., 3., 4.],      # spread: 2|a| / sum
+                 [8., 1., 1., 2.],      # one entry >= half: kept, others by magnitude
+                 [3., -1., 0., 0.],     # two non-zeros: both kept
+                 [0., 0., 5., 0.],      # one non-zero: kept, one zero drawn among 3
+                 [0., 0., 0., 0.],
+                 [-2., 2., 2., 2.]]).T
+  p = np.asarray(jsparse24.mvue_24_probabilities(g, axis=0)).T
+  np.testing.assert_allclose(p, [[0.2, 0.4, 0.6, 0.8], [1, 0.25, 0.25, 0.5], [1, 1, 0, 0],
+                                 [1 / 3, 1 / 3, 1, 1 / 3], [1, 1 / 3, 1 / 3, 1 / 3],
+                                 [0.5, 0.5, 0.5, 0.5]], rtol=1e-6)
+  rng = np.random.default_rng(0)
+  g = rng.standard_normal((36, 7)) * (rng.random((36, 7)) < 0.7)
+  p = _groups_last(jsparse24.mvue_24_probabilities(g, axis=0))
+  np.testing.assert_allclose(p.sum(-1), 2.0, rtol=1e-6)
+  assert p.max() <= 1.0 and p.min() >= 0.0
+
+
+def test_two_kept_per_group_each_rescaled_by_its_probability():
+  rng = np.random.default_rng(1)
+  g = (rng.standard_normal((40, 9)) * (rng.random((40, 9)) < 0.8)).astype(np.float32)
+  p = _groups_last(jsparse24.mvue_24_probabilities(g, axis=0))
+  nonzero = (_groups_last(g) != 0).sum(-1)
+  for seed in range(20):
+    out = np.asarray(jsparse24.mvue_24(jnp.asarray(g), jax.random.key(seed), axis=0))
+    kept = _groups_last(out) != 0
+    # Exactly 2 drawn per group: the non-zeros among them show.
+    np.testing.assert_array_equal(kept.sum(-1), np.minimum(nonzero, 2) * (nonzero <= 2)
+                                  + np.where(nonzero > 2, kept.sum(-1), 0))
+    assert (kept.sum(-1) <= 2).all() and (kept.sum(-1)[nonzero >= 2] == 2).all()
+    np.testing.assert_allclose(_groups_last(out)[kept], (_groups_last(g) / np.where(
+        p > 0, p, 1))[kept], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unbiased_with_the_formula_variance(dtype):
+  """Over many keys, the mean is g and the variance g^2 (1/p - 1), each
+  within 6 standard errors derived from the sample size."""
+  g = jnp.asarray(np.random.default_rng(2).standard_normal((8, 6)), dtype)
+  n = 4000
+  outs = np.asarray(jax.vmap(lambda k: jsparse24.mvue_24(g, k, axis=0))(
+      jax.random.split(jax.random.key(3), n)).astype(jnp.float32)).astype(np.float64)
+  a = np.asarray(g.astype(jnp.float32), np.float64)
+  p = np.asarray(jsparse24.mvue_24_probabilities(g, axis=0), np.float64)
+  var = a * a * (1 / p - 1)
+  # The kept value is rounded to g's dtype: allow that bias too.
+  rounding = np.abs(a / p) * (2.0 ** -8 if dtype == jnp.bfloat16 else 2.0 ** -23)
+  assert (np.abs(outs.mean(0) - a) <= 6 * np.sqrt(var / n) + rounding + 1e-12).all()
+  # Central fourth moment of the two-point estimator, for the sample variance's error.
+  mu4 = p * (a * (1 - p) / p) ** 4 + (1 - p) * a ** 4
+  tol = 6 * np.sqrt(np.maximum(mu4 - var ** 2, 0) / n) + 4 * rounding * np.abs(a / p) + 1e-12
+  assert (np.abs(outs.var(0) - var) <= tol).all()
+
+
+def test_zero_single_nonzero_and_tail_are_exact():
+  g = jnp.array([[0., 0., 0., 0., 1.5, -2.], [0., 7., 0., 0., 3., 0.]]).T  # rows 4, 5: tail
+  for seed in range(10):
+    out = jsparse24.mvue_24(g, jax.random.key(seed), axis=0)
+    np.testing.assert_array_equal(out, g)
+  # axis=1, and a size below one group: unchanged.
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 10)), jnp.float32)
+  out = jsparse24.mvue_24(x, jax.random.key(0), axis=1)
+  np.testing.assert_array_equal(out[:, 8:], x[:, 8:])
+  assert ((np.asarray(out[:, :8]).reshape(3, 2, 4) != 0).sum(-1) == 2).all()
+  np.testing.assert_array_equal(jsparse24.mvue_24(x[:, :3], jax.random.key(0), axis=1), x[:, :3])
+
+
+def test_deterministic_for_a_key():
+  g = jnp.asarray(np.random.default_rng(5).standard_normal((64, 32)), jnp.bfloat16)
+  a, b = (jsparse24.mvue_24(g, jax.random.key(7)) for _ in range(2))
+  assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert not np.array_equal(a, jsparse24.mvue_24(g, jax.random.key(8)))
+  raw = jax.random.PRNGKey(7)  # raw uint32[2] keys work too
+  assert jsparse24.mvue_24(g, raw).shape == g.shape
+
+
+def _data(m=22, k=16, n=12, dtype=jnp.float32):
+  rng = np.random.default_rng(m + k + n)
+  x = jnp.asarray(rng.standard_normal((2, m // 2, k)), dtype)
+  w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+  dy = jnp.asarray(rng.standard_normal((2, m // 2, n)), dtype)
+  return x, w, dy
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("gradient", ["ste", "masked"])
+def test_sparse_dot_weight_grad_is_x_transposed_times_mvue_dy(implementation, gradient):
+  x, w, dy = _data()
+  mask = jsparse24.Mask24.from_weights(w, transposable=True)
+  key = jax.random.key(11)
+
+  def vjp(weight_grad):
+    f = lambda x, w: jsparse24.sparse_dot(  # noqa: E731
+        x, w, mask, gradient=gradient, implementation=implementation,
+        weight_grad=weight_grad, key=key if weight_grad == "mvue" else None)
+    with interpret_mode():
+      y, back = jax.vjp(f, x, w)
+      return (y,) + back(dy)
+
+  y, dx, dw = vjp("mvue")
+  y0, dx0, dw0 = vjp("dense")
+  np.testing.assert_array_equal(y, y0)
+  np.testing.assert_array_equal(dx, dx0)  # dx stays exact
+  pruned = jsparse24.mvue_24(dy.reshape(-1, dy.shape[-1]), key, axis=0)
+  expected = x.reshape(-1, x.shape[-1]).T @ pruned
+  if gradient == "masked":
+    expected = expected * mask.unpack()
+  np.testing.assert_allclose(dw, expected, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(dw, dw0)
+
+
+def test_dense_phase_keeps_the_dense_weight_grad():
+  """While a layer is dense (`active` False) its dw is the exact one."""
+  from jsparse24._ops import sparse_or_dense_dot  # pylint: disable=g-import-not-at-top
+  x, w, dy = _data()
+  mask = jsparse24.Mask24.from_weights(w)
+  for implementation in ("xla", "pallas"):
+    def dw(active, weight_grad):
+      f = lambda w: sparse_or_dense_dot(  # noqa: E731
+          x, w, mask, jnp.asarray(active), gradient="ste", transposable=False,
+          implementation=implementation, precision=None, weight_grad=weight_grad,
+          key=jax.random.key(0))
+      with interpret_mode():
+        return jax.vjp(f, w)[1](dy)[0]
+    np.testing.assert_allclose(dw(False, "mvue"), dw(False, "dense"), rtol=1e-6)
+    assert not np.allclose(dw(True, "mvue"), dw(True, "dense"))
+
+
+def test_under_jit_vmap_and_remat():
+  x, w, dy = _data()
+  mask = jsparse24.Mask24.from_weights(w)
+  key = jax.random.key(2)
+  f = lambda x, w: jnp.vdot(jsparse24.sparse_dot(  # noqa: E731
+      x, w, mask, weight_grad="mvue", key=key), dy)
+  eager = jax.grad(f, (0, 1))(x, w)
+  for transformed in (jax.jit(jax.grad(f, (0, 1))), jax.grad(jax.checkpoint(f), (0, 1))):
+    for a, b in zip(transformed(x, w), eager):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  # vmap over activations with a shared weight: each example prunes its own dy.
+  def dw(x, dy):
+    return jax.grad(lambda w: jnp.vdot(jsparse24.sparse_dot(
+        x, w, mask, weight_grad="mvue", key=key), dy))(w)
+
+  per = jax.vmap(dw)(x, dy)
+  loop = jnp.stack([dw(x[i], dy[i]) for i in range(x.shape[0])])
+  np.testing.assert_allclose(per, loop, rtol=1e-5, atol=1e-5)
+
+
+def test_pmap_each_device_prunes_its_own_gradient():
+  n = 2
+  x, w, dy = _data(m=2 * n * 8)
+  mask = jsparse24.Mask24.from_weights(w)
+  keys = jax.random.split(jax.random.key(4), n)
+  xs = x.reshape(n, -1, x.shape[-1])
+  dys = dy.reshape(n, -1, dy.shape[-1])
+
+  def dw(x, dy, key):
+    f = lambda w: jsparse24.sparse_dot(x, w, mask, weight_grad="mvue", key=key)  # noqa: E731
+    return jax.vjp(f, w)[1](dy)[0]
+
+  got = jax.pmap(dw, in_axes=(0, 0, 0), devices=jax.devices()[:n])(xs, dys, keys)
+  for i in range(n):
+    np.testing.assert_allclose(got[i], dw(xs[i], dys[i], keys[i]), rtol=1e-5, atol=1e-5)
+
+
+def test_linen_layer_draws_from_the_mvue_stream():
+  x, _, _ = _data()
+  layer = jsparse24.SparseDense(12, weight_grad="mvue")
+  variables = layer.init(jax.random.key(0), x)
+
+  def dw(seed):
+    return jax.grad(lambda p: layer.apply({**variables, "params": p}, x,
+                                          rngs={"mvue": jax.random.key(seed)}).sum())(
+                                              variables["params"])["kernel"]
+
+  assert np.asarray(dw(1)).tobytes() == np.asarray(dw(1)).tobytes()
+  assert not np.array_equal(dw(1), dw(2))
+  # Inference needs no rng; the gradient names the stream it needs.
+  np.testing.assert_array_equal(
+      layer.apply(variables, x),
+      jsparse24.SparseDense(12).apply(variables, x))
+  with pytest.raises(ValueError, match=r"weight_grad='mvue'.*rngs=\{'mvue': key\}"):
+    jax.grad(lambda p: layer.apply({**variables, "params": p}, x).sum())(variables["params"])
+  # sparsify rules take the option too.
+  model = nn.Dense(12, name="up")
+  sparse = jsparse24.sparsify(nn.Sequential([model]), {r".*": {"weight_grad": "mvue"}})
+  with pytest.raises(ValueError, match="weight_grad"):
+    jsparse24.sparsify(nn.Sequential([model]), {r".*": {"weight_grad": "sparse"}})
+  v = sparse.init(jax.random.key(0), x)
+  sparse.apply(v, x, rngs={"mvue": jax.random.key(0)})
+
+
+def test_nnx_layer_draws_a_new_key_per_call():
+  x, _, _ = _data()
+  layer = jnnx.SparseLinear(16, 12, weight_grad="mvue", rngs=nnx.Rngs(params=0, mvue=1))
+  dense = nnx.Linear(16, 12, rngs=nnx.Rngs(params=0))
+  np.testing.assert_array_equal(layer.kernel[...], dense.kernel[...])  # same params
+  grads = [nnx.grad(lambda m: m(x).sum())(layer).kernel[...] for _ in range(2)]
+  assert not np.array_equal(*grads)
+  with pytest.raises(ValueError, match="'mvue'"):
+    jnnx.SparseLinear(16, 12, weight_grad="mvue", rngs=nnx.Rngs(params=0))
+
+
+def test_bad_arguments_are_named():
+  x, w, _ = _data()
+  with pytest.raises(ValueError, match=r"sparse_dot: weight_grad='mvue' needs `key`"):
+    jsparse24.sparse_dot(x, w, weight_grad="mvue")
+  with pytest.raises(TypeError, match=r"sparse_dot: `key` must be one PRNG key"):
+    jsparse24.sparse_dot(x, w, weight_grad="mvue", key=jax.random.split(jax.random.key(0)))
+  with pytest.raises(ValueError, match=r"sparse_dot: unknown weight_grad='sparse'"):
+    jsparse24.sparse_dot(x, w, weight_grad="sparse")
+  with pytest.raises(ValueError, match=r"sparse_dot: weight_grad='mvue' needs a dense `w`"):
+    jsparse24.sparse_dot(x, jsparse24.compress(w), weight_grad="mvue", key=jax.random.key(0))
+
+
+def test_scanned_layers_with_a_split_stream():
+  """Under nn.scan with "mvue" in split_rngs the stacked layers train with
+  MVUE gradients, deterministically for a given key."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return jsparse24.SparseDense(16, weight_grad="mvue", use_bias=False)(x), None
+
+  stack = nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                  split_rngs={"params": True, "mvue": True}, length=2)()
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((8, 16)), jnp.float32)
+  variables = stack.init(jax.random.key(0), x, None)
+  params, sparsity = variables["params"], variables["sparsity"]
+
+  def dw(seed):
+    return jax.grad(lambda p: stack.apply({"params": p, "sparsity": sparsity}, x, None,
+                                          rngs={"mvue": jax.random.key(seed)})[0].sum())(
+                                              params)["SparseDense_0"]["kernel"]
+
+  a = dw(3)
+  assert np.asarray(a).tobytes() == np.asarray(dw(3)).tobytes()
+  assert a.shape[0] == 2 and np.isfinite(np.asarray(a)).all()
