@@ -257,3 +257,20 @@ def test_scanned_layers_with_a_split_stream():
   a = dw(3)
   assert np.asarray(a).tobytes() == np.asarray(dw(3)).tobytes()
   assert a.shape[0] == 2 and np.isfinite(np.asarray(a)).all()
+
+
+def test_mvue_layer_computes_what_the_dense_grad_layer_computes():
+  """Same forward with either weight_grad, also where pruning sees the
+  compute dtype: magnitudes that tie only after the bfloat16 cast (the MVUE
+  path once pruned the float32 kernel instead)."""
+  x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 64)), jnp.float32)
+
+  def run(weight_grad):
+    layer = jsparse24.SparseDense(32, dtype=jnp.bfloat16, mask_source="dynamic",
+                                  weight_grad=weight_grad)
+    kernel = layer.init(jax.random.key(0), x)["params"]["kernel"]
+    kernel = kernel.at[::4].set(kernel[1::4] * (1 + 2 ** -12))
+    return layer.apply({"params": {"kernel": kernel, "bias": jnp.zeros(32)}}, x,
+                       rngs={"mvue": jax.random.key(1)})
+
+  np.testing.assert_array_equal(run("mvue"), run("dense"))

@@ -50,13 +50,15 @@ class XlaBackend(Backend):
     return compress_reference(w, mask, transposed)
 
   def dot(self, x, w, mask, active, cfg: DotConfig, key=None):
-    if cfg.weight_grad == "mvue":
-      return _mvue_dot(x, w, jax.lax.stop_gradient(dense_mask(w, mask, cfg.transposable)),
-                       active, key, cfg)
-    w = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
-    m = jax.lax.stop_gradient(dense_mask(w, mask, cfg.transposable))
+    wc = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
+    # One mask for both paths (mask=None prunes the cast kernel, as the
+    # layer computes with it).
+    m = jax.lax.stop_gradient(dense_mask(wc, mask, cfg.transposable))
     if active is not None:
       m = m | ~active  # the dense phase: every weight kept
+    if cfg.weight_grad == "mvue":
+      return _mvue_dot(x, w, m, active, key, cfg)
+    w = wc
     wm = _mask_ste(w, m) if cfg.gradient == "ste" else jnp.where(m, w, jnp.zeros((), w.dtype))
     # The dtype convention of nn.Dense: the product in x's dtype (XLA
     # accumulates 16-bit products in float32), not a float32 result cast
@@ -76,12 +78,13 @@ class XlaBackend(Backend):
 # transpose of the product gives no hook for it): a custom_vjp with the same
 # products as the plain path above, and dw = x^T mvue_24(dy) while sparse.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mvue_dot(x, w, m, active, key, cfg: DotConfig):
-  return _mvue_dot_fwd(x, w, m, active, key, cfg)[0]
+def _mvue_dot(x, w, kept, active, key, cfg: DotConfig):
+  """`kept`: the mask with the dense phase folded in; `active` only says
+  whether dw is pruned (dense phases keep the exact dw)."""
+  return _mvue_dot_fwd(x, w, kept, active, key, cfg)[0]
 
 
-def _mvue_dot_fwd(x, w, m, active, key, cfg: DotConfig):
-  kept = m if active is None else m | ~active
+def _mvue_dot_fwd(x, w, kept, active, key, cfg: DotConfig):
   wm = jnp.where(kept, w.astype(x.dtype), jnp.zeros((), x.dtype))
   y = jax.lax.dot_general(x, wm, (((x.ndim - 1,), (0,)), ((), ())), precision=cfg.precision)
   return y, (x, w, kept, active, key)
