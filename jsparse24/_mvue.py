@@ -29,14 +29,9 @@ from jaxtyping import Array, Float
 def mvue_24_probabilities(g: Float[Array, "..."], *, axis: int = 0) -> jax.Array:
   """The keep probability of every entry of `g` under `mvue_24` (float32,
   shape of `g`; the entries past the last whole group have probability 1)."""
-  g = jnp.asarray(g)
-  axis = axis % g.ndim
-  whole = g.shape[axis] - g.shape[axis] % 4
-  head = jax.lax.slice_in_dim(g, 0, whole, axis=axis)
-  p = jnp.moveaxis(_probabilities(_groups(head, axis)), -1, axis + 1)
-  p = p.reshape(head.shape)
-  tail = jnp.ones(g.shape[:axis] + (g.shape[axis] - whole,) + g.shape[axis + 1:], jnp.float32)
-  return jnp.concatenate([p, tail], axis=axis)
+  g, axis, head, tail = _split(g, axis)
+  p = _ungroup(_probabilities(_groups(head, axis)), axis, head.shape)
+  return jnp.concatenate([p, jnp.ones(tail.shape, jnp.float32)], axis=axis)
 
 
 def mvue_24(g: Float[Array, "..."], key: jax.Array, *, axis: int = 0) -> jax.Array:
@@ -53,12 +48,9 @@ def mvue_24(g: Float[Array, "..."], key: jax.Array, *, axis: int = 0) -> jax.Arr
     >>> jsparse24.mvue_24_probabilities(g).tolist()  # kept g_i becomes g_i / p_i
     [0.800000011920929, 0.6000000238418579, 0.4000000059604645, 0.20000000298023224]
   """
-  g = jnp.asarray(g)
-  axis = axis % g.ndim
-  whole = g.shape[axis] - g.shape[axis] % 4
-  if whole == 0:
+  g, axis, head, tail = _split(g, axis)
+  if head.shape[axis] == 0:
     return g
-  head = jax.lax.slice_in_dim(g, 0, whole, axis=axis)
   groups = _groups(head, axis)  # [..., G, ..., 4] with the group entries last
   a = groups.astype(jnp.float32)
   p = _probabilities(groups)
@@ -73,9 +65,22 @@ def mvue_24(g: Float[Array, "..."], key: jax.Array, *, axis: int = 0) -> jax.Arr
   # entry i with probability p_i (each interval is at most 1 long).
   kept = (jnp.floor(upper - u[..., None]) - jnp.floor(lower - u[..., None])) > 0
   out = jnp.where(kept, a / jnp.where(kept, p, 1.0), 0.0).astype(g.dtype)
-  out = jnp.moveaxis(out, -1, axis + 1).reshape(head.shape)
-  tail = jax.lax.slice_in_dim(g, whole, g.shape[axis], axis=axis)
-  return jnp.concatenate([out, tail], axis=axis)
+  return jnp.concatenate([_ungroup(out, axis, head.shape), tail], axis=axis)
+
+
+def _split(g, axis: int):
+  """(g as an array, axis made non-negative, the whole groups of 4 along
+  it, the `size % 4` entries after them)."""
+  g = jnp.asarray(g)
+  axis = axis % g.ndim
+  whole = g.shape[axis] - g.shape[axis] % 4
+  return (g, axis, jax.lax.slice_in_dim(g, 0, whole, axis=axis),
+          jax.lax.slice_in_dim(g, whole, g.shape[axis], axis=axis))
+
+
+def _ungroup(groups: jax.Array, axis: int, shape: tuple[int, ...]) -> jax.Array:
+  """Inverse of `_groups`: back to `shape`."""
+  return jnp.moveaxis(groups, -1, axis + 1).reshape(shape)
 
 
 def _groups(g: jax.Array, axis: int) -> jax.Array:
