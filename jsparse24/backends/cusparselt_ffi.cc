@@ -273,6 +273,14 @@ bool g_cache_read = false;
 std::map<std::string, Choice> g_cache;
 int64_t g_searches = 0;  // searches run by this process (read by the tests)
 
+// cuSPARSELt's version (no device needed).
+cusparseStatus_t LibraryVersion(int* major, int* minor, int* patch) {
+  cusparseStatus_t s = cusparseLtGetProperty(MAJOR_VERSION, major);
+  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(MINOR_VERSION, minor);
+  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(PATCH_LEVEL, patch);
+  return s;
+}
+
 std::map<std::string, Choice>& CachedChoices() {  // g_cache_mu held
   if (!g_cache_read && !g_cache_path.empty()) {
     // C stdio, not iostreams: the shim is loaded into processes that carry
@@ -293,17 +301,12 @@ std::map<std::string, Choice>& CachedChoices() {  // g_cache_mu held
 // "<gpu name>/sm<major><minor>/cusparselt<version>/<the plan key>", spaces
 // replaced, or "" when the GPU cannot be named.
 std::string CacheKey(const PlanKey& key) {
-  int device = std::get<0>(key);
+  auto [device, dtype_code, m, n, k, op_a, op_b, sparse_a, order_a, order_b, order_d,
+        search, alg] = key;
   cudaDeviceProp prop;
   if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "";
   int major = 0, minor = 0, patch = 0;
-  if (cusparseLtGetProperty(MAJOR_VERSION, &major) != CUSPARSE_STATUS_SUCCESS ||
-      cusparseLtGetProperty(MINOR_VERSION, &minor) != CUSPARSE_STATUS_SUCCESS ||
-      cusparseLtGetProperty(PATCH_LEVEL, &patch) != CUSPARSE_STATUS_SUCCESS)
-    return "";
-  auto [dev, dtype_code, m, n, k, op_a, op_b, sparse_a, order_a, order_b, order_d,
-        search, alg] = key;
-  (void)dev;
+  if (LibraryVersion(&major, &minor, &patch) != CUSPARSE_STATUS_SUCCESS) return "";
   char text[1024];
   std::snprintf(text, sizeof(text),
                 "%s/sm%d%d/cusparselt%d.%d.%d/%d,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,"
@@ -700,9 +703,7 @@ int jsp_cusparselt_compressed_size(int device, int dtype_code, int64_t rows,
 // of CUSPARSELT_VERSION since 0.10; no device needed).
 int jsp_cusparselt_version(int* version, char* msg, size_t msg_len) {
   int major = 0, minor = 0, patch = 0;
-  cusparseStatus_t s = cusparseLtGetProperty(MAJOR_VERSION, &major);
-  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(MINOR_VERSION, &minor);
-  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(PATCH_LEVEL, &patch);
+  cusparseStatus_t s = LibraryVersion(&major, &minor, &patch);
   if (s != CUSPARSE_STATUS_SUCCESS)
     return Report(CsltMessage("cusparseLtGetProperty", s), msg, msg_len);
   *version = major * 1000000 + minor * 100 + patch;
