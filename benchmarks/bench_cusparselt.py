@@ -18,6 +18,8 @@ Sections (one run, side by side; bf16 unless named; tables go to benchmarks/resu
   mlp       an MLP block (up-projection, GELU, down-projection) of the
             examples/train_lm.py model at d_model 4096: forward + backward +
             SGD update, dense `nn.Dense` vs `jsparse24.SparseDense`, tokens/s.
+  mvue      the training step with weight_grad="mvue" (dw on the sparse tensor
+            cores too) beside the dense-dw step and dense XLA.
   sweep     the training step over M at the three (K, N): where it pays.
   fp16      float16 forward and training step (jsparse24's configuration search).
 """
@@ -261,6 +263,54 @@ def section_step(ctx, shapes=SHAPES, sweep=False):
           " (plain rule, XLA) every step.\n\n" + _common.table(headers, rows))
 
 
+def _mvue_step(implementation, mask):
+  """jit((x, w, dy, key) -> (y, dx, dw)) with weight_grad="mvue"."""
+  f = lambda x, w, key: jsparse24.sparse_dot(  # noqa: E731
+      x, w, mask, implementation=implementation, weight_grad="mvue", key=key)
+
+  @jax.jit
+  def step(x, w, dy, key):
+    y, vjp = jax.vjp(lambda x, w: f(x, w, key), x, w)
+    return (y,) + vjp(dy)
+  return step
+
+
+def section_mvue(ctx):
+  """The training step with all three products on the sparse tensor cores
+  (weight_grad="mvue": dw = x^T mvue_24(dy)) beside the dense-dw one and
+  dense XLA, bf16, a stored transposable mask; masking, both compressions
+  and the MVUE pruning of dy included."""
+  rows = []
+  for m, k, n in SHAPES:
+    w, mask_t = _weights(k, n, transposable=True)
+    x = jax.random.normal(jax.random.key(m + 2), (m, k), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(m + 3), (m, n), jnp.bfloat16)
+    key = jax.random.key(m + 4)
+    t_dense = _common.bench(_step("dense", None), x, w, dy)
+    t_t = _common.bench(_step("cusparselt", mask_t), x, w, dy)
+    ours = _mvue_step("cusparselt", mask_t)
+    got, ref = ours(x, w, dy, key), _mvue_step("xla", mask_t)(x, w, dy, key)
+    err = [_rel_err(g, r) for g, r in zip(got, ref)]
+    t_mvue = _common.bench(ours, x, w, dy, key)
+    flops = 3 * 2 * m * k * n
+    rows.append([m, k, n, t_dense * 1e3, t_t * 1e3, t_dense / t_t, t_mvue * 1e3,
+                 t_dense / t_mvue, flops / ctx["peak"] * 1e3, flops / 2 / ctx["peak"] * 1e3,
+                 f"{err[0]:.1e} / {err[1]:.1e} / {err[2]:.1e}"])
+    print(f"mvue step {m}x{k}x{n}: dense {t_dense*1e3:.3f} ms, ours (dw dense)"
+          f" {t_t*1e3:.3f} ms ({t_dense/t_t:.2f}x), ours (dw MVUE, sparse)"
+          f" {t_mvue*1e3:.3f} ms ({t_dense/t_mvue:.2f}x); rel err vs xla y/dx/dw {err}",
+          flush=True)
+  headers = ["M", "K", "N", "dense XLA ms", "ours, dw dense ms", "speedup",
+             "ours, dw MVUE on cuSPARSELt ms", "speedup", "dense FLOP floor ms",
+             "2:4 FLOP floor ms (all sparse)", "rel err vs xla backend y / dx / dw"]
+  return ("cuSPARSELt training step, all three products sparse (MVUE dw)",
+          "y, dx and dw per step (bf16) with a stored transposable mask; masking, both"
+          " compressions of `w` and the MVUE"
+          " pruning + compression of `dy` included. dw's error against the `xla`"
+          " backend's MVUE dw (same draws up to an ulp; cuSPARSELt rounds dw to bf16).\n\n"
+          + _common.table(headers, rows))
+
+
 def section_fp16(ctx):
   """float16 picks its algorithm with jsparse24's configuration search
   (cusparseLtMatmulSearch crashes for float16 with cuSPARSELt 0.8.0 on an
@@ -351,7 +401,7 @@ def section_mlp(ctx, d_model=4096, batch=8, seq=2048):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sections", default="compress,forward,step,mlp,sweep,fp16")
+  p.add_argument("--sections", default="compress,forward,step,mvue,mlp,sweep,fp16")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   args = p.parse_args(argv)
   print(_common.environment(), flush=True)
@@ -367,7 +417,7 @@ def main(argv=None):
   print(head, flush=True)
   sections = {
       "compress": section_compress, "forward": section_forward, "step": section_step,
-      "mlp": section_mlp, "fp16": section_fp16,
+      "mlp": section_mlp, "fp16": section_fp16, "mvue": section_mvue,
       "sweep": lambda ctx: section_step(ctx, [(m, k, n) for _, k, n in SHAPES for m in SWEEP_MS],
                                         sweep=True),
   }

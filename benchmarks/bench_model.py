@@ -64,6 +64,7 @@ SPARSE_LAYERS = r".*/(qkv|out|up|down)"
 MASK_KINDS = {"default": {}, "plain": {"transposable": False},
               "transposable": {"transposable": True}}
 LR, WEIGHT_DECAY, MASK_DECAY = 1e-4, 0.1, 2e-4
+MVUE = jsparse24.linen.MVUE_RNG  # the rng stream of weight_grad="mvue"
 # Recompute everything in the backward pass. A policy that saves matmul
 # outputs (`dots_with_no_batch_dims_saveable`) would treat the two models
 # differently: XLA's dots are saveable but the 2:4 products are custom calls,
@@ -113,8 +114,9 @@ class GPT(nn.Module):
     x = x + pos[: tokens.shape[-1]].astype(self.dtype)
     block = nn.remat(Block, policy=REMAT_POLICY, prevent_cse=False) if self.remat else Block
     # "sparsity" stacks like "params": one mask per block once sparsified.
+    # A 2:4 model with weight_grad="mvue" draws a key per block from "mvue".
     blocks = nn.scan(block, variable_axes={"params": 0, "sparsity": 0},
-                     split_rngs={"params": True}, length=self.layers)
+                     split_rngs={"params": True, MVUE: True}, length=self.layers)
     x, _ = blocks(self.d_model, self.attention, self.dtype, name="blocks")(x, None)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
     return nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
@@ -148,6 +150,20 @@ def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
 
 
 # --- training steps ------------------------------------------------------------------
+
+
+def sparse_options(cfg: dict) -> dict:
+  """The sparsify rule's options: --mask, and weight_grad="mvue" with --weight-grad mvue."""
+  extra = {"weight_grad": "mvue"} if cfg["weight_grad"] == "mvue" else {}
+  return {**MASK_KINDS[cfg["mask"]], **extra}
+
+
+def mvue_rngs(cfg: dict, step) -> dict | None:
+  """A new "mvue" key per step (from the step number), as a training loop
+  derives it; None without --weight-grad mvue."""
+  if cfg["weight_grad"] != "mvue":
+    return None
+  return {MVUE: jax.random.fold_in(jax.random.key(1), step)}
 
 
 def lm_loss(logits, tokens):
@@ -252,7 +268,7 @@ def time_fwd_bwd(timer, fn, params, rest, x, dy, passes: int) -> float:
 
 
 def time_linear(timer, layer, k: int, n: int, batch: int, seq: int,
-                passes: int) -> dict[str, float]:
+                passes: int, rngs: dict | None = None) -> dict[str, float]:
   """Seconds per step of one linear layer (y, dx, dw) on bf16 activations,
   with its float32 kernel (and, for SparseDense, the stored mask from
   `init`); and of compressing its kernel, where a GPU backend can."""
@@ -261,7 +277,8 @@ def time_linear(timer, layer, k: int, n: int, batch: int, seq: int,
   dy = jax.random.normal(kd, (batch, seq, n), jnp.bfloat16)
   variables = jax.jit(layer.init)(kp, x)
   params, rest = variables["params"], {c: v for c, v in variables.items() if c != "params"}
-  out = {"step": time_fwd_bwd(timer, lambda p, r, x: layer.apply({"params": p, **r}, x),
+  out = {"step": time_fwd_bwd(timer, lambda p, r, x: layer.apply({"params": p, **r}, x,
+                                                                 rngs=rngs),
                               params, rest, x, dy, passes)}
   if "sparsity" in rest and jsparse24.available_implementations()["pallas"] is None:
     mask = rest["sparsity"]["mask"]
@@ -308,7 +325,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
 
   phase("setup")
   model = GPT(vocab, d, layers, seq, cfg["attention"], remat)
-  sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: MASK_KINDS[cfg["mask"]]})
+  sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)})
   key_data, key_init = jax.random.split(jax.random.key(0))
   tokens = jax.random.randint(key_data, (batch, seq + 1), 0, vocab, jnp.int32)
   dense_shapes = jax.eval_shape(model.init, key_init, tokens[:, :-1])["params"]
@@ -383,7 +400,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
           params, jsparse24.optim.masks(opt_state), tokens))
   step, compile_s = compile_step(
       make_train_step(lambda p, o, x: sparse.apply(
-          {"params": p, "sparsity": jsparse24.optim.masks(o)}, x), tx),
+          {"params": p, "sparsity": jsparse24.optim.masks(o)}, x, rngs=mvue_rngs(cfg, o[0].count)), tx),
       params, opt_state, tokens)
   params, opt_state, loss = step(params, opt_state, tokens)
   sp = result["sparse"] = {"compile_s": compile_s, "first_loss": float(loss),
@@ -439,8 +456,8 @@ def breakdown(cfg: dict, timer, result: dict) -> dict:
     dense = time_linear(timer, nn.Dense(n, use_bias=False, dtype=jnp.bfloat16), k, n, batch,
                         seq, passes)
     sparse = time_linear(timer, jsparse24.SparseDense(n, use_bias=False, dtype=jnp.bfloat16,
-                                                      **MASK_KINDS[cfg["mask"]]),
-                         k, n, batch, seq, passes)
+                                                      **sparse_options(cfg)),
+                         k, n, batch, seq, passes, mvue_rngs(cfg, 0))
     per_layer[kind] = {"k": k, "n": n, "implementation": result["implementations"][kind],
                        "dense_ms": dense["step"] * 1e3, "sparse_ms": sparse["step"] * 1e3,
                        "compress_ms": sparse["compress"] * 1e3 if "compress" in sparse else None}
@@ -461,7 +478,9 @@ def breakdown(cfg: dict, timer, result: dict) -> dict:
   out["other_sparse_ms"] = sparse_step - out["linear_sparse_ms"] - attention_ms - opt_sparse
   # (a) y (every forward pass, the recomputed one too) and dx at half cost,
   # dw dense: 1.5x on the products without remat, 1.6x with.
-  products = (0.5 * passes + 0.5 + 1) / (passes + 2)
+  # With the MVUE weight gradient dw is at half cost too: 2x.
+  dw_cost = 0.5 if cfg["weight_grad"] == "mvue" else 1.0
+  products = (0.5 * passes + 0.5 + dw_cost) / (passes + 2)
   linear = out["linear_dense_ms"]
   out["ceiling_bound"] = dense_step / (dense_step - linear + linear * products)
   # (b) the dense step with its linear layers and optimizer swapped for the
@@ -559,7 +578,7 @@ def notes(cfg: dict) -> str:
       f" 2:4 products are custom calls). Default depths fit JAX's default memory pool on"
       f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`."
       f" 2:4 = the same model through `jsparse24.sparsify(model,"
-      f" {{{SPARSE_LAYERS!r}: {MASK_KINDS[cfg['mask']]}}})` (mask kind: {cfg['mask']}; the"
+      f" {{{SPARSE_LAYERS!r}: {sparse_options(cfg)}}})` (mask kind: {cfg['mask']}; the"
       f" backend is the automatic choice, named per layer below) and"
       f" `mask_update(MaskSchedule(rebuild_every={cfg['rebuild_every']}), decay={MASK_DECAY})`"
       f" chained before AdamW; same init params. Steps donate their state (a training"
@@ -578,7 +597,8 @@ def notes(cfg: dict) -> str:
       f" (embeddings, head, norms, loss, residuals) = the full step minus those parts, and"
       f" goes negative where the parts overlap inside the whole step. Ceilings: (a) the"
       f" dense step with its linear layers at the 2:4 products bound (y and dx at half"
-      f" cost, dw dense: 1.5x, 1.6x with remat); (b) the dense step with its linear layers"
+      f" cost, dw dense: 1.5x, 1.6x with remat; every product at half cost with the MVUE"
+      f" weight gradient: 2x); (b) the dense step with its linear layers"
       f" and optimizer replaced by the measured 2:4 ones.")
 
 
@@ -600,6 +620,8 @@ def main(argv=None) -> dict:
                  help="dot_product_attention implementation (auto: cudnn on a GPU, else XLA)")
   p.add_argument("--mask", default="default", choices=sorted(MASK_KINDS),
                  help="2:4 mask kind of the sparse layers (default: the library's default)")
+  p.add_argument("--weight-grad", default="dense", choices=("dense", "mvue"),
+                 help="the sparse layers' weight_grad (mvue: dw on the sparse tensor cores too)")
   p.add_argument("--quick", action="store_true", help="one timing repeat (CPU smoke test)")
   p.add_argument("--json", default=None, help="also write every number to this JSON file")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
@@ -624,7 +646,8 @@ def main(argv=None) -> dict:
   attention = {"auto": "cudnn" if jax.default_backend() == "gpu" else None,
                "cudnn": "cudnn", "xla": "xla"}[args.attention]
   cfg = {"widths": widths, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
-         "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask}
+         "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask,
+         "weight_grad": args.weight_grad}
   timer = (functools.partial(_common.bench, min_time=0.0, repeats=1) if args.quick
            else _common.bench)
   # Whole steps run back to back for >= 1 s per timing, dispatched
@@ -667,7 +690,8 @@ def main(argv=None) -> dict:
     print(f"wrote {path}", flush=True)
   if not args.no_write:
     title = (f"Whole model: GPT-style decoder, d_model {','.join(map(str, widths))},"
-             f" {args.batch}x{args.seq} tokens per step, {args.mask} masks")
+             f" {args.batch}x{args.seq} tokens per step, {args.mask} masks"
+             + (", MVUE weight gradient" if args.weight_grad == "mvue" else ""))
     path = _common.write_section(title, f"{env}\n\n{notes(cfg)}\n\n{tables}")
     print(f"wrote {path}", flush=True)
   print(f"\n{tables}", flush=True)

@@ -28,10 +28,39 @@ def _bytes(k: int, n: int, transposed: bool, reads_mask: bool = False) -> int:
   return dense + one_copy * (2 if transposed else 1) + (k * n // 8 if reads_mask else 0)
 
 
+def section_mvue(g, add, bw, rows):
+  """weight_grad="mvue": the output gradient `g[M, N]` pruned 2:4 along M by
+  the MVUE rule and compressed for cuSPARSELt's weight-gradient product (the
+  Pallas kernel, then the metadata rows), against XLA's `mvue_24` alone
+  (pruned dense, not compressed) and the byte floor."""
+  from jsparse24.backends import cusparselt as cslt  # pylint: disable=g-import-not-at-top
+  m, n = g.shape
+  nbytes = _bytes(m, n, False)
+  key = jax.random.key(1)
+  f_pal = jax.jit(lambda g, key: cslt.mvue_compress_for_product(g, cslt.mvue_seeds(key)))
+  f_xla = jax.jit(lambda g, key: jsparse24.mvue_24(g, key, axis=0))
+  buf = f_pal(g, key)
+  # Decode the buffer's values against the reference's (the draws may differ
+  # by an ulp of a boundary: report the fraction that agree).
+  kept = np.asarray(buf[:m // 2], np.float32).reshape(m // 4, 2, n)
+  ref = np.asarray(f_xla(g, key), np.float32).reshape(m // 4, 4, n)
+  ref_kept = np.sort(np.abs(ref), axis=1)[:, 2:]  # the 2 largest |kept| (others are 0)
+  agree = float(np.mean(np.all(np.isclose(np.sort(np.abs(kept), axis=1), ref_kept,
+                                          rtol=2 ** -7), axis=1)))
+  print(f"mvue: kernel groups whose kept values match the reference: {agree:.6f}", flush=True)
+  if agree < 0.999:
+    raise SystemExit("mvue: the kernel's draws differ from the reference's")
+  add("xla mvue_24 (pruned dense g, no compression)", _common.bench(f_xla, g, key),
+      2 * 2 * m * n, "reads g, writes g")
+  add("pallas MVUE prune+compress (cuSPARSELt layout)", _common.bench(f_pal, g, key), nbytes)
+  rows.append(["floor (mvue): bytes / copy bw", nbytes / bw * 1e3, bw / 1e12, 1.0, ""])
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--size", type=int, default=16384)
-  p.add_argument("--variants", default="plain,transposable")
+  p.add_argument("--variants", default="plain,transposable,mvue",
+                 help="plain, transposable (prune+compress a weight), mvue (a gradient)")
   args = p.parse_args(argv)
   k = n = args.size
   print(_common.environment(), flush=True)
@@ -48,6 +77,9 @@ def main(argv=None):
           f"  {100 * floor / seconds:5.1f}% of copy bw", flush=True)
 
   for tag in args.variants.split(","):
+    if tag == "mvue":
+      section_mvue(w, add, bw, rows)
+      continue
     transposed = tag == "transposable"
     nbytes = _bytes(k, n, transposed)
     f_xla = jax.jit(lambda w, t=transposed: jsparse24.compress(w, transposed=t, implementation="xla"))

@@ -4,7 +4,7 @@ category, the kernels whose time differs most from the dense step's, and the
 step's span (span minus kernel time = GPU idle).
 
     PYTHONPATH=. python benchmarks/profile_model.py D_MODEL BLOCKS [--remat]
-        [--variants dense,sparse,fixed,nodecay] [--out DIR]
+        [--variants dense,sparse,fixed,nodecay] [--out DIR] [--weight-grad mvue]
 
 Variants (same model, same init params):
   dense    `nn.Dense` layers, AdamW;
@@ -72,7 +72,8 @@ def kernel_key(event: dict) -> str:
   return re.sub(r"[._]\d+", "", name)[:80]
 
 
-def step_of(name: str, d: int, layers: int, remat: bool, tokens, vocab: int, attention):
+def step_of(name: str, d: int, layers: int, remat: bool, tokens, vocab: int, attention,
+            weight_grad: str = "dense"):
   """(train step, params, optimizer state) of one variant."""
   model = bm.GPT(vocab, d, layers, tokens.shape[1] - 1, attention, remat)
   adamw = optax.adamw(bm.LR, weight_decay=bm.WEIGHT_DECAY)
@@ -80,19 +81,22 @@ def step_of(name: str, d: int, layers: int, remat: bool, tokens, vocab: int, att
     params = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])["params"]
     step = bm.make_train_step(lambda p, _, x: model.apply({"params": p}, x), adamw)
     return step, params, jax.jit(adamw.init)(params)
-  sparse = jsparse24.sparsify(model, {bm.SPARSE_LAYERS: {}})
+  cfg = {"mask": "default", "weight_grad": weight_grad}
+  sparse = jsparse24.sparsify(model, {bm.SPARSE_LAYERS: bm.sparse_options(cfg)})
   variables = jax.jit(sparse.init)(jax.random.key(1), tokens[:, :-1])
   if name == "fixed":
     masks = variables["sparsity"]
     step = bm.make_train_step(
-        lambda p, _, x: sparse.apply({"params": p, "sparsity": masks}, x), adamw)
+        lambda p, _, x: sparse.apply({"params": p, "sparsity": masks}, x,
+                                     rngs=bm.mvue_rngs(cfg, 0)), adamw)
     return step, variables["params"], jax.jit(adamw.init)(variables["params"])
   decay = 0.0 if name == "nodecay" else bm.MASK_DECAY
   tx = optax.chain(jsparse24.optim.mask_update(
       variables["sparsity"], jsparse24.optim.MaskSchedule(rebuild_every=100), decay=decay),
                    adamw)
   step = bm.make_train_step(lambda p, o, x: sparse.apply(
-      {"params": p, "sparsity": jsparse24.optim.masks(o)}, x), tx)
+      {"params": p, "sparsity": jsparse24.optim.masks(o)}, x,
+      rngs=bm.mvue_rngs(cfg, o[0].count)), tx)
   return step, variables["params"], jax.jit(tx.init)(variables["params"])
 
 
@@ -130,6 +134,8 @@ def main():
   p.add_argument("--seq", type=int, default=2048)
   p.add_argument("--vocab", type=int, default=32768)
   p.add_argument("--out", default=None, help="write each variant's optimised HLO here")
+  p.add_argument("--weight-grad", default="dense", choices=("dense", "mvue"),
+                 help="the 2:4 variants' weight_grad")
   args = p.parse_args()
   d, layers = args.d_model, args.blocks
   variants = args.variants.split(",")
@@ -138,7 +144,8 @@ def main():
   attention = "cudnn" if jax.default_backend() == "gpu" else None
   states = {}
   for name in variants:
-    step, params, opt = step_of(name, d, layers, args.remat, tokens, args.vocab, attention)
+    step, params, opt = step_of(name, d, layers, args.remat, tokens, args.vocab, attention,
+                                 args.weight_grad)
     t0 = time.perf_counter()
     compiled = step.lower(params, opt, tokens).compile()
     print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -4,7 +4,9 @@ calls `pallas_kernels` directly) and reports compile and run times.
     PYTHONPATH=. python benchmarks/tune_prune.py [--size 16384] [--which plain,transposable,apply,apply_t]
         [--layout sparse24|cusparselt]
 
-apply = compress with a stored mask; apply_t also writes the transposed copy.
+apply = compress with a stored mask; apply_t also writes the transposed copy;
+mvue = the MVUE pruning + compression of a gradient (pallas_kernels.mvue24,
+always in cuSPARSELt's layout).
 With --layout cusparselt the values are written as cuSPARSELt holds them
 (pallas_kernels.prune24's module docstring); its sweep includes both ways of
 separating the row lanes (strided loads/stores, or register transposes).
@@ -21,10 +23,14 @@ import jax.numpy as jnp
 
 import jsparse24
 from benchmarks import _common
-from pallas_kernels import prune24
+from pallas_kernels import mvue24, prune24
 
 
 def _candidates(which: str, layout: str) -> list[prune24.PruneConfig]:
+  if which == "mvue":
+    return [prune24.PruneConfig(bk, bn, warps, 1)
+            for (bk, bn), warps in itertools.product(
+                [(64, 128), (128, 64), (64, 64), (32, 256), (32, 128), (128, 32)], [8, 4])]
   if layout == "cusparselt":
     return [prune24.PruneConfig(bk, bn, warps, 1, strided)
             for strided, (bk, bn), warps in itertools.product(
@@ -65,7 +71,11 @@ def main(argv=None):
       if time.time() - start > args.budget:
         print("budget spent", flush=True)
         break
-      if which in ("apply", "apply_t"):
+      if which == "mvue":
+        seed = jnp.array([1, 2], jnp.uint32)
+        f = jax.jit(lambda w, cfg=cfg: mvue24.mvue_compress(w, seed, config=cfg))
+        call_args = (w,)
+      elif which in ("apply", "apply_t"):
         f = jax.jit(lambda w, m, cfg=cfg, t=which == "apply_t": prune24.compress_with_meta(
             w, m, transposed=t, config=cfg, layout=args.layout))
         call_args = (w, meta_t if which == "apply_t" else meta)

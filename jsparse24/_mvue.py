@@ -17,6 +17,11 @@ by systematic sampling (one uniform number per group); a kept entry becomes
 `a_i / p_i`. The variance of entry `i` is `a_i^2 (1/p_i - 1)`. A group with at
 most 2 non-zero entries is kept exactly; an all-zero group stays zero. The
 entries past the last whole group (`size % 4` of them) are kept exactly.
+
+The rule itself (`pallas_kernels.mvue_rule`) is shared with the GPU kernel
+that prunes and compresses `dy` in one pass for the cuSPARSELt product: the
+uniform numbers are a counter-based hash of a seed drawn from `key` and the
+group's number, so the kernel and this reference draw the same groups.
 """
 
 from __future__ import annotations
@@ -25,13 +30,21 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from pallas_kernels import mvue_rule as rule
+
 
 def mvue_24_probabilities(g: Float[Array, "..."], *, axis: int = 0) -> jax.Array:
   """The keep probability of every entry of `g` under `mvue_24` (float32,
   shape of `g`; the entries past the last whole group have probability 1)."""
   g, axis, head, tail = _split(g, axis)
-  p = _ungroup(_probabilities(_groups(head, axis)), axis, head.shape)
-  return jnp.concatenate([p, jnp.ones(tail.shape, jnp.float32)], axis=axis)
+  p = jnp.stack(rule.probabilities(_lanes(_groups(head, axis))), axis=-1)
+  return jnp.concatenate([_ungroup(p, axis, head.shape), jnp.ones(tail.shape, jnp.float32)],
+                         axis=axis)
+
+
+def mvue_seeds(key: jax.Array) -> jax.Array:
+  """The uint32[2] seed of `mvue_24`'s counter-based numbers for `key`."""
+  return jax.random.bits(key, (2,), jnp.uint32)
 
 
 def mvue_24(g: Float[Array, "..."], key: jax.Array, *, axis: int = 0) -> jax.Array:
@@ -52,20 +65,20 @@ def mvue_24(g: Float[Array, "..."], key: jax.Array, *, axis: int = 0) -> jax.Arr
   if head.shape[axis] == 0:
     return g
   groups = _groups(head, axis)  # [..., G, ..., 4] with the group entries last
-  a = groups.astype(jnp.float32)
-  p = _probabilities(groups)
-  u = jax.random.uniform(key, a.shape[:-1], jnp.float32)
-  upper = jnp.cumsum(p, axis=-1)
-  # The marginals add up to 2; pin the last bound so that rounding never
-  # leaves the second draw (u + 1) outside every interval.
-  upper = upper.at[..., 3].set(2.0)
-  lower = upper - p
-  # Entry i is drawn when u or u + 1 falls in [lower_i, upper_i): exactly 2
-  # entries in all (the counts telescope to floor(2 - u) - floor(-u) = 2),
-  # entry i with probability p_i (each interval is at most 1 long).
-  kept = (jnp.floor(upper - u[..., None]) - jnp.floor(lower - u[..., None])) > 0
-  out = jnp.where(kept, a / jnp.where(kept, p, 1.0), 0.0).astype(g.dtype)
+  seed = mvue_seeds(key)
+  # Group number j (row-major over the grouped shape) draws with counter j:
+  # for a [M, N] gradient pruned along M, group (r, c) is j = r * N + c, as
+  # the kernel numbers them.
+  index = jnp.arange(groups[..., 0].size, dtype=jnp.uint32).reshape(groups.shape[:-1])
+  i0, i1, v0, v1 = rule.sample(_lanes(groups), rule.uniform(seed[0], seed[1], index))
+  out = jnp.stack([jnp.where(i0 == l, v0, jnp.where(i1 == l, v1, 0.0)) for l in range(4)],
+                  axis=-1).astype(g.dtype)
   return jnp.concatenate([_ungroup(out, axis, head.shape), tail], axis=axis)
+
+
+def _lanes(groups: jax.Array) -> list[jax.Array]:
+  """The 4 entries of every group (last axis) as 4 float32 arrays."""
+  return [groups[..., l].astype(jnp.float32) for l in range(4)]
 
 
 def _split(g, axis: int):
@@ -88,23 +101,3 @@ def _groups(g: jax.Array, axis: int) -> jax.Array:
   the 4 entries of a group on a new last axis."""
   shape = g.shape[:axis] + (g.shape[axis] // 4, 4) + g.shape[axis + 1:]
   return jnp.moveaxis(g.reshape(shape), axis + 1, -1)
-
-
-def _probabilities(groups: jax.Array) -> jax.Array:
-  """Keep probabilities (float32) of groups of 4 on the last axis; each
-  group's add up to 2."""
-  mag = jnp.abs(groups.astype(jnp.float32))
-  total = jnp.sum(mag, axis=-1, keepdims=True)
-  top = jnp.max(mag, axis=-1, keepdims=True)
-  first_top = jnp.arange(4) == jnp.argmax(mag, axis=-1)[..., None]
-  # Summed directly, not `total - top`: with two non-zeros the other one's
-  # probability is then exactly 1 (the difference can round above it).
-  rest = jnp.sum(jnp.where(first_top, 0.0, mag), axis=-1, keepdims=True)
-  # One entry with half the magnitude or more: keep it, draw one of the
-  # other three by magnitude (uniformly when they are all zero: their kept
-  # value is 0 either way).
-  capped = jnp.where(first_top, 1.0,
-                     jnp.where(rest > 0, mag / jnp.where(rest > 0, rest, 1.0), 1.0 / 3.0))
-  spread = 2.0 * mag / jnp.where(total > 0, total, 1.0)
-  # At most 1 each, so that no entry can take both draws.
-  return jnp.minimum(jnp.where(2.0 * top >= total, capped, spread), 1.0)

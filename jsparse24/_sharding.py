@@ -15,6 +15,12 @@ the whole product everywhere. Here they get a rule, through
   layer's weight under FSDP). That covers data parallelism and FSDP: no
   activation is ever gathered.
 
+* `rows_contracted`: `dw[K, N] = f(x[M, K], dy[M, N], first_row)`, a sum over
+  the rows M (the weight gradient on the sparse tensor cores): each device
+  contracts its own rows (`first_row` tells it where they start), then one
+  all-reduce of the float32 partial sums over M's mesh axes, as XLA does for
+  a dense `x^T dy`. No activation or activation gradient is gathered.
+
 Tensor parallelism (a weight sharded on K or N through the product) is not
 handled here: such a weight is gathered whole (correct, not faster).
 """
@@ -138,3 +144,82 @@ def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
   args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args)
   return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
                        check_vma=False)(*args)
+
+
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axis names of one PartitionSpec entry."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _first_row(axes: tuple[str, ...], rows: int) -> jax.Array:
+  """Inside a partitioned op: the global index of this device's first row,
+  for rows split over mesh `axes` (major to minor), `rows` per device."""
+  index = jnp.zeros((), jnp.int32)
+  for name in axes:
+    index = index * jax.lax.axis_size(name) + jax.lax.axis_index(name)
+  return index * rows
+
+
+def _contract_local(fn: Callable, axes: tuple[str, ...]) -> Callable:
+  def local(x, dy, *operands):
+    first = _first_row(axes, x.shape[0]) if axes else jnp.zeros((), jnp.int32)
+    part = fn(x, dy, first, *operands)
+    return jax.lax.psum(part, axes) if axes else part
+  return local
+
+
+@functools.cache
+def _wrap_contracted(fn: Callable, ranks: tuple[int, ...]) -> Callable:
+
+  @custom_partitioning
+  def partitioned(x, dy, *operands):
+    return fn(x, dy, jnp.zeros((), jnp.int32), *operands)
+
+  # custom_partitioning has no batching rule: one product per batch element.
+  @jax.custom_batching.custom_vmap
+  def call(x, dy, *operands):
+    return partitioned(x, dy, *operands)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+                 for a, bat in zip(args, in_batched))
+    return jax.lax.map(lambda a: call(*a), args), True
+
+  def infer(mesh, arg_shapes, result_shape):
+    del arg_shapes, result_shape
+    return NamedSharding(mesh, P())
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    rows = _rows_spec(arg_shapes[0].sharding, 2)
+    args = ((NamedSharding(mesh, rows),) * 2
+            + tuple(NamedSharding(mesh, P()) for _ in arg_shapes[2:]))
+    return mesh, _contract_local(fn, _mesh_axes(rows[0])), NamedSharding(mesh, P()), args
+
+  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  extra = "".join(", " + " ".join(next(names) for _ in range(r)) for r in ranks)
+  partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                            sharding_rule=f"m k, m n{extra} -> k n")
+  return call
+
+
+def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Array) -> jax.Array:
+  """`fn(x, dy, first_row, *operands)` (x `[M, K]`, dy `[M, N]`, result
+  `[K, N]` float32, a sum over the rows) partitioned over M: each device runs
+  `fn` on its own rows (`first_row`: an int32 scalar, the global index of its
+  first row; `operands` whole on every device), then the partial results are
+  summed over M's mesh axes (one all-reduce). `fn` must be hashable and
+  stable, as for `rows_parallel`. The result is replicated."""
+  mesh = _explicit_mesh(x)
+  if mesh is None:
+    return _wrap_contracted(fn, tuple(a.ndim for a in operands))(x, dy, *operands)
+  rows = _rows_spec(jax.typeof(x).sharding, 2)
+  operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in operands)
+  return jax.shard_map(_contract_local(fn, _mesh_axes(rows[0])), mesh=mesh,
+                       in_specs=(rows, rows) + (P(),) * len(operands), out_specs=P(),
+                       check_vma=False)(
+                           jax.sharding.reshard(x, NamedSharding(mesh, rows)),
+                           jax.sharding.reshard(dy, NamedSharding(mesh, rows)), *operands)

@@ -3,6 +3,9 @@
 * `prune24`: fused prune + compress (plain and transposable) and
   compress-with-a-stored-mask, one pass over the dense weight.
 * `spmm24`: `x @ W` reading the compressed operand and expanding it on chip.
+* `mvue24`: a gradient pruned 2:4 by the minimum-variance unbiased rule and
+  compressed for cuSPARSELt in one pass (the rule itself, plain `jnp`, in
+  `mvue_rule`, shared with jsparse24's reference `mvue_24`).
 
 Each kernel has a plain-`jnp` `*_reference` beside it and runs on CPU with
 `interpret=True` for tests.

@@ -155,7 +155,7 @@ def _row_lanes(w_ref) -> list[jax.Array]:
   return [w_ref[pl.ds(l, bk // 8, stride=8), :] for l in range(8)]
 
 
-def _store_k_major(values_ref, slots: list[jax.Array]) -> None:
+def store_k_major(values_ref, slots: list[jax.Array]) -> None:
   """Stores 4 value slots `[bk/8, bn]` (from `compress_lanes` on row lanes)
   as the K-compressed `[bk/2, bn]` tile: row 4r + s is slot s's row r."""
   rows = values_ref.shape[0] // 4
@@ -168,7 +168,7 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
   if k_major:  # layout="cusparselt" (never transposable)
     if strided_lanes:
       slots, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # meta [bk/8, bn]
-      _store_k_major(values_ref, slots)
+      store_k_major(values_ref, slots)
       meta_ref[...] = meta.astype(jnp.int32).T.astype(jnp.uint8)
     else:
       values, meta = _tiles.compress_rows(w_ref[...].T, None)
@@ -198,7 +198,7 @@ def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
   if k_major and strided_lanes:
     keep_kn = _tiles.keep_from_meta(meta_in.astype(jnp.int32).T)  # 8 x [bk/8, bn]
     slots, _ = _tiles.compress_lanes(_row_lanes(w_ref), keep_kn)
-    _store_k_major(values_ref, slots)
+    store_k_major(values_ref, slots)
   else:
     values, _ = _tiles.compress_rows(w_ref[...].T, _tiles.keep_from_meta(meta_in))
     values_ref[...] = values.T if k_major else values
@@ -294,7 +294,7 @@ def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
   return shapes, specs
 
 
-def _fit(config: PruneConfig, k: int, n: int, exact: bool = False) -> PruneConfig:
+def fit_config(config: PruneConfig, k: int, n: int, exact: bool = False) -> PruneConfig:
   """Shrinks tiles for small inputs (never below 8: a byte packs 2 groups).
   With `exact`, tiles also divide K and N (no padding: layout="cusparselt",
   whose outputs are used whole)."""
@@ -329,7 +329,7 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
         f" (jsparse24.Mask24.from_weights(w, transposable=True)) and use"
         f" compress_with_meta.")
   k, n = w.shape
-  cfg = _fit(config or PruneConfig.default(
+  cfg = fit_config(config or PruneConfig.default(
       k, n, "prune_transposable" if transposable else "prune", layout), k, n, exact=k_major)
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
@@ -378,7 +378,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
     raise ValueError(
         f"{fn}: `meta` must be uint8[{n}, {math.ceil(k / 8)}] for w of shape"
         f" {w.shape}, got {meta.dtype}{list(meta.shape)}.")
-  cfg = _fit(config or PruneConfig.default(
+  cfg = fit_config(config or PruneConfig.default(
       k, n, "apply_transposed" if transposed else "apply", layout), k, n, exact=k_major)
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)

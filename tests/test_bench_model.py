@@ -10,10 +10,11 @@ from benchmarks import bench_model
 LAYERS = 2
 
 
-def test_bench_model_runs_on_cpu(capsys):
+@pytest.mark.parametrize("weight_grad", ["dense", "mvue"])
+def test_bench_model_runs_on_cpu(capsys, weight_grad):
   out = bench_model.main(["--widths", "128", "--layers", str(LAYERS), "--seq", "32",
                           "--batch", "2", "--vocab", "512", "--rebuild-every", "5",
-                          "--quick", "--no-write"])
+                          "--weight-grad", weight_grad, "--quick", "--no-write"])
   (r,) = out["widths"]
   assert r["status"] == "ok", r.get("error")
   assert r["dense"]["tokens_per_s"] > 0 and r["sparse"]["tokens_per_s"] > 0

@@ -249,3 +249,94 @@ def test_cusparselt_algorithm_choice_survives_a_restart(tmp_path, dtype):
   assert (tmp_path / "cusparselt-algorithms.txt").read_text().count("\n") == 2
   assert second["searches"] == 0, second
   assert second["digest"] == first["digest"]
+
+
+# --- weight_grad="mvue": the pruning kernel and the weight-gradient product --------------
+
+
+@pytest.mark.parametrize("shape,dtype", [((4096, 4096), jnp.bfloat16), ((192, 320), jnp.float16),
+                                         ((1024, 2048), jnp.bfloat16)])
+def test_mvue_compress_kernel_on_gpu(shape, dtype):
+  """The compiled kernel draws the reference's groups. Triton's float32
+  division (not correctly rounded) and fused multiply-adds may move a
+  probability by an ulp, which can flip a draw whose uniform number lies
+  within that ulp of a boundary (about 1e-7 per group), and move a kept
+  value by an ulp of float32 before rounding to `dtype`."""
+  from pallas_kernels import mvue24  # pylint: disable=g-import-not-at-top
+  g = jax.random.normal(jax.random.key(shape[0]), shape, dtype)
+  g = g.at[:8].set(0).at[8:12, :5].set(jnp.array([0, 1, 0, 0], dtype)[:, None])
+  seed = jsparse24._mvue.mvue_seeds(jax.random.key(11))
+  buf, meta = mvue24.mvue_compress(g, seed, 64)
+  values, meta_ref = jax.jit(mvue24.mvue_compress_reference)(g, seed, 64)
+  codes = lambda m: np.stack([np.asarray(m) & 0xF, np.asarray(m) >> 4], -1)  # noqa: E731
+  same = codes(meta) == codes(meta_ref)
+  assert 1.0 - same.mean() <= 1e-5, 1.0 - same.mean()
+  m = shape[0]
+  got = np.asarray(buf[:m // 2], np.float32).reshape(m // 4, 2, -1)
+  want = np.asarray(values, np.float32).reshape(m // 4, 2, -1)
+  agree = same.reshape(same.shape[0], m // 4).T[:, None, :]  # [M/4, 1, N]
+  np.testing.assert_allclose(np.where(agree, got, 0), np.where(agree, want, 0),
+                             rtol=2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -10)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
+@pytest.mark.parametrize("m,k,n", [(2048, 1024, 512), (1003, 512, 256), (3, 64, 64),
+                                   (8192, 4096, 4096)])
+def test_cusparselt_mvue_weight_grad(dtype, tol, m, k, n):
+  """dw = x^T mvue_24(dy) on the sparse tensor cores against XLA's dense
+  product of the reference's pruned dy (float32): they differ by the
+  result's rounding to `dtype` (cuSPARSELt writes its input dtype) and the
+  rare draws of test_mvue_compress_kernel_on_gpu. M = 1003 has a tail of 3
+  rows (kept exactly) and pads to 1024; M = 3 is all tail."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  kx, kd, kk = jax.random.split(jax.random.key(m + k + n), 3)
+  x = jax.random.normal(kx, (m, k), dtype)
+  dy = jax.random.normal(kd, (m, n), dtype)
+  got = jax.jit(cusparselt.mvue_weight_grad)(x, dy, kk)
+  want = jax.jit(lambda x, dy, kk: jnp.dot(
+      x.T.astype(jnp.float32), jsparse24.mvue_24(dy, kk, axis=0).astype(jnp.float32),
+      precision=jax.lax.Precision.HIGHEST))(x, dy, kk)
+  assert got.shape == (k, n) and got.dtype == jnp.float32
+  assert _rel_err(got, want) < tol, _rel_err(got, want)
+
+
+@pytest.mark.parametrize("kind", ["mask24_t", "none"])
+@pytest.mark.parametrize("gradient", ["ste", "masked"])
+def test_cusparselt_sparse_dot_with_mvue_weight_grad(kind, gradient):
+  kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (4, 256, 1024), jnp.bfloat16)
+  w = jax.random.normal(kw, (1024, 2048), jnp.bfloat16)
+  dy = jax.random.normal(kd, (4, 256, 2048), jnp.bfloat16)
+  mask, transposable = _mask_for(kind, w)
+
+  def run(impl):
+    f = lambda x, w: jsparse24.sparse_dot(  # noqa: E731
+        x, w, mask, gradient=gradient, transposable=transposable, implementation=impl,
+        weight_grad="mvue", key=jax.random.key(5))
+    y, vjp = jax.vjp(jax.jit(f), x, w)
+    return (y,) + vjp(dy)
+
+  got, ref = run("cusparselt"), run("xla")
+  for name, g, r in zip(("y", "dx", "dw"), got, ref):
+    assert g.shape == r.shape and g.dtype == r.dtype, name
+    assert _rel_err(g, r) < 1e-2, (name, _rel_err(g, r))
+
+
+def test_sparse_dense_mvue_on_cusparselt_with_a_float32_kernel():
+  """The layer (float32 kernel, bfloat16 compute) with weight_grad="mvue":
+  the kernel's gradient is float32, close to the reference backend's."""
+  x = jax.random.normal(jax.random.key(0), (8, 128, 512), jnp.bfloat16)
+
+  def grads(impl):
+    layer = jsparse24.SparseDense(1024, dtype=jnp.bfloat16, weight_grad="mvue",
+                                  implementation=impl)
+    variables = layer.init(jax.random.key(1), x)
+    params, rest = variables["params"], {c: v for c, v in variables.items() if c != "params"}
+    loss = lambda p: jnp.sum(layer.apply(  # noqa: E731
+        {"params": p, **rest}, x, rngs={"mvue": jax.random.key(2)}).astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss))(params)
+
+  got, ref = grads("cusparselt"), grads("xla")
+  assert got["kernel"].dtype == jnp.float32
+  assert _rel_err(got["kernel"], ref["kernel"]) < 1e-2, _rel_err(got["kernel"], ref["kernel"])
+  assert _rel_err(got["bias"], ref["bias"]) < 1e-2

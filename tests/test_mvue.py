@@ -274,3 +274,70 @@ def test_mvue_layer_computes_what_the_dense_grad_layer_computes():
                        rngs={"mvue": jax.random.key(1)})
 
   np.testing.assert_array_equal(run("mvue"), run("dense"))
+
+
+# --- the GPU path's kernel and layout, in interpret mode -----------------------------
+
+
+@pytest.mark.parametrize("shape,dtype", [((128, 192), jnp.bfloat16), ((64, 320), jnp.float16),
+                                         ((192, 64), jnp.bfloat16)])
+def test_mvue_compress_kernel_equals_the_reference(shape, dtype):
+  from pallas_kernels import mvue24
+  g = jax.random.normal(jax.random.key(shape[0]), shape, dtype)
+  # Zero groups, single non-zeros, a dominant entry, ties.
+  g = g.at[:8].set(0).at[8:12, :5].set(jnp.array([0, 1, 0, 0], dtype)[:, None])
+  g = g.at[12:16, 5:9].set(jnp.array([9, 1, 1, 1], dtype)[:, None])
+  g = g.at[16:20, 9:12].set(jnp.array([2, -2, 2, 2], dtype)[:, None])
+  key = jax.random.key(7)
+  seed = jsparse24._mvue.mvue_seeds(key)
+  buf, meta = mvue24.mvue_compress(g, seed, 12, interpret=True)
+  values, meta_ref = mvue24.mvue_compress_reference(g, seed, 12)
+  m = shape[0]
+  assert buf.shape == (m // 2 + m // 16, shape[1]) and meta.shape == (shape[1], m // 8)
+  np.testing.assert_array_equal(np.asarray(buf[:m // 2]).view(np.uint16),
+                                np.asarray(values).view(np.uint16))
+  np.testing.assert_array_equal(meta, meta_ref)
+  # With the first group numbered 0 it is mvue_24 itself, compressed.
+  values, meta = mvue24.mvue_compress_reference(g, seed)
+  dense = jsparse24.decompress(jsparse24.Sparse24(values.T, meta))
+  np.testing.assert_array_equal(np.asarray(dense, np.float32),
+                                np.asarray(jsparse24.mvue_24(g, key, axis=0), np.float32))
+
+
+def test_mvue_compress_of_row_blocks_draws_what_the_whole_does():
+  # How each device of a data-parallel mesh prunes its own rows.
+  from pallas_kernels import mvue24
+  g = jax.random.normal(jax.random.key(0), (256, 128), jnp.bfloat16)
+  seed = jsparse24._mvue.mvue_seeds(jax.random.key(1))
+  whole, whole_meta = mvue24.mvue_compress_reference(g, seed)
+  parts = [mvue24.mvue_compress(g[r:r + 64], seed, r // 4 * 128, interpret=True)
+           for r in range(0, 256, 64)]
+  np.testing.assert_array_equal(jnp.concatenate([b[:32] for b, _ in parts]), whole)
+  np.testing.assert_array_equal(jnp.concatenate([m for _, m in parts], axis=1), whole_meta)
+
+
+def test_mvue_compress_rejects_bad_input():
+  from pallas_kernels import mvue24
+  seed = jnp.zeros((2,), jnp.uint32)
+  with pytest.raises(ValueError, match="mvue_compress: M and N must be multiples of 64"):
+    mvue24.mvue_compress(jnp.zeros((96, 64), jnp.bfloat16), seed, interpret=True)
+  with pytest.raises(TypeError, match="mvue_compress: `g` must be bfloat16 or float16"):
+    mvue24.mvue_compress(jnp.zeros((64, 64), jnp.float32), seed, interpret=True)
+  with pytest.raises(ValueError, match=r"mvue_compress: `seed` must be uint32\[2\]"):
+    mvue24.mvue_compress(jnp.zeros((64, 64), jnp.bfloat16), seed[:1], interpret=True)
+
+
+def test_cusparselt_operand_of_the_pruned_gradient():
+  # The buffer the cuSPARSELt weight-gradient product reads: mvue_24(dy)
+  # compressed along M in cuSPARSELt's layout (values, then metadata), as
+  # from_sparse24 lays out a weight compressed along K.
+  from jsparse24.backends import cusparselt
+  dy = jax.random.normal(jax.random.key(2), (192, 128), jnp.bfloat16)
+  key = jax.random.key(3)
+  with interpret_mode():
+    buf = cusparselt.mvue_compress_for_product(dy, jsparse24._mvue.mvue_seeds(key))
+  pruned = jsparse24.mvue_24(dy, key, axis=0)
+  want, _ = cusparselt.from_sparse24(jsparse24.compress(pruned, pruned != 0,
+                                                        implementation="xla"))
+  assert buf.shape == cusparselt.buffer_shape(192, 128, transpose=False)
+  np.testing.assert_array_equal(np.asarray(buf).view(np.uint16), np.asarray(want).view(np.uint16))

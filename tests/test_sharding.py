@@ -200,3 +200,37 @@ def test_sharded_state_checkpoints_and_resumes_bit_for_bit(tmp_path):
     assert float(l1) == float(l2)
   for a, b in zip(jax.tree.leaves((p1, o1)), jax.tree.leaves((p2, o2))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _weighted_rows(x, dy, first_row, scale):
+  """x^T (dy * (global row index + 1)) * scale: wrong unless every device
+  knows where its rows start."""
+  rows = (first_row + 1 + jnp.arange(x.shape[0])).astype(jnp.float32)
+  return scale[0] * jnp.einsum("mk,mn->kn", x, dy * rows[:, None],
+                               preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("spec", [P("data"), P(("data", "model")), P(None)])
+def test_rows_contracted_sums_each_devices_rows_with_one_all_reduce(axis_type, spec):
+  """The weight gradient's sparse product (`x^T mvue_24(dy)` on cuSPARSELt)
+  contracts over M: each device contracts its own rows, then one all-reduce,
+  as XLA does for the dense `x^T dy`; no activation is gathered."""
+  from jsparse24._sharding import rows_contracted
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+  x = jax.random.normal(jax.random.key(0), (64, 16))
+  dy = jax.random.normal(jax.random.key(1), (64, 24))
+  scale = jnp.array([3.0])
+  want = _weighted_rows(x, dy, jnp.int32(0), scale)
+  xs, dys = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, dy))
+  f = jax.jit(lambda a, b: rows_contracted(_weighted_rows, a, b, scale))
+  np.testing.assert_allclose(f(xs, dys), want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+  coll = _collectives(f.lower(xs, dys).compile().as_text())
+  assert coll["all-gather"] == [], coll
+  assert coll["all-reduce"] == ([] if spec == P(None) else [(16, 24)]), coll
+  # Under vmap: one contraction per batch element.
+  got = jax.vmap(lambda a, b: rows_contracted(_weighted_rows, a, b, scale), in_axes=(0, None))(
+      jnp.stack([x, 2 * x]), dy)
+  np.testing.assert_allclose(got, jnp.stack([want, 2 * want]), rtol=1e-5,
+                             atol=2e-5 * float(jnp.abs(want).max()))

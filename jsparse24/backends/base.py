@@ -5,7 +5,9 @@
 into an *operand* once per forward pass (prune and/or compress), multiplies by
 it, and reuses the same operand in the backward pass for `dx = dy @ (w*m)^T`:
 nothing is pruned or compressed twice per step. `dw = x^T @ dy` is a dense
-XLA product. The reference backend overrides `dot` with plain JAX ops.
+XLA product; with `weight_grad="mvue"` it is `Backend.mvue_weight_grad` (XLA's
+dense product of the pruned `dy` unless the backend has a sparse one). The
+reference backend overrides `dot` with plain JAX ops.
 """
 
 from __future__ import annotations
@@ -122,6 +124,14 @@ class Backend(abc.ABC):
     """`dw * mask` for the "masked" gradient mode."""
     raise NotImplementedError
 
+  def mvue_weight_grad(self, x: jax.Array, dy: jax.Array, w: jax.Array, key: jax.Array,
+                       precision: Any) -> jax.Array:
+    """`x[M, K]^T mvue_24(dy[M, N], key)` in w's dtype: here XLA's dense
+    product of the pruned `dy` (the reference; a backend with a sparse
+    product for it overrides this)."""
+    del self
+    return dense_weight_grad(x, mvue_24(dy, key, axis=0), w, precision)
+
   @abc.abstractmethod
   def forward_compressed(self, x: jax.Array, sp: Sparse24, precision: Any) -> jax.Array:
     """`x @ decompress(sp)` for inference on a compressed weight."""
@@ -135,29 +145,43 @@ class Backend(abc.ABC):
 
 
 def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, cfg: DotConfig,
-                key: jax.Array | None = None, active: jax.Array | None = None) -> jax.Array:
+                key: jax.Array | None = None, active: jax.Array | None = None,
+                backend: "Backend | None" = None) -> jax.Array:
   """`dw = x^T dy`, accumulated in float32 and returned in w's own dtype;
   with `cfg.weight_grad == "mvue"`, `x^T mvue_24(dy, key)` (dy pruned 2:4
-  along M, unbiased) where `active` (None: always) is True.
+  along M, unbiased; `backend.mvue_weight_grad`, by default XLA's dense
+  product of the pruned dy) where `active` (None: always) is True.
 
   `w` may be wider than x (a layer's float32 kernel with bfloat16 compute,
   cast inside the product): the product then writes the float32 gradient
   directly, with no bfloat16 rounding and no separate conversion pass.
   """
-  if cfg.weight_grad == "mvue":
-    if key is None:
-      # A layer applied without its rng stream: fine for inference, but the
-      # gradient needs the key. (Raised while JAX traces the gradient.)
-      raise ValueError(
-          "SparseDense / SparseLinear with weight_grad='mvue': its gradient draws from the"
-          " 'mvue' rng stream, and the layer was applied without it; pass"
-          " rngs={'mvue': key} to `apply` (a new key per step, e.g."
-          " jax.random.fold_in(key, step)), or give an NNX layer an 'mvue' stream.")
-    pruned = mvue_24(dy, key, axis=0)
-    dy = pruned if active is None else jnp.where(active, pruned, dy)
+  if cfg.weight_grad != "mvue":
+    return dense_weight_grad(x, dy, w, cfg.precision)
+  if key is None:
+    # A layer applied without its rng stream: fine for inference, but the
+    # gradient needs the key. (Raised while JAX traces the gradient.)
+    raise ValueError(
+        "SparseDense / SparseLinear with weight_grad='mvue': its gradient draws from the"
+        " 'mvue' rng stream, and the layer was applied without it; pass"
+        " rngs={'mvue': key} to `apply` (a new key per step, e.g."
+        " jax.random.fold_in(key, step)), or give an NNX layer an 'mvue' stream.")
+  if backend is None:  # the reference backend's products
+    pruned = lambda: dense_weight_grad(x, mvue_24(dy, key, axis=0), w, cfg.precision)  # noqa: E731
+  else:
+    pruned = lambda: backend.mvue_weight_grad(x, dy, w, key, cfg.precision)  # noqa: E731
+  if active is None:
+    return pruned()
+  # A schedule's dense phase keeps the exact gradient.
+  return jax.lax.cond(active, pruned, lambda: dense_weight_grad(x, dy, w, cfg.precision))
+
+
+def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
+  """`x^T dy` by XLA, accumulated in float32, in w's dtype (and sharding,
+  where the mesh axes are Explicit)."""
   sharding = weight_grad_sharding(w)  # Explicit mesh axes: dw sharded like w
   kw = {} if sharding is None else {"out_sharding": sharding}
-  out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=cfg.precision,
+  out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
                             preferred_element_type=accumulation_dtype(x.dtype), **kw)
   return out.astype(w.dtype)
 
@@ -183,7 +207,7 @@ def _custom_dot_bwd(backend: Backend, cfg: DotConfig, res, dy):
   x, w, operand, key = res
   dx = backend.backward_dx(dy, operand, cfg.precision)
   # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
-  dw = weight_grad(x, dy, w, cfg, key)
+  dw = weight_grad(x, dy, w, cfg, key, backend=backend)
   if cfg.gradient == "masked":
     dw = backend.mask_grad(dw, operand)
   return dx.astype(x.dtype), dw, None, None
@@ -214,7 +238,7 @@ def _custom_dot_or_dense_bwd(backend: Backend, cfg: DotConfig, res, dy):
   x, w, operand, active, key = res
   dx = jax.lax.cond(active, lambda: backend.backward_dx(dy, operand, cfg.precision),
                     lambda: matmul(dy, w.astype(dy.dtype).T, cfg.precision))
-  dw = weight_grad(x, dy, w, cfg, key, active)
+  dw = weight_grad(x, dy, w, cfg, key, active, backend)
   if cfg.gradient == "masked":
     dw = jnp.where(active, backend.mask_grad(dw, operand), dw)
   return dx.astype(x.dtype), dw, None, None, None

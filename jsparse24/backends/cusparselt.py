@@ -7,7 +7,9 @@ with the Pallas compress kernel -- one pass over `w` writing, in cuSPARSELt's
 compressed format, the K-compressed copy and, for transposable masks, the
 N-compressed one -- then writes each copy's metadata after its values
 (`compress_for_products`). Both products, `y = x @ (w*m)` and `dx = dy @ (w*m)^T`, then
-run on the sparse tensor cores; `dw = x^T @ dy` is dense (XLA). Without a
+run on the sparse tensor cores; `dw = x^T @ dy` is dense (XLA), or, with
+`weight_grad="mvue"`, `x^T @ mvue_24(dy)` on the sparse tensor cores too (dy
+pruned and compressed by one Pallas pass, `mvue_weight_grad`). Without a
 transposable mask, `dx` is a dense XLA product with the decompressed weight.
 
 The weight buffer `w[K, N]` (row-major, N contiguous) is cuSPARSELt's
@@ -37,9 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, decompress
-from jsparse24._sharding import rows_parallel
+from jsparse24._mvue import mvue_seeds
+from jsparse24._sharding import rows_contracted, rows_parallel, weight_grad_sharding
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends.base import Backend, Problem
+from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends.pallas import PallasBackend, compress_arrays
 from jsparse24.backends.base import matmul as xla_matmul
 
@@ -372,6 +376,78 @@ def matmul(x: jax.Array, c: jax.Array, *, k: int, n: int, transpose: bool = Fals
   return _batched_matmul(k, n, transpose)(x, c)
 
 
+# --- the weight gradient on the sparse tensor cores (weight_grad="mvue") ----------
+#
+# dw[K, N] = x^T mvue_24(dy): the pruned dy[M, N] (2:4 along M, its
+# contraction axis) is cuSPARSELt's structured operand A, the column-major
+# N x M matrix its row-major buffer already is -- the same layout as a weight
+# w[K, N] compressed along K for the forward product, with M for K -- so the
+# MVUE kernel writes it in that layout (values, then the metadata). B = x^T
+# (the row-major x read as column-major K x M, op T) and D = dw^T (column-major
+# N x K: the row-major dw). cuSPARSELt writes D in the input dtype (float32
+# accumulation, rounded once to bfloat16/float16), which is then cast to w's
+# dtype.
+
+
+def _mvue_kernel():
+  from pallas_kernels import mvue24  # pylint: disable=g-import-not-at-top
+  return mvue24
+
+
+def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0) -> jax.Array:
+  """`mvue_24` of `dy[M, N]` (M, N multiples of 64) along M, compressed for
+  cuSPARSELt (`buffer_shape(M, N, transpose=False)`), by one Pallas pass then
+  the metadata write. `seed`: `mvue_seeds(key)`; `first_group` as in
+  `pallas_kernels.mvue24.mvue_compress`."""
+  m, n = dy.shape
+  _check_aligned(m, n)
+  buf, meta = _mvue_kernel().mvue_compress(dy, seed, first_group,
+                                           interpret=pallas_backend.interpreting())
+  return _with_metadata(buf, m // 2, meta, m // 4)
+
+
+@functools.cache
+def _mvue_weight_grad_local(search: int, alg: int):
+  """The per-device `fn(x, dy, first_row, seed) -> float32 [K, N]` of
+  `rows_contracted`."""
+
+  def run(x, dy, first_row, seed):
+    m, k = x.shape
+    n = dy.shape[1]
+    head = m - m % 4  # the last M % 4 rows are kept exactly (as mvue_24 does)
+    dw = jnp.zeros((k, n), jnp.float32)
+    if head:
+      pad = -head % ALIGN_KN
+      xh = jnp.pad(x[:head], ((0, pad), (0, 0)))
+      dyh = jnp.pad(dy[:head], ((0, pad), (0, 0)))
+      mp = head + pad
+      _check_size(x.dtype, mp, n)
+      first_group = (first_row // 4).astype(jnp.uint32) * jnp.uint32(n)
+      c = mvue_compress_for_product(dyh, seed, first_group)
+      call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul",
+                              jax.ShapeDtypeStruct((k, n), x.dtype))
+      # D[N, K] (column-major) = A[N, Mp] (structured, op N) @ op_T(B)[Mp, K].
+      dw = call(c, xh, m=np.int64(n), n=np.int64(k), k=np.int64(mp), op_a=np.int64(_N),
+                op_b=np.int64(_T), sparse_a=np.int64(1), order_a=np.int64(_COL),
+                order_b=np.int64(_COL), order_d=np.int64(_COL), search=np.int64(search),
+                alg=np.int64(alg)).astype(jnp.float32)
+    if head < m:
+      dw = dw + jax.lax.dot_general(x[head:], dy[head:], (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+    return dw
+
+  return run
+
+
+def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
+  """`x[M, K]^T mvue_24(dy[M, N], key)` (float32 `[K, N]`) with the product on
+  the sparse tensor cores; under `jit` with rows sharded, each device prunes
+  and multiplies its own rows (drawing what the whole `dy` would, for M a
+  multiple of 4 per device) and the partial sums are all-reduced."""
+  return rows_contracted(_mvue_weight_grad_local(*_search_attrs(x.dtype)), x, dy,
+                         mvue_seeds(key))
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
   """What the forward pass builds once and the backward pass reuses (the
@@ -454,6 +530,12 @@ class CusparseltBackend(Backend):
   def mask_grad(self, dw, operand: Operand):
     mask = Mask24(operand.meta, operand.shape).unpack()
     return jnp.where(mask, dw, jnp.zeros((), dw.dtype))
+
+  def mvue_weight_grad(self, x, dy, w, key, precision):
+    del precision  # cuSPARSELt accumulates in float32
+    dw = mvue_weight_grad(x, dy, key).astype(w.dtype)
+    sharding = weight_grad_sharding(w)  # Explicit mesh axes: dw typed like w
+    return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     # A Sparse24 is the portable format; this re-lays it out for cuSPARSELt

@@ -38,6 +38,11 @@ AUTO_MAX_M = 0
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
+def interpreting() -> bool:
+  """Whether the Pallas kernels run in interpret mode (`interpret_mode`)."""
+  return _INTERPRET[0]
+
+
 @contextlib.contextmanager
 def interpret_mode(enabled: bool = True):
   """Runs the Pallas kernels in interpret mode (any platform; slow) within."""

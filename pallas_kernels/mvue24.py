@@ -1,0 +1,111 @@
+"""MVUE 2:4 pruning + compression of a gradient in one pass (Pallas, Triton lowering).
+
+`mvue_compress(g, seed)` reads `g[M, N]` (bfloat16/float16) once and writes
+it pruned 2:4 along M by the minimum-variance unbiased rule
+(`pallas_kernels.mvue_rule`), the kept values rescaled, compressed in
+cuSPARSELt's layout for a structured operand compressed along M (the layout
+`prune24.prune_compress(..., layout="cusparselt")` writes for a weight
+compressed along K): values `[M/2, N]` in the leading rows of a
+`[M/2 + M/16, N]` buffer, and the packed codes `uint8[N, M/8]` (the `Mask24`
+layout) from which the caller writes the buffer's metadata rows. The random
+numbers come from a counter-based hash of `seed` and the group's number
+`first_group + (m // 4) * N + n`, so the result equals `mvue_compress_reference` (the same
+rule applied by XLA ops) for the same seed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import mvue_rule, prune24
+
+
+def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
+  # seed_ref: uint32[4] = (seed word 0, seed word 1, number of the first group, 0).
+  bm, bn = g_ref.shape
+  rows = bm // 8
+  lanes = [g_ref[pl.ds(l, rows, stride=8), :].astype(jnp.float32) for l in range(8)]
+  # Group row of lane group h in stripe r: (i*bm + 8r + 4h) / 4.
+  first_row = pl.program_id(0) * (bm // 4)
+  stripe = jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 0)
+  col = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 1)
+  seed0, seed1, first_group = seed_ref[0], seed_ref[1], seed_ref[2]
+  slots, codes = [], []
+  for h in (0, 1):
+    index = ((first_row + 2 * stripe + h) * n + col).astype(jnp.uint32) + first_group
+    i0, i1, v0, v1 = mvue_rule.sample(lanes[4 * h:4 * h + 4],
+                                      mvue_rule.uniform(seed0, seed1, index))
+    slots += [v0.astype(g_ref.dtype), v1.astype(g_ref.dtype)]
+    codes.append(i0 | (i1 << 2))
+  prune24.store_k_major(values_ref, slots)
+  meta_ref[...] = (codes[0] | (codes[1] << 4)).T.astype(jnp.uint8)
+
+
+def _seed_words(seed: jax.Array, first_group) -> jax.Array:
+  first = jnp.asarray(first_group).astype(jnp.uint32).reshape(1)
+  return jnp.concatenate([seed, first, jnp.zeros((1,), jnp.uint32)])
+
+
+def _check(fn: str, g: jax.Array, seed: jax.Array) -> None:
+  if g.ndim != 2:
+    raise ValueError(f"{fn}: `g` must be 2-D [M, N], got shape {g.shape}.")
+  if g.dtype not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"{fn}: `g` must be bfloat16 or float16 (cuSPARSELt's 2:4"
+                    f" formats), got {g.dtype}.")
+  m, n = g.shape
+  a = prune24.CUSPARSELT_ALIGN
+  if m % a or n % a:
+    raise ValueError(f"{fn}: M and N must be multiples of {a}, got g of shape {g.shape}.")
+  if seed.shape != (2,) or seed.dtype != jnp.uint32:
+    raise ValueError(f"{fn}: `seed` must be uint32[2], got {seed.dtype}{list(seed.shape)}.")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *,
+                  config: prune24.PruneConfig | None = None, interpret: bool = False):
+  """`(buffer [M/2 + M/16, N], meta uint8[N, M/8])` for `g[M, N]` (module
+  docstring); M and N multiples of 64, `seed` uint32[2], `first_group` the
+  number (a uint32 scalar, may be traced) of g's first group: a shard of a
+  larger gradient that starts at row r passes `r // 4 * N` and draws what the
+  whole gradient would. The buffer's last M/16 rows are left unwritten for
+  the caller's metadata."""
+  _check("mvue_compress", g, seed)
+  m, n = g.shape
+  cfg = prune24.fit_config(config or prune24.PruneConfig.default(m, n, "prune", "cusparselt"),
+                           m, n, exact=True)
+  bm, bn = cfg.block_k, cfg.block_n
+  return pl.pallas_call(
+      functools.partial(_kernel, n=n),
+      out_shape=[jax.ShapeDtypeStruct((m // 2 + m // 16, n), g.dtype),
+                 jax.ShapeDtypeStruct((n, m // 8), jnp.uint8)],
+      grid=(m // bm, n // bn),
+      in_specs=[pl.BlockSpec((4,), lambda i, j: (0,)),
+                pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((bm // 2, bn), lambda i, j: (i, j)),
+                 pl.BlockSpec((bn, bm // 8), lambda i, j: (j, i))],
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="jsparse24_mvue_compress",
+  )(_seed_words(seed, first_group), g)
+
+
+def mvue_compress_reference(g: jax.Array, seed: jax.Array, first_group=0):
+  """What `mvue_compress` computes, with XLA ops: `(values [M/2, N], meta
+  uint8[N, M/8])` (the buffer's value rows, and the packed codes)."""
+  _check("mvue_compress_reference", g, seed)
+  m, n = g.shape
+  groups = g.reshape(m // 4, 4, n).astype(jnp.float32)
+  index = (jnp.arange(m // 4 * n, dtype=jnp.uint32).reshape(m // 4, n)
+           + jnp.asarray(first_group).astype(jnp.uint32))
+  i0, i1, v0, v1 = mvue_rule.sample([groups[:, l] for l in range(4)],
+                                    mvue_rule.uniform(seed[0], seed[1], index))
+  values = jnp.stack([v0, v1], axis=1).reshape(m // 2, n).astype(g.dtype)
+  codes = (i0 | (i1 << 2)).T  # [N, M/4]
+  meta = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(jnp.uint8)
+  return values, meta
