@@ -2,7 +2,9 @@
 
 Masks live in their own `"sparsity"` collection, beside `"params"`, one entry
 per sparse layer: `{"mask": Mask24, "active": bool[]}`. `"active"` is False in
-dense phases of a schedule (warm-up, final dense fine-tuning). The `params`
+dense phases of a schedule (warm-up, final dense fine-tuning), and None where
+the layer has none (`mask_update` with an always-sparse schedule: no run-time
+switch between the sparse and dense products). The `params`
 tree is exactly `nn.Dense`'s, so dense checkpoints load unchanged.
 """
 
@@ -418,7 +420,7 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
   chosen = {}
   for path, layer in layers_by_path(sparsity).items():
     try:
-      flags = np.asarray(layer.get("active", True))
+      flags = np.asarray(True if layer.get("active") is None else layer["active"])
     except jax.errors.TracerArrayConversionError as e:
       raise TypeError(
           f"{fn}: the 'active' flags of layer {'/'.join(path)!r} are traced; call"

@@ -353,3 +353,54 @@ def test_multisteps_counts_optimizer_steps_not_micro_steps():
     params = optax.apply_updates(params, updates)
     assert int(state.inner_opt_state[0].count) == micro // k, micro
   assert int(state.inner_opt_state[0].last_rebuild) == 4  # optimizer step 4, micro-step 12
+
+
+class _ScannedNet(nn.Module):
+  """Blocks stacked with nn.scan, products on a custom_vjp backend (the
+  GPU backends' structure; "pallas" in interpret mode here)."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return jsparse24.SparseDense(16, implementation="pallas")(h), None
+    return nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                   split_rngs={"params": True}, length=3)()(x, None)[0]
+
+
+@pytest.mark.parametrize("schedule,layer_conds", [
+    (optim.MaskSchedule(rebuild_every=4), False),
+    (optim.MaskSchedule(), False),
+    (optim.MaskSchedule(warmup_steps=2, rebuild_every=4), True),
+    (optim.MaskSchedule(rebuild_every=4, dense_after=8), True)])
+def test_always_sparse_schedule_compiles_no_conditional_per_product(schedule, layer_conds):
+  """With no dense phase in the schedule the layers get `active=None`, so the
+  train step has no conditional around each product (on a GPU each one
+  copies its predicate to the host and stalls the launch queue); a schedule
+  with dense phases keeps them, and the rebuild's conditional stays."""
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  model = _ScannedNet()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  with interpret_mode():
+    variables = model.init(jax.random.key(1), x)
+  tx = optax.chain(optim.mask_update(variables["sparsity"], schedule, decay=1e-3),
+                   optax.sgd(0.1))
+  state = tx.init(variables["params"])
+  assert all((layer["active"] is None) == schedule.always_sparse
+             for layer in jsparse24.linen.layers_by_path(optim.masks(state)).values())
+
+  def step(params, state):
+    loss = lambda p: jnp.sum(model.apply({"params": p, "sparsity": optim.masks(state)}, x) ** 2)  # noqa: E731
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  with interpret_mode():
+    jaxpr = str(jax.make_jaxpr(step)(variables["params"], state))
+    params, state = jax.jit(step)(variables["params"], state)  # runs, and keeps its structure
+    jax.jit(step)(params, state)
+  conds = jaxpr.count(" cond[")
+  if layer_conds:
+    assert conds > 1, conds  # the rebuild's, and the layers' forward/backward switches
+  else:
+    assert conds == 1, conds  # the rebuild's only
