@@ -35,6 +35,14 @@ def sparse_dot(
   The reference backend (`"xla"`) is plain JAX ops (forward and reverse
   mode); the GPU backends are a `jax.custom_vjp` (`backends.base`).
 
+  Batched activations: pass them whole (`x[B, T, K]`): the leading axes fold
+  into the rows, and `y`, `dx` and `dw` are one product each. Under
+  `jax.vmap` over `x` with a shared `w` instead, JAX batches a custom_vjp's
+  backward pass, so the GPU backends compute `dw` per batch element (a
+  `[B, K, N]` array) and then sum it: JAX gives the backward pass no way to
+  tell `grad(vmap(f))` (where the sum is wanted) from `vmap(grad(f))`
+  (per-example gradients, where it is not).
+
   Args:
     x: `[..., K]` activations (floating).
     w: `[K, N]` dense weights (Flax kernel layout), or a `Sparse24` for
@@ -61,8 +69,9 @@ def sparse_dot(
       minimum-variance unbiased rule (`jsparse24.mvue_24`), so that
       `E[dw]` is the dense `dw` (Hu et al., ICML 2024). Composes with both
       gradient modes; `dx` stays exact; reverse mode only (a custom_vjp on
-      every backend). For now the pruned product runs on XLA's dense kernels
-      on every backend (no speed-up yet).
+      every backend). On `"cusparselt"` the pruned product runs on the
+      sparse tensor cores (its result rounded once to x's dtype, then cast
+      to w's); elsewhere it is XLA's dense product of the pruned `dy`.
     key: a PRNG key, required with `weight_grad="mvue"` (the same key gives
       the same `dw`, bit for bit).
 

@@ -624,3 +624,31 @@ def test_vmap_over_the_pallas_products(shared):
   want = jax.value_and_grad(loss("xla"), (0, 1))(x, w)
   for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-3)
+
+
+def test_batched_x_is_one_weight_gradient_product_vmap_is_one_per_element():
+  """The documented behaviour (sparse_dot's docstring): x with leading axes
+  makes dw one product; jax.vmap over x with a shared w makes a custom_vjp
+  backend compute dw per element ([B, K, N]) and sum it. Same values."""
+  import re  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  b, m, k, n = 3, 16, 32, 24
+  xs = jax.random.normal(jax.random.key(0), (b, m, k))
+  w = jax.random.normal(jax.random.key(1), (k, n))
+  mask = jsparse24.Mask24.from_weights(w)
+
+  def whole(w):
+    return jnp.sum(jsparse24.sparse_dot(xs, w, mask, implementation="pallas") ** 2)
+
+  def mapped(w):
+    return jnp.sum(jax.vmap(lambda x: jsparse24.sparse_dot(
+        x, w, mask, implementation="pallas"))(xs) ** 2)
+
+  with interpret_mode():
+    shapes = {}
+    for name, f in (("whole", whole), ("mapped", mapped)):
+      hlo = jax.jit(jax.grad(f)).lower(w).compile().as_text()
+      shapes[name] = set(re.findall(r"f32\[(\d+),(\d+),(\d+)\]", hlo))
+    np.testing.assert_allclose(jax.grad(whole)(w), jax.grad(mapped)(w), rtol=1e-5, atol=1e-4)
+  assert (str(b), str(k), str(n)) not in shapes["whole"]
+  assert (str(b), str(k), str(n)) in shapes["mapped"]
