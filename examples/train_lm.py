@@ -268,6 +268,9 @@ class Run:
   # weight_grad="mvue": the key that step `s` folds `s` into (so that a
   # resumed run draws the same pruning of the output gradients).
   mvue_key: Any = None
+  # The 2:4 run's MaskSchedule: each step is jitted for its phase (dense
+  # warm-up or sparse), so no product switches at run time (optim.masks).
+  schedule: Any = None
   # Training-step time only (no compilation, evaluation or checkpointing):
   # (first step, end step, seconds) of each stretch timed between two syncs.
   segments: list = dataclasses.field(default_factory=list)
@@ -279,10 +282,14 @@ class Run:
     steps, secs = sum(p[0] for p in parts), sum(p[1] for p in parts)
     return steps * tokens_per_step / secs if secs else float("nan")
 
-  def variables(self, params, opt_state) -> dict:
+  def variables(self, params, opt_state, phase: bool | None = None) -> dict:
     if self.sparse:
-      return {"params": params, "sparsity": jsparse24.optim.masks(opt_state)}
+      return {"params": params, "sparsity": jsparse24.optim.masks(opt_state, phase)}
     return {"params": params}
+
+  def phase(self, step: int) -> bool | None:
+    """Whether step `step` is sparse (host-side, for the jitted step)."""
+    return None if self.schedule is None else bool(self.schedule.sparse(step))
 
 
 def loss_fn(model, variables, x, y, rngs=None):
@@ -298,10 +305,10 @@ def make_steps(run: Run):
       return None
     return {"mvue": run.mvue_key if step is None else jax.random.fold_in(run.mvue_key, step)}
 
-  @jax.jit
-  def train_step(params, opt_state, x, y, step):
+  @functools.partial(jax.jit, static_argnames="phase")
+  def train_step(params, opt_state, x, y, step, phase=None):
     def objective(p):
-      return loss_fn(run.model, run.variables(p, opt_state), x, y, rngs(step))
+      return loss_fn(run.model, run.variables(p, opt_state, phase), x, y, rngs(step))
 
     loss, grads = jax.value_and_grad(objective)(params)
     updates, opt_state = run.tx.update(grads, opt_state, params)
@@ -362,7 +369,8 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
   first, seg_start, seg_t0 = run.step, None, None
   while run.step < args.steps:
     x, y = train_batch(data, run.step, args.batch, args.seq_len, args.seed)
-    run.params, run.opt_state, loss = train_step(run.params, run.opt_state, x, y, run.step)
+    run.params, run.opt_state, loss = train_step(run.params, run.opt_state, x, y, run.step,
+                                                 phase=run.phase(run.step))
     run.step += 1
     if run.step == first + 1:
       jax.block_until_ready(loss)
@@ -537,6 +545,7 @@ def make_run(name: str, sparse: bool, args, sample) -> Run:
       end_value=args.lr / 10)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(lr, b2=0.99, weight_decay=0.01))
+  schedule = None
   if sparse:
     schedule = jsparse24.optim.MaskSchedule(
         warmup_steps=args.mask_warmup, rebuild_every=args.rebuild_every,
@@ -548,7 +557,8 @@ def make_run(name: str, sparse: bool, args, sample) -> Run:
     tx = optimizer
   params = variables["params"]
   mvue_key = jax.random.fold_in(jax.random.key(args.seed), 1) if weight_grad == "mvue" else None
-  return Run(name, model, tx, sparse, params, jax.jit(tx.init)(params), mvue_key=mvue_key)
+  return Run(name, model, tx, sparse, params, jax.jit(tx.init)(params), mvue_key=mvue_key,
+             schedule=schedule)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

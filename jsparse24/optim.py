@@ -334,10 +334,37 @@ def _find_state(opt_state) -> MaskUpdateState:
   return found[0]
 
 
-def masks(opt_state) -> dict:
+def masks(opt_state, sparse: bool | None = None) -> dict:
   """The `"sparsity"` collection for the next forward pass, from an optimizer
-  state that contains a `mask_update` state (anywhere in a chain)."""
-  return _find_state(opt_state).masks
+  state that contains a `mask_update` state (anywhere in a chain).
+
+  `sparse`: None (default) passes the state's `active` flags, which a
+  schedule with dense phases keeps as run-time values: the compiled step
+  then switches every product at run time (a conditional per product, which
+  stalls a GPU; module docstring). A Python bool instead states this step's
+  phase for every layer: True gives `"active": None` (always sparse: no
+  switch at all), False constant False flags (dense; XLA folds the forward
+  pass's switches, the backward pass keeps its own, which reads the flags as
+  a residual). It must be the schedule's own phase, computed on the host,
+  with the step jitted once per phase:
+
+      @functools.partial(jax.jit, static_argnames="sparse")
+      def step(params, opt_state, batch, sparse):
+          variables = {"params": params, "sparsity": masks(opt_state, sparse)}
+          ...
+      step(params, opt_state, batch, sparse=bool(schedule.sparse(i)))
+  """
+  held = _find_state(opt_state).masks
+  if sparse is None:
+    return held
+  if not isinstance(sparse, (bool, np.bool_)):
+    raise TypeError(
+        f"masks: `sparse` must be None or a Python bool (this step's phase, e.g."
+        f" bool(schedule.sparse(step)) on the host), got {type(sparse).__name__}"
+        f" {sparse!r}; a traced value would keep the run-time switch.")
+  if sparse:
+    return _per_layer(lambda layer: {**layer, "active": None}, held)
+  return _per_layer(lambda layer: {**layer, "active": np.zeros(_stack_shape(layer), bool)}, held)
 
 
 def stats(opt_state) -> dict[str, dict[str, jax.Array]]:

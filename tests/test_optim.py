@@ -404,3 +404,43 @@ def test_always_sparse_schedule_compiles_no_conditional_per_product(schedule, la
     assert conds > 1, conds  # the rebuild's, and the layers' forward/backward switches
   else:
     assert conds == 1, conds  # the rebuild's only
+
+
+def test_masks_with_a_static_phase_drop_the_run_time_switch():
+  """With a warm-up the state's flags are run-time values (a conditional per
+  product); `masks(state, sparse=phase)` with the host's phase removes them
+  and computes the same step."""
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  model = _ScannedNet()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  schedule = optim.MaskSchedule(warmup_steps=2, rebuild_every=4)
+  with interpret_mode():
+    variables = model.init(jax.random.key(1), x)
+  tx = optax.chain(optim.mask_update(variables["sparsity"], schedule, decay=1e-3),
+                   optax.sgd(0.1))
+
+  def step(params, state, sparse):
+    loss = lambda p: jnp.sum(model.apply(  # noqa: E731
+        {"params": p, "sparsity": optim.masks(state, sparse)}, x) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  params, state = variables["params"], tx.init(variables["params"])
+  with interpret_mode():
+    for i in range(4):  # dense, dense, sparse, sparse
+      phase = bool(schedule.sparse(i))
+      assert phase == (i >= 2)
+      conds = {p: jax.jit(step, static_argnums=2).lower(params, state, p).compile()
+               .as_text().count(" conditional(") for p in (None, phase)}
+      if phase:  # only the rebuild's conditional is left
+        assert conds == {None: 3, True: 1}, conds
+      else:  # XLA folds the forward's switch; the backward's (a residual) stays
+        assert conds == {None: 3, False: 2}, conds
+      new = jax.jit(step, static_argnums=2)(params, state, phase)
+      ref = jax.jit(step, static_argnums=2)(params, state, None)
+      jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6),
+                   (new[0], new[2]), (ref[0], ref[2]))
+      params, state = new[0], new[1]
+  with pytest.raises(TypeError, match="masks: `sparse` must be None or a Python bool"):
+    optim.masks(state, jnp.array(True))
