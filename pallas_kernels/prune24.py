@@ -163,8 +163,25 @@ def store_k_major(values_ref, slots: list[jax.Array]) -> None:
     values_ref[pl.ds(s, rows, stride=4), :] = slot
 
 
+class _Cast:
+  """A read-only view of a ref whose loads are cast to `dtype`: a float32
+  weight is read once and cast in registers, instead of a separate XLA pass
+  writing a bfloat16 copy for the kernel to read again."""
+
+  def __init__(self, ref, dtype):
+    self.ref, self.dtype, self.shape = ref, dtype, ref.shape
+
+  def __getitem__(self, idx):
+    return self.ref[idx].astype(self.dtype)
+
+
+def _cast_view(ref, dtype):
+  return ref if jnp.dtype(dtype) == jnp.dtype(ref.dtype) else _Cast(ref, dtype)
+
+
 def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
                   strided_lanes: bool, k_major: bool):
+  w_ref = _cast_view(w_ref, values_ref.dtype)
   if k_major:  # layout="cusparselt" (never transposable)
     if strided_lanes:
       slots, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # meta [bk/8, bn]
@@ -194,6 +211,7 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
 
 def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
                   k_major: bool, strided_lanes: bool):
+  w_ref = _cast_view(w_ref, values_ref.dtype)
   meta_in = meta_in_ref[...]  # [bn, bk/8]
   if k_major and strided_lanes:
     keep_kn = _tiles.keep_from_meta(meta_in.astype(jnp.int32).T)  # 8 x [bk/8, bn]
@@ -235,15 +253,29 @@ LAYOUTS = ("sparse24", "cusparselt")
 CUSPARSELT_ALIGN = 64
 
 
-def _check_layout(fn: str, w: jax.Array, layout: str) -> bool:
-  """Checks `layout` against `w`; True for layout="cusparselt"."""
+def _out_dtype(fn: str, w: jax.Array, dtype) -> jnp.dtype:
+  """The values' dtype: `dtype` (w is cast to it as it is read), or w's own."""
+  if dtype is None:
+    return jnp.dtype(w.dtype)
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.bfloat16, jnp.float16, jnp.float32) or (
+      dtype.itemsize > jnp.dtype(w.dtype).itemsize):
+    raise TypeError(f"{fn}: `dtype` must be w's dtype or a narrower float (bfloat16,"
+                    f" float16), got {dtype} for w of {w.dtype}.")
+  return dtype
+
+
+def _check_layout(fn: str, w: jax.Array, layout: str, dtype=None) -> bool:
+  """Checks `layout` against `w` (values of `dtype`, default w's); True for
+  layout="cusparselt"."""
   if layout not in LAYOUTS:
     raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}.")
   if layout == "sparse24":
     return False
-  if w.dtype not in (jnp.bfloat16, jnp.float16):
-    raise TypeError(f"{fn}: layout='cusparselt' takes bfloat16 or float16 weights"
-                    f" (cuSPARSELt's 2:4 formats), got {w.dtype}.")
+  dtype = jnp.dtype(dtype or w.dtype)
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"{fn}: layout='cusparselt' takes bfloat16 or float16 values"
+                    f" (cuSPARSELt's 2:4 formats), got {dtype}.")
   k, n = w.shape
   if k % CUSPARSELT_ALIGN or n % CUSPARSELT_ALIGN:
     raise ValueError(f"{fn}: layout='cusparselt' needs K and N multiples of"
@@ -269,7 +301,7 @@ def _with_pad_code(meta: jax.Array, length: int) -> jax.Array:
 
 
 def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
-             k_major: bool = False):
+             k_major: bool = False, dtype=None):
   """Output shapes and block specs on the padded `wp[Kp, Np]` (grid (i over
   K tiles, j over N tiles)): values `[Np, Kp/2]`, then meta `[Np, Kp/8]` if
   `meta`, then values_t `[Kp, Np/2]` and meta_t `[Kp, Np/8]` if `transposed`.
@@ -277,17 +309,18 @@ def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
   values_t `[Kp + Kp/8, Np/2]`, the values in their leading rows."""
   kp, np_ = wp.shape
   bk, bn = cfg.block_k, cfg.block_n
+  dtype = wp.dtype if dtype is None else dtype
   if k_major:
-    shapes = [jax.ShapeDtypeStruct((kp // 2 + kp // 16, np_), wp.dtype)]
+    shapes = [jax.ShapeDtypeStruct((kp // 2 + kp // 16, np_), dtype)]
     specs = [pl.BlockSpec((bk // 2, bn), lambda i, j: (i, j))]
   else:
-    shapes = [jax.ShapeDtypeStruct((np_, kp // 2), wp.dtype)]
+    shapes = [jax.ShapeDtypeStruct((np_, kp // 2), dtype)]
     specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i))]
   if meta:
     shapes.append(jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8))
     specs.append(pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)))
   if transposed:
-    shapes += [jax.ShapeDtypeStruct((kp + (kp // 8 if k_major else 0), np_ // 2), wp.dtype),
+    shapes += [jax.ShapeDtypeStruct((kp + (kp // 8 if k_major else 0), np_ // 2), dtype),
                jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
     specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
               pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
@@ -307,10 +340,11 @@ def fit_config(config: PruneConfig, k: int, n: int, exact: bool = False) -> Prun
   return dataclasses.replace(config, block_k=bk, block_n=bn)
 
 
-@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret", "layout"))
+@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret", "layout",
+                                             "dtype"))
 def prune_compress(w: jax.Array, *, transposable: bool = False,
                    config: PruneConfig | None = None, interpret: bool = False,
-                   layout: str = "sparse24"):
+                   layout: str = "sparse24", dtype=None):
   """Prunes `w[K, N]` by magnitude (2:4 along K) and compresses, in one pass.
 
   Returns `(values [N, K/2], meta uint8[N, ceil(K/8)], values_t, meta_t)`;
@@ -318,11 +352,13 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   `transposable=True`, else None. With layout="cusparselt" (bfloat16/float16,
   K and N multiples of 64, not transposable) `values` is `[K/2 + K/16, N]`:
   the values `[K/2, N]` in its first K/2 rows, the rest unwritten (see the
-  module docstring).
+  module docstring). `dtype`: the values' dtype (default w's): a float32 `w`
+  is cast to it as it is read, and pruned as `w.astype(dtype)` would be.
   """
   fn = "prune_compress"
   _check_weight(fn, w, transposable)
-  k_major = _check_layout(fn, w, layout)
+  dtype = _out_dtype(fn, w, dtype)
+  k_major = _check_layout(fn, w, layout, dtype)
   if k_major and transposable:
     raise NotImplementedError(
         f"{fn}: layout='cusparselt' with transposable=True; find the mask first"
@@ -335,7 +371,7 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
   out_shape, out_specs = _outputs(wp, cfg, meta=True, transposed=transposable,
-                                  k_major=k_major)
+                                  k_major=k_major, dtype=dtype)
   outs = pl.pallas_call(
       functools.partial(_prune_kernel, transposable=transposable,
                         strided_lanes=cfg.strided_lanes, k_major=k_major),
@@ -357,10 +393,11 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   return values, meta, outs[2][:k, :n // 2], _with_pad_code(outs[3][:k, :math.ceil(n / 8)], n)
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret", "layout"))
+@functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret", "layout",
+                                             "dtype"))
 def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = False,
                        config: PruneConfig | None = None, interpret: bool = False,
-                       layout: str = "sparse24"):
+                       layout: str = "sparse24", dtype=None):
   """Compresses `w[K, N]` with a stored packed mask `meta` (the `Mask24`
   layout, `uint8[N, ceil(K/8)]`), in one pass.
 
@@ -368,11 +405,13 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   mask must be transposable) only with `transposed=True`, else None. With
   layout="cusparselt" (bfloat16/float16, K and N multiples of 64) `values` is
   `[K/2 + K/16, N]` and `values_t` `[K + K/8, N/2]`, the values in their
-  leading rows, the rest unwritten (see the module docstring).
+  leading rows, the rest unwritten (see the module docstring). `dtype`: the
+  values' dtype (default w's), w cast to it as it is read.
   """
   fn = "compress_with_meta"
   _check_weight(fn, w, transposed)
-  k_major = _check_layout(fn, w, layout)
+  dtype = _out_dtype(fn, w, dtype)
+  k_major = _check_layout(fn, w, layout, dtype)
   k, n = w.shape
   if meta.shape != (n, math.ceil(k / 8)) or meta.dtype != jnp.uint8:
     raise ValueError(
@@ -387,7 +426,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   mp = jnp.pad(meta, ((0, np_ - n), (0, kp // 8 - meta.shape[1])),
                constant_values=0x44)
   out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed,
-                                  k_major=k_major)
+                                  k_major=k_major, dtype=dtype)
   outs = pl.pallas_call(
       functools.partial(_apply_kernel, transposed=transposed, k_major=k_major,
                         strided_lanes=cfg.strided_lanes),

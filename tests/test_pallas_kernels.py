@@ -212,3 +212,65 @@ def test_pallas_is_never_chosen_automatically_before_it_measured_faster():
       problem = Problem(m=m, k=4096, n=4096, dtype=jnp.dtype(dtype), transposable=True,
                         platform="gpu")
       assert not PallasBackend().prefers(problem), (m, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_float32_weight_cast_as_it_is_read(dtype):
+  """`dtype=`: a float32 weight read once and cast in the kernel gives
+  exactly what the kernel gives on `w.astype(dtype)` (pruning included: f32
+  values that differ only below the cast's precision tie after it), in both
+  layouts, pruning and stored masks, plain and transposed."""
+  w = _weights(7, (128, 192), jnp.float32) * 3
+  w = w.at[8, :8].set(1.0000001).at[9, :8].set(1.0)  # a tie only after the cast
+  wc = w.astype(dtype)
+
+  def same(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert a.dtype == b.dtype and a.shape == b.shape
+      np.testing.assert_array_equal(_bits(a), _bits(b))
+
+  for layout, transposable in (("sparse24", False), ("sparse24", True), ("cusparselt", False)):
+    w_ok = jnp.nan_to_num(w, posinf=5.0, neginf=-5.0) if layout == "cusparselt" else w
+    same(prune24.prune_compress(w_ok, transposable=transposable, layout=layout, dtype=dtype,
+                                interpret=True),
+         prune24.prune_compress(w_ok.astype(dtype), transposable=transposable, layout=layout,
+                                interpret=True))
+  meta = jsparse24.Mask24.from_weights(wc, transposable=True).meta()
+  for layout in ("sparse24", "cusparselt"):
+    for transposed in (False, True):
+      same(prune24.compress_with_meta(w, meta, transposed=transposed, layout=layout,
+                                      dtype=dtype, interpret=True),
+           prune24.compress_with_meta(wc, meta, transposed=transposed, layout=layout,
+                                      interpret=True))
+  with pytest.raises(TypeError, match="prune_compress: `dtype` must be w's dtype or a narrower"):
+    prune24.prune_compress(wc, dtype=jnp.float32, interpret=True)
+
+
+def _pallas_call_inputs(jaxpr):
+  """The input avals of every pallas_call in `jaxpr`, nested jaxprs included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.append([v.aval for v in eqn.invars])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _pallas_call_inputs(inner)
+  return found
+
+
+def test_layer_kernel_reaches_the_compress_kernel_in_float32():
+  """A SparseDense with float32 params and bfloat16 compute hands its float32
+  kernel to the compress kernel (which casts as it reads): no cast pass over
+  the weight first."""
+  layer = jsparse24.SparseDense(64, dtype=jnp.bfloat16, implementation="pallas")
+  x = jnp.ones((8, 32), jnp.bfloat16)
+  with interpret_mode():
+    variables = layer.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(lambda v: jax.grad(
+        lambda p: jnp.sum(layer.apply({**v, "params": p}, x)))(v["params"]))(variables)
+  compress = [avals for avals in _pallas_call_inputs(jaxpr.jaxpr)
+              if any(a.shape == (32, 64) for a in avals)]
+  assert compress and all(a.dtype == jnp.float32 for avals in compress
+                          for a in avals if a.shape == (32, 64)), compress

@@ -112,6 +112,13 @@ class Backend(abc.ABC):
     """
     raise NotImplementedError
 
+  def prepare_cast(self, w: jax.Array, mask: jax.Array | Mask24 | None, transposable: bool,
+                   dtype: Any) -> Any:
+    """`prepare(w.astype(dtype), mask, transposable)`. A backend whose kernels
+    cast `w` as they read it overrides this: one pass over a float32 kernel
+    instead of XLA's cast pass (a bfloat16 copy written and read again)."""
+    return self.prepare(w.astype(dtype), mask, transposable)
+
   def forward(self, x: jax.Array, operand: Any, precision: Any) -> jax.Array:
     """`x[M, K] @ (w*m)[K, N]`, accumulated in float32, in x's dtype."""
     raise NotImplementedError
@@ -197,7 +204,7 @@ def _custom_dot(x, w, mask, key, backend: Backend, cfg: DotConfig):
 
 
 def _custom_dot_fwd(x, w, mask, key, backend: Backend, cfg: DotConfig):
-  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
+  operand = backend.prepare_cast(w, mask, cfg.transposable, x.dtype)
   # w itself is a residual only for its dtype and sharding (dw's); it costs
   # nothing: the parameter is alive anyway, and nn.scan forwards it.
   return backend.forward(x, operand, cfg.precision), (x, w, operand, key)
@@ -228,7 +235,7 @@ def _custom_dot_or_dense(x, w, mask, active, key, backend: Backend, cfg: DotConf
 
 
 def _custom_dot_or_dense_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
-  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
+  operand = backend.prepare_cast(w, mask, cfg.transposable, x.dtype)
   y = jax.lax.cond(active, lambda: backend.forward(x, operand, cfg.precision),
                    lambda: matmul(x, w.astype(x.dtype), cfg.precision))
   return y, (x, w, operand, active, key)

@@ -293,14 +293,17 @@ def from_sparse24(sp: Sparse24) -> tuple[jax.Array, jax.Array | None]:
   return fwd, bwd
 
 
-def compress_for_products(w: jax.Array, mask, transposable: bool):
+def compress_for_products(w: jax.Array, mask, transposable: bool, dtype=None):
   """Masks (or prunes, `mask=None`) and compresses `w[K, N]` for cuSPARSELt
   with jsparse24's Pallas kernel: `(fwd, bwd, meta)`, the buffers of
   `buffer_shape` (bwd None unless `transposable`) and the mask's packed
-  codes (`Mask24` layout) -- one pass over `w`, then the metadata writes."""
+  codes (`Mask24` layout) -- one pass over `w`, then the metadata writes.
+  `dtype`: the buffers' dtype (default w's); a float32 `w` is cast as it is
+  read."""
   k, n = w.shape
   _check_aligned(k, n)
-  fwd, meta, bwd, meta_t = compress_arrays(w, mask, transposable, layout="cusparselt")
+  fwd, meta, bwd, meta_t = compress_arrays(w, mask, transposable, layout="cusparselt",
+                                           dtype=dtype)
   fwd = _with_metadata(fwd, k // 2, meta, k // 4)
   if bwd is not None:
     bwd = _with_metadata(bwd, k, meta_t, n // 4)
@@ -512,6 +515,13 @@ class CusparseltBackend(Backend):
       bwd = compress(masked, transpose=True) if transposable else None
       return Operand(fwd, bwd, sp.meta, tuple(w.shape))
     fwd, bwd, meta = compress_for_products(w, mask, transposable)
+    return Operand(fwd, bwd, meta, tuple(w.shape))
+
+  def prepare_cast(self, w, mask, transposable, dtype):
+    if COMPRESSOR == "cusparselt":
+      return super().prepare_cast(w, mask, transposable, dtype)
+    # The Pallas kernel reads w (a float32 kernel) and casts as it loads.
+    fwd, bwd, meta = compress_for_products(jax.lax.stop_gradient(w), mask, transposable, dtype)
     return Operand(fwd, bwd, meta, tuple(w.shape))
 
   def forward(self, x, operand: Operand, precision):

@@ -60,26 +60,31 @@ def _kernels():
   return prune24, spmm24
 
 
-def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
+def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24", dtype=None):
   """The compress kernels on `w` with `mask` (None: prune by magnitude; a
   bool array or a Mask24): `(values, meta, values_t, meta_t)` in `layout`
-  (see pallas_kernels.prune24), the transposed pair None unless `transposed`."""
+  (see pallas_kernels.prune24), the transposed pair None unless `transposed`.
+  `dtype`: the values' dtype (default w's); the kernels cast `w` as they read
+  it, with the result of `w.astype(dtype)`."""
   prune24, _ = _kernels()
   interpret = _INTERPRET[0]
   w = jax.lax.stop_gradient(w)
+  dtype = jnp.dtype(dtype or w.dtype)
   if mask is None and not transposed:
     return whole_on_each_device(
-        functools.partial(prune24.prune_compress, interpret=interpret, layout=layout), w)
+        functools.partial(prune24.prune_compress, interpret=interpret, layout=layout,
+                          dtype=dtype), w)
   if mask is None:
     # The fused transposable prune kernel (prune24.prune_compress with
     # transposable=True) is exact in interpret mode but its Triton
     # compilation does not finish (benchmarks/NOTES.md), so the 4x4
-    # pattern search runs in XLA here; the compression is the kernel.
-    mask = Mask24.from_weights(w, transposable=True)
+    # pattern search runs in XLA here (on the cast weight, as the layer
+    # computes with it); the compression is the kernel.
+    mask = Mask24.from_weights(w.astype(dtype), transposable=True)
   meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
   values, values_t, meta_t = whole_on_each_device(
       functools.partial(prune24.compress_with_meta, transposed=transposed,
-                        interpret=interpret, layout=layout), w, meta)
+                        interpret=interpret, layout=layout, dtype=dtype), w, meta)
   return values, meta, values_t, meta_t
 
 
@@ -118,6 +123,11 @@ class PallasBackend(Backend):
 
   def prepare(self, w, mask, transposable):
     return self.compress(w, mask, transposable)
+
+  def prepare_cast(self, w, mask, transposable, dtype):
+    # The kernels read w in its own dtype and cast it as they load it.
+    values, meta, values_t, meta_t = compress_arrays(w, mask, transposable, dtype=dtype)
+    return Sparse24(values, meta, values_t, meta_t)
 
   def compress(self, w, mask, transposed):
     values, meta, values_t, meta_t = compress_arrays(w, mask, transposed)
