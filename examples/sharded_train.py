@@ -59,17 +59,19 @@ def _param_spec(a, n: int) -> P:
 def make_step(lm, run, layout: str, mesh):
   whole = NamedSharding(mesh, P())
 
-  def step(params, opt_state, x, y):
+  def step(params, opt_state, x, y, phase=None):
     def objective(p):
       if layout == "fsdp":  # whole weights for the products, sharded at rest
         p = jax.lax.with_sharding_constraint(p, whole)
-      return lm.loss_fn(run.model, run.variables(p, opt_state), x, y)
+      # The phase (dense warm-up or sparse) is static: one program per phase,
+      # no run-time switch per product (jsparse24.optim.masks).
+      return lm.loss_fn(run.model, run.variables(p, opt_state, phase), x, y)
 
     loss, grads = jax.value_and_grad(objective)(params)
     updates, opt_state = run.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return jax.jit(step, donate_argnums=(0, 1), static_argnames="phase")
 
 
 def train(lm, run, args, data, mesh) -> dict:
@@ -90,7 +92,7 @@ def train(lm, run, args, data, mesh) -> dict:
       t0 = time.perf_counter()
     x, y = lm.train_batch(data, i, args.batch, args.seq_len, args.seed)
     x, y = jax.device_put(x, rows), jax.device_put(y, rows)
-    params, opt_state, loss = step(params, opt_state, x, y)
+    params, opt_state, loss = step(params, opt_state, x, y, phase=run.phase(i))
     losses.append(loss)
   jax.block_until_ready(params)
   timed = args.steps - start if t0 is not None else 0

@@ -21,6 +21,11 @@ the whole product everywhere. Here they get a rule, through
   all-reduce of the float32 partial sums over M's mesh axes, as XLA does for
   a dense `x^T dy`. No activation or activation gradient is gathered.
 
+* `columns_parallel`: the compress kernels (`w[K, N]` -> compressed values
+  and metadata, column by column) keep w's sharding of N: under FSDP with the
+  weights left sharded in the step, each device compresses its own columns
+  and XLA gathers the compressed arrays for the products, not the weights.
+
 Tensor parallelism (a weight sharded on K or N through the product) is not
 handled here: such a weight is gathered whole (correct, not faster).
 """
@@ -223,3 +228,79 @@ def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Ar
                        check_vma=False)(
                            jax.sharding.reshard(x, NamedSharding(mesh, rows)),
                            jax.sharding.reshard(dy, NamedSharding(mesh, rows)), *operands)
+
+
+def _axis_size(mesh, entry) -> int:
+  size = 1
+  for name in _mesh_axes(entry):
+    size *= mesh.shape[name]
+  return size
+
+
+@functools.cache
+def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int, with_meta: bool) -> Callable:
+  """`fn(w[K, N], *meta)` (meta `[N, K/8]`) -> outputs whose axis
+  `n_dims[i]` runs over N (or a fixed fraction of it), partitioned over w's
+  sharding of N where each device's share is a multiple of `align`."""
+
+  @custom_partitioning
+  def partitioned(w, *meta):
+    return fn(w, *meta)
+
+  def n_entry(mesh, w_sharding, n: int):
+    spec = getattr(w_sharding, "spec", None)
+    entry = spec[1] if spec is not None and len(spec) > 1 else None
+    size = _axis_size(mesh, entry) if entry is not None else 1
+    return entry if entry is not None and n % (size * align) == 0 else None
+
+  def out_shardings(mesh, entry, shapes):
+    def spec(ndim, dim):
+      parts = [None] * ndim
+      parts[dim] = entry
+      return NamedSharding(mesh, P(*parts))
+    return tuple(spec(len(s.shape), d) for s, d in zip(shapes, n_dims))
+
+  def infer(mesh, arg_shapes, result_shape):
+    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[1])
+    return out_shardings(mesh, entry, result_shape)
+
+  def partition(mesh, arg_shapes, result_shape):
+    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[1])
+    args = (NamedSharding(mesh, P(None, entry)),) + (
+        (NamedSharding(mesh, P(entry, None)),) if with_meta else ())
+    return mesh, fn, out_shardings(mesh, entry, result_shape), args
+
+  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  outs = ", ".join(" ".join(next(names) for _ in range(2)) for _ in n_dims)
+  partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                            sharding_rule=f"k n{', n g' if with_meta else ''} -> {outs}")
+
+  # custom_partitioning has no batching rule: stacked weights (vmap) are
+  # compressed one by one.
+  @jax.custom_batching.custom_vmap
+  def call(w, *meta):
+    return partitioned(w, *meta)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+                 for a, bat in zip(args, in_batched))
+    outs = jax.lax.map(lambda a: call(*a), args)
+    return outs, tuple(True for _ in outs)
+
+  return call
+
+
+def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.Array,
+                     *meta: jax.Array) -> Any:
+  """`fn(w[K, N], *meta)` (the compress kernels: each column of `w` is
+  pruned and compressed on its own) with w's sharding of N kept: each device
+  compresses its own columns, and the (half-size) compressed outputs are
+  what XLA gathers for a product that needs them whole, not `w`. `n_dims`:
+  the axis of each 2-D output that runs over N; `meta`: an optional packed
+  mask `[N, K/8]`, sharded like w's N. A sharding of N that does not leave
+  each device a multiple of `align` columns is gathered first, as is K's.
+  (Auto mesh axes; with Explicit ones see `whole_on_each_device`.)"""
+  if any(_explicit_mesh(a) is not None for a in (w, *meta)):
+    return whole_on_each_device(fn, w, *meta)
+  return _wrap_columns(fn, tuple(n_dims), align, bool(meta))(w, *meta)

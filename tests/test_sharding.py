@@ -135,6 +135,23 @@ def test_fsdp_gathers_weights_only(implementation):
   assert gathered <= {(D, H), (H, D), (H, D // 8), (D, H // 8), (H,), (D,)}, coll
 
 
+def test_fsdp_without_gathering_weights_compresses_each_shard():
+  """Weights sharded on their output axis N and left sharded in the step:
+  each device prunes and compresses its own columns (the compress kernels'
+  sharding rule), and XLA gathers the half-size compressed arrays for the
+  products, never a weight. Same results as one device."""
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  spec = lambda a: P(*([None] * (a.ndim - 1)), "data")  # noqa: E731
+  with interpret_mode():
+    ref, got, hlo = _run("pallas", mesh, spec)
+  _assert_same(ref, got)
+  gathered = set(_collectives(hlo)["all-gather"])
+  assert not gathered & {(D, H), (H, D)}, gathered  # no weight
+  compressed = {(H, D // 2), (D, H // 2), (H, D // 8), (D, H // 8),  # up: values, values_t, meta, meta_t
+                (D, H // 2), (H, D // 2), (D, H // 8), (H, D // 8)}  # down
+  assert gathered and gathered <= compressed, gathered
+
+
 def test_rows_parallel_splits_a_custom_call_over_rows():
   """An op XLA cannot partition (a host callback stands in for the Pallas and
   FFI custom calls of a GPU) compiles to each device's own rows under

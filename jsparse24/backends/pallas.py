@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24, Sparse24, decompress
-from jsparse24._sharding import rows_parallel, whole_on_each_device
+from jsparse24._sharding import columns_parallel, rows_parallel
 from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends.base import matmul
 
@@ -60,20 +60,48 @@ def _kernels():
   return prune24, spmm24
 
 
+@functools.cache
+def _prune_fn(interpret: bool, layout: str, dtype):
+  prune24, _ = _kernels()
+
+  def run(w):
+    values, meta, _, _ = prune24.prune_compress(w, interpret=interpret, layout=layout,
+                                                dtype=dtype)
+    return values, meta
+  return run
+
+
+@functools.cache
+def _apply_fn(transposed: bool, interpret: bool, layout: str, dtype):
+  prune24, _ = _kernels()
+
+  def run(w, meta):
+    values, values_t, meta_t = prune24.compress_with_meta(
+        w, meta, transposed=transposed, interpret=interpret, layout=layout, dtype=dtype)
+    return (values, values_t, meta_t) if transposed else (values,)
+  return run
+
+
 def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24", dtype=None):
   """The compress kernels on `w` with `mask` (None: prune by magnitude; a
   bool array or a Mask24): `(values, meta, values_t, meta_t)` in `layout`
   (see pallas_kernels.prune24), the transposed pair None unless `transposed`.
   `dtype`: the values' dtype (default w's); the kernels cast `w` as they read
-  it, with the result of `w.astype(dtype)`."""
-  prune24, _ = _kernels()
+  it, with the result of `w.astype(dtype)`. Under `jit` with `w` sharded on
+  N (FSDP at rest), each device compresses its own columns
+  (`_sharding.columns_parallel`): the compressed arrays are what gets
+  gathered for the products, not `w`."""
   interpret = _INTERPRET[0]
   w = jax.lax.stop_gradient(w)
   dtype = jnp.dtype(dtype or w.dtype)
+  cusparselt = layout == "cusparselt"
+  # Columns per device: whole 64-column blocks for cuSPARSELt's layout,
+  # whole bytes of N-groups for the transposed copy.
+  align = 64 if cusparselt else (8 if transposed else 1)
+  values_n = 1 if cusparselt else 0  # the axis of `values` that runs over N
   if mask is None and not transposed:
-    return whole_on_each_device(
-        functools.partial(prune24.prune_compress, interpret=interpret, layout=layout,
-                          dtype=dtype), w)
+    values, meta = columns_parallel(_prune_fn(interpret, layout, dtype), (values_n, 0), align, w)
+    return values, meta, None, None
   if mask is None:
     # The fused transposable prune kernel (prune24.prune_compress with
     # transposable=True) is exact in interpret mode but its Triton
@@ -82,9 +110,9 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24", dtype=N
     # computes with it); the compression is the kernel.
     mask = Mask24.from_weights(w.astype(dtype), transposable=True)
   meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
-  values, values_t, meta_t = whole_on_each_device(
-      functools.partial(prune24.compress_with_meta, transposed=transposed,
-                        interpret=interpret, layout=layout, dtype=dtype), w, meta)
+  outs = columns_parallel(_apply_fn(transposed, interpret, layout, dtype),
+                          (values_n, 1, 1) if transposed else (values_n,), align, w, meta)
+  values, values_t, meta_t = outs if transposed else (outs[0], None, None)
   return values, meta, values_t, meta_t
 
 
