@@ -57,6 +57,15 @@ def _rule(ranks: tuple[int, ...]) -> str:
   return f"m k, {operands} -> m n" if ranks else "m k -> m n"
 
 
+def _one_call_per_element(call: Callable, axis_size: int, in_batched, args) -> tuple[Any, Any]:
+  """A custom_vmap rule's result: `call` once per batch element (`lax.map`),
+  unbatched arguments broadcast; every output batched."""
+  args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+               for a, bat in zip(args, in_batched))
+  out = jax.lax.map(lambda a: call(*a), args)
+  return out, jax.tree.map(lambda _: True, out)
+
+
 @functools.cache
 def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
 
@@ -78,11 +87,7 @@ def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
       b, m = x.shape[0], x.shape[1]
       y = call(x.reshape(b * m, *x.shape[2:]), *operands)
       return y.reshape(b, m, *y.shape[1:]), True
-    if not x_batched:
-      x = jnp.broadcast_to(x, (axis_size, *x.shape))
-    operands = tuple(o if bat else jnp.broadcast_to(o, (axis_size, *o.shape))
-                     for o, bat in zip(operands, ops_batched))
-    return jax.lax.map(lambda args: call(*args), (x, *operands)), True
+    return _one_call_per_element(call, axis_size, in_batched, (x, *operands))
 
   def infer(mesh, arg_shapes, result_shape):
     return NamedSharding(mesh, _rows_spec(arg_shapes[0].sharding, len(result_shape.shape)))
@@ -189,9 +194,7 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...]) -> Callable:
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
-    args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-                 for a, bat in zip(args, in_batched))
-    return jax.lax.map(lambda a: call(*a), args), True
+    return _one_call_per_element(call, axis_size, in_batched, args)
 
   def infer(mesh, arg_shapes, result_shape):
     del arg_shapes, result_shape
@@ -283,10 +286,7 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int, with_meta: 
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
-    args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-                 for a, bat in zip(args, in_batched))
-    outs = jax.lax.map(lambda a: call(*a), args)
-    return outs, tuple(True for _ in outs)
+    return _one_call_per_element(call, axis_size, in_batched, args)
 
   return call
 

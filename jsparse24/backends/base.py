@@ -137,7 +137,7 @@ class Backend(abc.ABC):
     product of the pruned `dy` (the reference; a backend with a sparse
     product for it overrides this)."""
     del self
-    return dense_weight_grad(x, mvue_24(dy, key, axis=0), w, precision)
+    return _mvue_weight_grad_xla(x, dy, w, key, precision)
 
   @abc.abstractmethod
   def forward_compressed(self, x: jax.Array, sp: Sparse24, precision: Any) -> jax.Array:
@@ -174,13 +174,17 @@ def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, cfg: DotConfig,
         " rngs={'mvue': key} to `apply` (a new key per step, e.g."
         " jax.random.fold_in(key, step)), or give an NNX layer an 'mvue' stream.")
   if backend is None:  # the reference backend's products
-    pruned = lambda: dense_weight_grad(x, mvue_24(dy, key, axis=0), w, cfg.precision)  # noqa: E731
+    pruned = lambda: _mvue_weight_grad_xla(x, dy, w, key, cfg.precision)  # noqa: E731
   else:
     pruned = lambda: backend.mvue_weight_grad(x, dy, w, key, cfg.precision)  # noqa: E731
   if active is None:
     return pruned()
   # A schedule's dense phase keeps the exact gradient.
   return jax.lax.cond(active, pruned, lambda: dense_weight_grad(x, dy, w, cfg.precision))
+
+
+def _mvue_weight_grad_xla(x, dy, w, key, precision) -> jax.Array:
+  return dense_weight_grad(x, mvue_24(dy, key, axis=0), w, precision)
 
 
 def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
