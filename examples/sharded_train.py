@@ -11,7 +11,9 @@ shardings of its inputs (and, for FSDP, one constraint inside the step):
   activation is gathered; `jsparse24` gives its custom calls a sharding rule).
 * `--layout fsdp`: params and optimizer state sharded over the devices at
   rest (on the last axis where it divides), gathered whole inside the step for
-  the products (`with_sharding_constraint`), gradients reduce-scattered.
+  the products (`with_sharding_constraint`), gradients reduce-scattered;
+  the 2:4 layers' kernels are left sharded: each device prunes and
+  compresses its own columns, and the compressed arrays are gathered.
 
 Tensor parallelism is not offered yet: `jsparse24`'s products gather a weight
 sharded through them (README, "Several GPUs").
@@ -39,6 +41,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import jsparse24
+
 
 def _train_lm():
   path = pathlib.Path(__file__).with_name("train_lm.py")
@@ -56,13 +60,30 @@ def _param_spec(a, n: int) -> P:
   return P()
 
 
+def _sparse_kernel_paths(run) -> set:
+  """Paths (tuples of keys) of the 2:4 layers' kernels in the params tree."""
+  if not run.sparse:
+    return set()
+  # optim.stats is keyed by each 2:4 layer's path ("block_0/mlp/up").
+  return {tuple(path.split("/")) + ("kernel",) for path in jsparse24.optim.stats(run.opt_state)}
+
+
 def make_step(lm, run, layout: str, mesh):
   whole = NamedSharding(mesh, P())
+  sparse_kernels = _sparse_kernel_paths(run)
+
+  def gather(path, a):
+    # FSDP: whole weights for the products, sharded at rest. The 2:4 kernels
+    # stay sharded: each device compresses its own columns and the
+    # compressed arrays are gathered (half the bytes, 1/n of the work).
+    if tuple(k.key for k in path) in sparse_kernels:
+      return a
+    return jax.lax.with_sharding_constraint(a, whole)
 
   def step(params, opt_state, x, y, phase=None):
     def objective(p):
-      if layout == "fsdp":  # whole weights for the products, sharded at rest
-        p = jax.lax.with_sharding_constraint(p, whole)
+      if layout == "fsdp":
+        p = jax.tree_util.tree_map_with_path(gather, p)
       # The phase (dense warm-up or sparse) is static: one program per phase,
       # no run-time switch per product (jsparse24.optim.masks).
       return lm.loss_fn(run.model, run.variables(p, opt_state, phase), x, y)
