@@ -10,7 +10,11 @@ step (`mask_update` + SGD for 2:4, SGD for dense). The 2:4 layers are
 
 * data parallel: tokens sharded, params and optimizer state replicated;
 * FSDP: tokens sharded, params (and SGD's state) sharded on their output axis,
-  gathered whole inside the step (`with_sharding_constraint`).
+  gathered whole inside the step (`with_sharding_constraint`);
+* FSDP with the 2:4 kernels left sharded (`fsdp-sharded`): as FSDP, but the
+  2:4 layers' kernels are not gathered: each device compresses its own
+  columns and the compressed arrays are gathered (the dense model is the
+  FSDP one).
 
 Per layout and model: ms per step on 1 GPU and on all, the scaling, and the
 collectives in the compiled HLO by kind. Written to results/<gpu>.md.
@@ -63,12 +67,18 @@ def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: s
         v["sparsity"], jsparse24.optim.MaskSchedule(rebuild_every=1000), decay=2e-4), sgd)
   else:
     tx = sgd
-  gather = NamedSharding(mesh, P()) if layout == "fsdp" else None
+  gather = NamedSharding(mesh, P()) if layout.startswith("fsdp") else None
+  keep_sharded = sparse and layout == "fsdp-sharded"
+
+  def constrain(path, a):
+    if keep_sharded and path[-1].key == "kernel":  # both layers are 2:4
+      return a
+    return jax.lax.with_sharding_constraint(a, gather)
 
   def step(params, opt_state, x):
     def loss(p):
       if gather is not None:
-        p = jax.lax.with_sharding_constraint(p, gather)
+        p = jax.tree_util.tree_map_with_path(constrain, p)
       variables = {"params": p}
       if sparse:
         variables["sparsity"] = jsparse24.optim.masks(opt_state)
@@ -81,7 +91,7 @@ def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: s
   params = v["params"]
   opt_state = tx.init(params)
   rows = NamedSharding(mesh, P("data"))
-  if layout == "fsdp":
+  if layout.startswith("fsdp"):
     put = lambda a: jax.device_put(a, NamedSharding(  # noqa: E731
         mesh, P(*([None] * (a.ndim - 1)), "data") if a.ndim >= 1 and a.shape[-1] % mesh.size == 0
         else P()))
@@ -112,13 +122,14 @@ def main(argv=None):
   p.add_argument("--tokens", type=int, default=16384)
   p.add_argument("--implementation", default="cusparselt",
                  help="the 2:4 layers' backend ('xla' for a CPU smoke test)")
+  p.add_argument("--layouts", default="data,fsdp,fsdp-sharded")
   p.add_argument("--json", default=None)
   p.add_argument("--no-write", action="store_true")
   args = p.parse_args(argv)
   devs = jax.local_devices()
   n = len(devs)
   rows, out = [], []
-  for layout in ("data", "fsdp"):
+  for layout in args.layouts.split(","):
     res = {}
     for sparse in (False, True):
       one, _ = run(sparse, args.d, args.tokens, devs[:1], layout, args.implementation)
