@@ -203,12 +203,10 @@ def mask_update(
 
   def set_active(masks, active):
     if schedule.always_sparse:  # no run-time switch (module docstring)
-      return _per_layer(lambda layer: {**layer, "active": None}, masks)
+      return _with_active(masks, lambda layer: None)
     # Broadcast, not replace: a stack of layers (nn.scan) has one flag per layer.
     active = jnp.asarray(active, jnp.bool_)
-    return _per_layer(
-        lambda layer: {**layer, "active": jnp.broadcast_to(active, _stack_shape(layer))},
-        masks)
+    return _with_active(masks, lambda layer: jnp.broadcast_to(active, _stack_shape(layer)))
 
   def per_layer_value(masks, value):
     return _per_layer(lambda layer: jnp.broadcast_to(
@@ -266,6 +264,11 @@ def mask_update(
                                     sparsity_of(masks, active), last)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _with_active(masks: Mapping, flags) -> dict:
+  """`masks` with every layer's `"active"` replaced by `flags(layer)`."""
+  return _per_layer(lambda layer: {**layer, "active": flags(layer)}, masks)
 
 
 def _stack_shape(layer: Mapping) -> tuple[int, ...]:
@@ -363,8 +366,8 @@ def masks(opt_state, sparse: bool | None = None) -> dict:
         f" bool(schedule.sparse(step)) on the host), got {type(sparse).__name__}"
         f" {sparse!r}; a traced value would keep the run-time switch.")
   if sparse:
-    return _per_layer(lambda layer: {**layer, "active": None}, held)
-  return _per_layer(lambda layer: {**layer, "active": np.zeros(_stack_shape(layer), bool)}, held)
+    return _with_active(held, lambda layer: None)
+  return _with_active(held, lambda layer: np.zeros(_stack_shape(layer), bool))
 
 
 def stats(opt_state) -> dict[str, dict[str, jax.Array]]:

@@ -322,6 +322,18 @@ def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> j
   return rows_parallel(_ffi_matmul(k, n, transpose, *_search_attrs(x.dtype)), x, c)
 
 
+def _sparse_a_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, int], *, m: int, n: int,
+                     k: int, op_a: int, op_b: int, search: int, alg: int) -> jax.Array:
+  """cuSPARSELt's column-major `D[m, n] = op(A)[m, k] @ op(B)[k, n]`, `A` the
+  compressed structured buffer `a`, `B` the dense `b`; `D` is returned as
+  the row-major `shape` array of b's dtype that its buffer is."""
+  call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul", jax.ShapeDtypeStruct(shape, b.dtype))
+  return call(a, b, m=np.int64(m), n=np.int64(n), k=np.int64(k), op_a=np.int64(op_a),
+              op_b=np.int64(op_b), sparse_a=np.int64(1), order_a=np.int64(_COL),
+              order_b=np.int64(_COL), order_d=np.int64(_COL), search=np.int64(search),
+              alg=np.int64(alg))
+
+
 @functools.cache
 def _ffi_matmul(k: int, n: int, transpose: bool, search: int, alg: int):
   """The per-device product `x[M, K or N] -> [M, N or K]` on buffer `c`."""
@@ -337,12 +349,8 @@ def _ffi_matmul(k: int, n: int, transpose: bool, search: int, alg: int):
     # Column-major GEMM D[out, M] = op(A)[out, inner] @ B[inner, M]: A is the
     # structured W^T (N x K column-major: the w buffer), B = x^T and D = y^T
     # (the row-major x and y buffers).
-    call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul",
-                            jax.ShapeDtypeStruct((mp, out), x.dtype))
-    y = call(c, x, m=np.int64(out), n=np.int64(mp), k=np.int64(inner),
-             op_a=np.int64(_T if transpose else _N), op_b=np.int64(_N), sparse_a=np.int64(1),
-             order_a=np.int64(_COL), order_b=np.int64(_COL), order_d=np.int64(_COL),
-             search=np.int64(search), alg=np.int64(alg))
+    y = _sparse_a_matmul(c, x, (mp, out), m=out, n=mp, k=inner,
+                         op_a=_T if transpose else _N, op_b=_N, search=search, alg=alg)
     return y[:m] if pad else y
 
   return run
@@ -427,13 +435,9 @@ def _mvue_weight_grad_local(search: int, alg: int):
       _check_size(x.dtype, mp, n)
       first_group = (first_row // 4).astype(jnp.uint32) * jnp.uint32(n)
       c = mvue_compress_for_product(dyh, seed, first_group)
-      call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul",
-                              jax.ShapeDtypeStruct((k, n), x.dtype))
       # D[N, K] (column-major) = A[N, Mp] (structured, op N) @ op_T(B)[Mp, K].
-      dw = call(c, xh, m=np.int64(n), n=np.int64(k), k=np.int64(mp), op_a=np.int64(_N),
-                op_b=np.int64(_T), sparse_a=np.int64(1), order_a=np.int64(_COL),
-                order_b=np.int64(_COL), order_d=np.int64(_COL), search=np.int64(search),
-                alg=np.int64(alg)).astype(jnp.float32)
+      dw = _sparse_a_matmul(c, xh, (k, n), m=n, n=k, k=mp, op_a=_N, op_b=_T,
+                            search=search, alg=alg).astype(jnp.float32)
     if head < m:
       dw = dw + jax.lax.dot_general(x[head:], dy[head:], (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)
@@ -504,24 +508,21 @@ class CusparseltBackend(Backend):
     return min_m is not None and problem.m >= min_m
 
   def prepare(self, w, mask, transposable):
+    return self.prepare_cast(w, mask, transposable, w.dtype)
+
+  def prepare_cast(self, w, mask, transposable, dtype):
     w = jax.lax.stop_gradient(w)
     if COMPRESSOR == "cusparselt":
       # cusparseLtSpMMACompress2 on the masked weight (for the benchmarks'
       # comparison): the Pallas kernel finds or applies the mask, XLA
       # decompresses, cuSPARSELt compresses each direction.
-      sp = _PALLAS.compress(w, mask, transposable)
+      sp = _PALLAS.compress(w.astype(dtype), mask, transposable)
       masked = decompress(sp)
       fwd = compress(masked, transpose=False)
       bwd = compress(masked, transpose=True) if transposable else None
       return Operand(fwd, bwd, sp.meta, tuple(w.shape))
-    fwd, bwd, meta = compress_for_products(w, mask, transposable)
-    return Operand(fwd, bwd, meta, tuple(w.shape))
-
-  def prepare_cast(self, w, mask, transposable, dtype):
-    if COMPRESSOR == "cusparselt":
-      return super().prepare_cast(w, mask, transposable, dtype)
     # The Pallas kernel reads w (a float32 kernel) and casts as it loads.
-    fwd, bwd, meta = compress_for_products(jax.lax.stop_gradient(w), mask, transposable, dtype)
+    fwd, bwd, meta = compress_for_products(w, mask, transposable, dtype)
     return Operand(fwd, bwd, meta, tuple(w.shape))
 
   def forward(self, x, operand: Operand, precision):

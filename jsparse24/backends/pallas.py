@@ -154,12 +154,10 @@ class PallasBackend(Backend):
 
   def prepare_cast(self, w, mask, transposable, dtype):
     # The kernels read w in its own dtype and cast it as they load it.
-    values, meta, values_t, meta_t = compress_arrays(w, mask, transposable, dtype=dtype)
-    return Sparse24(values, meta, values_t, meta_t)
+    return Sparse24(*compress_arrays(w, mask, transposable, dtype=dtype))
 
   def compress(self, w, mask, transposed):
-    values, meta, values_t, meta_t = compress_arrays(w, mask, transposed)
-    return Sparse24(values, meta, values_t, meta_t)
+    return self.prepare_cast(w, mask, transposed, w.dtype)
 
   def forward(self, x, operand: Sparse24, precision):
     del precision
