@@ -5,7 +5,8 @@ PyTorch's fused tile kernel.
 
 Prints one table (and writes it to benchmarks/results/<gpu>.md): the reference
 (`implementation="xla"`), the Pallas kernels (prune+compress, and compress
-with a stored mask), PyTorch's `_sparse_semi_structured_tile` (which always
+with a stored mask, and the transposable mask alone from float32 weights, as
+the mask rebuilds make it), PyTorch's `_sparse_semi_structured_tile` (which always
 builds the transposable mask and both compressed copies), and the byte floor
 (fewest bytes moved / measured copy bandwidth).
 """
@@ -20,6 +21,9 @@ import numpy as np
 
 import jsparse24
 from benchmarks import _common
+
+
+DEFAULT_VARIANTS = "plain,transposable,mvue"
 
 
 def _bytes(k: int, n: int, transposed: bool, reads_mask: bool = False) -> int:
@@ -59,7 +63,7 @@ def section_mvue(g, add, bw, rows):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--size", type=int, default=16384)
-  p.add_argument("--variants", default="plain,transposable,mvue",
+  p.add_argument("--variants", default=DEFAULT_VARIANTS,
                  help="plain, transposable (prune+compress a weight), mvue (a gradient)")
   args = p.parse_args(argv)
   k = n = args.size
@@ -97,6 +101,19 @@ def main(argv=None):
     add(f"pallas, compress with stored mask ({tag})", _common.bench(f_apply, w, mask),
         _bytes(k, n, transposed, reads_mask=True) - k * n // 8)  # meta is read, not written
     rows.append([f"floor ({tag}): bytes / copy bw", nbytes / bw * 1e3, bw / 1e12, 1.0, ""])
+    if transposed:  # the mask alone, from float32 master weights (the rebuilds)
+      w32 = w.astype(jnp.float32)
+      mask_bytes = 4 * k * n + k * n // 8
+      f_ref = jax.jit(lambda w: jsparse24.Mask24.pack(
+          jsparse24.prune_24(w, transposable=True), transposable=True))
+      f_fast = jax.jit(lambda w: jsparse24.Mask24.from_weights(w, transposable=True))
+      same = np.array_equal(np.asarray(f_ref(w32).packed), np.asarray(f_fast(w32).packed))
+      print(f"mask: Mask24.from_weights == reference, bit for bit: {same}", flush=True)
+      if not same:
+        raise SystemExit("mask: Mask24.from_weights differs from the reference")
+      add("xla reference, transposable mask only (f32 w)", _common.bench(f_ref, w32), mask_bytes)
+      add("Mask24.from_weights, transposable (f32 w; fused kernel on a GPU)",
+          _common.bench(f_fast, w32), mask_bytes)
 
   torch = _common.torch_cuda()
   if torch is not None:
@@ -114,7 +131,12 @@ def main(argv=None):
           f"Weight {k}x{n} bf16. Bytes counted: read w once, write values + meta"
           f" (and the transposed pair); fraction = floor time / time.\n\n"
           + _common.table(["what", "ms", "TB/s", "fraction of copy bw", "note"], rows))
-  path = _common.write_section(f"prune+compress {k}x{n} bf16", body)
+  # A run of some of the variants gets its own section: it must not replace
+  # the whole table of a full run.
+  title = f"prune+compress {k}x{n} bf16"
+  if args.variants != DEFAULT_VARIANTS:
+    title += f" ({args.variants})"
+  path = _common.write_section(title, body)
   print("\n" + body + f"\n\nwritten to {path}")
 
 

@@ -259,7 +259,14 @@ class Mask24:
 
   @classmethod
   def from_weights(cls, w: Float[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
-    """`Mask24.pack(prune_24(w, transposable=...))`, as one compiled program."""
+    """`Mask24.pack(prune_24(w, transposable=...))`: the same bits, on the
+    fastest path here (on an NVIDIA GPU a transposable mask comes from one
+    fused Pallas kernel; elsewhere, and for plain masks, one compiled XLA
+    program)."""
+    if _FAST_MASK_BUILDER:
+      mask = _FAST_MASK_BUILDER[0](w, transposable)
+      if mask is not None:
+        return mask
     return _mask_from_weights(w, transposable)
 
   def meta(self) -> jax.Array:
@@ -278,6 +285,12 @@ class Mask24:
   @property
   def nbytes(self) -> int:
     return int(np.prod(self.packed.shape))
+
+
+# `Mask24.from_weights`'s faster path, registered by jsparse24.backends (which
+# sits above this module and may not be imported by it): a function
+# (w, transposable) -> Mask24, or None where it does not apply.
+_FAST_MASK_BUILDER: list = []
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -4,8 +4,10 @@
 the compressed values and metadata (jsparse24's `Sparse24` layout: values
 `[N, K/2]`, meta `uint8[N, ceil(K/8)]`, K contiguous), and with
 `transposable=True` also those of `w^T` (`[K, N/2]`, `[K, ceil(N/8)]`), using
-the exact best of the 90 4x4 patterns. `compress_with_meta(w, meta)` applies a
-stored packed mask instead of pruning. Results are bit-identical to the plain
+the exact best of the 90 4x4 patterns (in either layout);
+`transposable_mask(w)` runs that search alone and writes only the packed
+mask. `compress_with_meta(w, meta)` applies a stored packed mask instead of
+pruning. Results are bit-identical to the plain
 `jnp` references below (which define the contract through jsparse24's
 reference format code).
 """
@@ -35,25 +37,28 @@ class PruneConfig:
   num_warps: int = 4
   num_stages: int = 1
   # Load the lanes of the tile with strided loads (True) or separate them in
-  # registers after one contiguous load (False): the 16 lanes of the 4x4
-  # blocks (transposable pruning), or the 8 row lanes of the K-compressed
-  # values (layout="cusparselt"; strided stores then interleave the slots).
+  # registers after one contiguous load (False): the 8 row lanes of the
+  # K-compressed values (layout="cusparselt"; strided stores then interleave
+  # the slots). Transposable pruning always loads its lanes strided, and
+  # this says how it stores them: each lane with a strided store (True), or
+  # a row's lanes interleaved in registers and stored contiguously (False).
   strided_lanes: bool = True
 
   @classmethod
   def default(cls, k: int, n: int, kind: str, layout: str = "sparse24") -> "PruneConfig":
     """kind: "prune", "prune_transposable", "apply" (compress with a mask) or
     "apply_transposed" (and write the transposed copy). The tiles were the
-    fastest of a sweep on an H200 (benchmarks/NOTES.md)."""
+    fastest of a sweep on an H200, "prune_transposable" (also the tile of
+    `transposable_mask`) on an H100 (benchmarks/NOTES.md)."""
     del k, n
+    if kind == "prune_transposable":  # either layout; rows stored contiguously
+      return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=False)
     if layout == "cusparselt":
       if kind == "apply_transposed":
         return cls(block_k=64, block_n=64, num_warps=8, strided_lanes=False)
       if kind == "apply":
         return cls(block_k=128, block_n=64, num_warps=8, strided_lanes=False)
       return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
-    if kind == "prune_transposable":
-      return cls(block_k=32, block_n=64, num_warps=4)
     if kind in ("apply", "apply_transposed"):
       return cls(block_k=128, block_n=64, num_warps=8)
     return cls(block_k=128, block_n=32, num_warps=8)
@@ -65,31 +70,26 @@ _TINY = float(np.finfo(np.float32).tiny)  # subnormal magnitudes score 0
 # --- kernels -----------------------------------------------------------------
 
 
-def _block_lanes_split(w: jax.Array) -> list[list[jax.Array]]:
-  """lanes[r][c] `[R/4, C/4]`: element (r, c) of every 4x4 block of a loaded
-  `[R, C]` tile, separated in registers."""
-  col_lanes = _tiles.split_lanes(w, 4)  # 4 x [R, C/4]
-  lanes = [[None] * 4 for _ in range(4)]
-  for c, lane in enumerate(col_lanes):
-    rows = _tiles.split_lanes(lane.T, 4)  # 4 x [C/4, R/4]
-    for r in range(4):
-      lanes[r][c] = rows[r].T
-  return lanes
-
-
-def _block_lanes_strided(w_ref) -> list[list[jax.Array]]:
-  """The same lanes, loaded from memory with strided loads."""
+def _block_lanes(w_ref, stride: int, row0: int = 0, col0: int = 0) -> list[list[jax.Array]]:
+  """lanes[r][c] `[bk/stride, bn/stride]`: element (row0 + r, col0 + c) of
+  every `stride x stride` block of the `[bk, bn]` tile, loaded with strided
+  loads (the tile is in the cache after the first)."""
   bk, bn = w_ref.shape
-  return [[w_ref[pl.ds(r, bk // 4, stride=4), pl.ds(c, bn // 4, stride=4)]
+  return [[w_ref[pl.ds(row0 + r, bk // stride, stride=stride),
+                 pl.ds(col0 + c, bn // stride, stride=stride)]
            for c in range(4)] for r in range(4)]
 
 
-def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
-  """The exact best 4x4 pattern per block -> 0/1 int32 `[R, C]` keep tile.
+def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Array:
+  """The exact best 4x4 pattern of every block -> int32 code `q0 | q1 << 3 |
+  q2 << 6 | q3 << 9` (q_r: row r's pair, an index into `_tiles.PAIRS`).
 
-  Same order and arithmetic as jsparse24._prune._prune_transposable: most
-  kept non-finite elements, then the float32 per-row sum of kept finite
-  magnitudes, then the first pattern in lexicographic row-pair order.
+  lanes[r][c]: element (r, c) of every block. Same order and arithmetic as
+  jsparse24._prune._prune_transposable: most kept non-finite elements, then
+  the float32 per-row sum of kept finite magnitudes, then the first pattern
+  in lexicographic row-pair order. `count_nonfinite=False` leaves out the
+  first criterion: exact only for blocks without NaN or inf (every count
+  is 0 there), and half the work.
   """
   mag = [[None] * 4 for _ in range(4)]
   nonfinite = [[None] * 4 for _ in range(4)]
@@ -101,14 +101,24 @@ def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
   pair_sum = [[mag[r][i] + mag[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
   pair_cnt = [[nonfinite[r][i] + nonfinite[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
 
-  # Score the 90 patterns (same float32 order as the reference), then pick
-  # the best with a tournament that prefers the earlier pattern on ties. A
-  # tournament, not a running maximum, keeps dependency chains short. The
-  # winner's row pairs travel packed in one int (3 bits per row).
-  candidates = []
+  # Score the 90 patterns (same float32 order as the reference) and pick the
+  # best with a tournament that prefers the earlier pattern on ties. Any
+  # tree of merges of adjacent ranges (earlier range first) gives the first
+  # maximum; merging as soon as two equal-sized ranges are ready (a binary
+  # counter) keeps at most 7 candidates live, where scoring all 90 first
+  # and then merging kept 90 live (register spills).
+  def merge(a, b):
+    if count_nonfinite:
+      take_b = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] > a[1]))
+    else:
+      take_b = b[0] > a[0]
+    return tuple(jnp.where(take_b, vb, va) for va, vb in zip(a, b))
+
+  stack = []  # (size, candidate); sizes strictly decrease down the stack
+  total = 0
   for q0, q1 in itertools.product(range(6), range(6)):
     s01 = pair_sum[0][q0] + pair_sum[1][q1]
-    c01 = pair_cnt[0][q0] + pair_cnt[1][q1]
+    c01 = pair_cnt[0][q0] + pair_cnt[1][q1] if count_nonfinite else None
     for q2 in range(6):
       cols = [0, 0, 0, 0]
       for q in (q0, q1, q2):
@@ -119,32 +129,124 @@ def _transposable_keep(lanes: list[list[jax.Array]]) -> jax.Array:
         continue
       q3 = _tiles.PAIRS.index(need)
       score = (s01 + pair_sum[2][q2]) + pair_sum[3][q3]
-      count = (c01 + pair_cnt[2][q2]) + pair_cnt[3][q3]
-      candidates.append((count, score, q0 | q1 << 3 | q2 << 6 | q3 << 9))
-  assert len(candidates) == 90
-  while len(candidates) > 1:
-    merged = []
-    for a, b in zip(candidates[0::2], candidates[1::2]):
-      take_b = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] > a[1]))
-      merged.append(tuple(jnp.where(take_b, vb, va) for va, vb in zip(a, b)))
-    if len(candidates) % 2:
-      merged.append(candidates[-1])
-    candidates = merged
-  code = jnp.broadcast_to(jnp.asarray(candidates[0][2], jnp.int32), pair_sum[0][0].shape)
-  best_q = [(code >> (3 * r)) & 7 for r in range(4)]
+      code = jnp.full(score.shape, q0 | q1 << 3 | q2 << 6 | q3 << 9, jnp.int32)
+      if count_nonfinite:
+        cand = ((c01 + pair_cnt[2][q2]) + pair_cnt[3][q3], score, code)
+      else:
+        cand = (score, code)
+      total += 1
+      size = 1
+      while stack and stack[-1][0] == size:
+        cand = merge(stack.pop()[1], cand)
+        size *= 2
+      stack.append((size, cand))
+  assert total == 90
+  best = stack.pop()[1]
+  while stack:
+    best = merge(stack.pop()[1], best)
+  return best[-1]
 
-  # Shuffle 0/1 int32 tiles, not bools: Triton handles i1 tensors poorly in
-  # joins and transposes.
-  keep_cols = []
-  for c in range(4):
-    keep_rows = []
-    for r in range(4):
-      hit = functools.reduce(
-          jnp.logical_or,
-          [best_q[r] == q for q, pair in enumerate(_tiles.PAIRS) if c in pair])
-      keep_rows.append(hit.astype(jnp.int32).T)  # [C/4, R/4]
-    keep_cols.append(_tiles.join_lanes(keep_rows).T)  # [R, C/4]
-  return _tiles.join_lanes(keep_cols)  # int32 0/1 [R, C]
+
+def _best_pattern_of_tile(lanes: list[list[jax.Array]]) -> jax.Array:
+  """`_best_pattern`, counting non-finite elements only in tiles that hold
+  one (a branch per tile: the common tile takes the cheaper search)."""
+  bad = functools.reduce(jnp.maximum, [
+      (jnp.abs(x.astype(jnp.float32)) == jnp.inf).astype(jnp.int32)
+      | (x != x).astype(jnp.int32) for row in lanes for x in row])
+  return jax.lax.cond(jnp.max(bad) > 0, lambda: _best_pattern(lanes, True),
+                      lambda: _best_pattern(lanes, False))
+
+
+def _quadrants(code: jax.Array) -> list[list[jax.Array]]:
+  """code `[R, C]` of the tile's 4x4 blocks -> quads[t][b] `[R/2, C/2]`:
+  the blocks of even (t=0) / odd (t=1) block rows and even (b=0) / odd
+  (b=1) block columns, i.e. of the 8x8 regions' four quadrants."""
+  quads = [[None, None], [None, None]]
+  for b, half in enumerate(_tiles.split_lanes(code, 2)):  # [R, C/2]
+    for t, part in enumerate(_tiles.split_lanes(half.T, 2)):  # [C/2, R/2]
+      quads[t][b] = part.T
+  return quads
+
+
+# Row pair q = (i0, i1) of _tiles.PAIRS: which columns it keeps.
+_PAIRS_WITH = tuple(tuple(q for q, pair in enumerate(_tiles.PAIRS) if c in pair)
+                    for c in range(4))
+
+
+def _pair_first_last(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The kept columns (i0 < i1) of row pair q."""
+  i0 = jnp.where(q < 3, 0, jnp.where(q < 5, 1, 2)).astype(jnp.int32)
+  i1 = jnp.where(q == 0, 1, jnp.where((q == 1) | (q == 3), 2, 3)).astype(jnp.int32)
+  return i0, i1
+
+
+def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: bool,
+                               strided_stores: bool):
+  """Transposable prune + compress of a `[bk, bn]` tile (bk, bn multiples of
+  8): the best pattern of each 4x4 block, then both compressed copies and
+  both metadata, from the lanes of the four quadrants of the tile's 8x8
+  regions (loaded with stride 8), so that every output row is made of
+  whole lanes: `strided_stores` stores each lane with a strided store,
+  else the lanes of a row are interleaved in registers (`join_lanes`) and
+  stored contiguously.
+
+  Outputs: with_values: values, meta, values_t, meta_t (see `_outputs`);
+  else meta only (the mask)."""
+  if with_values:
+    values_ref, meta_ref, values_t_ref, meta_t_ref = out_refs
+    w_ref = _cast_view(w_ref, values_ref.dtype)
+  else:
+    (meta_ref,) = out_refs
+  bk, bn = w_ref.shape
+  rows8, cols8 = bk // 8, bn // 8
+  quads = _quadrants(_best_pattern_of_tile(_block_lanes(w_ref, 4)))  # [t][b] [bk/8, bn/8]
+  q = [[[(quads[t][b] >> (3 * r)) & 7 for r in range(4)] for b in range(2)] for t in range(2)]
+  lanes = ([[_block_lanes(w_ref, 8, 4 * t, 4 * b) for b in range(2)] for t in range(2)]
+           if with_values else None)
+
+  if with_values:  # the N-compressed copy: row r keeps its pair's columns
+    for t, r in itertools.product(range(2), range(4)):
+      slots, nibbles = [], []
+      for b in range(2):
+        i0, i1 = _pair_first_last(q[t][b][r])
+        slots += [_tiles.pick(lanes[t][b][r], i0), _tiles.pick(lanes[t][b][r], i1)]
+        nibbles.append(i0 | (i1 << 2))
+      rows = pl.ds(4 * t + r, rows8, stride=8)
+      if strided_stores:
+        for l, slot in enumerate(slots):  # slot l = 2b + s: column 4j + l
+          values_t_ref[rows, pl.ds(l, cols8, stride=4)] = slot
+      else:
+        values_t_ref[rows, :] = _tiles.join_lanes(slots)
+      meta_t_ref[rows, :] = (nibbles[0] | (nibbles[1] << 4)).astype(jnp.uint8)
+
+  # The K-compressed copy: column c keeps the rows whose pair holds c.
+  k_slots = [[None] * 8 for _ in range(4)]  # [2t + s][4b + c] (k_major, joined)
+  for b, c in itertools.product(range(2), range(4)):
+    slots, nibbles = [], []
+    for t in range(2):
+      keep = [functools.reduce(jnp.logical_or, [q[t][b][r] == p for p in _PAIRS_WITH[c]])
+              for r in range(4)]
+      i0, i1 = _tiles.first_last(keep)
+      nibbles.append(i0 | (i1 << 2))
+      if with_values:
+        col = [lanes[t][b][r][c] for r in range(4)]
+        slots += [_tiles.pick(col, i0), _tiles.pick(col, i1)]  # slot l = 2t + s
+    cols = pl.ds(4 * b + c, cols8, stride=8)
+    meta_ref[cols, :] = (nibbles[0] | (nibbles[1] << 4)).T.astype(jnp.uint8)
+    if not with_values:
+      continue
+    for l, slot in enumerate(slots):  # row 4i + l of the K-compressed values
+      if k_major and strided_stores:
+        values_ref[pl.ds(l, rows8, stride=4), cols] = slot
+      elif k_major:
+        k_slots[l][4 * b + c] = slot
+      elif strided_stores:
+        values_ref[cols, pl.ds(l, rows8, stride=4)] = slot.T
+    if not k_major and not strided_stores:
+      values_ref[cols, :] = _tiles.join_lanes([slot.T for slot in slots])
+  if with_values and k_major and not strided_stores:
+    for l in range(4):
+      values_ref[pl.ds(l, rows8, stride=4), :] = _tiles.join_lanes(k_slots[l])
 
 
 def _row_lanes(w_ref) -> list[jax.Array]:
@@ -179,10 +281,9 @@ def _cast_view(ref, dtype):
   return ref if jnp.dtype(dtype) == jnp.dtype(ref.dtype) else _Cast(ref, dtype)
 
 
-def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
-                  strided_lanes: bool, k_major: bool):
+def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: bool):
   w_ref = _cast_view(w_ref, values_ref.dtype)
-  if k_major:  # layout="cusparselt" (never transposable)
+  if k_major:  # layout="cusparselt"
     if strided_lanes:
       slots, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # meta [bk/8, bn]
       store_k_major(values_ref, slots)
@@ -192,21 +293,9 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *rest, transposable: bool,
       values_ref[...] = values.T
       meta_ref[...] = meta
     return
-  w = w_ref[...]  # [bk, bn]
-  if not transposable:
-    values, meta = _tiles.compress_rows(w.T, None)
-    values_ref[...] = values
-    meta_ref[...] = meta
-    return
-  values_t_ref, meta_t_ref = rest
-  lanes = _block_lanes_strided(w_ref) if strided_lanes else _block_lanes_split(w)
-  keep = _transposable_keep(lanes)
-  values, meta = _tiles.compress_rows(w.T, [k != 0 for k in _tiles.split_lanes(keep.T, 8)])
+  values, meta = _tiles.compress_rows(w_ref[...].T, None)
   values_ref[...] = values
   meta_ref[...] = meta
-  values_t, meta_t = _tiles.compress_rows(w, [k != 0 for k in _tiles.split_lanes(keep, 8)])
-  values_t_ref[...] = values_t
-  meta_t_ref[...] = meta_t
 
 
 def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
@@ -350,20 +439,15 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   Returns `(values [N, K/2], meta uint8[N, ceil(K/8)], values_t, meta_t)`;
   the last two are `[K, N/2]`, `uint8[K, ceil(N/8)]` with
   `transposable=True`, else None. With layout="cusparselt" (bfloat16/float16,
-  K and N multiples of 64, not transposable) `values` is `[K/2 + K/16, N]`:
-  the values `[K/2, N]` in its first K/2 rows, the rest unwritten (see the
-  module docstring). `dtype`: the values' dtype (default w's): a float32 `w`
+  K and N multiples of 64) `values` is `[K/2 + K/16, N]`: the values
+  `[K/2, N]` in its first K/2 rows, and `values_t` `[K + K/8, N/2]`, the
+  values in its first K rows; the rest unwritten (see the module docstring). `dtype`: the values' dtype (default w's): a float32 `w`
   is cast to it as it is read, and pruned as `w.astype(dtype)` would be.
   """
   fn = "prune_compress"
   _check_weight(fn, w, transposable)
   dtype = _out_dtype(fn, w, dtype)
   k_major = _check_layout(fn, w, layout, dtype)
-  if k_major and transposable:
-    raise NotImplementedError(
-        f"{fn}: layout='cusparselt' with transposable=True; find the mask first"
-        f" (jsparse24.Mask24.from_weights(w, transposable=True)) and use"
-        f" compress_with_meta.")
   k, n = w.shape
   cfg = fit_config(config or PruneConfig.default(
       k, n, "prune_transposable" if transposable else "prune", layout), k, n, exact=k_major)
@@ -372,9 +456,13 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   kp, np_ = wp.shape
   out_shape, out_specs = _outputs(wp, cfg, meta=True, transposed=transposable,
                                   k_major=k_major, dtype=dtype)
+  if transposable:
+    kernel = functools.partial(_prune_transposable_kernel, k_major=k_major, with_values=True,
+                               strided_stores=cfg.strided_lanes)
+  else:
+    kernel = functools.partial(_prune_kernel, strided_lanes=cfg.strided_lanes, k_major=k_major)
   outs = pl.pallas_call(
-      functools.partial(_prune_kernel, transposable=transposable,
-                        strided_lanes=cfg.strided_lanes, k_major=k_major),
+      kernel,
       out_shape=out_shape,
       grid=(kp // bk, np_ // bn),
       in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j))],
@@ -385,12 +473,43 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
       name="jsparse24_prune_compress_t" if transposable else "jsparse24_prune_compress",
   )(wp)
   if k_major:
-    return outs[0], outs[1], None, None
+    if not transposable:
+      return outs[0], outs[1], None, None
+    return outs[0], outs[1], outs[2], outs[3]
   values = outs[0][:n, :k // 2]
   meta = _with_pad_code(outs[1][:n, :math.ceil(k / 8)], k)
   if not transposable:
     return values, meta, None, None
   return values, meta, outs[2][:k, :n // 2], _with_pad_code(outs[3][:k, :math.ceil(n / 8)], n)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def transposable_mask(w: jax.Array, *, config: PruneConfig | None = None,
+                      interpret: bool = False) -> jax.Array:
+  """The transposable 2:4 mask of `w[K, N]` (the exact best of the 90 4x4
+  patterns per block, as `prune_compress(transposable=True)` chooses it), as
+  packed metadata `uint8[N, ceil(K/8)]` only: one read of `w` in its own
+  dtype (float32 master weights included), no values written."""
+  fn = "transposable_mask"
+  _check_weight(fn, w, True)
+  k, n = w.shape
+  cfg = fit_config(config or PruneConfig.default(k, n, "prune_transposable"), k, n)
+  bk, bn = cfg.block_k, cfg.block_n
+  wp = _padded(w, bk, bn)
+  kp, np_ = wp.shape
+  meta = pl.pallas_call(
+      functools.partial(_prune_transposable_kernel, k_major=False, with_values=False,
+                        strided_stores=True),
+      out_shape=jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8),
+      grid=(kp // bk, np_ // bn),
+      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j))],
+      out_specs=pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="jsparse24_transposable_mask",
+  )(wp)
+  return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret", "layout",

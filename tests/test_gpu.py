@@ -32,6 +32,46 @@ def test_prune_compress_matches_reference(shape, transposed, dtype):
     assert _same_bits(a, b)
 
 
+def _adversarial(shape, dtype, seed=0):
+  """Random weights with NaN, +-inf, zeros, equal values, subnormals and a
+  quarter of the rows rounded to quarters (tied pattern scores)."""
+  k, n = shape
+  w = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  w = w.at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf).at[9 % k, 2].set(-jnp.inf)
+  w = w.at[3].set(0.0).at[k // 2:k // 2 + 4].set(1.0).at[k - 4:, :64].set(1e-40)
+  w = w.at[k // 4:k // 2].set(jnp.round(w[k // 4:k // 2] * 4) / 4)
+  return w.astype(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    ((4096, 4096), jnp.bfloat16), ((1028, 2052), jnp.float16), ((8, 12), jnp.bfloat16),
+    ((132, 260), jnp.float32)])
+def test_fused_transposable_prune_is_bit_identical(shape, dtype):
+  """The fused transposable kernel (pattern search, both copies, both
+  metadata) against the XLA reference, adversarial data, odd legal shapes;
+  the mask alone from float32 master weights through Mask24.from_weights."""
+  from pallas_kernels import prune24
+  w = _adversarial(shape, dtype, seed=shape[0])
+  mask = jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=True), transposable=True)
+  ref = jsparse24.compress(w, mask, transposed=True, implementation="xla")
+  got = jsparse24.compress(w, transposed=True, implementation="pallas")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    assert _same_bits(a, b)
+  if shape[0] % 64 == 0 and shape[1] % 64 == 0 and dtype != jnp.float32:
+    values, meta, values_t, meta_t = prune24.prune_compress(w, transposable=True,
+                                                            layout="cusparselt")
+    k = shape[0]
+    for a, b in zip((values[:k // 2], meta, values_t[:k], meta_t),
+                    (ref.values.T, ref.meta, ref.values_t, ref.meta_t)):
+      assert _same_bits(a, b)
+  w32 = _adversarial(shape, jnp.float32, seed=shape[1])
+  want = jsparse24.Mask24.pack(jsparse24.prune_24(w32, transposable=True), transposable=True)
+  got_mask = jsparse24.Mask24.from_weights(w32, transposable=True)
+  assert "pallas_call" in str(jax.make_jaxpr(
+      lambda w: jsparse24.Mask24.from_weights(w, transposable=True))(w32))
+  assert _same_bits(got_mask.packed, want.packed)
+
+
 @pytest.mark.parametrize("m", [1, 100, 2048])
 @pytest.mark.parametrize("k,n", [(4096, 4096), (1028, 520)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float16, 2e-3), (jnp.float32, 1e-5)])

@@ -69,14 +69,65 @@ def test_prune_compress_plain_is_bit_identical(shape, dtype):
     np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("shape,dtype", [((12, 20), jnp.float32), ((24, 8), jnp.bfloat16)])
-def test_prune_compress_transposable_is_bit_identical(shape, dtype):
-  w = _weights(sum(shape) + 1, shape, dtype)
-  got = prune24.prune_compress(w, transposable=True, interpret=True)
+def _adversarial(seed, shape, dtype):
+  """`_weights`' NaN, inf, zero row and tie, plus rows of equal values,
+  subnormals, and rows rounded to quarters (tied pattern scores), in the
+  first 8 rows of every 64; elsewhere plain random values (tiles with no
+  NaN or inf take the kernel's cheaper search)."""
+  w = _weights(seed, shape, jnp.float32)
+  k = shape[0]
+  for start in range(0, k, 64):
+    w = w.at[start + 4:start + 6].set(1.0).at[start + 6, :4].set(1e-40)
+    w = w.at[start:start + 8:3].set(jnp.round(w[start:start + 8:3] * 4) / 4)
+  return w.astype(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype,strided", [
+    ((12, 20), jnp.float32, False), ((24, 8), jnp.bfloat16, True),
+    ((72, 136), jnp.float16, False), ((136, 72), jnp.bfloat16, True),
+    ((4, 4), jnp.bfloat16, False)])
+def test_prune_compress_transposable_is_bit_identical(shape, dtype, strided):
+  w = _adversarial(sum(shape) + 1, shape, dtype)
+  cfg = prune24.PruneConfig(block_k=64, block_n=64, strided_lanes=strided)
+  got = prune24.prune_compress(w, transposable=True, config=cfg, interpret=True)
   ref = prune_compress_reference(w, transposable=True)
   for a, b in zip(got, ref):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("shape,dtype", [((72, 136), jnp.float32), ((20, 12), jnp.bfloat16)])
+def test_transposable_mask_is_bit_identical(shape, dtype):
+  # The mask alone (what the rebuilds use): float32 master weights included,
+  # subnormal magnitudes scoring 0 like the reference's.
+  w = _adversarial(3 * sum(shape), shape, dtype)
+  got = prune24.transposable_mask(w, interpret=True)
+  want = jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=True), transposable=True)
+  assert got.shape == want.meta().shape and got.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want.meta()))
+
+
+def test_mask_from_weights_takes_the_fused_kernel_where_pallas_runs_natively(monkeypatch):
+  """Mask24.from_weights (so rebuild_masks and mask_update) builds
+  transposable masks with the kernel where it runs natively (a GPU), with
+  the reference's bits, stacked float32 master weights and K/4 odd
+  included; plain masks and interpreted kernels keep the XLA reference."""
+  from jsparse24.backends import pallas as pallas_backend
+  w = jnp.stack([_adversarial(11, (20, 24), jnp.float32),
+                 _adversarial(12, (20, 24), jnp.float32)])  # as nn.scan stacks kernels
+  want = jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=True), transposable=True)
+
+  def jaxpr(transposable):
+    return str(jax.make_jaxpr(
+        lambda w: jsparse24.Mask24.from_weights(w, transposable=transposable))(w))
+
+  with interpret_mode():
+    assert "pallas_call" not in jaxpr(True)  # interpreting: the reference
+    monkeypatch.setattr(pallas_backend.PallasBackend, "interpreting", lambda self: False)
+    assert "pallas_call" in jaxpr(True) and "pallas_call" not in jaxpr(False)
+    got = jsparse24.Mask24.from_weights(w, transposable=True)
+  assert got.shape == want.shape and got.transposable
+  np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
 
 
 @pytest.mark.parametrize("shape,transposed", [((20, 12), False), ((12, 20), True), ((40, 8), True)])
@@ -109,6 +160,14 @@ def test_cusparselt_layout_is_bit_identical(shape, dtype, strided):
   assert values.shape == (k // 2 + k // 16, n) and values.dtype == dtype
   np.testing.assert_array_equal(_bits(values[:k // 2]), _bits(ref_values.T))
   np.testing.assert_array_equal(_bits(meta), _bits(ref_meta))
+  # Transposable pruning writes both copies in this layout too.
+  values, meta, values_t, meta_t = prune24.prune_compress(
+      w, transposable=True, layout="cusparselt", config=cfg, interpret=True)
+  ref = prune_compress_reference(w, transposable=True)
+  assert values.shape == (k // 2 + k // 16, n) and values_t.shape == (k + k // 8, n // 2)
+  for got, want in zip((values[:k // 2], meta, values_t[:k], meta_t),
+                       (ref[0].T, ref[1], ref[2], ref[3])):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
   mask = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(4), shape),
                                        transposable=True)
   for transposed in (False, True):
@@ -133,8 +192,8 @@ def test_cusparselt_layout_rejects_what_it_cannot_write():
   with pytest.raises(ValueError, match="multiples of 64"):
     prune24.compress_with_meta(w[:96], jnp.zeros((64, 12), jnp.uint8), layout="cusparselt",
                                interpret=True)
-  with pytest.raises(NotImplementedError, match="compress_with_meta"):
-    prune24.prune_compress(w, transposable=True, layout="cusparselt", interpret=True)
+  with pytest.raises(ValueError, match="transposable_mask: N = w.shape.1. = 66 is not a"):
+    prune24.transposable_mask(jnp.ones((8, 66)), interpret=True)
 
 
 @pytest.mark.parametrize("m,k,n,dtype,tol", [

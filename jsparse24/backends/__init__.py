@@ -9,6 +9,11 @@ explicitly either runs or raises `BackendUnavailableError` / `ValueError`.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+from jsparse24 import _format
+from jsparse24._format import Mask24
+from jsparse24.backends import pallas as _pallas
 from jsparse24.backends.base import Backend, BackendUnavailableError, DotConfig, Problem
 from jsparse24.backends.cusparselt import CusparseltBackend
 from jsparse24.backends.pallas import PallasBackend
@@ -82,3 +87,20 @@ def select_compress(implementation: str | None, w) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem", "select", "select_compress"]
+
+
+def _fast_mask(w, transposable: bool) -> Mask24 | None:
+  """`Mask24.from_weights`'s fast path: a transposable mask by the fused
+  Pallas kernel where it runs natively (an NVIDIA GPU; one read of `w`,
+  benchmarks/NOTES.md compares it with the reference's XLA search); None
+  elsewhere (the reference runs)."""
+  pallas = BACKENDS["pallas"]
+  w = jnp.asarray(w)
+  if (transposable and not pallas.interpreting() and pallas.unavailable_reason() is None
+      and w.ndim >= 2 and w.shape[-2] and w.shape[-1] and not w.shape[-2] % 4
+      and not w.shape[-1] % 4 and w.dtype in _pallas.DTYPES):
+    return _pallas.transposable_mask(w)
+  return None
+
+
+_format._FAST_MASK_BUILDER[:] = [_fast_mask]  # pylint: disable=protected-access

@@ -6,9 +6,10 @@ interpret mode (`with interpret_mode(): ...`, for tests on CPU). Its operand is
 a `Sparse24`: built once in the forward pass (with the transposed copy when
 the mask is transposable) and reused by the backward pass for `dx`.
 
-Transposable pruning (`mask=None` with `transposable=True`) searches the 4x4
-patterns with the XLA reference and compresses with the kernel: the fused
-transposable kernel does not compile in reasonable time on the GPU yet.
+Transposable pruning (`mask=None` with `transposable=True`) is one fused
+kernel too: the exact best of the 90 4x4 patterns per block, then both
+compressed copies. `transposable_mask` runs its search alone (the mask
+only), for `Mask24.from_weights` and the mask rebuilds on a GPU.
 
 The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
 they save bytes, not FLOPs, so `implementation=None` picks this backend only
@@ -35,7 +36,7 @@ _INTERPRET = [False]
 # where benchmarks/ measured it faster than dense XLA on an H100/H200; 0 until
 # measured.
 AUTO_MAX_M = 0
-_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def interpreting() -> bool:
@@ -72,6 +73,19 @@ def _prune_fn(interpret: bool, layout: str, dtype):
 
 
 @functools.cache
+def _prune_transposable_fn(interpret: bool, layout: str, dtype):
+  prune24, _ = _kernels()
+  return functools.partial(prune24.prune_compress, transposable=True, interpret=interpret,
+                           layout=layout, dtype=dtype)
+
+
+@functools.cache
+def _mask_fn(interpret: bool):
+  prune24, _ = _kernels()
+  return lambda w: (prune24.transposable_mask(w, interpret=interpret),)
+
+
+@functools.cache
 def _apply_fn(transposed: bool, interpret: bool, layout: str, dtype):
   prune24, _ = _kernels()
 
@@ -102,18 +116,26 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24", dtype=N
   if mask is None and not transposed:
     values, meta = columns_parallel(_prune_fn(interpret, layout, dtype), (values_n, 0), align, w)
     return values, meta, None, None
-  if mask is None:
-    # The fused transposable prune kernel (prune24.prune_compress with
-    # transposable=True) is exact in interpret mode but its Triton
-    # compilation does not finish (benchmarks/NOTES.md), so the 4x4
-    # pattern search runs in XLA here (on the cast weight, as the layer
-    # computes with it); the compression is the kernel.
-    mask = Mask24.from_weights(w.astype(dtype), transposable=True)
+  if mask is None:  # the exact 4x4 pattern search and both copies, one pass
+    return tuple(columns_parallel(_prune_transposable_fn(interpret, layout, dtype),
+                                  (values_n, 0, 1, 1), align, w))
   meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
   outs = columns_parallel(_apply_fn(transposed, interpret, layout, dtype),
                           (values_n, 1, 1) if transposed else (values_n,), align, w, meta)
   values, values_t, meta_t = outs if transposed else (outs[0], None, None)
   return values, meta, values_t, meta_t
+
+
+def transposable_mask(w: jax.Array) -> Mask24:
+  """`Mask24.from_weights(w, transposable=True)` (same bits) by the fused
+  kernel: one read of `w` (any leading axes, float32 master weights
+  included), the packed mask written, no values. Under `jit` with `w`
+  sharded on N, each device searches its own columns."""
+  fn = functools.partial(columns_parallel, _mask_fn(_INTERPRET[0]), (0,), 8)
+  for _ in range(w.ndim - 2):
+    fn = jax.vmap(fn)
+  (meta,) = fn(jax.lax.stop_gradient(w))
+  return Mask24.from_meta(meta, w.shape, transposable=True)
 
 
 @functools.cache
@@ -142,7 +164,7 @@ class PallasBackend(Backend):
     return _INTERPRET[0]
 
   def check_supported(self, problem: Problem) -> None:
-    if problem.dtype not in _DTYPES:
+    if problem.dtype not in DTYPES:
       raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
 
   def prefers(self, problem: Problem) -> bool:
