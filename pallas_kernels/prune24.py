@@ -7,9 +7,8 @@ the compressed values and metadata (jsparse24's `Sparse24` layout: values
 the exact best of the 90 4x4 patterns (in either layout);
 `transposable_mask(w)` runs that search alone and writes only the packed
 mask. `compress_with_meta(w, meta)` applies a stored packed mask instead of
-pruning. Results are bit-identical to the plain
-`jnp` references below (which define the contract through jsparse24's
-reference format code).
+pruning. Results are bit-identical to the plain `jnp` references below
+(which define the contract through jsparse24's reference format code).
 """
 
 from __future__ import annotations
@@ -441,8 +440,9 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   `transposable=True`, else None. With layout="cusparselt" (bfloat16/float16,
   K and N multiples of 64) `values` is `[K/2 + K/16, N]`: the values
   `[K/2, N]` in its first K/2 rows, and `values_t` `[K + K/8, N/2]`, the
-  values in its first K rows; the rest unwritten (see the module docstring). `dtype`: the values' dtype (default w's): a float32 `w`
-  is cast to it as it is read, and pruned as `w.astype(dtype)` would be.
+  values in its first K rows; the rest unwritten (see the module
+  docstring). `dtype`: the values' dtype (default w's): a float32 `w` is
+  cast to it as it is read, and pruned as `w.astype(dtype)` would be.
   """
   fn = "prune_compress"
   _check_weight(fn, w, transposable)
