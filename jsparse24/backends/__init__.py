@@ -60,6 +60,12 @@ def select(implementation: str | None, problem: Problem) -> Backend:
   return backend
 
 
+def _pallas_native() -> bool:
+  """Whether the Pallas kernels run natively here (a GPU), not interpreted."""
+  pallas = BACKENDS["pallas"]
+  return not pallas.interpreting() and pallas.unavailable_reason() is None
+
+
 def select_compress(implementation: str | None, w) -> Backend:
   """The backend for `jsparse24.compress`: with None, the Pallas kernel where
   it runs natively (2-D weights of a dtype it supports), else the reference."""
@@ -67,8 +73,7 @@ def select_compress(implementation: str | None, w) -> Backend:
                     transposable=False, platform="")
   if implementation is None:
     pallas = BACKENDS["pallas"]
-    native = pallas.unavailable_reason() is None and not pallas.interpreting()
-    if native and w.ndim == 2:
+    if _pallas_native() and w.ndim == 2:
       try:
         pallas.check_supported(problem)
         return pallas
@@ -94,11 +99,9 @@ def _fast_mask(w, transposable: bool) -> Mask24 | None:
   Pallas kernel where it runs natively (an NVIDIA GPU; one read of `w`,
   benchmarks/NOTES.md compares it with the reference's XLA search); None
   elsewhere (the reference runs)."""
-  pallas = BACKENDS["pallas"]
   w = jnp.asarray(w)
-  if (transposable and not pallas.interpreting() and pallas.unavailable_reason() is None
-      and w.ndim >= 2 and w.shape[-2] and w.shape[-1] and not w.shape[-2] % 4
-      and not w.shape[-1] % 4 and w.dtype in _pallas.DTYPES):
+  if (transposable and _pallas_native() and w.ndim >= 2 and w.shape[-2] and w.shape[-1]
+      and not w.shape[-2] % 4 and not w.shape[-1] % 4 and w.dtype in _pallas.DTYPES):
     return _pallas.transposable_mask(w)
   return None
 

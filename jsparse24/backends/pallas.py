@@ -62,21 +62,14 @@ def _kernels():
 
 
 @functools.cache
-def _prune_fn(interpret: bool, layout: str, dtype):
+def _prune_fn(transposable: bool, interpret: bool, layout: str, dtype):
   prune24, _ = _kernels()
 
   def run(w):
-    values, meta, _, _ = prune24.prune_compress(w, interpret=interpret, layout=layout,
-                                                dtype=dtype)
-    return values, meta
+    outs = prune24.prune_compress(w, transposable=transposable, interpret=interpret,
+                                  layout=layout, dtype=dtype)
+    return outs if transposable else outs[:2]  # the transposed pair is None
   return run
-
-
-@functools.cache
-def _prune_transposable_fn(interpret: bool, layout: str, dtype):
-  prune24, _ = _kernels()
-  return functools.partial(prune24.prune_compress, transposable=True, interpret=interpret,
-                           layout=layout, dtype=dtype)
 
 
 @functools.cache
@@ -113,12 +106,10 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24", dtype=N
   # whole bytes of N-groups for the transposed copy.
   align = 64 if cusparselt else (8 if transposed else 1)
   values_n = 1 if cusparselt else 0  # the axis of `values` that runs over N
-  if mask is None and not transposed:
-    values, meta = columns_parallel(_prune_fn(interpret, layout, dtype), (values_n, 0), align, w)
-    return values, meta, None, None
-  if mask is None:  # the exact 4x4 pattern search and both copies, one pass
-    return tuple(columns_parallel(_prune_transposable_fn(interpret, layout, dtype),
-                                  (values_n, 0, 1, 1), align, w))
+  if mask is None:  # prune and compress in one pass (transposable: both copies)
+    outs = columns_parallel(_prune_fn(transposed, interpret, layout, dtype),
+                            (values_n, 0, 1, 1) if transposed else (values_n, 0), align, w)
+    return tuple(outs) if transposed else (*outs, None, None)
   meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
   outs = columns_parallel(_apply_fn(transposed, interpret, layout, dtype),
                           (values_n, 1, 1) if transposed else (values_n,), align, w, meta)
