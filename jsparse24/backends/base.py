@@ -112,13 +112,6 @@ class Backend(abc.ABC):
     """
     raise NotImplementedError
 
-  def prepare_cast(self, w: jax.Array, mask: jax.Array | Mask24 | None, transposable: bool,
-                   dtype: Any) -> Any:
-    """`prepare(w.astype(dtype), mask, transposable)`. A backend whose kernels
-    cast `w` as they read it overrides this: one pass over a float32 kernel
-    instead of XLA's cast pass (a bfloat16 copy written and read again)."""
-    return self.prepare(w.astype(dtype), mask, transposable)
-
   def forward(self, x: jax.Array, operand: Any, precision: Any) -> jax.Array:
     """`x[M, K] @ (w*m)[K, N]`, accumulated in float32, in x's dtype."""
     raise NotImplementedError
@@ -208,7 +201,14 @@ def _custom_dot(x, w, mask, key, backend: Backend, cfg: DotConfig):
 
 
 def _custom_dot_fwd(x, w, mask, key, backend: Backend, cfg: DotConfig):
-  operand = backend.prepare_cast(w, mask, cfg.transposable, x.dtype)
+  # The cast is its own XLA op, not done by a kernel that reads the float32
+  # kernel: under nn.scan `w` is a slice of the stacked parameters, which XLA
+  # fuses into the cast (4 bytes read, 2 written per weight) but copies whole
+  # before a custom call (4 + 4), whose read then costs 4 bytes more. On an
+  # H100 the d_model 4096 x 6 block step of bench_model.py went 258.5 ->
+  # 255.6 ms this way (benchmarks/NOTES.md, "The cast before the compress
+  # kernel").
+  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
   # w itself is a residual only for its dtype and sharding (dw's); it costs
   # nothing: the parameter is alive anyway, and nn.scan forwards it.
   return backend.forward(x, operand, cfg.precision), (x, w, operand, key)
@@ -239,7 +239,7 @@ def _custom_dot_or_dense(x, w, mask, active, key, backend: Backend, cfg: DotConf
 
 
 def _custom_dot_or_dense_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
-  operand = backend.prepare_cast(w, mask, cfg.transposable, x.dtype)
+  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)  # as _custom_dot_fwd
   y = jax.lax.cond(active, lambda: backend.forward(x, operand, cfg.precision),
                    lambda: matmul(x, w.astype(x.dtype), cfg.precision))
   return y, (x, w, operand, active, key)

@@ -293,17 +293,14 @@ def from_sparse24(sp: Sparse24) -> tuple[jax.Array, jax.Array | None]:
   return fwd, bwd
 
 
-def compress_for_products(w: jax.Array, mask, transposable: bool, dtype=None):
+def compress_for_products(w: jax.Array, mask, transposable: bool):
   """Masks (or prunes, `mask=None`) and compresses `w[K, N]` for cuSPARSELt
   with jsparse24's Pallas kernel: `(fwd, bwd, meta)`, the buffers of
   `buffer_shape` (bwd None unless `transposable`) and the mask's packed
-  codes (`Mask24` layout) -- one pass over `w`, then the metadata writes.
-  `dtype`: the buffers' dtype (default w's); a float32 `w` is cast as it is
-  read."""
+  codes (`Mask24` layout) -- one pass over `w`, then the metadata writes."""
   k, n = w.shape
   _check_aligned(k, n)
-  fwd, meta, bwd, meta_t = compress_arrays(w, mask, transposable, layout="cusparselt",
-                                           dtype=dtype)
+  fwd, meta, bwd, meta_t = compress_arrays(w, mask, transposable, layout="cusparselt")
   fwd = _with_metadata(fwd, k // 2, meta, k // 4)
   if bwd is not None:
     bwd = _with_metadata(bwd, k, meta_t, n // 4)
@@ -508,21 +505,17 @@ class CusparseltBackend(Backend):
     return min_m is not None and problem.m >= min_m
 
   def prepare(self, w, mask, transposable):
-    return self.prepare_cast(w, mask, transposable, w.dtype)
-
-  def prepare_cast(self, w, mask, transposable, dtype):
     w = jax.lax.stop_gradient(w)
     if COMPRESSOR == "cusparselt":
       # cusparseLtSpMMACompress2 on the masked weight (for the benchmarks'
       # comparison): the Pallas kernel finds or applies the mask, XLA
       # decompresses, cuSPARSELt compresses each direction.
-      sp = _PALLAS.compress(w.astype(dtype), mask, transposable)
+      sp = _PALLAS.compress(w, mask, transposable)
       masked = decompress(sp)
       fwd = compress(masked, transpose=False)
       bwd = compress(masked, transpose=True) if transposable else None
       return Operand(fwd, bwd, sp.meta, tuple(w.shape))
-    # The Pallas kernel reads w (a float32 kernel) and casts as it loads.
-    fwd, bwd, meta = compress_for_products(w, mask, transposable, dtype)
+    fwd, bwd, meta = compress_for_products(w, mask, transposable)
     return Operand(fwd, bwd, meta, tuple(w.shape))
 
   def forward(self, x, operand: Operand, precision):

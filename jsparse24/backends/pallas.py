@@ -62,12 +62,12 @@ def _kernels():
 
 
 @functools.cache
-def _prune_fn(transposable: bool, interpret: bool, layout: str, dtype):
+def _prune_fn(transposable: bool, interpret: bool, layout: str):
   prune24, _ = _kernels()
 
   def run(w):
     outs = prune24.prune_compress(w, transposable=transposable, interpret=interpret,
-                                  layout=layout, dtype=dtype)
+                                  layout=layout)
     return outs if transposable else outs[:2]  # the transposed pair is None
   return run
 
@@ -79,39 +79,37 @@ def _mask_fn(interpret: bool):
 
 
 @functools.cache
-def _apply_fn(transposed: bool, interpret: bool, layout: str, dtype):
+def _apply_fn(transposed: bool, interpret: bool, layout: str):
   prune24, _ = _kernels()
 
   def run(w, meta):
     values, values_t, meta_t = prune24.compress_with_meta(
-        w, meta, transposed=transposed, interpret=interpret, layout=layout, dtype=dtype)
+        w, meta, transposed=transposed, interpret=interpret, layout=layout)
     return (values, values_t, meta_t) if transposed else (values,)
   return run
 
 
-def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24", dtype=None):
+def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
   """The compress kernels on `w` with `mask` (None: prune by magnitude; a
   bool array or a Mask24): `(values, meta, values_t, meta_t)` in `layout`
   (see pallas_kernels.prune24), the transposed pair None unless `transposed`.
-  `dtype`: the values' dtype (default w's); the kernels cast `w` as they read
-  it, with the result of `w.astype(dtype)`. Under `jit` with `w` sharded on
+  Under `jit` with `w` sharded on
   N (FSDP at rest), each device compresses its own columns
   (`_sharding.columns_parallel`): the compressed arrays are what gets
   gathered for the products, not `w`."""
   interpret = _INTERPRET[0]
   w = jax.lax.stop_gradient(w)
-  dtype = jnp.dtype(dtype or w.dtype)
   cusparselt = layout == "cusparselt"
   # Columns per device: whole 64-column blocks for cuSPARSELt's layout,
   # whole bytes of N-groups for the transposed copy.
   align = 64 if cusparselt else (8 if transposed else 1)
   values_n = 1 if cusparselt else 0  # the axis of `values` that runs over N
   if mask is None:  # prune and compress in one pass (transposable: both copies)
-    outs = columns_parallel(_prune_fn(transposed, interpret, layout, dtype),
+    outs = columns_parallel(_prune_fn(transposed, interpret, layout),
                             (values_n, 0, 1, 1) if transposed else (values_n, 0), align, w)
     return tuple(outs) if transposed else (*outs, None, None)
   meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
-  outs = columns_parallel(_apply_fn(transposed, interpret, layout, dtype),
+  outs = columns_parallel(_apply_fn(transposed, interpret, layout),
                           (values_n, 1, 1) if transposed else (values_n,), align, w, meta)
   values, values_t, meta_t = outs if transposed else (outs[0], None, None)
   return values, meta, values_t, meta_t
@@ -165,12 +163,8 @@ class PallasBackend(Backend):
   def prepare(self, w, mask, transposable):
     return self.compress(w, mask, transposable)
 
-  def prepare_cast(self, w, mask, transposable, dtype):
-    # The kernels read w in its own dtype and cast it as they load it.
-    return Sparse24(*compress_arrays(w, mask, transposable, dtype=dtype))
-
   def compress(self, w, mask, transposed):
-    return self.prepare_cast(w, mask, transposed, w.dtype)
+    return Sparse24(*compress_arrays(w, mask, transposed))
 
   def forward(self, x, operand: Sparse24, precision):
     del precision
