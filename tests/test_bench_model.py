@@ -19,6 +19,10 @@ def test_bench_model_runs_on_cpu(capsys, weight_grad):
   assert r["status"] == "ok", r.get("error")
   assert r["dense"]["tokens_per_s"] > 0 and r["sparse"]["tokens_per_s"] > 0
   assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+  # The dense step is timed before and after the 2:4 one; the ratio uses the mean.
+  d = r["dense"]
+  assert d["step_ms"] == pytest.approx((d["step_ms_before"] + d["step_ms_after"]) / 2)
+  assert r["ratio"] == pytest.approx(d["step_ms"] / r["sparse"]["step_ms"])
   # One stacked mask per layer kind, leading axis = blocks (nn.scan).
   assert r["mask_shapes"] == {f"blocks/{kind}": [LAYERS, kin, kout] for kind, (kin, kout)
                               in bench_model.layer_shapes(128).items()}
