@@ -193,7 +193,6 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
   else meta only (the mask)."""
   if with_values:
     values_ref, meta_ref, values_t_ref, meta_t_ref = out_refs
-    w_ref = _cast_view(w_ref, values_ref.dtype)
   else:
     (meta_ref,) = out_refs
   bk, bn = w_ref.shape
@@ -264,24 +263,7 @@ def store_k_major(values_ref, slots: list[jax.Array]) -> None:
     values_ref[pl.ds(s, rows, stride=4), :] = slot
 
 
-class _Cast:
-  """A read-only view of a ref whose loads are cast to `dtype`: a float32
-  weight is read once and cast in registers, instead of a separate XLA pass
-  writing a bfloat16 copy for the kernel to read again."""
-
-  def __init__(self, ref, dtype):
-    self.ref, self.dtype, self.shape = ref, dtype, ref.shape
-
-  def __getitem__(self, idx):
-    return self.ref[idx].astype(self.dtype)
-
-
-def _cast_view(ref, dtype):
-  return ref if jnp.dtype(dtype) == jnp.dtype(ref.dtype) else _Cast(ref, dtype)
-
-
 def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: bool):
-  w_ref = _cast_view(w_ref, values_ref.dtype)
   if k_major:  # layout="cusparselt"
     if strided_lanes:
       slots, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # meta [bk/8, bn]
@@ -299,7 +281,6 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: 
 
 def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
                   k_major: bool, strided_lanes: bool):
-  w_ref = _cast_view(w_ref, values_ref.dtype)
   meta_in = meta_in_ref[...]  # [bn, bk/8]
   if k_major and strided_lanes:
     keep_kn = _tiles.keep_from_meta(meta_in.astype(jnp.int32).T)  # 8 x [bk/8, bn]
@@ -341,29 +322,15 @@ LAYOUTS = ("sparse24", "cusparselt")
 CUSPARSELT_ALIGN = 64
 
 
-def _out_dtype(fn: str, w: jax.Array, dtype) -> jnp.dtype:
-  """The values' dtype: `dtype` (w is cast to it as it is read), or w's own."""
-  if dtype is None:
-    return jnp.dtype(w.dtype)
-  dtype = jnp.dtype(dtype)
-  if dtype not in (jnp.bfloat16, jnp.float16, jnp.float32) or (
-      dtype.itemsize > jnp.dtype(w.dtype).itemsize):
-    raise TypeError(f"{fn}: `dtype` must be w's dtype or a narrower float (bfloat16,"
-                    f" float16), got {dtype} for w of {w.dtype}.")
-  return dtype
-
-
-def _check_layout(fn: str, w: jax.Array, layout: str, dtype=None) -> bool:
-  """Checks `layout` against `w` (values of `dtype`, default w's); True for
-  layout="cusparselt"."""
+def _check_layout(fn: str, w: jax.Array, layout: str) -> bool:
+  """Checks `layout` against `w`; True for layout="cusparselt"."""
   if layout not in LAYOUTS:
     raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}.")
   if layout == "sparse24":
     return False
-  dtype = jnp.dtype(dtype or w.dtype)
-  if dtype not in (jnp.bfloat16, jnp.float16):
-    raise TypeError(f"{fn}: layout='cusparselt' takes bfloat16 or float16 values"
-                    f" (cuSPARSELt's 2:4 formats), got {dtype}.")
+  if w.dtype not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"{fn}: layout='cusparselt' takes bfloat16 or float16 weights"
+                    f" (cuSPARSELt's 2:4 formats), got {w.dtype}.")
   k, n = w.shape
   if k % CUSPARSELT_ALIGN or n % CUSPARSELT_ALIGN:
     raise ValueError(f"{fn}: layout='cusparselt' needs K and N multiples of"
@@ -389,7 +356,7 @@ def _with_pad_code(meta: jax.Array, length: int) -> jax.Array:
 
 
 def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
-             k_major: bool = False, dtype=None):
+             k_major: bool = False):
   """Output shapes and block specs on the padded `wp[Kp, Np]` (grid (i over
   K tiles, j over N tiles)): values `[Np, Kp/2]`, then meta `[Np, Kp/8]` if
   `meta`, then values_t `[Kp, Np/2]` and meta_t `[Kp, Np/8]` if `transposed`.
@@ -397,18 +364,17 @@ def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
   values_t `[Kp + Kp/8, Np/2]`, the values in their leading rows."""
   kp, np_ = wp.shape
   bk, bn = cfg.block_k, cfg.block_n
-  dtype = wp.dtype if dtype is None else dtype
   if k_major:
-    shapes = [jax.ShapeDtypeStruct((kp // 2 + kp // 16, np_), dtype)]
+    shapes = [jax.ShapeDtypeStruct((kp // 2 + kp // 16, np_), wp.dtype)]
     specs = [pl.BlockSpec((bk // 2, bn), lambda i, j: (i, j))]
   else:
-    shapes = [jax.ShapeDtypeStruct((np_, kp // 2), dtype)]
+    shapes = [jax.ShapeDtypeStruct((np_, kp // 2), wp.dtype)]
     specs = [pl.BlockSpec((bn, bk // 2), lambda i, j: (j, i))]
   if meta:
     shapes.append(jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8))
     specs.append(pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)))
   if transposed:
-    shapes += [jax.ShapeDtypeStruct((kp + (kp // 8 if k_major else 0), np_ // 2), dtype),
+    shapes += [jax.ShapeDtypeStruct((kp + (kp // 8 if k_major else 0), np_ // 2), wp.dtype),
                jax.ShapeDtypeStruct((kp, np_ // 8), jnp.uint8)]
     specs += [pl.BlockSpec((bk, bn // 2), lambda i, j: (i, j)),
               pl.BlockSpec((bk, bn // 8), lambda i, j: (i, j))]
@@ -428,11 +394,10 @@ def fit_config(config: PruneConfig, k: int, n: int, exact: bool = False) -> Prun
   return dataclasses.replace(config, block_k=bk, block_n=bn)
 
 
-@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret", "layout",
-                                             "dtype"))
+@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret", "layout"))
 def prune_compress(w: jax.Array, *, transposable: bool = False,
                    config: PruneConfig | None = None, interpret: bool = False,
-                   layout: str = "sparse24", dtype=None):
+                   layout: str = "sparse24"):
   """Prunes `w[K, N]` by magnitude (2:4 along K) and compresses, in one pass.
 
   Returns `(values [N, K/2], meta uint8[N, ceil(K/8)], values_t, meta_t)`;
@@ -441,13 +406,11 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   K and N multiples of 64) `values` is `[K/2 + K/16, N]`: the values
   `[K/2, N]` in its first K/2 rows, and `values_t` `[K + K/8, N/2]`, the
   values in its first K rows; the rest unwritten (see the module
-  docstring). `dtype`: the values' dtype (default w's): a float32 `w` is
-  cast to it as it is read, and pruned as `w.astype(dtype)` would be.
+  docstring).
   """
   fn = "prune_compress"
   _check_weight(fn, w, transposable)
-  dtype = _out_dtype(fn, w, dtype)
-  k_major = _check_layout(fn, w, layout, dtype)
+  k_major = _check_layout(fn, w, layout)
   k, n = w.shape
   cfg = fit_config(config or PruneConfig.default(
       k, n, "prune_transposable" if transposable else "prune", layout), k, n, exact=k_major)
@@ -455,7 +418,7 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
   out_shape, out_specs = _outputs(wp, cfg, meta=True, transposed=transposable,
-                                  k_major=k_major, dtype=dtype)
+                                  k_major=k_major)
   if transposable:
     kernel = functools.partial(_prune_transposable_kernel, k_major=k_major, with_values=True,
                                strided_stores=cfg.strided_lanes)
@@ -512,11 +475,10 @@ def transposable_mask(w: jax.Array, *, config: PruneConfig | None = None,
   return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret", "layout",
-                                             "dtype"))
+@functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret", "layout"))
 def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = False,
                        config: PruneConfig | None = None, interpret: bool = False,
-                       layout: str = "sparse24", dtype=None):
+                       layout: str = "sparse24"):
   """Compresses `w[K, N]` with a stored packed mask `meta` (the `Mask24`
   layout, `uint8[N, ceil(K/8)]`), in one pass.
 
@@ -524,13 +486,11 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   mask must be transposable) only with `transposed=True`, else None. With
   layout="cusparselt" (bfloat16/float16, K and N multiples of 64) `values` is
   `[K/2 + K/16, N]` and `values_t` `[K + K/8, N/2]`, the values in their
-  leading rows, the rest unwritten (see the module docstring). `dtype`: the
-  values' dtype (default w's), w cast to it as it is read.
+  leading rows, the rest unwritten (see the module docstring).
   """
   fn = "compress_with_meta"
   _check_weight(fn, w, transposed)
-  dtype = _out_dtype(fn, w, dtype)
-  k_major = _check_layout(fn, w, layout, dtype)
+  k_major = _check_layout(fn, w, layout)
   k, n = w.shape
   if meta.shape != (n, math.ceil(k / 8)) or meta.dtype != jnp.uint8:
     raise ValueError(
@@ -545,7 +505,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   mp = jnp.pad(meta, ((0, np_ - n), (0, kp // 8 - meta.shape[1])),
                constant_values=0x44)
   out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed,
-                                  k_major=k_major, dtype=dtype)
+                                  k_major=k_major)
   outs = pl.pallas_call(
       functools.partial(_apply_kernel, transposed=transposed, k_major=k_major,
                         strided_lanes=cfg.strided_lanes),

@@ -273,38 +273,6 @@ def test_pallas_is_never_chosen_automatically_before_it_measured_faster():
       assert not PallasBackend().prefers(problem), (m, dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_float32_weight_cast_as_it_is_read(dtype):
-  """`dtype=`: a float32 weight read once and cast in the kernel gives
-  exactly what the kernel gives on `w.astype(dtype)` (pruning included: f32
-  values that differ only below the cast's precision tie after it), in both
-  layouts, pruning and stored masks, plain and transposed."""
-  w = _weights(7, (128, 192), jnp.float32) * 3
-  w = w.at[8, :8].set(1.0000001).at[9, :8].set(1.0)  # a tie only after the cast
-  wc = w.astype(dtype)
-
-  def same(got, want):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      assert a.dtype == b.dtype and a.shape == b.shape
-      np.testing.assert_array_equal(_bits(a), _bits(b))
-
-  for layout, transposable in (("sparse24", False), ("sparse24", True), ("cusparselt", False)):
-    w_ok = jnp.nan_to_num(w, posinf=5.0, neginf=-5.0) if layout == "cusparselt" else w
-    same(prune24.prune_compress(w_ok, transposable=transposable, layout=layout, dtype=dtype,
-                                interpret=True),
-         prune24.prune_compress(w_ok.astype(dtype), transposable=transposable, layout=layout,
-                                interpret=True))
-  meta = jsparse24.Mask24.from_weights(wc, transposable=True).meta()
-  for layout in ("sparse24", "cusparselt"):
-    for transposed in (False, True):
-      same(prune24.compress_with_meta(w, meta, transposed=transposed, layout=layout,
-                                      dtype=dtype, interpret=True),
-           prune24.compress_with_meta(wc, meta, transposed=transposed, layout=layout,
-                                      interpret=True))
-  with pytest.raises(TypeError, match="prune_compress: `dtype` must be w's dtype or a narrower"):
-    prune24.prune_compress(wc, dtype=jnp.float32, interpret=True)
-
-
 def _pallas_call_inputs(jaxpr):
   """The input avals of every pallas_call in `jaxpr`, nested jaxprs included."""
   found = []
