@@ -32,16 +32,20 @@ def sparse_dot(
 ) -> Float[Array, "... N"]:
   """`x @ (w * mask)` with `w` 2:4 sparse along K, differentiable.
 
-  The reference backend (`"xla"`) is plain JAX ops (forward and reverse
-  mode); the GPU backends are a `jax.custom_vjp` (`backends.base`).
+  Differentiable in forward and reverse mode (`jax.jvp`, `jax.linearize`,
+  `jacfwd`, `grad`, `jacrev`) on every backend. The reference backend
+  (`"xla"`) is plain JAX ops; the GPU backends are a `jax.custom_jvp` whose
+  tangent is one linear primitive: reverse mode transposes it into their
+  backward pass (the sparse `dx` product, `dw` by XLA), forward mode
+  evaluates it on their kernels (`backends.base`). In `w` the tangent is
+  `x @ w_dot` with the straight-through gradient (the adjoint of its dense
+  `dw`), `x @ (w_dot * mask)` with `"masked"`.
 
   Batched activations: pass them whole (`x[B, T, K]`): the leading axes fold
   into the rows, and `y`, `dx` and `dw` are one product each. Under
-  `jax.vmap` over `x` with a shared `w` instead, JAX batches a custom_vjp's
-  backward pass, so the GPU backends compute `dw` per batch element (a
-  `[B, K, N]` array) and then sum it: JAX gives the backward pass no way to
-  tell `grad(vmap(f))` (where the sum is wanted) from `vmap(grad(f))`
-  (per-example gradients, where it is not).
+  `jax.vmap` over `x` with a shared `w`, the batch axis is folded into the
+  rows too: `grad(vmap(f))` computes `dw` as one product, and
+  `vmap(grad(f))` gives per-example gradients.
 
   Args:
     x: `[..., K]` activations (floating).
@@ -68,8 +72,8 @@ def sparse_dot(
       along the rows of `x` (all leading axes flattened) by the
       minimum-variance unbiased rule (`jsparse24.mvue_24`), so that
       `E[dw]` is the dense `dw` (Hu et al., ICML 2024). Composes with both
-      gradient modes; `dx` stays exact; reverse mode only (a custom_vjp on
-      every backend). On `"cusparselt"` the pruned product runs on the
+      gradient modes; `dx` stays exact; reverse mode only (forward mode
+      raises: the estimate is drawn in the backward pass). On `"cusparselt"` the pruned product runs on the
       sparse tensor cores (its result rounded once to x's dtype, then cast
       to w's); elsewhere it is XLA's dense product of the pruned `dy`.
     key: a PRNG key, required with `weight_grad="mvue"` (the same key gives
@@ -102,7 +106,7 @@ def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implement
 
   The reference backend folds `active` into its mask (`mask | ~active`), one
   elementwise op that XLA fuses: no branch. The others choose between the
-  sparse product and XLA's dense one inside their custom_vjp (`Backend.dot`).
+  sparse product and XLA's dense one inside their product (`Backend.dot`).
   """
   return _dot("SparseDense", x, w, mask, active,
               gradient=gradient, transposable=transposable, implementation=implementation,

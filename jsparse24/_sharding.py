@@ -32,6 +32,7 @@ handled here: such a weight is gathered whole (correct, not faster).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -116,6 +117,25 @@ def _explicit_mesh(a: jax.Array) -> Any:
   return mesh
 
 
+# Set while a primitive's lowering traces the products (`unpartitioned`).
+_UNPARTITIONED = [False]
+
+
+@contextlib.contextmanager
+def unpartitioned():
+  """Inside, `rows_parallel` calls its function directly, with no sharding
+  rule: for code traced inside another primitive's lowering rule (the
+  forward-mode tangent of `backends.base`), where JAX lowers out of line,
+  without the device assignment that `custom_partitioning` needs. XLA
+  partitions the plain kernels there as it does any custom call: it gathers
+  their operands."""
+  old, _UNPARTITIONED[0] = _UNPARTITIONED[0], True
+  try:
+    yield
+  finally:
+    _UNPARTITIONED[0] = old
+
+
 def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array:
   """`fn(x, *operands)` (x `[M, K]`, result `[M, N]`) partitioned over M.
 
@@ -125,6 +145,8 @@ def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array
   so the split is a `shard_map` over x's own partition of M (the kernels
   inside see per-device arrays, as Pallas requires there).
   """
+  if _UNPARTITIONED[0]:
+    return fn(x, *operands)
   mesh = _explicit_mesh(x)
   if mesh is None:
     return _wrap(fn, tuple(a.ndim for a in operands))(x, *operands)

@@ -1,10 +1,12 @@
 """The interface every `implementation=` backend of `sparse_dot` provides.
 
-`Backend.dot` is the product with its gradient. By default it is a
-`jax.custom_vjp` built from the backend's pieces: the backend turns `(w, mask)`
+`Backend.dot` is the product with its derivatives. By default it is a
+`jax.custom_jvp` built from the backend's pieces: the backend turns `(w, mask)`
 into an *operand* once per forward pass (prune and/or compress), multiplies by
-it, and reuses the same operand in the backward pass for `dx = dy @ (w*m)^T`:
-nothing is pruned or compressed twice per step. `dw = x^T @ dy` is a dense
+it, and reuses the same operand in the backward pass for `dx = dy @ (w*m)^T`
+(the transpose of the tangent primitive `_tangent_p`; forward mode evaluates
+that primitive on the same kernels): nothing is pruned or compressed twice
+per step. `dw = x^T @ dy` is a dense
 XLA product; with `weight_grad="mvue"` it is `Backend.mvue_weight_grad` (XLA's
 dense product of the pruned `dy` unless the backend has a sparse one). The
 reference backend overrides `dot` with plain JAX ops.
@@ -18,12 +20,14 @@ import functools
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad, batching, mlir
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._mvue import mvue_24
-from jsparse24._sharding import weight_grad_sharding
+from jsparse24._sharding import unpartitioned, weight_grad_sharding
 
 
 def accumulation_dtype(dtype) -> Any:
@@ -190,12 +194,22 @@ def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any)
   return out.astype(w.dtype)
 
 
+# The product is a custom_jvp whose tangent is one primitive, `_tangent_p`,
+# linear in (x_dot, w_dot) and transposed by the backward pass below (the
+# body a custom_vjp would have): reverse mode (JAX linearizes, then
+# transposes) runs exactly that backward pass on the residuals of the forward
+# one, and forward mode (`jax.jvp`, `jax.linearize`, `jacfwd`) evaluates the
+# tangent on the backend's kernels. Its w-term is the adjoint of the backward
+# pass's dw: `x @ w_dot` with the straight-through gradient, `x @ (w_dot *
+# mask)` with "masked" (with MVUE's random dw there is none: forward mode
+# raises).
+#
 # `w` arrives in its own dtype (a layer's float32 kernel) and is cast to x's
 # dtype inside (prepare and the dense branch), so that the residual is the
 # kernel itself: under nn.scan that is a slice of the stacked parameters,
 # which JAX's scan forwards to the backward pass instead of stacking a
 # bfloat16 copy of every weight (benchmarks/NOTES.md, "Whole model").
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
 def _custom_dot(x, w, mask, key, backend: Backend, cfg: DotConfig):
   return _custom_dot_fwd(x, w, mask, key, backend, cfg)[0]
 
@@ -211,29 +225,25 @@ def _custom_dot_fwd(x, w, mask, key, backend: Backend, cfg: DotConfig):
   operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
   # w itself is a residual only for its dtype and sharding (dw's); it costs
   # nothing: the parameter is alive anyway, and nn.scan forwards it.
-  return backend.forward(x, operand, cfg.precision), (x, w, operand, key)
+  return backend.forward(x, operand, cfg.precision), (x, w, operand, key, None)
 
 
-def _custom_dot_bwd(backend: Backend, cfg: DotConfig, res, dy):
-  x, w, operand, key = res
-  dx = backend.backward_dx(dy, operand, cfg.precision)
-  # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
-  dw = weight_grad(x, dy, w, cfg, key, backend=backend)
-  if cfg.gradient == "masked":
-    dw = backend.mask_grad(dw, operand)
-  return dx.astype(x.dtype), dw, None, None
+def _custom_dot_jvp(backend: Backend, cfg: DotConfig, primals, tangents):
+  x, w, mask, key = primals
+  y, res = _custom_dot_fwd(x, w, mask, key, backend, cfg)
+  return y, _tangent(res, tangents[0], tangents[1], backend, cfg)
 
 
-_custom_dot.defvjp(_custom_dot_fwd, _custom_dot_bwd)
+_custom_dot.defjvp(_custom_dot_jvp, symbolic_zeros=True)
 
 
-# The dense phase switch lives inside the custom_vjp, so that the residuals
+# The dense phase switch lives inside the product, so that the residuals
 # are exactly (x, w, operand, active): a `lax.cond` around two differentiable
 # branches saves both branches' residuals, the untaken one as zeros of the
 # size of x, every step. Measured on an H100 that way, a scan of 24 d_model
 # 1024 MLP blocks ran 3.9% slower, and the d_model 2048 x 16 model of
 # bench_model.py ran out of memory (benchmarks/NOTES.md).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
 def _custom_dot_or_dense(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   return _custom_dot_or_dense_fwd(x, w, mask, active, key, backend, cfg)[0]
 
@@ -242,20 +252,138 @@ def _custom_dot_or_dense_fwd(x, w, mask, active, key, backend: Backend, cfg: Dot
   operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)  # as _custom_dot_fwd
   y = jax.lax.cond(active, lambda: backend.forward(x, operand, cfg.precision),
                    lambda: matmul(x, w.astype(x.dtype), cfg.precision))
-  return y, (x, w, operand, active, key)
+  return y, (x, w, operand, key, active)
 
 
-def _custom_dot_or_dense_bwd(backend: Backend, cfg: DotConfig, res, dy):
-  x, w, operand, active, key = res
-  dx = jax.lax.cond(active, lambda: backend.backward_dx(dy, operand, cfg.precision),
-                    lambda: matmul(dy, w.astype(dy.dtype).T, cfg.precision))
+def _custom_dot_or_dense_jvp(backend: Backend, cfg: DotConfig, primals, tangents):
+  x, w, mask, active, key = primals
+  y, res = _custom_dot_or_dense_fwd(x, w, mask, active, key, backend, cfg)
+  return y, _tangent(res, tangents[0], tangents[1], backend, cfg)
+
+
+_custom_dot_or_dense.defjvp(_custom_dot_or_dense_jvp, symbolic_zeros=True)
+
+
+def _backward(backend: Backend, cfg: DotConfig, res, dy):
+  """(dx, dw) of the product from its residuals `(x, w, operand, key,
+  active)` (`active` None: always sparse)."""
+  x, w, operand, key, active = res
+  sparse_dx = lambda: backend.backward_dx(dy, operand, cfg.precision)  # noqa: E731
+  if active is None:
+    dx = sparse_dx()
+  else:
+    dx = jax.lax.cond(active, sparse_dx,
+                      lambda: matmul(dy, w.astype(dy.dtype).T, cfg.precision))
+  # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
   dw = weight_grad(x, dy, w, cfg, key, active, backend)
   if cfg.gradient == "masked":
-    dw = jnp.where(active, backend.mask_grad(dw, operand), dw)
-  return dx.astype(x.dtype), dw, None, None, None
+    masked = backend.mask_grad(dw, operand)
+    dw = masked if active is None else jnp.where(active, masked, dw)
+  return dx.astype(x.dtype), dw
 
 
-_custom_dot_or_dense.defvjp(_custom_dot_or_dense_fwd, _custom_dot_or_dense_bwd)
+def _tangent_value(backend: Backend, cfg: DotConfig, res, x_dot, w_dot):
+  """The tangent of the product (forward mode): `x_dot @ (w*m) + x @ w_dot`
+  (`w_dot * m` with the "masked" gradient); a None tangent is zero."""
+  if cfg.weight_grad == "mvue":
+    raise TypeError(
+        "sparse_dot / SparseDense with weight_grad='mvue': forward-mode autodiff (jax.jvp,"
+        " jax.linearize, jax.jacfwd) is not supported: the MVUE weight gradient is a random"
+        " estimate of reverse mode only. Use weight_grad='dense' for forward mode.")
+  x, w, operand, _, active = res
+  terms = []
+  if x_dot is not None:
+    if active is None:
+      terms.append(backend.forward(x_dot, operand, cfg.precision))
+    else:
+      terms.append(jax.lax.cond(active, lambda: backend.forward(x_dot, operand, cfg.precision),
+                                lambda: matmul(x_dot, w.astype(x.dtype), cfg.precision)))
+  if w_dot is not None:
+    w_dot = w_dot.astype(x.dtype)
+    if cfg.gradient == "masked":
+      masked = backend.mask_grad(w_dot, operand)
+      w_dot = masked if active is None else jnp.where(active, masked, w_dot)
+    terms.append(matmul(x, w_dot, cfg.precision))
+  return functools.reduce(jnp.add, terms).astype(x.dtype)
+
+
+_tangent_p = jax.extend.core.Primitive("jsparse24_sparse_dot_tangent")
+
+
+def _tangent(res, x_dot, w_dot, backend: Backend, cfg: DotConfig):
+  """`_tangent_p` on the non-zero tangents (symbolic zeros are left out)."""
+  zero = jax.custom_derivatives.SymbolicZero
+  linear = (not isinstance(x_dot, zero), not isinstance(w_dot, zero))
+  if not any(linear):
+    x, w = res[:2]
+    return jnp.zeros((*x.shape[:-1], w.shape[-1]), x.dtype)
+  leaves, treedef = jax.tree.flatten(res)
+  args = [t for t, on in zip((x_dot, w_dot), linear) if on]
+  return _tangent_p.bind(*args, *leaves, backend=backend, cfg=cfg, treedef=treedef,
+                         linear=linear)
+
+
+def _split(args, treedef, linear):
+  it = iter(args[:sum(linear)])
+  x_dot, w_dot = (next(it) if on else None for on in linear)
+  return x_dot, w_dot, jax.tree.unflatten(treedef, args[sum(linear):])
+
+
+def _tangent_impl(*args, backend, cfg, treedef, linear):
+  x_dot, w_dot, res = _split(args, treedef, linear)
+  # Also traced inside the lowering rule below, which JAX may emit out of
+  # line, with no device assignment: no custom_partitioning in there.
+  with unpartitioned():
+    return _tangent_value(backend, cfg, res, x_dot, w_dot)
+
+
+def _tangent_abstract_eval(*args, backend, cfg, treedef, linear):
+  del backend, cfg
+  _, _, (x, w, *_) = _split(args, treedef, linear)
+  return jax.core.ShapedArray((*x.shape[:-1], w.shape[-1]), x.dtype)
+
+
+def _tangent_transpose(ct, *args, backend, cfg, treedef, linear):
+  n_lin = sum(linear)
+  _, _, res = _split(args, treedef, linear)
+  if type(ct) is ad.Zero:  # pylint: disable=unidiomatic-typecheck
+    return [None] * len(args)
+  dx, dw = _backward(backend, cfg, res, ct)
+  return [g for g, on in zip((dx, dw), linear) if on] + [None] * (len(args) - n_lin)
+
+
+def _tangent_batch(args, dims, *, backend, cfg, treedef, linear):
+  """Batching: where only the activations (x, x_dot: `[M, K]` each) carry
+  the batch axis, it is folded into their rows, so that the product stays
+  one call and, in reverse mode of a vmapped function (`grad(vmap(f))`), dw
+  is one product over the whole batch. Otherwise (batched weights, masks or
+  keys) the slices run one after another (`lax.map`)."""
+  n_lin = sum(linear)
+  x_at = n_lin  # x: the first leaf of the residuals
+  activations = {x_at} | ({0} if linear[0] else set())
+  mapped = [d is not None for d in dims]  # None: an unbatched argument
+  if all(m == (i in activations) for i, m in enumerate(mapped)):
+    vals = list(args)
+    for i in activations:  # [B, M, K] -> [B * M, K]
+      v = jnp.moveaxis(vals[i], dims[i], 0)
+      vals[i] = v.reshape(-1, v.shape[-1])
+    b = args[x_at].shape[dims[x_at]]
+    out = _tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef, linear=linear)
+    return out.reshape(b, -1, out.shape[-1]), 0
+  moved = [jnp.moveaxis(a, d, 0) if m else a for a, d, m in zip(args, dims, mapped)]
+
+  def one(sliced):
+    it = iter(sliced)
+    vals = [next(it) if m else a for a, m in zip(moved, mapped)]
+    return _tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef, linear=linear)
+  return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
+
+
+_tangent_p.def_impl(_tangent_impl)
+_tangent_p.def_abstract_eval(_tangent_abstract_eval)
+ad.primitive_transposes[_tangent_p] = _tangent_transpose
+batching.primitive_batchers[_tangent_p] = _tangent_batch
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
