@@ -406,3 +406,36 @@ def test_sparse_dense_mvue_on_cusparselt_with_a_float32_kernel():
   assert got["kernel"].dtype == jnp.float32
   assert _rel_err(got["kernel"], ref["kernel"]) < 1e-2, _rel_err(got["kernel"], ref["kernel"])
   assert _rel_err(got["bias"], ref["bias"]) < 1e-2
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cusparselt"])
+@pytest.mark.parametrize("gradient", ["ste", "masked"])
+def test_forward_mode_on_the_gpu_kernels(impl, gradient):
+  """jax.jvp and jax.linearize of the product on the GPU kernels against a
+  float32 reference of the tangent (x_dot @ (w*m) + x @ w_dot, w_dot * m when
+  "masked"), and jacfwd against jacrev at a small shape."""
+  m, k, n = 256, 512, 256
+  ks = jax.random.split(jax.random.key(11), 4)
+  x, xt = (jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in ks[:2])
+  w, wt = (jax.random.normal(kk, (k, n), jnp.float32) for kk in ks[2:])
+  mask = jsparse24.Mask24.from_weights(w, transposable=True)
+  keep = mask.unpack()
+  f = jax.jit(lambda x, w: jsparse24.sparse_dot(x, w, mask, gradient=gradient,
+                                                implementation=impl))
+  _, tangent = jax.jit(lambda *a: jax.jvp(f, a[:2], a[2:]))(x, w, xt, wt)
+  _, lin = jax.linearize(f, x, w)
+  hi = jax.lax.Precision.HIGHEST
+  wm = jnp.where(keep, w.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+  wt_used = jnp.where(keep, wt, 0.0) if gradient == "masked" else wt
+  want = (jnp.dot(xt.astype(jnp.float32), wm, precision=hi)
+          + jnp.dot(x.astype(jnp.float32), wt_used.astype(jnp.bfloat16).astype(jnp.float32),
+                    precision=hi))
+  tol = _ROUNDING[jnp.dtype(jnp.bfloat16)]
+  assert tangent.dtype == f(x, w).dtype
+  assert _rel_err(tangent, want) < tol, _rel_err(tangent, want)
+  assert _rel_err(lin(xt, wt), want) < tol
+  small = jax.random.normal(ks[0], (64, 64), jnp.float16), jax.random.normal(ks[1], (64, 64))
+  g = lambda w: jsparse24.sparse_dot(small[0], w, implementation=impl,  # noqa: E731
+                                     transposable=True).astype(jnp.float32).sum(0)
+  jf, jr = jax.jacfwd(g)(small[1]), jax.jacrev(g)(small[1])
+  assert _rel_err(jf, jr) < _ROUNDING[jnp.dtype(jnp.float16)]
