@@ -73,9 +73,10 @@ def sparse_dot(
       minimum-variance unbiased rule (`jsparse24.mvue_24`), so that
       `E[dw]` is the dense `dw` (Hu et al., ICML 2024). Composes with both
       gradient modes; `dx` stays exact; reverse mode only (forward mode
-      raises: the estimate is drawn in the backward pass). On `"cusparselt"` the pruned product runs on the
-      sparse tensor cores (its result rounded once to x's dtype, then cast
-      to w's); elsewhere it is XLA's dense product of the pruned `dy`.
+      raises: the estimate is drawn in the backward pass). On
+      `"cusparselt"` the pruned product runs on the sparse tensor cores (its
+      result rounded once to x's dtype, then cast to w's); elsewhere it is
+      XLA's dense product of the pruned `dy`.
     key: a PRNG key, required with `weight_grad="mvue"` (the same key gives
       the same `dw`, bit for bit).
 

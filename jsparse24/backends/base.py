@@ -102,9 +102,7 @@ class Backend(abc.ABC):
     `active`: None, or a bool scalar; where it is False the product is the
     plain dense `x @ w` (full `dw`): a schedule's dense phase. With
     `cfg.weight_grad == "mvue"`, `dw = x^T mvue_24(dy, key)` while sparse."""
-    if active is None:
-      return _custom_dot(x, w, mask, key, self, cfg)
-    return _custom_dot_or_dense(x, w, mask, active, key, self, cfg)
+    return _custom_dot(x, w, mask, active, key, self, cfg)
 
   # The pieces of the default `dot` (a backend that overrides `dot` needs none).
 
@@ -209,12 +207,20 @@ def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any)
 # kernel itself: under nn.scan that is a slice of the stacked parameters,
 # which JAX's scan forwards to the backward pass instead of stacking a
 # bfloat16 copy of every weight (benchmarks/NOTES.md, "Whole model").
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _custom_dot(x, w, mask, key, backend: Backend, cfg: DotConfig):
-  return _custom_dot_fwd(x, w, mask, key, backend, cfg)[0]
+#
+# The dense phase switch (`active`, None: always sparse) lives inside the
+# product, so that the residuals are exactly (x, w, operand, key, active): a
+# `lax.cond` around two differentiable branches saves both branches'
+# residuals, the untaken one as zeros of the size of x, every step. Measured
+# on an H100 that way, a scan of 24 d_model 1024 MLP blocks ran 3.9% slower,
+# and the d_model 2048 x 16 model of bench_model.py ran out of memory
+# (benchmarks/NOTES.md).
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def _custom_dot(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
+  return _custom_dot_fwd(x, w, mask, active, key, backend, cfg)[0]
 
 
-def _custom_dot_fwd(x, w, mask, key, backend: Backend, cfg: DotConfig):
+def _custom_dot_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   # The cast is its own XLA op, not done by a kernel that reads the float32
   # kernel: under nn.scan `w` is a slice of the stacked parameters, which XLA
   # fuses into the cast (4 bytes read, 2 written per weight) but copies whole
@@ -223,45 +229,23 @@ def _custom_dot_fwd(x, w, mask, key, backend: Backend, cfg: DotConfig):
   # 255.6 ms this way (benchmarks/NOTES.md, "The cast before the compress
   # kernel").
   operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
-  # w itself is a residual only for its dtype and sharding (dw's); it costs
-  # nothing: the parameter is alive anyway, and nn.scan forwards it.
-  return backend.forward(x, operand, cfg.precision), (x, w, operand, key, None)
+  sparse = lambda: backend.forward(x, operand, cfg.precision)  # noqa: E731
+  if active is None:
+    y = sparse()
+  else:
+    y = jax.lax.cond(active, sparse, lambda: matmul(x, w.astype(x.dtype), cfg.precision))
+  # w itself is a residual only for its dtype and sharding (dw's) and the
+  # dense branch; it costs nothing: the parameter is alive anyway, and
+  # nn.scan forwards it.
+  return y, (x, w, operand, key, active)
 
 
 def _custom_dot_jvp(backend: Backend, cfg: DotConfig, primals, tangents):
-  x, w, mask, key = primals
-  y, res = _custom_dot_fwd(x, w, mask, key, backend, cfg)
+  y, res = _custom_dot_fwd(*primals, backend, cfg)
   return y, _tangent(res, tangents[0], tangents[1], backend, cfg)
 
 
 _custom_dot.defjvp(_custom_dot_jvp, symbolic_zeros=True)
-
-
-# The dense phase switch lives inside the product, so that the residuals
-# are exactly (x, w, operand, active): a `lax.cond` around two differentiable
-# branches saves both branches' residuals, the untaken one as zeros of the
-# size of x, every step. Measured on an H100 that way, a scan of 24 d_model
-# 1024 MLP blocks ran 3.9% slower, and the d_model 2048 x 16 model of
-# bench_model.py ran out of memory (benchmarks/NOTES.md).
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
-def _custom_dot_or_dense(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
-  return _custom_dot_or_dense_fwd(x, w, mask, active, key, backend, cfg)[0]
-
-
-def _custom_dot_or_dense_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
-  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)  # as _custom_dot_fwd
-  y = jax.lax.cond(active, lambda: backend.forward(x, operand, cfg.precision),
-                   lambda: matmul(x, w.astype(x.dtype), cfg.precision))
-  return y, (x, w, operand, key, active)
-
-
-def _custom_dot_or_dense_jvp(backend: Backend, cfg: DotConfig, primals, tangents):
-  x, w, mask, active, key = primals
-  y, res = _custom_dot_or_dense_fwd(x, w, mask, active, key, backend, cfg)
-  return y, _tangent(res, tangents[0], tangents[1], backend, cfg)
-
-
-_custom_dot_or_dense.defjvp(_custom_dot_or_dense_jvp, symbolic_zeros=True)
 
 
 def _backward(backend: Backend, cfg: DotConfig, res, dy):

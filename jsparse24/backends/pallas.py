@@ -93,10 +93,9 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
   """The compress kernels on `w` with `mask` (None: prune by magnitude; a
   bool array or a Mask24): `(values, meta, values_t, meta_t)` in `layout`
   (see pallas_kernels.prune24), the transposed pair None unless `transposed`.
-  Under `jit` with `w` sharded on
-  N (FSDP at rest), each device compresses its own columns
-  (`_sharding.columns_parallel`): the compressed arrays are what gets
-  gathered for the products, not `w`."""
+  Under `jit` with `w` sharded on N (FSDP at rest), each device compresses
+  its own columns (`_sharding.columns_parallel`): the compressed arrays are
+  what gets gathered for the products, not `w`."""
   interpret = _INTERPRET[0]
   w = jax.lax.stop_gradient(w)
   cusparselt = layout == "cusparselt"
