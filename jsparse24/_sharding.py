@@ -136,6 +136,14 @@ def unpartitioned():
     _UNPARTITIONED[0] = old
 
 
+def partitioning_off() -> bool:
+  """Whether `unpartitioned` is in effect. A traced wrapper around
+  `rows_parallel` that JAX caches by function (a `functools.cache`d
+  `custom_vmap`) must be built per value of this, or a trace from outside
+  the context is reused inside it."""
+  return _UNPARTITIONED[0]
+
+
 def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array:
   """`fn(x, *operands)` (x `[M, K]`, result `[M, N]`) partitioned over M.
 

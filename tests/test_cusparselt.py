@@ -284,3 +284,29 @@ def test_only_a_verified_cusparselt_version_is_used(monkeypatch, loaded, refused
     assert "nvidia-cusparselt-cu13==0.8.0" in reason
   else:
     assert lib == "a library" and reason is None
+
+
+def test_product_traced_inside_unpartitioned_has_no_custom_partitioning(monkeypatch):
+  """Forward mode traces the product inside `_tangent_p`'s lowering rule,
+  under `_sharding.unpartitioned()`, where `custom_partitioning` cannot be
+  lowered. The product's `custom_vmap` is cached, and reused its first trace
+  (made outside, partitioned) there on jax 0.11 (0.10 traces it again): on a
+  GPU `jax.linearize` of a jitted `sparse_dot` then failed in lowering. The
+  FFI call is replaced by a plain function here; only the traced structure
+  is checked."""
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_ffi_matmul", functools.cache(
+      lambda k, n, transpose, search, alg: lambda x, c: jnp.zeros((x.shape[0], n), x.dtype)))
+  cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
+  k, n = 128, 64
+  x = jnp.ones((64, k), jnp.bfloat16)
+  c = jnp.ones(cusparselt.buffer_shape(k, n, transpose=False), jnp.bfloat16)
+
+  def traced():  # a new function each time: make_jaxpr caches by function
+    return str(jax.make_jaxpr(lambda x, c: cusparselt.matmul(x, c, k=k, n=n))(x, c))
+
+  assert "custom_partitioning" in traced()
+  with jsparse24._sharding.unpartitioned():  # pylint: disable=protected-access
+    assert "custom_partitioning" not in traced()
+  assert "custom_partitioning" in traced()
+  cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access

@@ -40,7 +40,8 @@ import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._mvue import mvue_seeds
-from jsparse24._sharding import rows_contracted, rows_parallel, weight_grad_sharding
+from jsparse24._sharding import (partitioning_off, rows_contracted, rows_parallel,
+                                 weight_grad_sharding)
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends import pallas as pallas_backend
@@ -354,9 +355,17 @@ def _ffi_matmul(k: int, n: int, transpose: bool, search: int, alg: int):
 
 
 @functools.cache
-def _batched_matmul(k: int, n: int, transpose: bool):
+def _batched_matmul(k: int, n: int, transpose: bool, unpartitioned: bool):
   """`x[M, K] @ W` (or `x[M, N] @ W^T`) for compressed `c`, with a vmap rule:
-  batched activations fold into M; a batched weight maps one call per weight."""
+  batched activations fold into M; a batched weight maps one call per weight.
+
+  `unpartitioned` (`_sharding.partitioning_off()`) only keys the cache: on
+  jax 0.11 `custom_vmap` reuses the trace of its function (0.10 traces
+  again), so the product traced inside a lowering rule (forward mode's
+  tangent) needs its own `mm`, or it gets the earlier trace with
+  `custom_partitioning` in it, which cannot be lowered there (seen on an
+  H100: `jax.linearize` of a jitted product failed)."""
+  del unpartitioned
 
   @jax.custom_batching.custom_vmap
   def mm(x, c):
@@ -381,7 +390,7 @@ def matmul(x: jax.Array, c: jax.Array, *, k: int, n: int, transpose: bool = Fals
   `[M, N]`), from `c = compress(w*m, transpose=...)` (or the buffers of
   `compress_for_products` / `from_sparse24`); fp32 accumulation, result in
   x's dtype."""
-  return _batched_matmul(k, n, transpose)(x, c)
+  return _batched_matmul(k, n, transpose, partitioning_off())(x, c)
 
 
 # --- the weight gradient on the sparse tensor cores (weight_grad="mvue") ----------
