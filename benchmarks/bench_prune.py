@@ -100,6 +100,18 @@ def main(argv=None):
     f_apply = jax.jit(lambda w, m, t=transposed: jsparse24.compress(w, m, transposed=t, implementation="pallas"))
     add(f"pallas, compress with stored mask ({tag})", _common.bench(f_apply, w, mask),
         _bytes(k, n, transposed, reads_mask=True) - k * n // 8)  # meta is read, not written
+    if jax.default_backend() == "gpu":
+      # What the "cusparselt" backend (the default for large layers on a GPU)
+      # runs in training: the same kernels writing cuSPARSELt's layout, then
+      # the metadata rows (an XLA fusion per copy). A backend internal, as in
+      # section_mvue: no public function compresses into that layout alone.
+      from jsparse24.backends import cusparselt as cslt  # pylint: disable=g-import-not-at-top
+      f_cp = jax.jit(lambda w, m, t=transposed: cslt.compress_for_products(w, m, t))
+      add(f"cusparselt backend: prune+compress ({tag}), its layout", _common.bench(f_cp, w, None),
+          nbytes, "kernel + metadata rows")
+      add(f"cusparselt backend: compress with stored mask ({tag}), its layout",
+          _common.bench(f_cp, w, mask), _bytes(k, n, transposed, reads_mask=True) - k * n // 8,
+          "kernel + metadata rows")
     rows.append([f"floor ({tag}): bytes / copy bw", nbytes / bw * 1e3, bw / 1e12, 1.0, ""])
     if transposed:  # the mask alone, from float32 master weights (the rebuilds)
       w32 = w.astype(jnp.float32)
