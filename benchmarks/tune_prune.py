@@ -34,15 +34,22 @@ def _candidates(which: str, layout: str) -> list[prune24.PruneConfig]:
     return [prune24.PruneConfig(bk, bn, warps, 1)
             for (bk, bn), warps in itertools.product(
                 [(64, 128), (128, 64), (64, 64), (32, 256), (32, 128), (128, 32)], [8, 4])]
+  # The transposable search holds about 60 float32 values per 4x4 block, so
+  # its register use (hence occupancy) follows the blocks per thread:
+  # bk * bn / (16 * 32 * warps); the sweep goes down to one.
+  searched = [((64, 128), 4), ((64, 64), 4), ((128, 128), 8), ((64, 64), 8), ((32, 64), 4),
+              ((64, 128), 8), ((32, 128), 4), ((32, 64), 2)]
   if which == "mask":
-    return [prune24.PruneConfig(bk, bn, warps, 1)
-            for (bk, bn), warps in [((64, 128), 4), ((64, 64), 4), ((128, 128), 8)]]
+    return [prune24.PruneConfig(bk, bn, warps, 1) for (bk, bn), warps in searched]
   if which == "transposable":
     # strided_lanes: each output lane stored with a strided store (True) or
     # a row's lanes interleaved in registers and stored contiguously.
     return [prune24.PruneConfig(bk, bn, warps, 1, strided)
-            for strided, ((bk, bn), warps) in itertools.product(
-                [False, True], [((64, 128), 4), ((128, 128), 8), ((64, 64), 4)])]
+            for strided, ((bk, bn), warps) in itertools.product([False, True], searched)]
+  if which == "apply_t" and layout == "cusparselt":
+    return [prune24.PruneConfig(bk, bn, warps, 1, strided)
+            for strided, (bk, bn), warps in itertools.product(
+                [False, True], [(64, 64), (128, 64), (64, 128), (32, 128)], [8, 4])]
   return [prune24.PruneConfig(bk, bn, warps, 1)
           for (bk, bn), warps in itertools.product([(128, 64), (64, 128), (256, 32), (128, 32)], [4, 8])]
 

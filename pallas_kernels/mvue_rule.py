@@ -21,11 +21,12 @@ Per group `a` of 4 (float32 lanes of any one shape):
   always gets two distinct, valid indices (its 2:4 code).
 * a drawn entry's value becomes `a_i / p_i`: the estimate is unbiased.
 
-The kernel is compute-bound on divisions (IEEE float32 division is a long
-instruction sequence on the GPU), so nothing here divides: `p_i = w_i / S`
-for weights `w` and a scale `S` (`_weights`), the draw compares the
-cumulative sums of `w` with `u * S`, and `a_i / p_i` is `sign(a_i) * S_i` in
-closed form (`sample`).
+The kernel is bound by the GPU's integer/logic pipe (compares, selects,
+bit operations; benchmarks/NOTES.md, fifth session), so the rule is written
+to spend few of those and no divisions (a long instruction sequence on the
+GPU): `p_i = w_i / S` for weights `w` and a scale `S` (`_weights`), the draw
+compares the cumulative sums of `w` with `u * S`, and `a_i / p_i` is
+`sign(a_i) * S_i` in closed form (`sample`).
 * `uniform`: `u` from a counter-based hash of (a 64-bit seed, the group's
   index), so that a kernel tile computes the numbers of its own groups with no
   random-number state and no extra memory traffic.
@@ -35,11 +36,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from pallas_kernels._tiles import pick
-
-# 2^-23: u has 23 random bits, so that u + 1 is exact in float32.
-_U_SCALE = 1.0 / (1 << 23)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -53,10 +49,14 @@ def _mix32(x: jax.Array) -> jax.Array:
 
 
 def uniform(seed0: jax.Array, seed1: jax.Array, index: jax.Array) -> jax.Array:
-  """float32 in [0, 1) (multiples of 2^-23) for uint32 `index` under the
-  uint32 seed pair: two rounds of `_mix32`, each keyed by one seed word."""
+  """float32 in [0, 1) (multiples of 2^-23: 23 random bits, so that u + 1
+  is exact in float32) for uint32 `index` under the uint32 seed pair: two
+  rounds of `_mix32`, each keyed by one seed word."""
   h = _mix32(_mix32(index ^ seed0) + seed1)
-  return (h >> 9).astype(jnp.int32).astype(jnp.float32) * _U_SCALE
+  # (h >> 9) * 2^-23 without an int -> float conversion: the 23 bits as the
+  # mantissa of a float in [1, 2), minus 1 (exact, so the same bits).
+  one_plus_u = jax.lax.bitcast_convert_type((h >> 9) | jnp.uint32(0x3F800000), jnp.float32)
+  return one_plus_u - 1.0
 
 
 def _weights(a: list[jax.Array]):
@@ -115,6 +115,11 @@ def draw(w: list[jax.Array], scale: jax.Array, u: jax.Array) -> tuple[jax.Array,
   return i0, i1
 
 
+def _pick3(lanes: list[jax.Array], i: jax.Array, lo: int) -> jax.Array:
+  """`lanes[i]` for i in {lo, lo + 1, lo + 2}."""
+  return jnp.where(i == lo, lanes[lo], jnp.where(i == lo + 1, lanes[lo + 1], lanes[lo + 2]))
+
+
 def sample(a: list[jax.Array], u: jax.Array):
   """The compressed MVUE draw of 4 float32 lanes: `(i0, i1, v0, v1)`, the
   kept indices (int32, i0 < i1) and their values `a_i / p_i` (float32),
@@ -125,8 +130,11 @@ def sample(a: list[jax.Array], u: jax.Array):
   i0, i1 = draw(w, scale, u)
   half = total * 0.5
   out = []
-  for i in (i0, i1):
-    x = pick(a, i)
-    mag = jnp.where(capped, jnp.where(pick(first, i), jnp.abs(x), rest), half)
+  # i0 is 0, 1 or 2 and i1 is 1, 2 or 3 (`draw`): each picks from 3 lanes,
+  # two selects instead of `pick`'s three (the kernel is bound by these
+  # integer-pipe operations, benchmarks/NOTES.md).
+  for i, lo in ((i0, 0), (i1, 1)):
+    x = _pick3(a, i, lo)
+    mag = jnp.where(capped, jnp.where(_pick3(first, i, lo), jnp.abs(x), rest), half)
     out.append(jnp.where(x > 0, mag, jnp.where(x < 0, -mag, 0.0)))
   return i0, i1, out[0], out[1]
