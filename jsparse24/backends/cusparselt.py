@@ -247,14 +247,10 @@ def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
 # fusion); cusparseLtSpMMACompress2 is slower (benchmarks/NOTES.md).
 
 
-def _codes(meta: jax.Array, groups: int) -> jax.Array:
-  """`[R, ceil(G/2)]` packed nibbles (low = even group) -> `[R, G]` codes."""
-  both = jnp.stack([meta & 0xF, meta >> 4], axis=-1)
-  return both.reshape(meta.shape[0], -1)[:, :groups]
-
-
 def metadata_layout(codes: jax.Array) -> jax.Array:
-  """cuSPARSELt's metadata bytes for `[R, G]` 4-bit codes (R % 64 == 0, G % 8 == 0)."""
+  """cuSPARSELt's metadata bytes for `[R, G]` 4-bit codes (R % 64 == 0, G % 8 == 0):
+  the layout above, byte by byte. The definition the tests check against
+  recorded cuSPARSELt bytes; `_metadata_rows` computes the same on words."""
   r, g = codes.shape
   c = codes.reshape(r // 64, 4, 2, 8, g // 8, 2, 4)  # [rb, a, h, b, gb, c, d]
   byte = c[:, :, 0] | (c[:, :, 1] << 4)  # [rb, a, b, gb, c, d]
@@ -283,8 +279,9 @@ def _metadata_rows(meta: jax.Array, groups: int, cols: int, dtype) -> jax.Array:
   words = jax.lax.bitcast_convert_type(meta[:, :groups // 2].reshape(r, groups // 8, 4),
                                        jnp.uint32)  # [R, G/8]: row r, block gb
   words = words.reshape(r // 64, 4, 2, 8, groups // 8).transpose(0, 4, 1, 3, 2)  # [rb,gb,a,b,h]
-  # d1 as a broadcast axis, not a stack: one elementwise fusion (a stack of
-  # the two halves was a concatenate fusion of its own, one more pass).
+  # d1 (the half of the output word) as a broadcast axis. XLA makes a
+  # transpose fusion per h and one elementwise fusion of this; stacking the
+  # two halves instead measured the same.
   shift = jnp.array([0, 8], jnp.uint32)  # [d1]
   out = (_spread_nibbles(words[..., 0, None] >> shift)
          | (_spread_nibbles(words[..., 1, None] >> shift) << 4))  # [rb, gb, a, b, d1]
