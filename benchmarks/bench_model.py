@@ -57,7 +57,7 @@ from benchmarks import _common
 # 2048 x 16 was the first choice by `memory_estimate`, but its 2:4 step needed
 # 62 GiB on the H100 (XLA's rematerialization could not bring it under the
 # 57 GiB pool), more than the estimate counts: 12 blocks fit both models.
-DEFAULTS = {1024: (24, False), 2048: (12, False), 4096: (8, True), 8192: (2, True)}
+DEFAULTS = {512: (8, False), 1024: (24, False), 2048: (12, False), 4096: (8, True), 8192: (2, True)}
 POOL_GIB = 0.75 * 78  # JAX preallocates 75% of the GPU; an 80 GB H100 shows JAX ~78 GiB
 HEAD_DIM = 128
 SPARSE_LAYERS = r".*/(qkv|out|up|down)"
@@ -631,7 +631,7 @@ def notes(cfg: dict) -> str:
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--widths", default="1024,2048,4096,8192", help="d_model values, comma-separated")
+  p.add_argument("--widths", default="512,1024,2048,4096,8192", help="d_model values, comma-separated")
   p.add_argument("--layers", default=None,
                  help="blocks: one value for every width, or one per width (default: " + ", ".join(
                      f"{d}: {n}{' with remat' if r else ''}" for d, (n, r) in DEFAULTS.items())

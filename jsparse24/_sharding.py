@@ -271,48 +271,61 @@ def _axis_size(mesh, entry) -> int:
 
 
 @functools.cache
-def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int, with_meta: bool) -> Callable:
-  """`fn(w[K, N], *meta)` (meta `[N, K/8]`) -> outputs whose axis
-  `n_dims[i]` runs over N (or a fixed fraction of it), partitioned over w's
-  sharding of N where each device's share is a multiple of `align`."""
+def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
+                  extra_ranks: tuple[int, ...], lead: int = 0) -> Callable:
+  """`fn(w[K, N], *extras)` (extras: arrays of these ranks whose axis 0 runs
+  over N, e.g. a packed mask `[N, K/8]` or per-column flags `[N]`) ->
+  outputs whose axis `n_dims[i]` runs over N (or a fixed fraction of it),
+  partitioned over w's sharding of N where each device's share is a
+  multiple of `align`. With `lead` > 0 every operand and output has that
+  many leading (stack) axes more, which `fn` is vmapped over inside the one
+  partitioned call (a Pallas call's vmap is one call with a larger grid:
+  no per-layer slices of the stack); they are kept whole on each device."""
+  inner = fn
+  for _ in range(lead):
+    inner = jax.vmap(inner)
+  stack = [None] * lead
 
   @custom_partitioning
-  def partitioned(w, *meta):
-    return fn(w, *meta)
+  def partitioned(w, *extras):
+    return inner(w, *extras)
 
   def n_entry(mesh, w_sharding, n: int):
     spec = getattr(w_sharding, "spec", None)
-    entry = spec[1] if spec is not None and len(spec) > 1 else None
+    entry = spec[lead + 1] if spec is not None and len(spec) > lead + 1 else None
     size = _axis_size(mesh, entry) if entry is not None else 1
     return entry if entry is not None and n % (size * align) == 0 else None
 
   def out_shardings(mesh, entry, shapes):
     def spec(ndim, dim):
       parts = [None] * ndim
-      parts[dim] = entry
+      parts[lead + dim] = entry
       return NamedSharding(mesh, P(*parts))
     return tuple(spec(len(s.shape), d) for s, d in zip(shapes, n_dims))
 
   def infer(mesh, arg_shapes, result_shape):
-    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[1])
+    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[lead + 1])
     return out_shardings(mesh, entry, result_shape)
 
   def partition(mesh, arg_shapes, result_shape):
-    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[1])
-    args = (NamedSharding(mesh, P(None, entry)),) + (
-        (NamedSharding(mesh, P(entry, None)),) if with_meta else ())
-    return mesh, fn, out_shardings(mesh, entry, result_shape), args
+    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[lead + 1])
+    args = (NamedSharding(mesh, P(*stack, None, entry)),) + tuple(
+        NamedSharding(mesh, P(*stack, entry, *([None] * (r - 1)))) for r in extra_ranks)
+    return mesh, inner, out_shardings(mesh, entry, result_shape), args
 
   names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
-  outs = ", ".join(" ".join(next(names) for _ in range(2)) for _ in n_dims)
+  stack_names = "".join(next(names) + " " for _ in range(lead))
+  outs = ", ".join(stack_names + " ".join(next(names) for _ in range(2)) for _ in n_dims)
+  extras = "".join(", " + stack_names + " ".join(["n"] + [next(names) for _ in range(r - 1)])
+                   for r in extra_ranks)
   partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                            sharding_rule=f"k n{', n g' if with_meta else ''} -> {outs}")
+                            sharding_rule=f"{stack_names}k n{extras} -> {outs}")
 
   # custom_partitioning has no batching rule: stacked weights (vmap) are
-  # compressed one by one.
+  # compressed one by one (callers with a stack pass `lead` instead).
   @jax.custom_batching.custom_vmap
-  def call(w, *meta):
-    return partitioned(w, *meta)
+  def call(w, *extras):
+    return partitioned(w, *extras)
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
@@ -322,15 +335,21 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int, with_meta: 
 
 
 def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.Array,
-                     *meta: jax.Array) -> Any:
-  """`fn(w[K, N], *meta)` (the compress kernels: each column of `w` is
+                     *extras: jax.Array, lead: int = 0) -> Any:
+  """`fn(w[K, N], *extras)` (the compress kernels: each column of `w` is
   pruned and compressed on its own) with w's sharding of N kept: each device
   compresses its own columns, and the (half-size) compressed outputs are
   what XLA gathers for a product that needs them whole, not `w`. `n_dims`:
-  the axis of each 2-D output that runs over N; `meta`: an optional packed
-  mask `[N, K/8]`, sharded like w's N. A sharding of N that does not leave
-  each device a multiple of `align` columns is gathered first, as is K's.
+  the axis of each 2-D output that runs over N; `extras`: arrays whose axis
+  0 runs over N (a packed mask `[N, K/8]`, per-column flags `[N]`), sharded
+  like w's N. A sharding of N that does not leave each device a multiple of
+  `align` columns is gathered first, as is K's. `lead`: leading stack axes
+  of w, the extras and the outputs (`fn` is vmapped over them in one call).
   (Auto mesh axes; with Explicit ones see `whole_on_each_device`.)"""
-  if any(_explicit_mesh(a) is not None for a in (w, *meta)):
-    return whole_on_each_device(fn, w, *meta)
-  return _wrap_columns(fn, tuple(n_dims), align, bool(meta))(w, *meta)
+  if any(_explicit_mesh(a) is not None for a in (w, *extras)):
+    inner = fn
+    for _ in range(lead):
+      inner = jax.vmap(inner)
+    return whole_on_each_device(inner, w, *extras)
+  return _wrap_columns(fn, tuple(n_dims), align, tuple(e.ndim - lead for e in extras),
+                       lead)(w, *extras)

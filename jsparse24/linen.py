@@ -364,18 +364,25 @@ def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
   """
 
   def rebuild(layer, layer_params, path):
-    kernel = layer_params.get("kernel") if isinstance(layer_params, Mapping) else None
-    if kernel is None:
-      raise ValueError(
-          f"rebuild_masks: `params` has no kernel for the sparse layer {'/'.join(path)!r}"
-          f" (pass the model's params first, then its 'sparsity' collection).")
-    if isinstance(kernel, Sparse24):
-      raise TypeError(
-          f"rebuild_masks: the kernel of layer {'/'.join(path)!r} is a Sparse24 (already"
-          f" compressed); masks are rebuilt from dense params.")
+    kernel = dense_kernel(layer_params, path, "rebuild_masks")
     return {**layer, "mask": Mask24.from_weights(kernel, transposable=layer["mask"].transposable)}
 
   return _map_layers(rebuild, sparsity, params)
+
+
+def dense_kernel(layer_params: Any, path: tuple[str, ...], fn: str) -> jax.Array:
+  """The dense `"kernel"` of a sparse layer's params (masks are built from
+  it); `fn` names the caller in the errors."""
+  kernel = layer_params.get("kernel") if isinstance(layer_params, Mapping) else None
+  if kernel is None:
+    raise ValueError(
+        f"{fn}: `params` has no kernel for the sparse layer {'/'.join(path)!r}"
+        f" (pass the model's params first, then its 'sparsity' collection).")
+  if isinstance(kernel, Sparse24):
+    raise TypeError(
+        f"{fn}: the kernel of layer {'/'.join(path)!r} is a Sparse24 (already"
+        f" compressed); masks are rebuilt from dense params.")
+  return kernel
 
 
 def _path_keys(path) -> tuple:

@@ -38,8 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jsparse24 import backends
 from jsparse24._format import Mask24
-from jsparse24.linen import _map_layers, layers_by_path, map_sparse_kernels, rebuild_masks
+from jsparse24.linen import (_map_layers, dense_kernel, layers_by_path, map_sparse_kernels,
+                             rebuild_masks)
 
 DENSITY = 0.5  # 2 of 4 kept
 
@@ -229,19 +231,39 @@ def mask_update(
     nxt = step + 1
     do_rebuild = schedule.rebuild(nxt)
 
-    # Everything below but the flag updates runs only on rebuild steps: the
-    # new masks and the flip-rate statistic (a pass over every mask).
-    def rebuilt():
-      new = rebuild_masks(params, state.masks)
+    # The rebuild runs only on rebuild steps, with no conditional where a
+    # kernel can skip its work on a run-time flag (transposable masks on a
+    # GPU, `backends.rebuild_where`): on a GPU a conditional copies its
+    # predicate to the host and waits for it, once per step, and the host
+    # then launches the rest of the step behind the GPU (a d_model 512 GPT
+    # on an H100: 0.93x of the dense step with the conditional, 0.99x with
+    # the masks held fixed; benchmarks/NOTES.md). Other layers (plain masks,
+    # a CPU) are rebuilt inside one `lax.cond`.
+    old_masks = _by_path(lambda layer, _, path: layer["mask"], state.masks, state.masks)
+    kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
+                       params)
+    old_flips = _by_path(lambda _, f, path: f, state.masks, state.flip_rate)
+    new_masks = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
+                 for path, old in old_masks.items()}
+    new_masks = {path: new for path, new in new_masks.items() if new is not None}
+    flips = {path: jnp.where(do_rebuild, flip_fraction(old_masks[path], new), old_flips[path])
+             for path, new in new_masks.items()}
+    slow = [path for path in old_masks if path not in new_masks]
+    if slow:
+      def rebuilt():
+        new = {path: Mask24.from_weights(kernels[path], transposable=old_masks[path].transposable)
+               for path in slow}
+        return new, {path: flip_fraction(old_masks[path], new[path]) for path in slow}
 
-      def flips(old, layer_new, path):
-        del path
-        changed = old["mask"].unpack() != layer_new["mask"].unpack()
-        return jnp.mean(changed, axis=(-2, -1), dtype=jnp.float32)
-
-      return new, _map_layers(flips, state.masks, new)
-
-    masks, flip = jax.lax.cond(do_rebuild, rebuilt, lambda: (state.masks, state.flip_rate))
+      slow_masks, slow_flips = jax.lax.cond(
+          do_rebuild, rebuilt,
+          lambda: ({path: old_masks[path] for path in slow},
+                   {path: old_flips[path] for path in slow}))
+      new_masks.update(slow_masks)
+      flips.update(slow_flips)
+    masks = _map_layers(lambda layer, _, path: {**layer, "mask": new_masks[path]},
+                        state.masks, state.masks)
+    flip = _map_layers(lambda _, __, path: flips[path], state.masks, state.masks)
     # The sparse kernels' updates depend on the rebuild's outputs, so that
     # the optimizer's in-place write of the new params (donated buffers)
     # provably follows the rebuild's read of the old ones. Without a data
@@ -250,7 +272,7 @@ def mask_update(
     # over the float32 weights per step, 2.2% of the step of a d_model 1024
     # GPT on an H100 (benchmarks/NOTES.md). (`optimization_barrier` does not
     # order them for XLA's copy removal; a data dependency does.) Flip rates
-    # are means of bools, so `after` is always True, but XLA cannot fold it.
+    # are fractions, so `after` is always True, but XLA cannot fold it.
     after = sum(jnp.sum(f) for f in jax.tree.leaves(flip)) >= 0
     if uses_decay:
       updates = _add_masked_decay(updates, params, state.masks,
@@ -264,6 +286,29 @@ def mask_update(
                                     sparsity_of(masks, active), last)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def flip_fraction(old: Mask24, new: Mask24) -> jax.Array:
+  """The fraction of weights kept by one mask and pruned by the other, per
+  mask of a stack (float32, the stack's axes), from the packed codes: no
+  dense bool mask is made (one pass over 1/8 byte per weight each)."""
+  def kept(packed):  # a byte's two codes -> the kept positions of its 8 weights
+    b = packed.astype(jnp.uint32)
+    return ((1 << (b & 3)) | (1 << ((b >> 2) & 3))
+            | (16 << ((b >> 4) & 3)) | (16 << ((b >> 6) & 3)))
+
+  # Both are packed alike (the same dims), padding nibbles included.
+  changed = jax.lax.population_count(kept(old.packed) ^ kept(new.packed))
+  lead = len(old.shape) - 2
+  k, n = old.dims
+  return jnp.sum(changed.astype(jnp.float32), axis=tuple(range(lead, changed.ndim))) / (k * n)
+
+
+def _by_path(fn, sparsity: Mapping, other: Any) -> dict:
+  """`{layer path: fn(layer, other's entry, path)}` over the sparse layers."""
+  out = {}
+  _map_layers(lambda layer, o, path: out.__setitem__(path, fn(layer, o, path)), sparsity, other)
+  return out
 
 
 def _with_active(masks: Mapping, flags) -> dict:

@@ -6,7 +6,8 @@ the compressed values and metadata (jsparse24's `Sparse24` layout: values
 `transposable=True` also those of `w^T` (`[K, N/2]`, `[K, ceil(N/8)]`), using
 the exact best of the 90 4x4 patterns (in either layout);
 `transposable_mask(w)` runs that search alone and writes only the packed
-mask. `compress_with_meta(w, meta)` applies a stored packed mask instead of
+mask, and `transposable_mask_update(w, old, rebuild)` does so only where a
+run-time flag asks (a mask rebuild schedule without a conditional). `compress_with_meta(w, meta)` applies a stored packed mask instead of
 pruning. Results are bit-identical to the plain `jnp` references below
 (which define the contract through jsparse24's reference format code).
 """
@@ -472,6 +473,67 @@ def transposable_mask(w: jax.Array, *, config: PruneConfig | None = None,
       interpret=interpret,
       name="jsparse24_transposable_mask",
   )(wp)
+  return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
+
+
+def _rebuild_where_flagged(w_ref, flag_ref, old_ref, meta_ref):
+  """`_prune_transposable_kernel` (mask only) in a program whose columns
+  are flagged; an unflagged program returns at once, reading nothing, and
+  its output block (aliased to `old_ref`) keeps the old mask."""
+  del old_ref
+
+  @pl.when(jnp.max(flag_ref[...]) != 0)
+  def _():
+    _prune_transposable_kernel(w_ref, meta_ref, k_major=False, with_values=False,
+                               strided_stores=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def transposable_mask_update(w: jax.Array, old: jax.Array, rebuild: jax.Array, *,
+                             config: PruneConfig | None = None,
+                             interpret: bool = False) -> jax.Array:
+  """`transposable_mask(w)` where `rebuild` is non-zero, else `old` as it
+  is, with no conditional around the call: on a GPU an XLA conditional
+  copies its predicate to the host and waits for it, which stalls the
+  launch queue once per step. Here every program reads its flags and an
+  unflagged one returns at once (w is not read); the result is written in
+  place of `old` when the caller donates it.
+
+  old: packed metadata `uint8[N, ceil(K/8)]` (as `transposable_mask`
+  returns); rebuild: `int32[N]`, one flag per column of `w` (the caller
+  broadcasts one flag, so that the flags shard with w's columns). A
+  program rebuilds its whole tile when any of its columns is flagged.
+  """
+  fn = "transposable_mask_update"
+  _check_weight(fn, w, True)
+  k, n = w.shape
+  if old.shape != (n, math.ceil(k / 8)) or old.dtype != jnp.uint8:
+    raise ValueError(
+        f"{fn}: `old` must be uint8[{n}, {math.ceil(k / 8)}] for w of shape {w.shape},"
+        f" got {old.dtype}{list(old.shape)}.")
+  if rebuild.shape != (n,):
+    raise ValueError(f"{fn}: `rebuild` must be [{n}] (one flag per column of w), got"
+                     f" {list(rebuild.shape)}.")
+  cfg = fit_config(config or PruneConfig.default(k, n, "prune_transposable"), k, n)
+  bk, bn = cfg.block_k, cfg.block_n
+  wp = _padded(w, bk, bn)
+  kp, np_ = wp.shape
+  flags = jnp.pad(rebuild.astype(jnp.int32), (0, np_ - n))
+  oldp = jnp.pad(old, ((0, np_ - n), (0, kp // 8 - old.shape[1])))
+  meta = pl.pallas_call(
+      _rebuild_where_flagged,
+      out_shape=jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8),
+      grid=(kp // bk, np_ // bn),
+      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)),
+                pl.BlockSpec((bn,), lambda i, j: (j,)),
+                pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))],
+      out_specs=pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)),
+      input_output_aliases={2: 0},
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="jsparse24_transposable_mask_update",
+  )(wp, flags, oldp)
   return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
 
 

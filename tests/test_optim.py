@@ -43,6 +43,34 @@ def _mask_leaves(masks):
           if isinstance(leaf, jsparse24.Mask24)}
 
 
+@pytest.fixture
+def flagged_rebuilds(monkeypatch):
+  """The GPU's rebuild path on CPU: `backends.rebuild_where` takes the fused
+  mask kernel (interpret mode) as it does where the kernel runs natively, so
+  transposable masks are rebuilt without a conditional."""
+  from jsparse24 import backends  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+  with interpret_mode():
+    yield
+
+
+def _conds_outside_kernels(jaxpr) -> int:
+  """`cond`s of a jaxpr and its sub-jaxprs, not counting those inside Pallas
+  kernels (interpret mode traces their bodies, which branch per tile)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      continue
+    count += eqn.primitive.name == "cond"
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          count += _conds_outside_kernels(sub)
+  return count
+
+
 @pytest.mark.parametrize("kw,rebuilds,sparse", [
     (dict(warmup_steps=3, rebuild_every=4, freeze_after=12, dense_after=20),
      [3, 7, 11], list(range(3, 20))),
@@ -191,12 +219,16 @@ def test_masked_decay_keeps_frozendict_and_fuses():
 
 
 @pytest.mark.parametrize("decay", [0.0, 0.1])
-def test_donated_train_step_copies_no_kernel(decay):
+@pytest.mark.parametrize("flagged", [False, True])
+def test_donated_train_step_copies_no_kernel(request, decay, flagged):
   """A jitted train step that donates params and optimizer state (as training
   loops do) copies no sparse kernel: the optimizer's in-place write of the new
-  params is ordered after the rebuild conditional's read of the old ones.
-  Without that order XLA copied every kernel before each step."""
+  params is ordered after the rebuild's read of the old ones (inside the
+  conditional, or the flagged kernel's; `flagged_rebuilds`). Without that
+  order XLA copied every kernel before each step."""
   import re  # pylint: disable=g-import-not-at-top
+  if flagged:
+    request.getfixturevalue("flagged_rebuilds")
   model, tx, variables, x, y = _setup(optim.MaskSchedule(rebuild_every=4), decay=decay)
   params = variables["params"]
 
@@ -221,6 +253,97 @@ def test_donated_train_step_copies_no_kernel(decay):
   with jax.disable_jit():
     expected, _ = step(params, state)
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5), new_params, expected)
+
+
+class _ScannedMixedNet(nn.Module):
+  """Transposable layers stacked with nn.scan, and one plain-mask layer."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return jnp.tanh(jsparse24.SparseDense(16, transposable=True)(h)), None
+    h = nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                split_rngs={"params": True}, length=3)()(x, None)[0]
+    return jsparse24.SparseDense(8, name="plain", transposable=False)(h)
+
+
+@pytest.mark.parametrize("with_plain", [False, True])
+def test_flagged_rebuild_has_no_conditional(flagged_rebuilds, with_plain):
+  """Where the mask kernel takes a run-time flag (a GPU), transposable masks
+  are rebuilt with no conditional in the step (on a GPU each one copies its
+  predicate to the host and stalls the launch queue); plain masks keep one."""
+  del flagged_rebuilds
+  model = _ScannedMixedNet() if with_plain else _ScannedNet()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  variables = model.init(jax.random.key(1), x)
+  tx = optax.chain(optim.mask_update(variables["sparsity"], optim.MaskSchedule(rebuild_every=4),
+                                     decay=1e-3), optax.sgd(0.1))
+  state = tx.init(variables["params"])
+
+  def step(params, state):
+    loss = lambda p: jnp.sum(model.apply({"params": p, "sparsity": optim.masks(state)}, x) ** 2)  # noqa: E731
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  jaxpr = jax.make_jaxpr(step)(variables["params"], state)
+  assert _conds_outside_kernels(jaxpr.jaxpr) == (1 if with_plain else 0)
+
+
+@pytest.mark.parametrize("flagged", [False, True])
+def test_flagged_rebuild_equals_the_conditional_one(request, flagged):
+  """A stacked model (nn.scan) with transposable and plain masks, trained
+  with rebuilds every 2 steps and large updates (masks change at every
+  rebuild): the flagged kernel path gives the reference path's params,
+  masks, flip rates and rebuild steps, bit for bit."""
+
+  def run():
+    model = _ScannedMixedNet()
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    variables = model.init(jax.random.key(1), x)
+    tx = optax.chain(optim.mask_update(variables["sparsity"],
+                                       optim.MaskSchedule(rebuild_every=2), decay=1e-2),
+                     optax.sgd(0.5))
+
+    @jax.jit
+    def step(params, state, key):
+      noise = jax.tree.map(lambda p: jax.random.normal(key, p.shape), params)
+      updates, state = tx.update(noise, state, params)
+      return optax.apply_updates(params, updates), state
+
+    params, state = variables["params"], tx.init(variables["params"])
+    out = []
+    for i in range(5):
+      params, state = step(params, state, jax.random.key(10 + i))
+      out.append(jax.device_get((params, optim.masks(state), optim.stats(state),
+                                 state[0].last_rebuild)))
+    return out
+
+  ref = run()  # the reference masks inside lax.cond (this CPU's path)
+  if flagged:
+    request.getfixturevalue("flagged_rebuilds")
+  got = run()
+  flips = [float(s["plain"]["flip_rate"]) for _, _, s, _ in got]
+  assert flips[1] > 0 and flips[3] > 0 and flips[3] != flips[1]  # rebuilt at steps 2 and 4
+  for a, b in zip(ref, got):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (12, 8), (3, 32, 16), (2, 20, 12)])
+def test_flip_fraction_counts_changed_weights(shape):
+  """From the packed codes, per mask of a stack: the fraction of weights
+  whose kept/pruned state differs (K/4 odd: flat packing, a padding nibble)."""
+  keys = jax.random.split(jax.random.key(sum(shape)), 2)
+  a, b = (jsparse24.Mask24.from_weights(jax.random.normal(k, shape), transposable=True)
+          for k in keys)
+  got = optim.flip_fraction(a, b)
+  want = jnp.mean(a.unpack() != b.unpack(), axis=(-2, -1))
+  assert got.shape == shape[:-2] and got.dtype == jnp.float32
+  assert float(jnp.min(want)) > 0
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(optim.flip_fraction(a, a)), np.zeros(shape[:-2]))
 
 
 def test_state_fields_and_lookup():

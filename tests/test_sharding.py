@@ -135,11 +135,17 @@ def test_fsdp_gathers_weights_only(implementation):
   assert gathered <= {(D, H), (H, D), (H, D // 8), (D, H // 8), (H,), (D,)}, coll
 
 
-def test_fsdp_without_gathering_weights_compresses_each_shard():
+@pytest.mark.parametrize("flagged", [False, True])
+def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagged):
   """Weights sharded on their output axis N and left sharded in the step:
   each device prunes and compresses its own columns (the compress kernels'
   sharding rule), and XLA gathers the half-size compressed arrays for the
-  products, never a weight. Same results as one device."""
+  products, never a weight. Same results as one device. `flagged`: the
+  masks are rebuilt as on a GPU, by the mask kernel on a run-time flag
+  (`backends.rebuild_where`), each device its own columns."""
+  if flagged:
+    from jsparse24 import backends  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(backends, "_pallas_native", lambda: True)
   mesh = _mesh(jax.sharding.AxisType.Auto)
   spec = lambda a: P(*([None] * (a.ndim - 1)), "data")  # noqa: E731
   with interpret_mode():
@@ -150,6 +156,33 @@ def test_fsdp_without_gathering_weights_compresses_each_shard():
   compressed = {(H, D // 2), (D, H // 2), (H, D // 8), (D, H // 8),  # up: values, values_t, meta, meta_t
                 (D, H // 2), (H, D // 2), (D, H // 8), (H, D // 8)}  # down
   assert gathered and gathered <= compressed, gathered
+
+
+def test_stacked_mask_update_keeps_each_devices_columns():
+  """A stack of layers' kernels (nn.scan's `[L, K, N]`) sharded on N: the
+  flagged mask update (one kernel call for the stack) runs on each device's
+  own columns, never gathers w, and equals the unsharded result."""
+  from jsparse24.backends import pallas as backend  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  w = jax.random.normal(jax.random.key(0), (3, D, H))
+  old = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(1), w.shape),
+                                      transposable=True)
+  cols = NamedSharding(mesh, P(None, None, "data"))
+  rows = NamedSharding(mesh, P(None, "data", None))  # the packed mask is [L, N, K/8]
+  update = jax.jit(backend.transposable_mask_update)
+  with interpret_mode():
+    for flag in (True, False):
+      want = update(w, old, jnp.asarray(flag))
+      sw = jax.device_put(w, cols)
+      sold = jax.tree.map(lambda a: jax.device_put(a, rows), old)
+      got = update(sw, sold, jnp.asarray(flag))
+      np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
+    hlo = update.lower(sw, sold, jnp.asarray(True)).compile().as_text()
+  # Each device searches its 16 columns of every layer; w is never gathered
+  # (the jit's result, the packed mask, is replicated by XLA's choice).
+  assert "f32[3,64,16]" in hlo
+  coll = _collectives(hlo)
+  assert set(coll["all-gather"]) <= {(3, H, D // 8)} and not coll["all-reduce"], coll
 
 
 def test_rows_parallel_splits_a_custom_call_over_rows():
@@ -171,7 +204,7 @@ def test_rows_parallel_splits_a_custom_call_over_rows():
   compiled = jax.jit(lambda x, w: rows_parallel(kernel, x, w)).lower(x, w).compile()
   assert compiled.output_shardings.spec[0] == "data"
   coll = _collectives(compiled.as_text())
-  assert not any(coll.values()), coll
+  print("COLL", coll); assert not any(coll.values()), coll
   # Without the rule, XLA gathers x for the callback.
   plain = _collectives(jax.jit(kernel).lower(x, w).compile().as_text())
   assert plain["all-gather"], plain

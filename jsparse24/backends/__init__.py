@@ -91,7 +91,8 @@ def select_compress(implementation: str | None, w) -> Backend:
   return backend
 
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem", "select", "select_compress"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem", "rebuild_where",
+           "select", "select_compress"]
 
 
 def _fast_mask(w, transposable: bool) -> Mask24 | None:
@@ -100,10 +101,30 @@ def _fast_mask(w, transposable: bool) -> Mask24 | None:
   benchmarks/NOTES.md compares it with the reference's XLA search); None
   elsewhere (the reference runs)."""
   w = jnp.asarray(w)
-  if (transposable and _pallas_native() and w.ndim >= 2 and w.shape[-2] and w.shape[-1]
-      and not w.shape[-2] % 4 and not w.shape[-1] % 4 and w.dtype in _pallas.DTYPES):
+  if transposable and _fast_mask_applies(w):
     return _pallas.transposable_mask(w)
   return None
+
+
+def rebuild_where(w, old: Mask24, rebuild) -> Mask24 | None:
+  """`Mask24.from_weights(w, transposable=True)` if the bool scalar
+  `rebuild` (traced) is set, else `old`, without a conditional: one fused
+  Pallas kernel call whose programs return at once when the flag is off
+  (`pallas.transposable_mask_update`). Where the kernel runs natively (an
+  NVIDIA GPU) and `old` is transposable; None elsewhere (the caller keeps a
+  `lax.cond`, which on a CPU costs nothing)."""
+  w = jnp.asarray(w)
+  if not old.transposable or tuple(w.shape[-2:]) != tuple(old.dims):
+    return None
+  if _fast_mask_applies(w) and tuple(w.shape[:-2]) == tuple(old.shape[:-2]):
+    return _pallas.transposable_mask_update(w, old, rebuild)
+  return None
+
+
+def _fast_mask_applies(w) -> bool:
+  """Whether the fused transposable-mask kernel runs natively on `w`."""
+  return bool(_pallas_native() and w.ndim >= 2 and w.shape[-2] and w.shape[-1]
+              and not w.shape[-2] % 4 and not w.shape[-1] % 4 and w.dtype in _pallas.DTYPES)
 
 
 _format._FAST_MASK_BUILDER[:] = [_fast_mask]  # pylint: disable=protected-access
