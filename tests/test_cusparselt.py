@@ -128,6 +128,28 @@ def test_metadata_rows_equal_the_bytewise_layout(r, g, cols, dtype):
   np.testing.assert_array_equal(np.asarray(got).view(np.uint8).reshape(-1), want)
 
 
+def _contract_with_metadata(x, dy, first_row, meta):
+  """A `rows_contracted` function that writes metadata rows, as the MVUE
+  weight gradient does inside its partitioned op."""
+  del first_row
+  rows = cusparselt._metadata_rows(meta, 16, 64, jnp.bfloat16)  # pylint: disable=protected-access
+  bits = jax.lax.bitcast_convert_type(rows, jnp.uint16).astype(jnp.int32)
+  return x.T @ dy + (jnp.sum(bits) % 1000).astype(jnp.float32)
+
+
+def test_metadata_rows_trace_inside_a_partitioned_op():
+  """custom_partitioning refuses a function with array constants (an
+  assertion at trace time): `_metadata_rows` must build none, or
+  weight_grad="mvue" on cuSPARSELt, which writes the metadata of the pruned
+  dy inside `rows_contracted`, fails to trace (seen on an H100)."""
+  from jsparse24 import _sharding  # pylint: disable=g-import-not-at-top
+  meta = jnp.asarray(np.random.default_rng(0).integers(0, 256, (64, 8), dtype=np.uint8))
+  x, dy = jnp.ones((8, 4)), jnp.ones((8, 6))
+  got = jax.jit(lambda x, dy, m: _sharding.rows_contracted(_contract_with_metadata, x, dy, m))(
+      x, dy, meta)
+  np.testing.assert_allclose(got, _contract_with_metadata(x, dy, 0, meta))
+
+
 def test_from_sparse24_rejects_unaligned_shapes():
   w = jnp.ones((96, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiples of 64"):

@@ -282,7 +282,9 @@ def _metadata_rows(meta: jax.Array, groups: int, cols: int, dtype) -> jax.Array:
   # d1 (the half of the output word) as a broadcast axis. XLA makes a
   # transpose fusion per h and one elementwise fusion of this; stacking the
   # two halves instead measured the same.
-  shift = jnp.array([0, 8], jnp.uint32)  # [d1]
+  # An iota, not an array constant: this runs inside custom_partitioning
+  # (the MVUE weight gradient's `rows_contracted`), which refuses constants.
+  shift = jax.lax.iota(jnp.uint32, 2) * jnp.uint32(8)  # [d1]: 0, 8
   out = (_spread_nibbles(words[..., 0, None] >> shift)
          | (_spread_nibbles(words[..., 1, None] >> shift) << 4))  # [rb, gb, a, b, d1]
   return jax.lax.bitcast_convert_type(out, dtype).reshape(-1, cols)
