@@ -6,8 +6,9 @@ the compressed values and metadata (jsparse24's `Sparse24` layout: values
 `transposable=True` also those of `w^T` (`[K, N/2]`, `[K, ceil(N/8)]`), using
 the exact best of the 90 4x4 patterns (in either layout);
 `transposable_mask(w)` runs that search alone and writes only the packed
-mask, and `transposable_mask_update(w, old, rebuild)` does so only where a
-run-time flag asks (a mask rebuild schedule without a conditional). `compress_with_meta(w, meta)` applies a stored packed mask instead of
+mask, and `rebuild_mask(w, old, rebuild)` builds a mask (transposable or
+plain) only where a run-time flag asks (a mask rebuild schedule without a
+conditional). `compress_with_meta(w, meta)` applies a stored packed mask instead of
 pruning. Results are bit-identical to the plain `jnp` references below
 (which define the contract through jsparse24's reference format code).
 """
@@ -476,36 +477,46 @@ def transposable_mask(w: jax.Array, *, config: PruneConfig | None = None,
   return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
 
 
-def _rebuild_where_flagged(w_ref, flag_ref, old_ref, meta_ref):
-  """`_prune_transposable_kernel` (mask only) in a program whose columns
-  are flagged; an unflagged program returns at once, reading nothing, and
-  its output block (aliased to `old_ref`) keeps the old mask."""
+def _plain_mask_kernel(w_ref, meta_ref):
+  """The plain 2:4 mask (largest 2 magnitudes of each group of 4 along K)
+  of a `[bk, bn]` tile, packed metadata only (`meta_ref` `[bn, bk/8]`)."""
+  _, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # [bk/8, bn]; no values stored
+  meta_ref[...] = meta.astype(jnp.int32).T.astype(jnp.uint8)
+
+
+def _rebuild_where_flagged(w_ref, flag_ref, old_ref, meta_ref, *, transposable: bool):
+  """The mask kernel (transposable search or plain) in a program whose
+  columns are flagged; an unflagged program returns at once, reading
+  nothing, and its output block (aliased to `old_ref`) keeps the old mask."""
   del old_ref
 
   @pl.when(jnp.max(flag_ref[...]) != 0)
   def _():
-    _prune_transposable_kernel(w_ref, meta_ref, k_major=False, with_values=False,
-                               strided_stores=True)
+    if transposable:
+      _prune_transposable_kernel(w_ref, meta_ref, k_major=False, with_values=False,
+                                 strided_stores=True)
+    else:
+      _plain_mask_kernel(w_ref, meta_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def transposable_mask_update(w: jax.Array, old: jax.Array, rebuild: jax.Array, *,
-                             config: PruneConfig | None = None,
-                             interpret: bool = False) -> jax.Array:
-  """`transposable_mask(w)` where `rebuild` is non-zero, else `old` as it
-  is, with no conditional around the call: on a GPU an XLA conditional
-  copies its predicate to the host and waits for it, which stalls the
-  launch queue once per step. Here every program reads its flags and an
-  unflagged one returns at once (w is not read); the result is written in
-  place of `old` when the caller donates it.
+@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret"))
+def rebuild_mask(w: jax.Array, old: jax.Array, rebuild: jax.Array, *, transposable: bool,
+                 config: PruneConfig | None = None, interpret: bool = False) -> jax.Array:
+  """The packed 2:4 mask of `w[K, N]` (transposable: as `transposable_mask`;
+  else the plain one, as `prune_compress` chooses it) where `rebuild` is
+  non-zero, else `old` as it is, with no conditional around the call: on a
+  GPU an XLA conditional copies its predicate to the host and waits for it,
+  which stalls the launch queue once per step. Here every program reads its
+  flags and an unflagged one returns at once (w is not read); the result is
+  written in place of `old` when the caller donates it.
 
-  old: packed metadata `uint8[N, ceil(K/8)]` (as `transposable_mask`
-  returns); rebuild: `int32[N]`, one flag per column of `w` (the caller
-  broadcasts one flag, so that the flags shard with w's columns). A
-  program rebuilds its whole tile when any of its columns is flagged.
+  old: packed metadata `uint8[N, ceil(K/8)]`; rebuild: `int32[N]`, one flag
+  per column of `w` (the caller broadcasts one flag, so that the flags
+  shard with w's columns). A program rebuilds its whole tile when any of
+  its columns is flagged.
   """
-  fn = "transposable_mask_update"
-  _check_weight(fn, w, True)
+  fn = "rebuild_mask"
+  _check_weight(fn, w, transposable)
   k, n = w.shape
   if old.shape != (n, math.ceil(k / 8)) or old.dtype != jnp.uint8:
     raise ValueError(
@@ -514,14 +525,17 @@ def transposable_mask_update(w: jax.Array, old: jax.Array, rebuild: jax.Array, *
   if rebuild.shape != (n,):
     raise ValueError(f"{fn}: `rebuild` must be [{n}] (one flag per column of w), got"
                      f" {list(rebuild.shape)}.")
-  cfg = fit_config(config or PruneConfig.default(k, n, "prune_transposable"), k, n)
+  # The plain mask: the plain prune kernel's tile in cuSPARSELt's layout
+  # (64x128, strided row lanes), which reads N-contiguous rows as this does.
+  cfg = fit_config(config or PruneConfig.default(
+      k, n, "prune_transposable" if transposable else "prune", "cusparselt"), k, n)
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
   flags = jnp.pad(rebuild.astype(jnp.int32), (0, np_ - n))
   oldp = jnp.pad(old, ((0, np_ - n), (0, kp // 8 - old.shape[1])))
   meta = pl.pallas_call(
-      _rebuild_where_flagged,
+      functools.partial(_rebuild_where_flagged, transposable=transposable),
       out_shape=jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8),
       grid=(kp // bk, np_ // bn),
       in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)),
@@ -532,7 +546,7 @@ def transposable_mask_update(w: jax.Array, old: jax.Array, rebuild: jax.Array, *
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
-      name="jsparse24_transposable_mask_update",
+      name="jsparse24_rebuild_mask",
   )(wp, flags, oldp)
   return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
 

@@ -107,49 +107,64 @@ def test_transposable_mask_is_bit_identical(shape, dtype):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want.meta()))
 
 
+@pytest.mark.parametrize("transposable", [True, False])
 @pytest.mark.parametrize("shape,config", [
     ((72, 136), None),                                       # padded tiles
     ((20, 12), None),                                        # K/4 odd: a padding nibble
     ((64, 256), prune24.PruneConfig(block_k=32, block_n=64)),  # several programs each way
 ])
-def test_transposable_mask_update_rebuilds_only_when_flagged(shape, config):
-  """The flag on: the mask of `w` (bit-identical to `transposable_mask`);
-  off: `old` unchanged, every byte (old is a mask of other weights, so an
-  idle program that wrote anything would show)."""
+def test_rebuild_mask_only_when_flagged(shape, config, transposable):
+  """The flag on: the mask of `w` (bit-identical to the reference's
+  `Mask24.from_weights`); off: `old` unchanged, every byte (old is a mask of
+  other weights, so an idle program that wrote anything would show)."""
   k, n = shape
   w = _adversarial(7 * k + n, shape, jnp.float32)
-  old = prune24.transposable_mask(_adversarial(k + 5 * n, shape, jnp.float32), interpret=True)
-  new = prune24.transposable_mask(w, interpret=True)
+  old = jsparse24.Mask24.from_weights(_adversarial(k + 5 * n, shape, jnp.float32),
+                                      transposable=transposable).meta()
+  new = jsparse24.Mask24.from_weights(w, transposable=transposable).meta()
   assert not np.array_equal(np.asarray(old), np.asarray(new))
   for flag, want in ((1, new), (0, old)):
-    got = prune24.transposable_mask_update(w, old, jnp.full((n,), flag, jnp.int32),
-                                           config=config, interpret=True)
+    got = prune24.rebuild_mask(w, old, jnp.full((n,), flag, jnp.int32), transposable=transposable,
+                               config=config, interpret=True)
     assert got.shape == want.shape and got.dtype == jnp.uint8
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   groups = -(-k // 8)
-  with pytest.raises(ValueError, match=rf"transposable_mask_update: `old` must be uint8\[{n}, {groups}\]"):
-    prune24.transposable_mask_update(w, old[:, :1], jnp.ones((n,), jnp.int32), interpret=True)
-  with pytest.raises(ValueError, match=rf"transposable_mask_update: `rebuild` must be \[{n}\]"):
-    prune24.transposable_mask_update(w, old, jnp.ones((), jnp.int32), interpret=True)
+  with pytest.raises(ValueError, match=rf"rebuild_mask: `old` must be uint8\[{n}, {groups}\]"):
+    prune24.rebuild_mask(w, old[:, :1], jnp.ones((n,), jnp.int32), transposable=transposable,
+                         interpret=True)
+  with pytest.raises(ValueError, match=rf"rebuild_mask: `rebuild` must be \[{n}\]"):
+    prune24.rebuild_mask(w, old, jnp.ones((), jnp.int32), transposable=transposable,
+                         interpret=True)
 
 
-def test_backend_mask_update_on_a_stack_under_jit():
+def test_plain_rebuild_mask_takes_any_n():
+  """A plain mask needs only K in groups of 4: N = 10 (padded tiles)."""
+  w = _adversarial(3, (24, 10), jnp.bfloat16)
+  old = jsparse24.Mask24.from_weights(-w).meta()
+  got = prune24.rebuild_mask(w, old, jnp.ones((10,), jnp.int32), transposable=False,
+                             interpret=True)
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(jsparse24.Mask24.from_weights(w).meta()))
+
+
+@pytest.mark.parametrize("transposable", [True, False])
+def test_backend_mask_update_on_a_stack_under_jit(transposable):
   """The library's wrapper: a stack of layers (nn.scan's `[L, K, N]`), one
   traced flag for all, under jit: the stack's masks when set, `old` when not."""
   from jsparse24.backends import pallas as backend  # pylint: disable=g-import-not-at-top
   w = jax.random.normal(jax.random.key(3), (3, 32, 48))
   old = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(4), w.shape),
-                                      transposable=True)
-  want = jsparse24.Mask24.from_weights(w, transposable=True)
+                                      transposable=transposable)
+  want = jsparse24.Mask24.from_weights(w, transposable=transposable)
   with interpret_mode():
     # One kernel call for the whole stack (a larger grid), no loop over its
     # layers: a loop sliced (copied) each layer's float32 kernel every step.
-    jaxpr = str(jax.make_jaxpr(backend.transposable_mask_update)(w, old, jnp.asarray(True)))
+    jaxpr = str(jax.make_jaxpr(backend.rebuild_mask)(w, old, jnp.asarray(True)))
     assert jaxpr.count("pallas_call") == 1 and "scan[" not in jaxpr and "while[" not in jaxpr
-    update = jax.jit(backend.transposable_mask_update)
+    update = jax.jit(backend.rebuild_mask)
     for flag, expected in ((True, want), (False, old)):
       got = update(w, old, jnp.asarray(flag))
-      assert got.dims == (32, 48) and got.transposable and got.shape == w.shape
+      assert got.dims == (32, 48) and got.transposable == transposable and got.shape == w.shape
       np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(expected.packed))
 
 

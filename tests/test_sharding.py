@@ -169,7 +169,7 @@ def test_stacked_mask_update_keeps_each_devices_columns():
                                       transposable=True)
   cols = NamedSharding(mesh, P(None, None, "data"))
   rows = NamedSharding(mesh, P(None, "data", None))  # the packed mask is [L, N, K/8]
-  update = jax.jit(backend.transposable_mask_update)
+  update = jax.jit(backend.rebuild_mask)
   with interpret_mode():
     for flag in (True, False):
       want = update(w, old, jnp.asarray(flag))

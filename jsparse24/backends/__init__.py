@@ -101,30 +101,31 @@ def _fast_mask(w, transposable: bool) -> Mask24 | None:
   benchmarks/NOTES.md compares it with the reference's XLA search); None
   elsewhere (the reference runs)."""
   w = jnp.asarray(w)
-  if transposable and _fast_mask_applies(w):
+  if transposable and _mask_kernel_applies(w, True):
     return _pallas.transposable_mask(w)
   return None
 
 
 def rebuild_where(w, old: Mask24, rebuild) -> Mask24 | None:
-  """`Mask24.from_weights(w, transposable=True)` if the bool scalar
-  `rebuild` (traced) is set, else `old`, without a conditional: one fused
-  Pallas kernel call whose programs return at once when the flag is off
-  (`pallas.transposable_mask_update`). Where the kernel runs natively (an
-  NVIDIA GPU) and `old` is transposable; None elsewhere (the caller keeps a
-  `lax.cond`, which on a CPU costs nothing)."""
+  """`Mask24.from_weights(w, transposable=old.transposable)` if the bool
+  scalar `rebuild` (traced) is set, else `old`, without a conditional: one
+  fused Pallas kernel call whose programs return at once when the flag is
+  off (`pallas.rebuild_mask`). Where the kernel runs natively (an NVIDIA
+  GPU); None elsewhere (the caller keeps a `lax.cond`, which on a CPU costs
+  nothing)."""
   w = jnp.asarray(w)
-  if not old.transposable or tuple(w.shape[-2:]) != tuple(old.dims):
+  if (tuple(w.shape[-2:]) != tuple(old.dims) or tuple(w.shape[:-2]) != tuple(old.shape[:-2])
+      or not _mask_kernel_applies(w, old.transposable)):
     return None
-  if _fast_mask_applies(w) and tuple(w.shape[:-2]) == tuple(old.shape[:-2]):
-    return _pallas.transposable_mask_update(w, old, rebuild)
-  return None
+  return _pallas.rebuild_mask(w, old, rebuild)
 
 
-def _fast_mask_applies(w) -> bool:
-  """Whether the fused transposable-mask kernel runs natively on `w`."""
+def _mask_kernel_applies(w, transposable: bool) -> bool:
+  """Whether the fused mask kernels run natively on `w` (K a multiple of 4;
+  N too for a transposable mask)."""
   return bool(_pallas_native() and w.ndim >= 2 and w.shape[-2] and w.shape[-1]
-              and not w.shape[-2] % 4 and not w.shape[-1] % 4 and w.dtype in _pallas.DTYPES)
+              and not w.shape[-2] % 4 and not (transposable and w.shape[-1] % 4)
+              and w.dtype in _pallas.DTYPES)
 
 
 _format._FAST_MASK_BUILDER[:] = [_fast_mask]  # pylint: disable=protected-access

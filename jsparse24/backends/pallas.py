@@ -79,10 +79,10 @@ def _mask_fn(interpret: bool):
 
 
 @functools.cache
-def _mask_update_fn(interpret: bool):
+def _rebuild_fn(transposable: bool, interpret: bool):
   prune24, _ = _kernels()
-  return lambda w, old, flags: (
-      prune24.transposable_mask_update(w, old, flags, interpret=interpret),)
+  return lambda w, old, flags: (prune24.rebuild_mask(
+      w, old, flags, transposable=transposable, interpret=interpret),)
 
 
 @functools.cache
@@ -131,23 +131,23 @@ def transposable_mask(w: jax.Array) -> Mask24:
   return Mask24.from_meta(meta, w.shape, transposable=True)
 
 
-def transposable_mask_update(w: jax.Array, old: Mask24, rebuild: jax.Array) -> Mask24:
-  """`Mask24.from_weights(w, transposable=True)` if `rebuild` (a bool
-  scalar, traced or not), else `old`, by one kernel call without a
-  conditional (`prune24.transposable_mask_update`: a program not asked to
-  rebuild returns at once). Any leading axes (a stack of layers, `old`
-  stacked alike); under `jit` with `w` sharded on N each device handles its
-  own columns."""
+def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> Mask24:
+  """`Mask24.from_weights(w, transposable=old.transposable)` if `rebuild` (a
+  bool scalar, traced or not), else `old`, by one kernel call without a
+  conditional (`prune24.rebuild_mask`: a program not asked to rebuild
+  returns at once). Any leading axes (a stack of layers, `old` stacked
+  alike); under `jit` with `w` sharded on N each device handles its own
+  columns."""
   k, n = old.dims
   flags = jnp.broadcast_to(jnp.asarray(rebuild).astype(jnp.int32), w.shape[:-2] + (n,))
   # The stack's axes go to one call (a larger grid): vmapped outside the
   # partitioned call, each layer's float32 kernel was sliced out of the
   # stack (a copy) every step.
-  (meta,) = columns_parallel(_mask_update_fn(_INTERPRET[0]), (0,), 8,
+  (meta,) = columns_parallel(_rebuild_fn(old.transposable, _INTERPRET[0]), (0,), 8,
                              jax.lax.stop_gradient(w), old.meta(), flags, lead=w.ndim - 2)
   if (k // 4) % 2 == 0:  # the packed mask is the metadata itself: no re-packing pass
-    return Mask24(meta, (k, n), transposable=True)
-  return Mask24.from_meta(meta, w.shape, transposable=True)
+    return Mask24(meta, (k, n), transposable=old.transposable)
+  return Mask24.from_meta(meta, w.shape, transposable=old.transposable)
 
 
 @functools.cache
