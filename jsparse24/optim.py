@@ -232,13 +232,13 @@ def mask_update(
     do_rebuild = schedule.rebuild(nxt)
 
     # The rebuild runs only on rebuild steps, with no conditional where a
-    # kernel can skip its work on a run-time flag (transposable masks on a
-    # GPU, `backends.rebuild_where`): on a GPU a conditional copies its
+    # kernel can skip its work on a run-time flag (a GPU,
+    # `backends.rebuild_where`): on a GPU a conditional copies its
     # predicate to the host and waits for it, once per step, and the host
     # then launches the rest of the step behind the GPU (a d_model 512 GPT
     # on an H100: 0.93x of the dense step with the conditional, 0.99x with
-    # the masks held fixed; benchmarks/NOTES.md). Other layers (plain masks,
-    # a CPU) are rebuilt inside one `lax.cond`.
+    # the masks held fixed; benchmarks/NOTES.md). Other layers (a CPU, or
+    # weights the kernels do not take) are rebuilt inside one `lax.cond`.
     old_masks = _by_path(lambda layer, _, path: layer["mask"], state.masks, state.masks)
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
                        params)
