@@ -270,6 +270,13 @@ def _axis_size(mesh, entry) -> int:
   return size
 
 
+def _vmapped(fn: Callable, times: int) -> Callable:
+  """`fn` vmapped over `times` leading axes of every argument and result."""
+  for _ in range(times):
+    fn = jax.vmap(fn)
+  return fn
+
+
 @functools.cache
 def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
                   extra_ranks: tuple[int, ...], lead: int = 0) -> Callable:
@@ -281,9 +288,7 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
   many leading (stack) axes more, which `fn` is vmapped over inside the one
   partitioned call (a Pallas call's vmap is one call with a larger grid:
   no per-layer slices of the stack); they are kept whole on each device."""
-  inner = fn
-  for _ in range(lead):
-    inner = jax.vmap(inner)
+  inner = _vmapped(fn, lead)
   stack = [None] * lead
 
   @custom_partitioning
@@ -347,9 +352,6 @@ def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.A
   of w, the extras and the outputs (`fn` is vmapped over them in one call).
   (Auto mesh axes; with Explicit ones see `whole_on_each_device`.)"""
   if any(_explicit_mesh(a) is not None for a in (w, *extras)):
-    inner = fn
-    for _ in range(lead):
-      inner = jax.vmap(inner)
-    return whole_on_each_device(inner, w, *extras)
+    return whole_on_each_device(_vmapped(fn, lead), w, *extras)
   return _wrap_columns(fn, tuple(n_dims), align, tuple(e.ndim - lead for e in extras),
                        lead)(w, *extras)
