@@ -58,16 +58,13 @@ def flagged_rebuilds(monkeypatch):
 def _conds_outside_kernels(jaxpr) -> int:
   """`cond`s of a jaxpr and its sub-jaxprs, not counting those inside Pallas
   kernels (interpret mode traces their bodies, which branch per tile)."""
+  from tests.test_pallas_kernels import sub_jaxprs  # pylint: disable=g-import-not-at-top
   count = 0
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       continue
     count += eqn.primitive.name == "cond"
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          count += _conds_outside_kernels(sub)
+    count += sum(_conds_outside_kernels(sub) for sub in sub_jaxprs(eqn))
   return count
 
 

@@ -340,12 +340,19 @@ def _pallas_call_inputs(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       found.append([v.aval for v in eqn.invars])
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          found += _pallas_call_inputs(inner)
+    for inner in sub_jaxprs(eqn):
+      found += _pallas_call_inputs(inner)
   return found
+
+
+def sub_jaxprs(eqn):
+  """The jaxprs nested in an equation's params (a cond's branches, a scan's
+  body, a pjit's jaxpr, ...)."""
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
 
 
 def test_scan_compress_kernels_read_the_cast_kernel():
