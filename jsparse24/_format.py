@@ -92,6 +92,10 @@ def _decompress_last(values: jax.Array, meta: jax.Array, k: int) -> jax.Array:
   return dense.reshape(values.shape[:-1] + (k,))
 
 
+_ROW_SHIFT = np.array([0, 0, 0, 0, 4, 4, 4, 4], np.uint8)[:, None]
+_ROW_LANE = np.array([0, 1, 2, 3, 0, 1, 2, 3], np.uint8)[:, None]
+
+
 def _mask_kn(meta: jax.Array, k: int) -> jax.Array:
   """meta `[..., N, ceil(K/8)]` -> dense bool `[..., K, N]`.
 
@@ -101,15 +105,18 @@ def _mask_kn(meta: jax.Array, k: int) -> jax.Array:
   the masked decay): no `[K, N]` bool array is written to memory and no
   weight-sized transpose runs. Unpacking `[N, K]` and transposing it instead
   costs a separate pass, which measured slower than a dense product.
+
+  The row-dependent shift and lane are 8-entry constants broadcast against
+  the bytes, not a `[K, N]` iota: inside `nn.scan`'s loop XLA hoisted the
+  iota's shift and lane out of the loop as two `uint8[K, N]` arrays, written
+  every step and read by every layer's masking (2 bytes per weight more).
   """
   meta_t = jnp.swapaxes(meta, -1, -2)  # [..., ceil(K/8), N]
   *lead, rows, n = meta_t.shape
-  byte = jnp.broadcast_to(meta_t[..., :, None, :], (*lead, rows, 8, n))
-  byte = byte.reshape(*lead, rows * 8, n)[..., :k, :]  # byte of row k: k // 8
-  row = jax.lax.broadcasted_iota(jnp.uint8, byte.shape, byte.ndim - 2)
-  code = (byte >> ((row >> 2) & 1) * 4) & 0xF  # the nibble of group k // 4
-  lane = row & 3
-  return ((code & 3) == lane) | ((code >> 2) == lane)
+  byte = meta_t[..., :, None, :]  # [..., ceil(K/8), 1, N]: row k's byte is k // 8
+  code = (byte >> _ROW_SHIFT) & 0xF  # [..., ceil(K/8), 8, N]: the nibble of group k // 4
+  kept = ((code & 3) == _ROW_LANE) | ((code >> 2) == _ROW_LANE)
+  return kept.reshape(*lead, rows * 8, n)[..., :k, :]
 
 
 def meta_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

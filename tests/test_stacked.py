@@ -8,6 +8,8 @@ layer by layer (`_unrolled`), so a stack that mixes up layers, or a mask of
 the stacked shape, fails.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -290,3 +292,22 @@ def test_scan_backward_reads_the_stacked_kernels_without_a_copy():
   stacked = {tuple(o.aval.shape) for o in scans[0].outvars}
   for kernel in ((L, D, H), (L, H, D)):
     assert kernel not in stacked, (kernel, stacked)
+
+
+def test_scan_masks_weights_without_weight_sized_constants_outside_the_loop():
+  """The reference backend masks each layer's kernel inside nn.scan's loop by
+  expanding its packed mask; nothing weight-sized is computed once per step
+  outside the loop for it. (The expansion's row-dependent shifts were a
+  `[K, N]` iota, which XLA hoisted out of the loop as two `uint8[K, N]`
+  arrays, written every step and read by every layer.)"""
+  model, x = _Scanned(), _x()
+  v = model.init(jax.random.key(0), x)
+
+  def loss(p):
+    return model.apply({"params": p, "sparsity": v["sparsity"]}, x).sum()
+
+  hlo = jax.jit(jax.grad(loss)).lower(v["params"]).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  hoisted = re.findall(r"= (?:u8|pred|s8|s32)\[(\d+),(\d+)\]", entry)
+  weight_shaped = {(D, H), (H, D)}
+  assert not {(int(a), int(b)) for a, b in hoisted} & weight_shaped, hoisted
