@@ -243,11 +243,14 @@ def mask_update(
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
                        params)
     old_flips = _by_path(lambda _, f, path: f, state.masks, state.flip_rate)
-    new_masks = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
-                 for path, old in old_masks.items()}
-    new_masks = {path: new for path, new in new_masks.items() if new is not None}
-    flips = {path: jnp.where(do_rebuild, flip_fraction(old_masks[path], new), old_flips[path])
-             for path, new in new_masks.items()}
+    # The kernel counts the flips as it rebuilds (none otherwise): no pass
+    # over the masks for the statistics on a step that rebuilds nothing.
+    rebuilt = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
+               for path, old in old_masks.items()}
+    rebuilt = {path: new for path, new in rebuilt.items() if new is not None}
+    new_masks = {path: mask for path, (mask, _) in rebuilt.items()}
+    flips = {path: jnp.where(do_rebuild, flip, old_flips[path])
+             for path, (_, flip) in rebuilt.items()}
     slow = [path for path in old_masks if path not in new_masks]
     if slow:
       def rebuilt():

@@ -182,7 +182,7 @@ def _pair_first_last(q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: bool,
-                               strided_stores: bool):
+                               strided_stores: bool, store_meta=None):
   """Transposable prune + compress of a `[bk, bn]` tile (bk, bn multiples of
   8): the best pattern of each 4x4 block, then both compressed copies and
   both metadata, from the lanes of the four quadrants of the tile's 8x8
@@ -192,7 +192,8 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
   stored contiguously.
 
   Outputs: with_values: values, meta, values_t, meta_t (see `_outputs`);
-  else meta only (the mask)."""
+  else meta only (the mask). `store_meta(rows, tile)`, if given, stores the
+  mask's rows `rows` of meta (int32 bytes `[bn/8, bk/8]`) instead."""
   if with_values:
     values_ref, meta_ref, values_t_ref, meta_t_ref = out_refs
   else:
@@ -232,7 +233,11 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
         col = [lanes[t][b][r][c] for r in range(4)]
         slots += [_tiles.pick(col, i0), _tiles.pick(col, i1)]  # slot l = 2t + s
     cols = pl.ds(4 * b + c, cols8, stride=8)
-    meta_ref[cols, :] = (nibbles[0] | (nibbles[1] << 4)).T.astype(jnp.uint8)
+    meta_tile = (nibbles[0] | (nibbles[1] << 4)).T
+    if store_meta is None:
+      meta_ref[cols, :] = meta_tile.astype(jnp.uint8)
+    else:
+      store_meta(cols, meta_tile)
     if not with_values:
       continue
     for l, slot in enumerate(slots):  # row 4i + l of the K-compressed values
@@ -477,43 +482,91 @@ def transposable_mask(w: jax.Array, *, config: PruneConfig | None = None,
   return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
 
 
-def _plain_mask_kernel(w_ref, meta_ref):
+def _plain_mask_kernel(w_ref, meta_ref, store_meta=None):
   """The plain 2:4 mask (largest 2 magnitudes of each group of 4 along K)
-  of a `[bk, bn]` tile, packed metadata only (`meta_ref` `[bn, bk/8]`)."""
+  of a `[bk, bn]` tile, packed metadata only (`meta_ref` `[bn, bk/8]`;
+  `store_meta` as for `_prune_transposable_kernel`)."""
   _, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # [bk/8, bn]; no values stored
-  meta_ref[...] = meta.astype(jnp.int32).T.astype(jnp.uint8)
+  meta = meta.astype(jnp.int32).T
+  if store_meta is None:
+    meta_ref[...] = meta.astype(jnp.uint8)
+  else:
+    store_meta(slice(None), meta)
 
 
-def _rebuild_where_flagged(w_ref, flag_ref, old_ref, meta_ref, *, transposable: bool):
+def _kept_bits(meta: jax.Array) -> jax.Array:
+  """int32 metadata bytes -> the kept positions of each byte's 8 weights
+  (two groups of 4) as 8 bits."""
+  return ((1 << (meta & 3)) | (1 << ((meta >> 2) & 3))
+          | (16 << ((meta >> 4) & 3)) | (16 << ((meta >> 6) & 3)))
+
+
+def _popcount8(x: jax.Array) -> jax.Array:
+  """The number of set bits of int32 values below 256."""
+  x = x - ((x >> 1) & 0x55)
+  x = (x & 0x33) + ((x >> 2) & 0x33)
+  return (x + (x >> 4)) & 0x0F
+
+
+def _rebuild_where_flagged(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_ref, *,
+                           transposable: bool):
   """The mask kernel (transposable search or plain) in a program whose
-  columns are flagged; an unflagged program returns at once, reading
-  nothing, and its output block (aliased to `old_ref`) keeps the old mask."""
-  del old_ref
+  columns are flagged, which also counts the weights whose kept/pruned state
+  changed (in the first entry of its `flips_ref` block); an unflagged
+  program copies its block of the old mask and counts 0, without reading w.
 
-  @pl.when(jnp.max(flag_ref[...]) != 0)
+  valid_ref: per metadata byte column, the bits of its groups that lie in
+  the unpadded weight (0xFF, 0x0F for the padding nibble, 0 beyond K);
+  padded columns have flag 0, which leaves them out of the count."""
+  flagged = jnp.max(flag_ref[...]) != 0
+  first = jax.lax.broadcasted_iota(jnp.int32, flips_ref.shape, 1) == 0
+
+  @pl.when(flagged)
   def _():
+    counts = []
+
+    def store(rows, meta):  # rows of meta_ref; meta: int32 bytes [rows, bk/8]
+      meta_ref[rows, :] = meta.astype(jnp.uint8)
+      valid = (jnp.where(flag_ref[rows] != 0, 0xFF, 0)[:, None]
+               & valid_ref[...][None, :])
+      changed = (_kept_bits(old_ref[rows, :].astype(jnp.int32)) ^ _kept_bits(meta)) & valid
+      counts.append(jnp.sum(_popcount8(changed)))
+
     if transposable:
       _prune_transposable_kernel(w_ref, meta_ref, k_major=False, with_values=False,
-                                 strided_stores=True)
+                                 strided_stores=True, store_meta=store)
     else:
-      _plain_mask_kernel(w_ref, meta_ref)
+      _plain_mask_kernel(w_ref, meta_ref, store_meta=store)
+    flips_ref[...] = jnp.where(first, functools.reduce(jnp.add, counts), 0)
+
+  @pl.when(jnp.logical_not(flagged))
+  def _():
+    meta_ref[...] = old_ref[...]
+    flips_ref[...] = jnp.zeros(flips_ref.shape, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret"))
 def rebuild_mask(w: jax.Array, old: jax.Array, rebuild: jax.Array, *, transposable: bool,
-                 config: PruneConfig | None = None, interpret: bool = False) -> jax.Array:
-  """The packed 2:4 mask of `w[K, N]` (transposable: as `transposable_mask`;
-  else the plain one, as `prune_compress` chooses it) where `rebuild` is
-  non-zero, else `old` as it is, with no conditional around the call: on a
-  GPU an XLA conditional copies its predicate to the host and waits for it,
-  which stalls the launch queue once per step. Here every program reads its
-  flags and an unflagged one returns at once (w is not read); the result is
-  written in place of `old` when the caller donates it.
+                 config: PruneConfig | None = None,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`(mask, flips)`: the packed 2:4 mask of `w[K, N]` (transposable: as
+  `transposable_mask`; else the plain one, as `prune_compress` chooses it)
+  where `rebuild` is non-zero, else `old` as it is, with no conditional
+  around the call: on a GPU an XLA conditional copies its predicate to the
+  host and waits for it, which stalls the launch queue once per step. Every
+  program reads its flags; an unflagged one copies its block of `old` and
+  does nothing else (w is not read).
 
   old: packed metadata `uint8[N, ceil(K/8)]`; rebuild: `int32[N]`, one flag
   per column of `w` (the caller broadcasts one flag, so that the flags
   shard with w's columns). A program rebuilds its whole tile when any of
   its columns is flagged.
+
+  flips: `int32[R, ceil(N/8)]` (R: the kernel's row tiles), whose sum is the
+  number of weights of the flagged columns that the new mask keeps and the
+  old one prunes or the reverse (0 where nothing is rebuilt): the flip
+  statistics of a rebuild, counted while the mask is written, so that a
+  step that rebuilds nothing makes no pass over the masks for them.
   """
   fn = "rebuild_mask"
   _check_weight(fn, w, transposable)
@@ -534,21 +587,28 @@ def rebuild_mask(w: jax.Array, old: jax.Array, rebuild: jax.Array, *, transposab
   kp, np_ = wp.shape
   flags = jnp.pad(rebuild.astype(jnp.int32), (0, np_ - n))
   oldp = jnp.pad(old, ((0, np_ - n), (0, kp // 8 - old.shape[1])))
-  meta = pl.pallas_call(
+  # Byte b holds groups 2b and 2b + 1: both real, only the first, or none.
+  # (An iota, not an array constant: the call may sit inside a
+  # custom_partitioning rule, which refuses constants.)
+  groups = 2 * jax.lax.iota(jnp.int32, kp // 8)
+  valid = jnp.where(groups + 1 < k // 4, 0xFF, jnp.where(groups < k // 4, 0x0F, 0))
+  meta, flips = pl.pallas_call(
       functools.partial(_rebuild_where_flagged, transposable=transposable),
-      out_shape=jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8),
+      out_shape=[jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8),
+                 jax.ShapeDtypeStruct((kp // bk, np_ // 8), jnp.int32)],
       grid=(kp // bk, np_ // bn),
       in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)),
                 pl.BlockSpec((bn,), lambda i, j: (j,)),
+                pl.BlockSpec((bk // 8,), lambda i, j: (i,)),
                 pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))],
-      out_specs=pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)),
-      input_output_aliases={2: 0},
+      out_specs=[pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)),
+                 pl.BlockSpec((1, bn // 8), lambda i, j: (i, j))],
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
       name="jsparse24_rebuild_mask",
-  )(wp, flags, oldp)
-  return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
+  )(wp, flags, valid, oldp)
+  return _with_pad_code(meta[:n, :math.ceil(k / 8)], k), flips[:, :math.ceil(n / 8)]
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "config", "interpret", "layout"))

@@ -100,18 +100,27 @@ def test_mask_update_rebuilds_without_a_conditional():
   assert "conditional(" not in hlo
   assert "jsparse24_rebuild_mask" in hlo
   step = jax.jit(step)
+  flips_prev = {name: np.zeros(w.shape[:-2], np.float32) for name, w in w0.items()}
   for i in range(1, 5):
     before = params
+    masks_before = optim.masks(state)
     params, state = step(params, state, jax.random.key(i))
+    flips = state[0].flip_rate
     for name, layer in optim.masks(state).items():
       w = before[name]["kernel"]
       if i % 2 == 0:
         want = jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=kinds[name]),
                                      transposable=kinds[name])
+        # The flip rate, counted by the kernel as it rebuilds.
+        want_flips = optim.flip_fraction(masks_before[name]["mask"], want)
+        assert float(np.min(want_flips)) > 0, (i, name)
       else:
         want = sparsity[name]["mask"] if i == 1 else want_prev[name]
+        want_flips = flips_prev[name]
       assert _same_bits(layer["mask"].packed, want.packed), (i, name)
+      np.testing.assert_array_equal(np.asarray(flips[name]), np.asarray(want_flips))
     want_prev = {name: layer["mask"] for name, layer in optim.masks(state).items()}
+    flips_prev = {name: np.asarray(f) for name, f in flips.items()}
 
 
 @pytest.mark.parametrize("m", [1, 100, 2048])

@@ -55,16 +55,17 @@ def flagged_rebuilds(monkeypatch):
     yield
 
 
-def _conds_outside_kernels(jaxpr) -> int:
-  """`cond`s of a jaxpr and its sub-jaxprs, not counting those inside Pallas
-  kernels (interpret mode traces their bodies, which branch per tile)."""
+def _conds_outside_kernels(jaxpr, primitive: str = "cond") -> int:
+  """`cond`s (or another primitive) of a jaxpr and its sub-jaxprs, not
+  counting those inside Pallas kernels (interpret mode traces their bodies,
+  which branch per tile)."""
   from tests.test_pallas_kernels import sub_jaxprs  # pylint: disable=g-import-not-at-top
   count = 0
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       continue
-    count += eqn.primitive.name == "cond"
-    count += sum(_conds_outside_kernels(sub) for sub in sub_jaxprs(eqn))
+    count += eqn.primitive.name == primitive
+    count += sum(_conds_outside_kernels(sub, primitive) for sub in sub_jaxprs(eqn))
   return count
 
 
@@ -270,7 +271,9 @@ class _ScannedMixedNet(nn.Module):
 def test_flagged_rebuild_has_no_conditional(flagged_rebuilds, with_plain):
   """Where the mask kernels take a run-time flag (a GPU), masks (transposable
   and plain) are rebuilt with no conditional in the step: on a GPU each one
-  copies its predicate to the host and stalls the launch queue."""
+  copies its predicate to the host and stalls the launch queue. Nor does the
+  step count flips over the masks (`flip_fraction`'s popcount): the kernel
+  counts them where it rebuilds."""
   del flagged_rebuilds
   model = _ScannedMixedNet() if with_plain else _ScannedNet()
   x = jax.random.normal(jax.random.key(0), (8, 16))
@@ -286,6 +289,7 @@ def test_flagged_rebuild_has_no_conditional(flagged_rebuilds, with_plain):
 
   jaxpr = jax.make_jaxpr(step)(variables["params"], state)
   assert _conds_outside_kernels(jaxpr.jaxpr) == 0
+  assert _conds_outside_kernels(jaxpr.jaxpr, "population_count") == 0
 
 
 @pytest.mark.parametrize("flagged", [False, True])

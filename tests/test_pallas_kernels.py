@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jsparse24
+from jsparse24 import optim
 from jsparse24.backends.pallas import interpret_mode
 from pallas_kernels import prune24, spmm24
 
@@ -123,11 +124,16 @@ def test_rebuild_mask_only_when_flagged(shape, config, transposable):
                                       transposable=transposable).meta()
   new = jsparse24.Mask24.from_weights(w, transposable=transposable).meta()
   assert not np.array_equal(np.asarray(old), np.asarray(new))
-  for flag, want in ((1, new), (0, old)):
-    got = prune24.rebuild_mask(w, old, jnp.full((n,), flag, jnp.int32), transposable=transposable,
-                               config=config, interpret=True)
+  changed = int(np.sum(jsparse24.Mask24.from_meta(old, shape).unpack()
+                       != jsparse24.Mask24.from_meta(new, shape).unpack()))
+  assert changed
+  for flag, want, flips in ((1, new, changed), (0, old, 0)):
+    got, counts = prune24.rebuild_mask(w, old, jnp.full((n,), flag, jnp.int32),
+                                       transposable=transposable, config=config, interpret=True)
     assert got.shape == want.shape and got.dtype == jnp.uint8
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert counts.dtype == jnp.int32 and counts.shape[1] == -(-n // 8)
+    assert int(np.sum(counts)) == flips  # padding (rows, columns, nibble) not counted
   groups = -(-k // 8)
   with pytest.raises(ValueError, match=rf"rebuild_mask: `old` must be uint8\[{n}, {groups}\]"):
     prune24.rebuild_mask(w, old[:, :1], jnp.ones((n,), jnp.int32), transposable=transposable,
@@ -141,10 +147,12 @@ def test_plain_rebuild_mask_takes_any_n():
   """A plain mask needs only K in groups of 4: N = 10 (padded tiles)."""
   w = _adversarial(3, (24, 10), jnp.bfloat16)
   old = jsparse24.Mask24.from_weights(-w).meta()
-  got = prune24.rebuild_mask(w, old, jnp.ones((10,), jnp.int32), transposable=False,
-                             interpret=True)
-  np.testing.assert_array_equal(np.asarray(got),
-                                np.asarray(jsparse24.Mask24.from_weights(w).meta()))
+  got, counts = prune24.rebuild_mask(w, old, jnp.ones((10,), jnp.int32), transposable=False,
+                                     interpret=True)
+  want = jsparse24.Mask24.from_weights(w)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want.meta()))
+  assert int(np.sum(counts)) == int(np.sum(jsparse24.Mask24.from_weights(-w).unpack()
+                                           != want.unpack()))
 
 
 @pytest.mark.parametrize("transposable", [True, False])
@@ -163,9 +171,12 @@ def test_backend_mask_update_on_a_stack_under_jit(transposable):
     assert jaxpr.count("pallas_call") == 1 and "scan[" not in jaxpr and "while[" not in jaxpr
     update = jax.jit(backend.rebuild_mask)
     for flag, expected in ((True, want), (False, old)):
-      got = update(w, old, jnp.asarray(flag))
+      got, flips = update(w, old, jnp.asarray(flag))
       assert got.dims == (32, 48) and got.transposable == transposable and got.shape == w.shape
       np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(expected.packed))
+      # The flip rate of each layer of the stack, counted by the kernel.
+      np.testing.assert_array_equal(np.asarray(flips),
+                                    np.asarray(optim.flip_fraction(old, expected)))
 
 
 def test_mask_from_weights_takes_the_fused_kernel_where_pallas_runs_natively(monkeypatch):

@@ -155,6 +155,8 @@ def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagg
   assert not gathered & {(D, H), (H, D)}, gathered  # no weight
   compressed = {(H, D // 2), (D, H // 2), (H, D // 8), (D, H // 8),  # up: values, values_t, meta, meta_t
                 (D, H // 2), (H, D // 2), (D, H // 8), (H, D // 8)}  # down
+  if flagged:  # the rebuild kernel's flip counts (int32 [row tiles, N/8]), summed whole
+    compressed |= {(1, H // 8), (2, D // 8)}
   assert gathered and gathered <= compressed, gathered
 
 
@@ -172,17 +174,20 @@ def test_stacked_mask_update_keeps_each_devices_columns():
   update = jax.jit(backend.rebuild_mask)
   with interpret_mode():
     for flag in (True, False):
-      want = update(w, old, jnp.asarray(flag))
+      want, want_flips = update(w, old, jnp.asarray(flag))
       sw = jax.device_put(w, cols)
       sold = jax.tree.map(lambda a: jax.device_put(a, rows), old)
-      got = update(sw, sold, jnp.asarray(flag))
+      got, flips = update(sw, sold, jnp.asarray(flag))
       np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
+      np.testing.assert_array_equal(np.asarray(flips), np.asarray(want_flips))
+      assert (np.asarray(flips) > 0).all() == flag
     hlo = update.lower(sw, sold, jnp.asarray(True)).compile().as_text()
   # Each device searches its 16 columns of every layer; w is never gathered
-  # (the jit's result, the packed mask, is replicated by XLA's choice).
+  # (the jit's result, the packed mask, is replicated by XLA's choice; so
+  # are the kernel's flip counts, int32 [3, row tiles, N/8], summed whole).
   assert "f32[3,64,16]" in hlo
   coll = _collectives(hlo)
-  assert set(coll["all-gather"]) <= {(3, H, D // 8)} and not coll["all-reduce"], coll
+  assert set(coll["all-gather"]) <= {(3, H, D // 8), (3, 1, H // 8)} and not coll["all-reduce"], coll
 
 
 def test_rows_parallel_splits_a_custom_call_over_rows():

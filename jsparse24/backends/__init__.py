@@ -9,6 +9,7 @@ explicitly either runs or raises `BackendUnavailableError` / `ValueError`.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jsparse24 import _format
@@ -106,12 +107,14 @@ def _fast_mask(w, transposable: bool) -> Mask24 | None:
   return None
 
 
-def rebuild_where(w, old: Mask24, rebuild) -> Mask24 | None:
-  """`Mask24.from_weights(w, transposable=old.transposable)` if the bool
-  scalar `rebuild` (traced) is set, else `old`, without a conditional: one
-  fused Pallas kernel call whose programs return at once when the flag is
-  off (`pallas.rebuild_mask`). Where the kernel runs natively (an NVIDIA
-  GPU); None elsewhere (the caller keeps a `lax.cond`, which on a CPU costs
+def rebuild_where(w, old: Mask24, rebuild) -> tuple[Mask24, jax.Array] | None:
+  """`(Mask24.from_weights(w, transposable=old.transposable), flips)` if the
+  bool scalar `rebuild` (traced) is set, else `(old, 0)`, without a
+  conditional: one fused Pallas kernel call whose programs only copy their
+  block of `old` when the flag is off (`pallas.rebuild_mask`), and which
+  counts the flipped weights (`flips`: their fraction, per mask of a stack)
+  only where it rebuilds. Where the kernel runs natively (an NVIDIA GPU);
+  None elsewhere (the caller keeps a `lax.cond`, which on a CPU costs
   nothing)."""
   w = jnp.asarray(w)
   if (tuple(w.shape[-2:]) != tuple(old.dims) or tuple(w.shape[:-2]) != tuple(old.shape[:-2])

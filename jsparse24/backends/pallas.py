@@ -81,8 +81,8 @@ def _mask_fn(interpret: bool):
 @functools.cache
 def _rebuild_fn(transposable: bool, interpret: bool):
   prune24, _ = _kernels()
-  return lambda w, old, flags: (prune24.rebuild_mask(
-      w, old, flags, transposable=transposable, interpret=interpret),)
+  return lambda w, old, flags: prune24.rebuild_mask(
+      w, old, flags, transposable=transposable, interpret=interpret)
 
 
 @functools.cache
@@ -131,23 +131,28 @@ def transposable_mask(w: jax.Array) -> Mask24:
   return Mask24.from_meta(meta, w.shape, transposable=True)
 
 
-def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> Mask24:
-  """`Mask24.from_weights(w, transposable=old.transposable)` if `rebuild` (a
-  bool scalar, traced or not), else `old`, by one kernel call without a
-  conditional (`prune24.rebuild_mask`: a program not asked to rebuild
-  returns at once). Any leading axes (a stack of layers, `old` stacked
-  alike); under `jit` with `w` sharded on N each device handles its own
-  columns."""
+def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> tuple[Mask24, jax.Array]:
+  """`(mask, flips)`: `Mask24.from_weights(w, transposable=old.transposable)`
+  if `rebuild` (a bool scalar, traced or not), else `old`, by one kernel call
+  without a conditional (`prune24.rebuild_mask`: a program not asked to
+  rebuild copies its block of `old`); `flips`, float32 of the stack's shape,
+  the fraction of weights whose kept/pruned state the rebuild changed
+  (`optim.flip_fraction(old, mask)`; 0 where nothing is rebuilt), counted
+  by the kernel as it writes the mask. Any leading axes (a stack of layers,
+  `old` stacked alike); under `jit` with `w` sharded on N each device
+  handles its own columns."""
   k, n = old.dims
+  lead = w.ndim - 2
   flags = jnp.broadcast_to(jnp.asarray(rebuild).astype(jnp.int32), w.shape[:-2] + (n,))
   # The stack's axes go to one call (a larger grid): vmapped outside the
   # partitioned call, each layer's float32 kernel was sliced out of the
   # stack (a copy) every step.
-  (meta,) = columns_parallel(_rebuild_fn(old.transposable, _INTERPRET[0]), (0,), 8,
-                             jax.lax.stop_gradient(w), old.meta(), flags, lead=w.ndim - 2)
+  meta, counts = columns_parallel(_rebuild_fn(old.transposable, _INTERPRET[0]), (0, 1), 8,
+                                  jax.lax.stop_gradient(w), old.meta(), flags, lead=lead)
+  flips = jnp.sum(counts, axis=(-2, -1)).astype(jnp.float32) / (k * n)
   if (k // 4) % 2 == 0:  # the packed mask is the metadata itself: no re-packing pass
-    return Mask24(meta, (k, n), transposable=old.transposable)
-  return Mask24.from_meta(meta, w.shape, transposable=old.transposable)
+    return Mask24(meta, (k, n), transposable=old.transposable), flips
+  return Mask24.from_meta(meta, w.shape, transposable=old.transposable), flips
 
 
 @functools.cache
