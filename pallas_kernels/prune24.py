@@ -66,6 +66,7 @@ class PruneConfig:
 
 
 _TINY = float(np.finfo(np.float32).tiny)  # subnormal magnitudes score 0
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 # --- kernels -----------------------------------------------------------------
@@ -96,11 +97,15 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Ar
   nonfinite = [[None] * 4 for _ in range(4)]
   for r, c in itertools.product(range(4), range(4)):
     a = jnp.abs(lanes[r][c].astype(jnp.float32))
-    bad = (a != a) | (a == jnp.inf)
-    mag[r][c] = jnp.where(bad | (a < _TINY), 0.0, a)
-    nonfinite[r][c] = bad.astype(jnp.int32)
+    if count_nonfinite:
+      bad = _nonfinite(a)
+      mag[r][c] = jnp.where(bad | (a < _TINY), 0.0, a)
+      nonfinite[r][c] = bad.astype(jnp.int32)
+    else:  # no NaN or inf here: only the subnormals to flush (2 operations, not 6)
+      mag[r][c] = jnp.where(a < _TINY, 0.0, a)
   pair_sum = [[mag[r][i] + mag[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
-  pair_cnt = [[nonfinite[r][i] + nonfinite[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
+  pair_cnt = ([[nonfinite[r][i] + nonfinite[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
+              if count_nonfinite else None)
 
   # Score the 90 patterns (same float32 order as the reference) and pick the
   # best with a tournament that prefers the earlier pattern on ties. Any
@@ -148,13 +153,19 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Ar
   return best[-1]
 
 
+def _nonfinite(a: jax.Array) -> jax.Array:
+  """NaN or +-inf, for magnitudes `a = |x|`: one comparison (NaN compares
+  false). The search is bound by the integer/logic pipe (benchmarks/NOTES.md),
+  so the per-element tests are kept to the fewest operations."""
+  return jnp.logical_not(a <= _FLOAT32_MAX)
+
+
 def _best_pattern_of_tile(lanes: list[list[jax.Array]]) -> jax.Array:
   """`_best_pattern`, counting non-finite elements only in tiles that hold
   one (a branch per tile: the common tile takes the cheaper search)."""
-  bad = functools.reduce(jnp.maximum, [
-      (jnp.abs(x.astype(jnp.float32)) == jnp.inf).astype(jnp.int32)
-      | (x != x).astype(jnp.int32) for row in lanes for x in row])
-  return jax.lax.cond(jnp.max(bad) > 0, lambda: _best_pattern(lanes, True),
+  finite = functools.reduce(jnp.logical_and, [
+      jnp.abs(x.astype(jnp.float32)) <= _FLOAT32_MAX for row in lanes for x in row])
+  return jax.lax.cond(jnp.min(finite.astype(jnp.int32)) == 0, lambda: _best_pattern(lanes, True),
                       lambda: _best_pattern(lanes, False))
 
 
