@@ -82,9 +82,29 @@ def _block_lanes(w_ref, stride: int, row0: int = 0, col0: int = 0) -> list[list[
            for c in range(4)] for r in range(4)]
 
 
+def _pattern_word(rows: tuple[int, int, int, int]) -> int:
+  """A 4x4 pattern (row r keeps the pair `_tiles.PAIRS[rows[r]]`) as the
+  metadata codes it writes: bits `4c..4c+3` hold column c's code (its two
+  kept rows i0 < i1 as `i0 | i1 << 2`, the K-compressed copy's nibble), bits
+  `16 + 4r..` row r's (`_tiles.PAIR_CODES`, the N-compressed copy's). The
+  search selects these constants, so the outputs need no decoding of the
+  pattern (a shift and a mask per nibble)."""
+  word = 0
+  for r, q in enumerate(rows):
+    word |= _tiles.PAIR_CODES[q] << (16 + 4 * r)
+  for c in range(4):
+    i0, i1 = (r for r, q in enumerate(rows) if c in _tiles.PAIRS[q])
+    word |= (i0 | i1 << 2) << (4 * c)
+  return word
+
+
+def _nibble(word: jax.Array, shift: int) -> jax.Array:
+  """The int32 nibble at bit `shift` of `_pattern_word` words."""
+  return ((word >> shift) & 0xF).astype(jnp.int32)
+
+
 def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Array:
-  """The exact best 4x4 pattern of every block -> int32 code `q0 | q1 << 3 |
-  q2 << 6 | q3 << 9` (q_r: row r's pair, an index into `_tiles.PAIRS`).
+  """The exact best 4x4 pattern of every block -> its uint32 `_pattern_word`.
 
   lanes[r][c]: element (r, c) of every block. Same order and arithmetic as
   jsparse24._prune._prune_transposable: most kept non-finite elements, then
@@ -135,7 +155,7 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Ar
         continue
       q3 = _tiles.PAIRS.index(need)
       score = (s01 + pair_sum[2][q2]) + pair_sum[3][q3]
-      code = jnp.full(score.shape, q0 | q1 << 3 | q2 << 6 | q3 << 9, jnp.int32)
+      code = jnp.full(score.shape, _pattern_word((q0, q1, q2, q3)), jnp.uint32)
       if count_nonfinite:
         cand = ((c01 + pair_cnt[2][q2]) + pair_cnt[3][q3], score, code)
       else:
@@ -180,18 +200,6 @@ def _quadrants(code: jax.Array) -> list[list[jax.Array]]:
   return quads
 
 
-# Row pair q = (i0, i1) of _tiles.PAIRS: which columns it keeps.
-_PAIRS_WITH = tuple(tuple(q for q, pair in enumerate(_tiles.PAIRS) if c in pair)
-                    for c in range(4))
-
-
-def _pair_first_last(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The kept columns (i0 < i1) of row pair q."""
-  i0 = jnp.where(q < 3, 0, jnp.where(q < 5, 1, 2)).astype(jnp.int32)
-  i1 = jnp.where(q == 0, 1, jnp.where((q == 1) | (q == 3), 2, 3)).astype(jnp.int32)
-  return i0, i1
-
-
 def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: bool,
                                strided_stores: bool, store_meta=None):
   """Transposable prune + compress of a `[bk, bn]` tile (bk, bn multiples of
@@ -211,8 +219,8 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
     (meta_ref,) = out_refs
   bk, bn = w_ref.shape
   rows8, cols8 = bk // 8, bn // 8
-  quads = _quadrants(_best_pattern_of_tile(_block_lanes(w_ref, 4)))  # [t][b] [bk/8, bn/8]
-  q = [[[(quads[t][b] >> (3 * r)) & 7 for r in range(4)] for b in range(2)] for t in range(2)]
+  # [t][b] [bk/8, bn/8]: the blocks' pattern words (`_pattern_word`).
+  quads = _quadrants(_best_pattern_of_tile(_block_lanes(w_ref, 4)))
   lanes = ([[_block_lanes(w_ref, 8, 4 * t, 4 * b) for b in range(2)] for t in range(2)]
            if with_values else None)
 
@@ -220,9 +228,10 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
     for t, r in itertools.product(range(2), range(4)):
       slots, nibbles = [], []
       for b in range(2):
-        i0, i1 = _pair_first_last(q[t][b][r])
+        nibble = _nibble(quads[t][b], 16 + 4 * r)
+        i0, i1 = nibble & 3, nibble >> 2
         slots += [_tiles.pick(lanes[t][b][r], i0), _tiles.pick(lanes[t][b][r], i1)]
-        nibbles.append(i0 | (i1 << 2))
+        nibbles.append(nibble)
       rows = pl.ds(4 * t + r, rows8, stride=8)
       if strided_stores:
         for l, slot in enumerate(slots):  # slot l = 2b + s: column 4j + l
@@ -236,11 +245,10 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
   for b, c in itertools.product(range(2), range(4)):
     slots, nibbles = [], []
     for t in range(2):
-      keep = [functools.reduce(jnp.logical_or, [q[t][b][r] == p for p in _PAIRS_WITH[c]])
-              for r in range(4)]
-      i0, i1 = _tiles.first_last(keep)
-      nibbles.append(i0 | (i1 << 2))
+      nibble = _nibble(quads[t][b], 4 * c)
+      nibbles.append(nibble)
       if with_values:
+        i0, i1 = nibble & 3, nibble >> 2
         col = [lanes[t][b][r][c] for r in range(4)]
         slots += [_tiles.pick(col, i0), _tiles.pick(col, i1)]  # slot l = 2t + s
     cols = pl.ds(4 * b + c, cols8, stride=8)
