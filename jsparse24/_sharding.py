@@ -27,7 +27,9 @@ the whole product everywhere. Here they get a rule, through
   and XLA gathers the compressed arrays for the products, not the weights.
 
 Tensor parallelism (a weight sharded on K or N through the product) is not
-handled here: such a weight is gathered whole (correct, not faster).
+handled here: such a weight is gathered whole (correct, not faster). The
+reference backend's plain ops need none of this: XLA partitions them as it
+does `nn.Dense` (tests/test_sharding.py, the Megatron MLP).
 """
 
 from __future__ import annotations

@@ -160,6 +160,26 @@ def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagg
   assert gathered and gathered <= compressed, gathered
 
 
+def test_tensor_parallel_reference_backend_partitions_like_nn_dense():
+  """Megatron-style tensor parallelism on a data x model mesh (up
+  column-parallel, down row-parallel) with the reference backend: XLA
+  partitions its masked products itself, so the step equals one device's,
+  nothing is gathered, and the activations' only collective is the
+  all-reduce of down's partial products (`[rows per data shard, D]`)."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  def spec(a):
+    return {(D, H): P(None, "model"), (H, D): P("model", None)}.get(tuple(a.shape), P())
+
+  ref, got, hlo = _run("xla", mesh, spec)
+  _assert_same(ref, got)
+  coll = _collectives(hlo)
+  assert coll["all-gather"] == [] and coll["reduce-scatter"] == [], coll
+  reduced = set(coll["all-reduce"])
+  assert (B * T // 2, D) in reduced, coll  # down's partial sums
+  assert not reduced & (_activation_shapes() | {(B * T // 2, H), (B * T // 2, H // 4)}), coll
+
+
 def test_stacked_mask_update_keeps_each_devices_columns():
   """A stack of layers' kernels (nn.scan's `[L, K, N]`) sharded on N: the
   flagged mask update (one kernel call for the stack) runs on each device's
