@@ -245,12 +245,12 @@ def mask_update(
     old_flips = _by_path(lambda _, f, path: f, state.masks, state.flip_rate)
     # The kernel counts the flips as it rebuilds (none otherwise): no pass
     # over the masks for the statistics on a step that rebuilds nothing.
-    rebuilt = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
+    flagged = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
                for path, old in old_masks.items()}
-    rebuilt = {path: new for path, new in rebuilt.items() if new is not None}
-    new_masks = {path: mask for path, (mask, _) in rebuilt.items()}
+    flagged = {path: new for path, new in flagged.items() if new is not None}
+    new_masks = {path: mask for path, (mask, _) in flagged.items()}
     flips = {path: jnp.where(do_rebuild, flip, old_flips[path])
-             for path, (_, flip) in rebuilt.items()}
+             for path, (_, flip) in flagged.items()}
     slow = [path for path in old_masks if path not in new_masks]
     if slow:
       def rebuilt():

@@ -515,7 +515,8 @@ def _plain_mask_kernel(w_ref, meta_ref, store_meta=None):
 
 def _kept_bits(meta: jax.Array) -> jax.Array:
   """int32 metadata bytes -> the kept positions of each byte's 8 weights
-  (two groups of 4) as 8 bits."""
+  (two groups of 4) as 8 bits (the decoding `jsparse24.optim.flip_fraction`
+  does with XLA ops for the masks that no kernel rebuilds)."""
   return ((1 << (meta & 3)) | (1 << ((meta >> 2) & 3))
           | (16 << ((meta >> 4) & 3)) | (16 << ((meta >> 6) & 3)))
 
