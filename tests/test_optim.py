@@ -55,17 +55,17 @@ def flagged_rebuilds(monkeypatch):
     yield
 
 
-def _conds_outside_kernels(jaxpr, primitive: str = "cond") -> int:
-  """`cond`s (or another primitive) of a jaxpr and its sub-jaxprs, not
-  counting those inside Pallas kernels (interpret mode traces their bodies,
-  which branch per tile)."""
+def _count_outside_kernels(jaxpr, primitive: str = "cond") -> int:
+  """The `primitive` equations (`cond` by default) of a jaxpr and its
+  sub-jaxprs, not counting those inside Pallas kernels (interpret mode
+  traces their bodies, which branch per tile)."""
   from tests.test_pallas_kernels import sub_jaxprs  # pylint: disable=g-import-not-at-top
   count = 0
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       continue
     count += eqn.primitive.name == primitive
-    count += sum(_conds_outside_kernels(sub, primitive) for sub in sub_jaxprs(eqn))
+    count += sum(_count_outside_kernels(sub, primitive) for sub in sub_jaxprs(eqn))
   return count
 
 
@@ -288,8 +288,8 @@ def test_flagged_rebuild_has_no_conditional(flagged_rebuilds, with_plain):
     return optax.apply_updates(params, updates), state
 
   jaxpr = jax.make_jaxpr(step)(variables["params"], state)
-  assert _conds_outside_kernels(jaxpr.jaxpr) == 0
-  assert _conds_outside_kernels(jaxpr.jaxpr, "population_count") == 0
+  assert _count_outside_kernels(jaxpr.jaxpr) == 0
+  assert _count_outside_kernels(jaxpr.jaxpr, "population_count") == 0
 
 
 @pytest.mark.parametrize("flagged", [False, True])
