@@ -350,8 +350,9 @@ print(json.dumps({"searches": cusparselt._library().jsp_cusparselt_searches(),
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cusparselt_algorithm_choice_survives_a_restart(tmp_path, dtype):
   """A second process reads the first one's algorithm searches from the cache
-  file instead of searching (bfloat16: cusparseLtMatmulSearch; float16:
-  jsparse24's own search), and computes the same bits."""
+  file instead of searching (bfloat16: cusparseLtMatmulSearch's pick timed
+  beside the configuration ids; float16: jsparse24's own search), and
+  computes the same bits."""
   import json, os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
   script = _RESTART_SCRIPT.replace("jnp.bfloat16", f"jnp.{dtype}")
   env = {**os.environ, "JSPARSE24_CACHE_DIR": str(tmp_path)}

@@ -105,18 +105,29 @@ def _grid_index(size: int) -> int | None:
 COMPRESSOR = "jsparse24"
 _PALLAS = PallasBackend()
 # Per dtype, how the first call of each shape picks cuSPARSELt's algorithm
-# (the choice is cached for the process): "cusparselt" runs
-# cusparseLtMatmulSearch; ("configs", n) times configuration ids 0..n-1 on the
-# real buffers and keeps the fastest (jsparse24's search, in the shim);
-# "default" takes cuSPARSELt's default. cusparseLtMatmulSearch cannot be used
-# for float16 with cuSPARSELt 0.8.0 on an H200: it tries every id, and the
+# (the choice is cached for the process and in the algorithm cache file):
+# "cusparselt" runs cusparseLtMatmulSearch; ("configs", n) times configuration
+# ids 0..n-1 on the real buffers and keeps the fastest (jsparse24's search, in
+# the shim); ("both", n) times cusparseLtMatmulSearch's pick (which may split K)
+# beside those ids and keeps the fastest; "default" takes cuSPARSELt's default.
+# bfloat16 takes "both": at the whole-model benchmark's shapes on an H100,
+# cusparseLtMatmulSearch alone once picked, for the 2048x2048 dx product at
+# M = 16384, an algorithm 2.2x slower than the ids' search did (0.341 against
+# 0.152 ms; dense 0.201: a product slower than dense, which the algorithm
+# cache file would then keep for later runs too). Otherwise the modes measured
+# the same: over 26 fresh searches each at the benchmark's d_model 2048 and
+# 4096 shapes, a mean speedup over dense of 1.403x ("cusparselt"), 1.405x
+# ("configs") and 1.403x ("both"); "both" guards against the outlier
+# (benchmarks/NOTES.md, eighth session; `benchmarks/tune_cusparselt.py`).
+# cusparseLtMatmulSearch cannot be used for float16 with cuSPARSELt 0.8.0 on
+# an H200: it tries every id, and the
 # float16 ids from 34 on hit an illegal instruction (ids 0-33 ran, both
 # directions, at 8192^3 and 16384x4096x16384; benchmarks/NOTES.md). The
 # default algorithm measured slower than dense XLA there (0.72-0.80x), the
 # search 1.21-1.27x faster (training step); it makes the first call of each
 # float16 shape and direction slow (a first forward call at 8192^3: 13.6 s,
 # against 1.1 s in bfloat16), then costs nothing.
-SEARCH: dict[Any, Any] = {jnp.dtype(jnp.bfloat16): "cusparselt",
+SEARCH: dict[Any, Any] = {jnp.dtype(jnp.bfloat16): ("both", 20),
                           jnp.dtype(jnp.float16): ("configs", 34)}
 
 
@@ -128,9 +139,9 @@ def _search_attrs(dtype) -> tuple[int, int]:
   if mode == "default":
     return 0, -1
   kind, count = mode
-  if kind != "configs" or count < 1:
+  if kind not in ("configs", "both") or count < 1:
     raise ValueError(f"cusparselt.SEARCH: unknown mode {mode!r}")
-  return 2, int(count)
+  return (2 if kind == "configs" else 3), int(count)
 
 
 _COL = 1
