@@ -92,7 +92,7 @@ def main(argv=None):
   p.add_argument("--check", action="store_true",
                  help="transposable, mask: time on adversarial weights (NaN, inf, ties,"
                       " subnormals) and check every candidate bit for bit against the"
-                      " XLA reference")
+                      " XLA reference; apply_t: check against the XLA reference too")
   p.add_argument("--interpret", action="store_true",
                  help="Pallas interpret mode (a CPU smoke test; the timings mean nothing)")
   args = p.parse_args(argv)
@@ -103,9 +103,10 @@ def main(argv=None):
   bw = _common.copy_bandwidth()
   w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
   meta = prune24.prune_compress(w, **ip)[1]
-  meta_t = None
-  if "apply_t" in args.which.split(","):  # a transposable mask (XLA pattern search)
-    meta_t = jsparse24.Mask24.from_weights(w, transposable=True).meta()
+  meta_t = mask_t = None
+  if "apply_t" in args.which.split(","):  # a transposable mask
+    mask_t = jsparse24.Mask24.from_weights(w, transposable=True)
+    meta_t = mask_t.meta()
   for which in args.which.split(","):
     transposable = which == "transposable"
     both = which in ("transposable", "apply_t")
@@ -118,6 +119,9 @@ def main(argv=None):
       w_in = adversarial(k, n, jnp.bfloat16)
     if args.check and which in ("mask", "transposable"):
       want = jax.jit(lambda w: _reference(w, which, args.layout))(w_in)
+    if args.check and which == "apply_t":
+      sp = jsparse24.compress(w, mask_t, transposed=True, implementation="xla")
+      want = (sp.values.T if args.layout == "cusparselt" else sp.values, sp.values_t, sp.meta_t)
     results = []
     for i, cfg in enumerate(_candidates(which, args.layout)):
       if args.index is not None and i != args.index:
