@@ -1,14 +1,15 @@
 """Sparse-operand matmul `y = x @ W` (W 2:4, compressed) against dense XLA,
 PyTorch cuSPARSELt and the two floors, over M.
 
-    PYTHONPATH=. python benchmarks/bench_matmul.py [--ms 16,64,256,2048,16384]
+    PYTHONPATH=. python benchmarks/bench_matmul.py [--ms 16,64,256,2048,16384] [--no-write]
 
 For (K, N) in {(8192, 8192), (4096, 16384)} and each M: dense XLA `x @ w`
 (bf16), the `"pallas"` backend reading the compressed weight
 (`jsparse24.sparse_dot(x, sp, implementation="pallas")`), PyTorch's
 `to_sparse_semi_structured` + `F.linear` on cuSPARSELt, and the floors: FLOPs /
 measured dense peak, and bytes (x, y, and W dense or compressed) / measured
-copy bandwidth. Writes the table to benchmarks/results/<gpu>.md.
+copy bandwidth. Writes the table to benchmarks/results/<gpu>.md (unless
+--no-write).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SHAPES = ((8192, 8192), (4096, 16384))
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--ms", default="16,64,256,2048,16384")
+  p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   args = p.parse_args(argv)
   ms = [int(v) for v in args.ms.split(",")]
   print(_common.environment(), flush=True)
@@ -90,8 +92,9 @@ def main(argv=None):
           + _common.table(["M", "K", "N", "dense XLA ms", "pallas ms", "pallas speedup",
                            "torch cuSPARSELt ms", "torch speedup", "floor dense ms",
                            "floor sparse bytes ms", "dense TFLOP/s", "rel err"], rows))
-  path = _common.write_section("sparse-operand matmul bf16", body)
-  print("\n" + body + f"\n\nwritten to {path}")
+  print("\n" + body)
+  if not args.no_write:
+    print(f"\nwritten to {_common.write_section('sparse-operand matmul bf16', body)}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Prune + compress of a 16384x16384 bf16 weight: ours against the floor and
 PyTorch's fused tile kernel.
 
-    PYTHONPATH=. python benchmarks/bench_prune.py [--size 16384]
+    PYTHONPATH=. python benchmarks/bench_prune.py [--size 16384] [--no-write]
 
-Prints one table (and writes it to benchmarks/results/<gpu>.md): the reference
+Prints one table (and writes it to benchmarks/results/<gpu>.md unless
+--no-write): the reference
 (`implementation="xla"`), the Pallas kernels (prune+compress, and compress
 with a stored mask, and the transposable mask alone from float32 weights, as
 the mask rebuilds make it), PyTorch's `_sparse_semi_structured_tile` (which always
@@ -65,6 +66,7 @@ def main(argv=None):
   p.add_argument("--size", type=int, default=16384)
   p.add_argument("--variants", default=DEFAULT_VARIANTS,
                  help="plain, transposable (prune+compress a weight), mvue (a gradient)")
+  p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   args = p.parse_args(argv)
   k = n = args.size
   print(_common.environment(), flush=True)
@@ -151,8 +153,9 @@ def main(argv=None):
   title = f"prune+compress {k}x{n} bf16"
   if args.variants != DEFAULT_VARIANTS:
     title += f" ({args.variants})"
-  path = _common.write_section(title, body)
-  print("\n" + body + f"\n\nwritten to {path}")
+  print("\n" + body)
+  if not args.no_write:
+    print(f"\nwritten to {_common.write_section(title, body)}")
 
 
 if __name__ == "__main__":

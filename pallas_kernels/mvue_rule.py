@@ -126,7 +126,7 @@ def sample(a: list[jax.Array], u: jax.Array):
   computed without division: `sign(a_i) * sum|a| / 2` in the spread case;
   in the capped case `a_i` for the largest entry and `sign(a_j) * rest` for
   the others (0 for a zero entry)."""
-  m, w, scale, capped, first, rest, total = _weights(a)
+  _, w, scale, capped, first, rest, total = _weights(a)
   i0, i1 = draw(w, scale, u)
   half = total * 0.5
   out = []
