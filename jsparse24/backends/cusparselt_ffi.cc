@@ -620,18 +620,23 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
         err = events.Create();
         if (!err.empty()) return ffi::Error::Internal(err);
         std::vector<float> best_ms(candidates.size(), 0.0f);
+        // Each candidate's workspace, allocated once for both passes (the
+        // scratch allocations live until this call returns).
+        std::vector<void*> spaces(candidates.size(), nullptr);
+        for (size_t i = 0; i < candidates.size(); ++i) {
+          ffi::Error e = workspace(candidates[i], &spaces[i]);
+          if (e.failure()) return e;
+        }
         for (int pass = 0; pass < 2; ++pass) {
           for (size_t j = 0; j < candidates.size(); ++j) {
             size_t i = pass == 0 ? j : candidates.size() - 1 - j;
             const Plan* c = candidates[i];
-            void* ws;
-            ffi::Error e = workspace(c, &ws);
-            if (e.failure()) return e;
             for (int r = 0; r < kWarm + kTimed; ++r) {
               if (r == kWarm) JSP_CUDA(cudaEventRecord, (events.start, stream));
               JSP_CSLT(cusparseLtMatmul,
                        (handle, &c->plan, &alpha, a.untyped_data(), b.untyped_data(),
-                        &beta, d->untyped_data(), d->untyped_data(), ws, streams, 1));
+                        &beta, d->untyped_data(), d->untyped_data(), spaces[i],
+                        streams, 1));
             }
             JSP_CUDA(cudaEventRecord, (events.stop, stream));
             JSP_CUDA(cudaEventSynchronize, (events.stop));
