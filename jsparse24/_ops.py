@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, backends
 from jsparse24._format import Mask24, Sparse24
+from jsparse24._sharding import weight_split
 
 GRADIENT_MODES = ("ste", "masked")
 WEIGHT_GRADS = ("dense", "mvue")
@@ -29,6 +30,7 @@ def sparse_dot(
     precision: Any = None,
     weight_grad: Literal["dense", "mvue"] = "dense",
     key: jax.Array | None = None,
+    weight_sharding: jax.sharding.NamedSharding | None = None,
 ) -> Float[Array, "... N"]:
   """`x @ (w * mask)` with `w` 2:4 sparse along K, differentiable.
 
@@ -79,6 +81,15 @@ def sparse_dot(
       XLA's dense product of the pruned `dy`.
     key: a PRNG key, required with `weight_grad="mvue"` (the same key gives
       the same `dw`, bit for bit).
+    weight_sharding: tensor parallelism under `jax.jit` on a mesh: a
+      `NamedSharding` of the `[K, N]` weight, e.g. `P(None, "model")`
+      (column-parallel: y comes out sharded on N) or `P("model", None)`
+      (row-parallel: x sharded on K, the partial products summed over the
+      axis). Each device prunes and compresses only its block of `w` and
+      multiplies by it; x's rows are split over the mesh axes the weight
+      does not use (data parallelism). None (default): a sharded weight is
+      gathered for the product (correct; the speed of data parallelism and
+      FSDP only). The backend is chosen for each device's block.
 
   Returns:
     `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in
@@ -93,11 +104,12 @@ def sparse_dot(
   """
   return _dot("sparse_dot", x, w, mask, None, gradient=gradient, transposable=transposable,
               implementation=implementation, precision=precision, weight_grad=weight_grad,
-              key=key)
+              key=key, weight_sharding=weight_sharding)
 
 
 def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implementation,
-                        precision, dtype=None, weight_grad="dense", key=None):
+                        precision, dtype=None, weight_grad="dense", key=None,
+                        weight_sharding=None, fn="SparseDense"):
   """`sparse_dot`, or the plain dense `x @ w` (full `dw`) where the bool
   scalar `active` is False (None: always sparse): the product of a layer in a
   schedule's dense phases (internal; `SparseDense` and `nnx.SparseLinear`
@@ -109,14 +121,14 @@ def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implement
   elementwise op that XLA fuses: no branch. The others choose between the
   sparse product and XLA's dense one inside their product (`Backend.dot`).
   """
-  return _dot("SparseDense", x, w, mask, active,
+  return _dot(fn, x, w, mask, active,
               gradient=gradient, transposable=transposable, implementation=implementation,
               precision=precision, dtype=dtype, weight_grad=weight_grad, key=key,
-              key_required=False)
+              key_required=False, weight_sharding=weight_sharding)
 
 
 def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, precision,
-         dtype=None, weight_grad="dense", key=None, key_required=True):
+         dtype=None, weight_grad="dense", key=None, key_required=True, weight_sharding=None):
   """`key_required=False` (the layers): without a key the product runs, and
   only taking its gradient raises (backends.base.weight_grad), so that a
   model with MVUE layers runs inference without an rng."""
@@ -137,6 +149,10 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     if weight_grad != "dense":
       raise ValueError(f"{fn}: weight_grad={weight_grad!r} needs a dense `w` (a Sparse24 is"
                        f" for inference; its gradient is that of its kept values).")
+    if weight_sharding is not None:
+      raise NotImplementedError(
+          f"{fn}: weight_sharding (tensor parallelism) needs a dense `w`; a Sparse24 is"
+          f" multiplied whole on each device (shard the activations' rows instead).")
     if len(w.shape) != 2:
       raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
     _check_contraction(fn, x, w.shape)
@@ -176,8 +192,21 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
       mask = Mask24.pack(mask, transposable=transposable)
 
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
-  backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, transposable))
-  cfg = backends.DotConfig(gradient, transposable, precision, weight_grad)
+  rows = math.prod(x.shape[:-1])
+  split = None
+  arg = "weight_sharding" if fn == "sparse_dot" else "kernel_sharding"  # the layers' name
+  if weight_sharding is not None:  # first only the mesh axes (no alignment)
+    split = weight_split(fn, weight_sharding, rows, *w.shape, (1, 1), "any", warn=False,
+                         arg=arg)
+  # Each device's block decides the backend (the whole product under a split).
+  block = (rows // split.size("m"), w.shape[0] // split.size("k"),
+           w.shape[1] // split.size("n")) if split else (rows, *w.shape)
+  backend = backends.select(implementation, _problem((block[0], block[1]), block[1:], dtype,
+                                                     transposable))
+  if split is not None:
+    split = weight_split(fn, weight_sharding, rows, *w.shape,
+                         backend.split_align(transposable), backend.name, arg=arg)
+  cfg = backends.DotConfig(gradient, transposable, precision, weight_grad, split)
   lead = x.shape[:-1]
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
   if active is not None:

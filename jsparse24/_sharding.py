@@ -26,16 +26,30 @@ the whole product everywhere. Here they get a rule, through
   weights left sharded in the step, each device compresses its own columns
   and XLA gathers the compressed arrays for the products, not the weights.
 
-Tensor parallelism (a weight sharded on K or N through the product) is not
-handled here: such a weight is gathered whole (correct, not faster). The
-reference backend's plain ops need none of this: XLA partitions them as it
-does `nn.Dense` (tests/test_sharding.py, the Megatron MLP).
+* `Split` and `split_map`: tensor parallelism, where the caller names the
+  weight's sharding (`sparse_dot(..., weight_sharding=)`, the layers'
+  `kernel_sharding`). Each device prunes and compresses its own block of
+  the weight and multiplies by it, in a `shard_map` over the whole mesh:
+  a weight sharded on N (column-parallel) gives y sharded on N; one sharded
+  on K (row-parallel) takes x sharded on K and sums the partial products
+  over K's mesh axes (one all-reduce of y), and `dx` the other way round.
+  The compressed arrays of a block are only ever read inside these maps
+  (cuSPARSELt's buffers of a block are not a block of the whole weight's
+  buffers), so the split is static: under `Auto` mesh axes the weight's
+  sharding is unknown when JAX traces, hence the argument. Without it, a
+  weight sharded through the product is gathered whole (correct, not
+  faster). The reference backend's plain ops need none of this: XLA
+  partitions them as it does `nn.Dense` (tests/test_sharding.py, the
+  Megatron MLP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import math
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -181,7 +195,7 @@ def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
   with Explicit axes the call runs in a `shard_map` over replicated specs
   (Pallas calls only accept per-device arrays there)."""
   mesh = next((m for m in map(_explicit_mesh, args) if m is not None), None)
-  if mesh is None:
+  if mesh is None or _UNPARTITIONED[0]:
     return fn(*args)
   args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args)
   return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
@@ -253,6 +267,8 @@ def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Ar
   first row; `operands` whole on every device), then the partial results are
   summed over M's mesh axes (one all-reduce). `fn` must be hashable and
   stable, as for `rows_parallel`. The result is replicated."""
+  if _UNPARTITIONED[0]:
+    return fn(x, dy, jnp.zeros((), jnp.int32), *operands)
   mesh = _explicit_mesh(x)
   if mesh is None:
     return _wrap_contracted(fn, tuple(a.ndim for a in operands))(x, dy, *operands)
@@ -281,7 +297,8 @@ def _vmapped(fn: Callable, times: int) -> Callable:
 
 @functools.cache
 def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
-                  extra_ranks: tuple[int, ...], lead: int = 0) -> Callable:
+                  extra_ranks: tuple[int, ...], lead: int = 0,
+                  k_dims: tuple | None = None, extra_k_dims: tuple | None = None) -> Callable:
   """`fn(w[K, N], *extras)` (extras: arrays of these ranks whose axis 0 runs
   over N, e.g. a packed mask `[N, K/8]` or per-column flags `[N]`) ->
   outputs whose axis `n_dims[i]` runs over N (or a fixed fraction of it),
@@ -289,7 +306,13 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
   multiple of `align`. With `lead` > 0 every operand and output has that
   many leading (stack) axes more, which `fn` is vmapped over inside the one
   partitioned call (a Pallas call's vmap is one call with a larger grid:
-  no per-layer slices of the stack); they are kept whole on each device."""
+  no per-layer slices of the stack); they are kept whole on each device.
+
+  `k_dims` (None: K is never split): for a `fn` whose results are row-local
+  too (the mask kernels), w's sharding of K is kept where each device's
+  share is a multiple of 8 (whole packed-mask bytes): per output, the axis
+  that runs over K, None (none), or "sum" (a total over K: summed over K's
+  mesh axes on each device); `extra_k_dims` the same for the extras."""
   inner = _vmapped(fn, lead)
   stack = [None] * lead
 
@@ -297,28 +320,50 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
   def partitioned(w, *extras):
     return inner(w, *extras)
 
-  def n_entry(mesh, w_sharding, n: int):
-    spec = getattr(w_sharding, "spec", None)
-    entry = spec[lead + 1] if spec is not None and len(spec) > lead + 1 else None
-    size = _axis_size(mesh, entry) if entry is not None else 1
-    return entry if entry is not None and n % (size * align) == 0 else None
+  def entries(mesh, w_sharding, shape):
+    spec = tuple(getattr(w_sharding, "spec", None) or ())
+    spec = spec + (None,) * (lead + 2 - len(spec))
 
-  def out_shardings(mesh, entry, shapes):
-    def spec(ndim, dim):
-      parts = [None] * ndim
-      parts[lead + dim] = entry
-      return NamedSharding(mesh, P(*parts))
-    return tuple(spec(len(s.shape), d) for s, d in zip(shapes, n_dims))
+    def fit(entry, dim, a):
+      size = _axis_size(mesh, entry) if entry is not None else 1
+      return entry if entry is not None and dim % (size * a) == 0 else None
+    n = fit(spec[lead + 1], shape[lead + 1], align)
+    k = fit(spec[lead], shape[lead], 8) if k_dims is not None else None
+    return k, n
+
+  def place(mesh, ndim, n_dim, k_dim, k, n):
+    parts = [None] * ndim
+    if n_dim is not None:
+      parts[lead + n_dim] = n
+    if isinstance(k_dim, int):
+      parts[lead + k_dim] = k
+    return NamedSharding(mesh, P(*parts))
+
+  def out_shardings(mesh, k, n, shapes):
+    kd = k_dims or (None,) * len(n_dims)
+    return tuple(place(mesh, len(s.shape), d, e, k, n) for s, d, e in zip(shapes, n_dims, kd))
+
+  def local(k):
+    if k is None or "sum" not in (k_dims or ()):
+      return inner
+    axes = _mesh_axes(k)
+
+    def run(*args):
+      outs = inner(*args)
+      return type(outs)(jax.lax.psum(o, axes) if d == "sum" else o
+                        for o, d in zip(outs, k_dims))
+    return run
 
   def infer(mesh, arg_shapes, result_shape):
-    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[lead + 1])
-    return out_shardings(mesh, entry, result_shape)
+    k, n = entries(mesh, arg_shapes[0].sharding, arg_shapes[0].shape)
+    return out_shardings(mesh, k, n, result_shape)
 
   def partition(mesh, arg_shapes, result_shape):
-    entry = n_entry(mesh, arg_shapes[0].sharding, arg_shapes[0].shape[lead + 1])
-    args = (NamedSharding(mesh, P(*stack, None, entry)),) + tuple(
-        NamedSharding(mesh, P(*stack, entry, *([None] * (r - 1)))) for r in extra_ranks)
-    return mesh, inner, out_shardings(mesh, entry, result_shape), args
+    k, n = entries(mesh, arg_shapes[0].sharding, arg_shapes[0].shape)
+    ekd = extra_k_dims or (None,) * len(extra_ranks)
+    args = (NamedSharding(mesh, P(*stack, k, n)),) + tuple(
+        place(mesh, lead + r, 0, e, k, n) for r, e in zip(extra_ranks, ekd))
+    return mesh, local(k), out_shardings(mesh, k, n, result_shape), args
 
   names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
   stack_names = "".join(next(names) + " " for _ in range(lead))
@@ -342,7 +387,8 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
 
 
 def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.Array,
-                     *extras: jax.Array, lead: int = 0) -> Any:
+                     *extras: jax.Array, lead: int = 0, k_dims: tuple | None = None,
+                     extra_k_dims: tuple | None = None) -> Any:
   """`fn(w[K, N], *extras)` (the compress kernels: each column of `w` is
   pruned and compressed on its own) with w's sharding of N kept: each device
   compresses its own columns, and the (half-size) compressed outputs are
@@ -352,8 +398,111 @@ def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.A
   like w's N. A sharding of N that does not leave each device a multiple of
   `align` columns is gathered first, as is K's. `lead`: leading stack axes
   of w, the extras and the outputs (`fn` is vmapped over them in one call).
+  `k_dims`, `extra_k_dims`: for the mask kernels, whose results are
+  row-local too: w's sharding of K kept as well (`_wrap_columns`), so that
+  a row-parallel weight (tensor parallelism) is not gathered either.
   (Auto mesh axes; with Explicit ones see `whole_on_each_device`.)"""
+  if _UNPARTITIONED[0]:
+    return _vmapped(fn, lead)(w, *extras)
   if any(_explicit_mesh(a) is not None for a in (w, *extras)):
     return whole_on_each_device(_vmapped(fn, lead), w, *extras)
   return _wrap_columns(fn, tuple(n_dims), align, tuple(e.ndim - lead for e in extras),
-                       lead)(w, *extras)
+                       lead, k_dims, extra_k_dims)(w, *extras)
+
+
+# --- tensor parallelism: a static split of the weight --------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """How one product is split over a mesh (static): the mesh axes of x's
+  rows `m`, of the weight's K (`k`) and N (`n`); each a tuple of mesh axis
+  names, major to minor, () for none."""
+
+  mesh: Any
+  m: tuple[str, ...]
+  k: tuple[str, ...]
+  n: tuple[str, ...]
+
+  def entry(self, role: str) -> Any:
+    """The PartitionSpec entry of one axis role: 'm', 'k', 'n', or '.' (whole)."""
+    axes = getattr(self, role) if role in "mkn" else ()
+    return (axes[0] if len(axes) == 1 else axes) if axes else None
+
+  def spec(self, roles: str) -> P:
+    """The PartitionSpec of an array whose axes play `roles` (e.g. "nk")."""
+    return P(*(self.entry(r) for r in roles))
+
+  def size(self, role: str) -> int:
+    return math.prod(self.mesh.shape[a] for a in getattr(self, role))
+
+
+def weight_split(fn: str, sharding: Any, rows: int, k: int, n: int,
+                 align: tuple[int, int], backend: str, warn: bool = True,
+                 arg: str = "weight_sharding") -> Split:
+  """The `Split` of a product of `rows` rows by a `[K, N]` weight laid out
+  as `sharding` (a `NamedSharding` of the weight), checked: each device's
+  block must keep `align = (along K, along N)` (whole 4-groups and packed
+  mask bytes; cuSPARSELt's 64 x 64 minimum). x's rows are split over the
+  mesh axes the weight does not use, where they divide evenly (else each
+  device takes all rows, with a warning). `fn`, `arg`: the caller and its
+  argument's name, for errors."""
+  if not isinstance(sharding, NamedSharding):
+    raise TypeError(f"{fn}: `{arg}` must be a jax.sharding.NamedSharding of the"
+                    f" [K, N] weight (mesh and PartitionSpec), got {type(sharding).__name__}.")
+  spec = tuple(sharding.spec) + (None,) * (2 - len(tuple(sharding.spec)))
+  if len(spec) != 2:
+    raise ValueError(f"{fn}: `{arg}` has the PartitionSpec {sharding.spec} of"
+                     f" {len(spec)} axes; the weight is [K, N] (2 axes).")
+  mesh = sharding.mesh
+  k_axes, n_axes = _mesh_axes(spec[0]), _mesh_axes(spec[1])
+  sizes = dict(mesh.shape)
+  for name, axes, dim, a in (("K", k_axes, k, align[0]), ("N", n_axes, n, align[1])):
+    parts = math.prod(sizes[x] for x in axes)
+    if dim % parts or (dim // parts) % a:
+      raise ValueError(
+          f"{fn}: `{arg}` {sharding.spec} splits {name} = {dim} over mesh axes"
+          f" {axes} ({parts} devices): the {backend!r} backend needs each device's share"
+          f" of {name} to be a multiple of {a}, got {dim / parts:g}. Shard fewer ways,"
+          f" or pass {arg}=None (the weight is then gathered for the product).")
+  used = set(k_axes) | set(n_axes)
+  m_axes = tuple(a for a in mesh.axis_names if a not in used and sizes[a] > 1)
+  if m_axes and rows % math.prod(sizes[a] for a in m_axes):
+    if warn:
+      warnings.warn(
+          f"{fn}: {rows} rows of x do not divide over mesh axes {m_axes}"
+          f" ({math.prod(sizes[a] for a in m_axes)} devices); every device of them"
+          f" multiplies all rows.", stacklevel=4)
+    m_axes = ()
+  return Split(mesh, m_axes, k_axes, n_axes)
+
+
+def split_map(split: Split, fn: Callable, in_roles: Any, out_roles: Any, *args: Any) -> Any:
+  """`fn` on each device's blocks of `args`, under `shard_map` over the whole
+  mesh. `in_roles` / `out_roles`: pytrees like the arguments / results with
+  a roles string per array (one letter per axis, `Split.spec`). Inside, the
+  products call their kernels directly (`unpartitioned`): the arrays are
+  per-device blocks already."""
+  spec = lambda roles: jax.tree.map(split.spec, roles)  # noqa: E731
+  mapped = jax.shard_map(fn, mesh=split.mesh, in_specs=spec(tuple(in_roles)),
+                         out_specs=spec(out_roles), check_vma=False)
+  if is_explicit(split.mesh):
+    # Explicit axes: the sharding is part of the types, which must match.
+    args = jax.tree.map(lambda a, r: jax.sharding.reshard(a, NamedSharding(split.mesh,
+                                                                         split.spec(r))),
+                        tuple(args), tuple(in_roles))
+  with unpartitioned():
+    # Under jit (inlined there) the arguments are resharded to the specs as
+    # needed; called eagerly, shard_map itself would refuse unsharded arrays.
+    return jax.jit(mapped)(*args)
+
+
+def is_explicit(mesh: Any) -> bool:
+  """Whether `mesh` has Explicit axes (sharding in types)."""
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
+
+
+def psum_over(y: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """`y` summed over mesh `axes` (inside `split_map`); itself where none."""
+  return jax.lax.psum(y, axes) if axes else y

@@ -58,6 +58,11 @@ class SparsityOptions:
       `"mvue"` rng stream: `apply(..., rngs={"mvue": key})` (Linen; under
       `nn.scan`, add `"mvue"` to `split_rngs` for one key per layer), or the
       module's `rngs` (NNX).
+    kernel_sharding: tensor parallelism: a `jax.sharding.NamedSharding` of
+      the `[in, out]` kernel (`P(None, "model")` column-parallel,
+      `P("model", None)` row-parallel); each device prunes, compresses and
+      multiplies its own block (`sparse_dot`'s `weight_sharding`). None:
+      a kernel sharded at rest is gathered for the product.
   """
 
   gradient: Literal["ste", "masked"] = "ste"
@@ -65,6 +70,7 @@ class SparsityOptions:
   implementation: str | None = None
   mask_source: Literal["collection", "dynamic"] = "collection"
   weight_grad: Literal["dense", "mvue"] = "dense"
+  kernel_sharding: Any = None
 
   def __post_init__(self):
     if self.gradient not in GRADIENT_MODES:
@@ -111,7 +117,10 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
   return sparse_dense_forward(inputs, kernel, bias, mask, active, gradient=opts.gradient,
                               transposable=opts.transposable,
                               implementation=opts.implementation, precision=module.precision,
-                              weight_grad=opts.weight_grad, key=key)
+                              weight_grad=opts.weight_grad, key=key,
+                              weight_sharding=opts.kernel_sharding,
+                              fn=f"SparseDense {'/'.join(module.path)!r}" if module.path
+                              else "SparseDense")
 
 
 def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
@@ -189,11 +198,12 @@ class SparseDense(nn.Module):
   implementation: str | None = None
   mask_source: Literal["collection", "dynamic"] = "collection"
   weight_grad: Literal["dense", "mvue"] = "dense"
+  kernel_sharding: Any = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
     opts = SparsityOptions(self.gradient, self.transposable, self.implementation,
-                           self.mask_source, self.weight_grad)
+                           self.mask_source, self.weight_grad, self.kernel_sharding)
     return _dense_layer(self, inputs, opts)
 
 

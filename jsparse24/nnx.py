@@ -101,9 +101,10 @@ class SparseLinear(nnx.Module):
       implementation: str | None = None,
       mask_source: Literal["collection", "dynamic"] = "collection",
       weight_grad: Literal["dense", "mvue"] = "dense",
+      kernel_sharding: Any = None,
   ):
     SparsityOptions(gradient, transposable, implementation, mask_source,
-                    weight_grad)  # validates
+                    weight_grad, kernel_sharding)  # validates
     explicit = transposable
     transposable = resolve_transposable(transposable, out_features)
     if in_features % 4:
@@ -166,6 +167,7 @@ class SparseLinear(nnx.Module):
     self.implementation = implementation
     self.mask_source = mask_source
     self.weight_grad = weight_grad
+    self.kernel_sharding = kernel_sharding
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
     """`inputs @ (kernel * mask) + bias` over the last axis of `inputs`."""
@@ -185,7 +187,8 @@ class SparseLinear(nnx.Module):
         gradient=self.gradient, transposable=self.transposable,
         implementation=self.implementation, precision=self.precision,
         preferred_element_type=self.preferred_element_type, weight_grad=self.weight_grad,
-        key=self.mvue_rngs() if self.mvue_rngs is not None else None)
+        key=self.mvue_rngs() if self.mvue_rngs is not None else None,
+        weight_sharding=self.kernel_sharding, fn="SparseLinear")
 
 
 def rebuild_masks(model: nnx.Module) -> None:

@@ -350,3 +350,20 @@ def test_product_traced_inside_unpartitioned_has_no_custom_partitioning(monkeypa
     assert "custom_partitioning" not in traced()
   assert "custom_partitioning" in traced()
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("transposable", [False, True])
+def test_operand_roles_fit_the_operand(transposable):
+  """Tensor parallelism reads the operand's blocks by `operand_roles`: one
+  roles string per array, its letters one per axis, the same structure and
+  static shape as the operand (or `shard_map` refuses the specs)."""
+  k, n = 128, 64
+  op = cusparselt.Operand(jnp.zeros(cusparselt.buffer_shape(k, n, transpose=False)),
+                          jnp.zeros(cusparselt.buffer_shape(k, n, transpose=True))
+                          if transposable else None,
+                          jnp.zeros((n, k // 8), jnp.uint8), (k, n))
+  roles = cusparselt.CusparseltBackend().operand_roles(op)
+  assert jax.tree.structure(roles) == jax.tree.structure(op)
+  assert roles.meta == "nk" and roles.fwd == "kn"
+  for a, r in zip(jax.tree.leaves(op), jax.tree.leaves(roles)):
+    assert len(r) == a.ndim

@@ -156,21 +156,27 @@ def test_patch_model_sparsifies_only_the_mlps():
     assert bool(jsparse24.is_24(layer["mask"].unpack(), axis=0))
 
 
-@pytest.mark.parametrize("layout", ["data", "fsdp"])
+@pytest.mark.parametrize("layout", ["data", "fsdp", "tp"])
 def test_sharded_train_learns_on_a_mesh(layout):
   """8 fake CPU devices: both runs learn, and their state stays in the layout's
-  shardings (replicated for data parallel, sharded at rest for FSDP)."""
+  shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
+  kernels column- and row-parallel over 4 model devices for tp)."""
   out = load_example("sharded_train").main(
       ["--layout", layout, "--steps", "30", "--batch", "16", "--d-model", "32",
-       "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2"])
+       "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2"]
+      + (["--model-devices", "4"] if layout == "tp" else []))
   for run in ("dense", "2:4"):
     r = out[run]
     assert r["loss_last"] < r["loss_first"] - 0.5, (run, r["loss_first"], r["loss_last"])
     assert r["tokens_per_s"] > 0
     kernel = r["params"]["block_0"]["mlp"]["up"]["kernel"]
     assert len(kernel.sharding.device_set) == 8
-    want = () if layout == "data" else (None, "data")
-    assert tuple(kernel.sharding.spec) == want, kernel.sharding
+    spec = lambda a: (tuple(a.sharding.spec) + (None, None))[:2]  # noqa: E731
+    want = {"data": (None, None), "fsdp": (None, "data"), "tp": (None, "model")}[layout]
+    assert spec(kernel) == want, kernel.sharding
+    if layout == "tp":
+      down = r["params"]["block_0"]["mlp"]["down"]["kernel"]
+      assert spec(down) == ("model", None), down.sharding
 
 
 def test_train_lm_resume_at_or_past_steps_says_so(train_lm, capsys, tmp_path):

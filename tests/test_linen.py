@@ -25,7 +25,8 @@ def test_fields_and_defaults_match_dense():
     assert name in sparse, name
     assert sparse[name].default == field.default, name
   extra = set(sparse) - set(dense)
-  assert extra == {"gradient", "transposable", "implementation", "mask_source", "weight_grad"}
+  assert extra == {"gradient", "transposable", "implementation", "mask_source", "weight_grad",
+                   "kernel_sharding"}
 
 
 @pytest.mark.parametrize("use_bias", [True, False])

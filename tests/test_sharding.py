@@ -8,6 +8,7 @@ their rule XLA gathered the activations onto every device.
 """
 
 import re
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -26,16 +27,18 @@ D, H, B, T = 64, 128, 8, 12  # B*T differs from D and H: shapes tell activations
 
 class _MLP(nn.Module):
   implementation: str
+  up_sharding: Any = None  # kernel_sharding of the layers (tensor parallelism)
+  down_sharding: Any = None
 
   @nn.compact
   def __call__(self, x):
     kw = dict(implementation=self.implementation, use_bias=False)
-    h = nn.relu(jsparse24.SparseDense(H, name="up", **kw)(x))
-    return jsparse24.SparseDense(D, name="down", **kw)(h)
+    h = nn.relu(jsparse24.SparseDense(H, name="up", kernel_sharding=self.up_sharding, **kw)(x))
+    return jsparse24.SparseDense(D, name="down", kernel_sharding=self.down_sharding, **kw)(h)
 
 
-def _setup(implementation, gather_params=None):
-  model = _MLP(implementation)
+def _setup(implementation, gather_params=None, model=None):
+  model = _MLP(implementation) if model is None else model
   x = jax.random.normal(jax.random.key(0), (B, T, D))
   y = jax.random.normal(jax.random.key(1), (B, T, D))
   v = model.init(jax.random.key(2), x)
@@ -66,11 +69,14 @@ def _collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
   return out
 
 
-def _run(implementation, mesh, param_spec, steps=3, gather=False):
-  """(single-device results, sharded results, compiled HLO of the sharded step)."""
+def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None):
+  """(single-device results, sharded results, compiled HLO of the sharded
+  step). `model`: the sharded step's model (same parameters)."""
   step, params, opt_state, x, y = _setup(implementation)
   if gather:
     step = _setup(implementation, NamedSharding(mesh, P()))[0]
+  if model is not None:
+    step = _setup(implementation, model=model)[0]
   ref = []
   p, o = params, opt_state
   for _ in range(steps):
@@ -180,6 +186,122 @@ def test_tensor_parallel_reference_backend_partitions_like_nn_dense():
   assert not reduced & (_activation_shapes() | {(B * T // 2, H), (B * T // 2, H // 4)}), coll
 
 
+def _megatron_mesh(axis_type="Auto"):
+  return jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+
+
+def _megatron_spec(a):
+  return {(D, H): P(None, "model"), (H, D): P("model", None)}.get(tuple(a.shape), P())
+
+
+@pytest.mark.parametrize("implementation,flagged", [("xla", False), ("pallas", False),
+                                                    ("pallas", True)])
+def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
+    monkeypatch, implementation, flagged):
+  """Megatron tensor parallelism named on the layers (`kernel_sharding`: up
+  column-parallel, down row-parallel) on a data x model mesh: each device
+  prunes, compresses and multiplies its own block of each weight, so the
+  step equals one device's (loss, params, masks) and compiles to no
+  all-gather at all; the activations' one collective is the all-reduce of
+  down's partial products. (Without `kernel_sharding` the "pallas" step
+  gathered both weights and down's input `[48, 128]`.) `flagged`: the masks
+  rebuilt by the mask kernel on a run-time flag, every step, as on a GPU:
+  on each device's block too (down's rows; before, down's weight was
+  gathered for it)."""
+  if flagged:
+    from jsparse24 import backends  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+  mesh = _megatron_mesh()
+  model = _MLP(implementation, NamedSharding(mesh, P(None, "model")),
+               NamedSharding(mesh, P("model", None)))
+  with interpret_mode():
+    ref, got, hlo = _run(implementation, mesh, _megatron_spec, model=model)
+  _assert_same(ref, got)
+  coll = _collectives(hlo)
+  # Flagged, the rebuilt masks (sharded like their weights) are gathered
+  # back to the replicated mask state of this test, with up's flip counts:
+  # 1 bit per weight, never a weight or an activation.
+  masks = {(H, D // 8), (D, H // 8), (1, H // 8), (1, D // 8)} if flagged else set()
+  assert set(coll["all-gather"]) <= masks and coll["reduce-scatter"] == [], coll
+  reduced = set(coll["all-reduce"])
+  assert (B * T // 2, D) in reduced, coll  # down's partial sums
+  assert not reduced & (_activation_shapes() | {(B * T // 2, H), (B * T // 2, H // 4)}), coll
+
+
+def _tp_loss(implementation, shardings, gradient, mask_kind):
+  """A column-parallel product then a row-parallel one, differentiable in x
+  and both weights (x's gradient goes through the column-parallel dx)."""
+  def loss(x, w1, w2, m1, m2):
+    kw = dict(implementation=implementation, gradient=gradient)
+    if mask_kind == "dynamic":
+      m1 = m2 = None
+      kw["transposable"] = True
+    h = jsparse24.sparse_dot(x, w1, m1, weight_sharding=shardings[0], **kw)
+    y = jsparse24.sparse_dot(jnp.tanh(h), w2, m2, weight_sharding=shardings[1], **kw)
+    return jnp.sum(jnp.sin(y))
+  return loss
+
+
+@pytest.mark.parametrize("implementation,axis_type", [("xla", "Auto"), ("pallas", "Auto"),
+                                                     ("pallas", "Explicit")])
+@pytest.mark.parametrize("gradient,mask_kind", [("ste", "mask24"), ("masked", "mask24"),
+                                                ("masked", "dense"), ("ste", "dynamic")])
+def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementation, axis_type,
+                                                                    gradient, mask_kind):
+  """`sparse_dot(..., weight_sharding=)`: value and gradients (x, w1, w2)
+  equal the unsplit call's, for each mask kind and gradient mode; x's
+  gradient needs the column-parallel dx summed over the model axis. Also
+  with Explicit mesh axes (the products; a training step's mask update
+  there is not supported yet)."""
+  mesh = _megatron_mesh(axis_type)
+  k = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(k[0], (B * T, D))
+  w1, w2 = jax.random.normal(k[1], (D, H)), jax.random.normal(k[2], (H, D))
+  m1, m2 = (jsparse24.Mask24.from_weights(w, transposable=True) for w in (w1, w2))
+  if mask_kind == "dense":
+    m1, m2 = m1.unpack(), m2.unpack()
+  grad = jax.value_and_grad(_tp_loss(implementation, (None, None), gradient, mask_kind),
+                            argnums=(0, 1, 2))
+  split = jax.value_and_grad(_tp_loss(
+      implementation, (NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None))),
+      gradient, mask_kind), argnums=(0, 1, 2))
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+  args = (put(x, P("data")), put(w1, P(None, "model")), put(w2, P("model", None)),
+          jax.tree.map(lambda a: put(a, P()), m1), jax.tree.map(lambda a: put(a, P()), m2))
+  with interpret_mode():
+    want = jax.jit(grad)(x, w1, w2, m1, m2)
+    got = jax.jit(split)(*args)
+    hlo = jax.jit(split).lower(*args).compile().as_text()
+  # Float32 sums in another order (partial products summed over devices).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      b, a, rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max())), want, got)
+  assert _collectives(hlo)["all-gather"] == [], _collectives(hlo)
+
+
+def test_tensor_parallel_rejects_a_bad_weight_sharding():
+  """Errors name the function, the argument and what each device would get."""
+  mesh = _megatron_mesh()
+  x, w = jnp.ones((8, D)), jnp.ones((D, H))
+  with pytest.raises(TypeError, match="sparse_dot: `weight_sharding` must be a jax.sharding"):
+    jsparse24.sparse_dot(x, w, weight_sharding=P(None, "model"))
+  with pytest.raises(ValueError, match=r"sparse_dot: `weight_sharding` .* splits K = 48 over"
+                                       r" mesh axes \('model',\).*'pallas'.*multiple of 8,"
+                                       r" got 12\b"):
+    with interpret_mode():
+      jsparse24.sparse_dot(x[:, :48], w[:48], implementation="pallas",
+                           weight_sharding=NamedSharding(mesh, P("model", None)))
+  # A transposable mask's codes along N: 32 columns over 8 devices is 4 each.
+  layer = jsparse24.SparseDense(32, implementation="pallas", kernel_sharding=NamedSharding(
+      jax.make_mesh((8,), ("model",)), P(None, "model")))
+  with pytest.raises(ValueError, match=r"SparseDense: `kernel_sharding` .*splits N = 32 .*multiple of"
+                                       r" 8, got 4\b"):
+    with interpret_mode():
+      layer.init(jax.random.key(0), jnp.ones((8, D)))
+  with pytest.raises(NotImplementedError, match="sparse_dot: weight_sharding .* needs a dense"):
+    jsparse24.sparse_dot(x, jsparse24.compress(w), weight_sharding=NamedSharding(mesh, P()))
+
+
 def test_stacked_mask_update_keeps_each_devices_columns():
   """A stack of layers' kernels (nn.scan's `[L, K, N]`) sharded on N: the
   flagged mask update (one kernel call for the stack) runs on each device's
@@ -208,6 +330,38 @@ def test_stacked_mask_update_keeps_each_devices_columns():
   assert "f32[3,64,16]" in hlo
   coll = _collectives(hlo)
   assert set(coll["all-gather"]) <= {(3, H, D // 8), (3, 1, H // 8)} and not coll["all-reduce"], coll
+
+
+@pytest.mark.parametrize("transposable", [True, False])
+def test_stacked_mask_update_keeps_each_devices_rows(transposable):
+  """The same with the stack's kernels sharded on K (row-parallel layers of
+  tensor parallelism): each device searches its own rows (whole bytes of
+  the packed mask), the flip counts are summed over the devices, w is never
+  gathered, and the result equals the unsharded one."""
+  from jsparse24.backends import pallas as backend  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  w = jax.random.normal(jax.random.key(0), (3, D, H))
+  old = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(1), w.shape),
+                                      transposable=transposable)
+  rows = NamedSharding(mesh, P(None, "data", None))  # K: 8 rows per device
+  packed = NamedSharding(mesh, P(None, None, "data"))  # [L, N, K/8]: one byte per device
+  update = jax.jit(backend.rebuild_mask)
+  with interpret_mode():
+    for flag in (True, False):
+      want, want_flips = update(w, old, jnp.asarray(flag))
+      sw = jax.device_put(w, rows)
+      sold = jax.tree.map(lambda a: jax.device_put(a, packed), old)
+      got, flips = update(sw, sold, jnp.asarray(flag))
+      np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
+      np.testing.assert_array_equal(np.asarray(flips), np.asarray(want_flips))
+      assert (np.asarray(flips) > 0).all() == flag
+    hlo = update.lower(sw, sold, jnp.asarray(True)).compile().as_text()
+    mask_hlo = jax.jit(backend.transposable_mask).lower(sw).compile().as_text()
+  assert "f32[3,8,128]" in hlo  # each device's rows of every layer
+  coll = _collectives(hlo)
+  assert not set(coll["all-gather"]) & {(3, D, H), (3, D // 8, H)}, coll  # w is not gathered
+  assert (3, 1, H // 8) in set(coll["all-reduce"]), coll  # the flip counts, summed
+  assert not set(_collectives(mask_hlo)["all-gather"]) & {(3, D, H)}, mask_hlo
 
 
 def test_rows_parallel_splits_a_custom_call_over_rows():
@@ -309,3 +463,51 @@ def test_rows_contracted_sums_each_devices_rows_with_one_all_reduce(axis_type, s
       jnp.stack([x, 2 * x]), dy)
   np.testing.assert_allclose(got, jnp.stack([want, 2 * want]), rtol=1e-5,
                              atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def test_tensor_parallel_under_jvp_vmap_scan_and_nnx():
+  """A column-parallel product under forward mode, vmap, nn.scan (its
+  gradient) and NNX's `SparseLinear(kernel_sharding=)`: the unsplit results."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jsparse24 import nnx as jnnx  # pylint: disable=g-import-not-at-top
+  mesh = _megatron_mesh()
+  col = NamedSharding(mesh, P(None, "model"))
+  x = jax.random.normal(jax.random.key(0), (16, D))
+  w = jax.random.normal(jax.random.key(1), (D, H))
+  m = jsparse24.Mask24.from_weights(w, transposable=True)
+  f = lambda x, w, s: jsparse24.sparse_dot(x, w, m, implementation="pallas",  # noqa: E731
+                                           weight_sharding=s)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)  # noqa: E731
+
+  class Block(nn.Module):
+    sharding: Any
+
+    @nn.compact
+    def __call__(self, h, _):
+      return jsparse24.SparseDense(D, implementation="pallas", use_bias=False,
+                                   kernel_sharding=self.sharding)(h), None
+
+  def stack(sharding):
+    scan = nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                   split_rngs={"params": True}, length=3)
+    return scan(sharding, name="blocks")
+
+  class Stack(nn.Module):
+    sharding: Any = None
+
+    @nn.compact
+    def __call__(self, h):
+      return stack(self.sharding)(h, None)[0]
+
+  with interpret_mode():
+    jvp = lambda s: jax.jvp(lambda a, b: f(a, b, s), (x, w), (x, w))[1]  # noqa: E731
+    close(jax.jit(lambda: jvp(col))(), jvp(None))
+    vm = lambda s: jax.vmap(lambda a: f(a, w, s))(x.reshape(2, 8, D))  # noqa: E731
+    close(vm(col), vm(None))
+    v = Stack().init(jax.random.key(2), x)
+    grads = [jax.jit(jax.grad(lambda p, s=s: jnp.sum(
+        Stack(s).apply({**v, "params": p}, x) ** 2)))(v["params"]) for s in (None, col)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-3), *grads)
+    layers = [jnnx.SparseLinear(D, H, rngs=nnx.Rngs(0), implementation="pallas",
+                                kernel_sharding=s) for s in (None, col)]
+    close(nnx.jit(lambda layer, x: layer(x))(layers[1], x), layers[0](x))

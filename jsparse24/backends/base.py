@@ -27,7 +27,8 @@ from jax.interpreters import ad, batching, mlir
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._mvue import mvue_24
-from jsparse24._sharding import unpartitioned, weight_grad_sharding
+from jsparse24._sharding import (Split, psum_over, split_map, unpartitioned,
+                                 weight_grad_sharding)
 
 
 def accumulation_dtype(dtype) -> Any:
@@ -50,6 +51,9 @@ class DotConfig:
   transposable: bool
   precision: Any
   weight_grad: str = "dense"  # "dense" or "mvue" (dw from the MVUE-pruned dy)
+  # Tensor parallelism: the products run on each device's block of the
+  # weight (`_sharding.Split`, from `sparse_dot`'s `weight_sharding`).
+  split: Split | None = None
 
 
 class BackendUnavailableError(ValueError):
@@ -126,6 +130,18 @@ class Backend(abc.ABC):
     """`dw * mask` for the "masked" gradient mode."""
     raise NotImplementedError
 
+  def operand_roles(self, operand: Any) -> Any:
+    """`operand`'s structure with, for each array, which axis runs over K
+    and which over N (a string such as "nk"; `_sharding.Split.spec`): how a
+    weight block's operand sits in the whole one, for tensor parallelism."""
+    raise NotImplementedError(f"the {self.name!r} backend has no tensor-parallel products")
+
+  def split_align(self, transposable: bool) -> tuple[int, int]:
+    """What each device's block of `[K, N]` must be a multiple of, along K
+    and along N, for this backend's tensor-parallel products."""
+    del transposable
+    return 8, 8
+
   def mvue_weight_grad(self, x: jax.Array, dy: jax.Array, w: jax.Array, key: jax.Array,
                        precision: Any) -> jax.Array:
     """`x[M, K]^T mvue_24(dy[M, N], key)` in w's dtype: here XLA's dense
@@ -192,6 +208,59 @@ def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any)
   return out.astype(w.dtype)
 
 
+# Tensor parallelism (`cfg.split`): the backend's pieces on each device's
+# block of the weight, in `shard_map`s over the mesh (`_sharding.split_map`).
+# The operand of a block is built and read only inside them.
+
+
+def _prepare(backend: Backend, w, mask, cfg: DotConfig):
+  split = cfg.split
+  if split is None:
+    return backend.prepare(w, mask, cfg.transposable)
+  if isinstance(mask, Mask24):
+    # Each device's mask block: the packed codes ([N, K/8]; K a multiple of
+    # 8 per device) sliced like the weight.
+    args, roles = (w, mask.meta()), ("kn", "nk")
+    local = lambda w, packed: backend.prepare(  # noqa: E731
+        w, Mask24(packed, w.shape, mask.transposable), cfg.transposable)
+  elif mask is None:
+    args, roles = (w,), ("kn",)
+    local = lambda w: backend.prepare(w, None, cfg.transposable)  # noqa: E731
+  else:  # a dense bool mask, [K, N]
+    args, roles = (w, mask), ("kn", "kn")
+    local = lambda w, m: backend.prepare(w, m, cfg.transposable)  # noqa: E731
+  blocks = [jax.ShapeDtypeStruct(
+      tuple(d // split.size(r) for d, r in zip(a.shape, rs)), a.dtype)
+      for a, rs in zip(args, roles)]
+  with unpartitioned():
+    shape = jax.eval_shape(local, *blocks)
+  return split_map(split, local, roles, backend.operand_roles(shape), *args)
+
+
+def _forward(backend: Backend, x, operand, cfg: DotConfig):
+  split = cfg.split
+  if split is None:
+    return backend.forward(x, operand, cfg.precision)
+  local = lambda x, op: psum_over(backend.forward(x, op, cfg.precision), split.k)  # noqa: E731
+  return split_map(split, local, ("mk", backend.operand_roles(operand)), "mn", x, operand)
+
+
+def _backward_dx(backend: Backend, dy, operand, cfg: DotConfig):
+  split = cfg.split
+  if split is None:
+    return backend.backward_dx(dy, operand, cfg.precision)
+  local = lambda dy, op: psum_over(  # noqa: E731
+      backend.backward_dx(dy, op, cfg.precision), split.n)
+  return split_map(split, local, ("mn", backend.operand_roles(operand)), "mk", dy, operand)
+
+
+def _mask_grad(backend: Backend, dw, operand, cfg: DotConfig):
+  if cfg.split is None:
+    return backend.mask_grad(dw, operand)
+  return split_map(cfg.split, backend.mask_grad, ("kn", backend.operand_roles(operand)), "kn",
+                   dw, operand)
+
+
 # The product is a custom_jvp whose tangent is one primitive, `_tangent_p`,
 # linear in (x_dot, w_dot) and transposed by the backward pass below (the
 # body a custom_vjp would have): reverse mode (JAX linearizes, then
@@ -228,8 +297,8 @@ def _custom_dot_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   # H100 the d_model 4096 x 6 block step of bench_model.py went 258.5 ->
   # 255.6 ms this way (benchmarks/NOTES.md, "The cast before the compress
   # kernel").
-  operand = backend.prepare(w.astype(x.dtype), mask, cfg.transposable)
-  sparse = lambda: backend.forward(x, operand, cfg.precision)  # noqa: E731
+  operand = _prepare(backend, w.astype(x.dtype), mask, cfg)
+  sparse = lambda: _forward(backend, x, operand, cfg)  # noqa: E731
   if active is None:
     y = sparse()
   else:
@@ -252,7 +321,7 @@ def _backward(backend: Backend, cfg: DotConfig, res, dy):
   """(dx, dw) of the product from its residuals `(x, w, operand, key,
   active)` (`active` None: always sparse)."""
   x, w, operand, key, active = res
-  sparse_dx = lambda: backend.backward_dx(dy, operand, cfg.precision)  # noqa: E731
+  sparse_dx = lambda: _backward_dx(backend, dy, operand, cfg)  # noqa: E731
   if active is None:
     dx = sparse_dx()
   else:
@@ -261,7 +330,7 @@ def _backward(backend: Backend, cfg: DotConfig, res, dy):
   # dw = x^T dy for every element ("ste"): the pruned weights keep learning.
   dw = weight_grad(x, dy, w, cfg, key, active, backend)
   if cfg.gradient == "masked":
-    masked = backend.mask_grad(dw, operand)
+    masked = _mask_grad(backend, dw, operand, cfg)
     dw = masked if active is None else jnp.where(active, masked, dw)
   return dx.astype(x.dtype), dw
 
@@ -278,14 +347,14 @@ def _tangent_value(backend: Backend, cfg: DotConfig, res, x_dot, w_dot):
   terms = []
   if x_dot is not None:
     if active is None:
-      terms.append(backend.forward(x_dot, operand, cfg.precision))
+      terms.append(_forward(backend, x_dot, operand, cfg))
     else:
-      terms.append(jax.lax.cond(active, lambda: backend.forward(x_dot, operand, cfg.precision),
+      terms.append(jax.lax.cond(active, lambda: _forward(backend, x_dot, operand, cfg),
                                 lambda: matmul(x_dot, w.astype(x.dtype), cfg.precision)))
   if w_dot is not None:
     w_dot = w_dot.astype(x.dtype)
     if cfg.gradient == "masked":
-      masked = backend.mask_grad(w_dot, operand)
+      masked = _mask_grad(backend, w_dot, operand, cfg)
       w_dot = masked if active is None else jnp.where(active, masked, w_dot)
     terms.append(matmul(x, w_dot, cfg.precision))
   return functools.reduce(jnp.add, terms).astype(x.dtype)

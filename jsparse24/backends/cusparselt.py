@@ -576,6 +576,17 @@ class CusparseltBackend(Backend):
     mask = Mask24(operand.meta, operand.shape).unpack()
     return jnp.where(mask, dw, jnp.zeros((), dw.dtype))
 
+  def operand_roles(self, operand: Operand):
+    # A weight block's buffers are cuSPARSELt's buffers of that block (the
+    # metadata of a block is not a block of the whole weight's metadata):
+    # read only inside the tensor-parallel maps (`backends.base`).
+    return dataclasses.replace(operand, fwd="kn", bwd=None if operand.bwd is None else "kn",
+                               meta="nk")
+
+  def split_align(self, transposable):
+    del transposable
+    return ALIGN_KN, ALIGN_KN
+
   def mvue_weight_grad(self, x, dy, w, key, precision):
     del precision  # cuSPARSELt accumulates in float32
     dw = mvue_weight_grad(x, dy, key).astype(w.dtype)

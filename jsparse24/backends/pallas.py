@@ -81,8 +81,13 @@ def _mask_fn(interpret: bool):
 @functools.cache
 def _rebuild_fn(transposable: bool, interpret: bool):
   prune24, _ = _kernels()
-  return lambda w, old, flags: prune24.rebuild_mask(
-      w, old, flags, transposable=transposable, interpret=interpret)
+  def run(w, old, flags):
+    meta, counts = prune24.rebuild_mask(w, old, flags, transposable=transposable,
+                                        interpret=interpret)
+    # One row of counts (the kernel's row tiles summed), so that a weight
+    # split on K (`columns_parallel`'s k_dims) sums them over its devices.
+    return meta, jnp.sum(counts, axis=0, keepdims=True)
+  return run
 
 
 @functools.cache
@@ -125,9 +130,10 @@ def transposable_mask(w: jax.Array) -> Mask24:
   """`Mask24.from_weights(w, transposable=True)` (same bits) by the fused
   kernel: one read of `w` (any leading axes, float32 master weights
   included), the packed mask written, no values. Under `jit` with `w`
-  sharded on N, each device searches its own columns."""
+  sharded on N (or K, in whole bytes of the mask), each device searches its
+  own block."""
   (meta,) = columns_parallel(_mask_fn(_INTERPRET[0]), (0,), 8, jax.lax.stop_gradient(w),
-                             lead=w.ndim - 2)
+                             lead=w.ndim - 2, k_dims=(1,))
   return Mask24.from_meta(meta, w.shape, transposable=True)
 
 
@@ -139,8 +145,8 @@ def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> tuple[Mask24,
   the fraction of weights whose kept/pruned state the rebuild changed
   (`optim.flip_fraction(old, mask)`; 0 where nothing is rebuilt), counted
   by the kernel as it writes the mask. Any leading axes (a stack of layers,
-  `old` stacked alike); under `jit` with `w` sharded on N each device
-  handles its own columns."""
+  `old` stacked alike); under `jit` with `w` sharded on N or K (in whole
+  bytes of the mask) each device handles its own block."""
   k, n = old.dims
   lead = w.ndim - 2
   flags = jnp.broadcast_to(jnp.asarray(rebuild).astype(jnp.int32), w.shape[:-2] + (n,))
@@ -148,7 +154,8 @@ def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> tuple[Mask24,
   # partitioned call, each layer's float32 kernel was sliced out of the
   # stack (a copy) every step.
   meta, counts = columns_parallel(_rebuild_fn(old.transposable, _INTERPRET[0]), (0, 1), 8,
-                                  jax.lax.stop_gradient(w), old.meta(), flags, lead=lead)
+                                  jax.lax.stop_gradient(w), old.meta(), flags, lead=lead,
+                                  k_dims=(1, "sum"), extra_k_dims=(1, None))
   flips = jnp.sum(counts, axis=(-2, -1)).astype(jnp.float32) / (k * n)
   if (k // 4) % 2 == 0:  # the packed mask is the metadata itself: no re-packing pass
     return Mask24(meta, (k, n), transposable=old.transposable), flips
@@ -207,6 +214,16 @@ class PallasBackend(Backend):
 
   def mask_grad(self, dw, operand: Sparse24):
     return jnp.where(operand.mask(), dw, jnp.zeros((), dw.dtype))
+
+  def operand_roles(self, operand: Sparse24):
+    # values and meta are [N, K/2] and [N, K/8]; the transposed pair [K, ...].
+    t = operand.values_t is not None
+    return Sparse24("nk", "nk", "kn" if t else None, "kn" if t else None)
+
+  def split_align(self, transposable):
+    # Whole bytes of packed codes along K (two 4-groups per byte), and along
+    # N for the transposed copy's codes.
+    return 8, (8 if transposable else 1)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     return self.forward(x, sp, precision)

@@ -16,9 +16,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._prune import prune_24
+from jsparse24._sharding import is_explicit
 from jsparse24.backends.base import Backend, DotConfig, matmul, weight_grad
 
 
@@ -49,7 +51,17 @@ class XlaBackend(Backend):
   def compress(self, w, mask, transposed):
     return compress_reference(w, mask, transposed)
 
+  def split_align(self, transposable):
+    del transposable  # XLA partitions the plain ops at any split
+    return 1, 1
+
   def dot(self, x, w, mask, active, cfg: DotConfig, key=None):
+    if cfg.split is not None and not is_explicit(cfg.split.mesh):
+      # Tensor parallelism: XLA partitions the plain ops itself (as for
+      # nn.Dense); the weight is only held to its sharding. (With Explicit
+      # mesh axes its type carries the sharding already.)
+      w = jax.lax.with_sharding_constraint(
+          w, NamedSharding(cfg.split.mesh, cfg.split.spec("kn")))
     wc = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
     # One mask for both paths (mask=None prunes the cast kernel, as the
     # layer computes with it).
