@@ -14,7 +14,13 @@ step (`mask_update` + SGD for 2:4, SGD for dense). The 2:4 layers are
 * FSDP with the 2:4 kernels left sharded (`fsdp-sharded`): as FSDP, but the
   2:4 layers' kernels are not gathered: each device compresses its own
   columns and the compressed arrays are gathered (the dense model is the
-  FSDP one).
+  FSDP one);
+* tensor parallel (`tp`, a `data x model` mesh of 1 x all GPUs): Megatron's
+  MLP, `up` column-parallel (kernel sharded on its output axis) and `down`
+  row-parallel (on its input axis), tokens replicated. The 2:4 layers name
+  their kernels' sharding (`kernel_sharding`): each device prunes,
+  compresses and multiplies its own block; XLA partitions the dense model
+  the same way by itself.
 
 Per layout and model: ms per step on 1 GPU and on all, the scaling, and the
 collectives in the compiled HLO by kind. Written to results/<gpu>.md.
@@ -29,6 +35,7 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -40,13 +47,15 @@ class Block(nn.Module):
   d: int
   sparse: bool
   implementation: str = "cusparselt"
+  shardings: tuple | None = None  # tensor parallel: {name: kernel NamedSharding}
 
   @nn.compact
   def __call__(self, x):
+    kernel_sharding = dict(self.shardings or ())
     if self.sparse:
       layer = lambda n, name: jsparse24.SparseDense(  # noqa: E731
           n, name=name, dtype=jnp.bfloat16, use_bias=False, transposable=True,
-          implementation=self.implementation)
+          implementation=self.implementation, kernel_sharding=kernel_sharding.get(name))
     else:
       layer = lambda n, name: nn.Dense(n, name=name, dtype=jnp.bfloat16, use_bias=False)  # noqa: E731
     return x + layer(self.d, "down")(nn.gelu(layer(4 * self.d, "up")(x)))
@@ -57,8 +66,16 @@ def collectives(hlo: str) -> dict[str, int]:
           for k in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")}
 
 
+def tp_specs(d: int) -> dict[str, P]:
+  """Megatron's MLP: up column-parallel, down row-parallel."""
+  del d
+  return {"up": P(None, "model"), "down": P("model", None)}
+
+
 def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: str):
-  model = Block(d, sparse, implementation)
+  shardings = (tuple((k, NamedSharding(mesh, v)) for k, v in tp_specs(d).items())
+               if layout == "tp" else None)
+  model = Block(d, sparse, implementation, shardings)
   x = jax.random.normal(jax.random.key(0), (tokens, d), jnp.bfloat16)
   v = model.init(jax.random.key(1), x)
   sgd = optax.sgd(1e-3)
@@ -95,6 +112,10 @@ def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: s
     put = lambda a: jax.device_put(a, NamedSharding(  # noqa: E731
         mesh, P(*([None] * (a.ndim - 1)), "data") if a.ndim >= 1 and a.shape[-1] % mesh.size == 0
         else P()))
+  elif layout == "tp":
+    params = {k: {"kernel": jax.device_put(v["kernel"], NamedSharding(mesh, tp_specs(d)[k]))}
+              for k, v in params.items()}
+    put = lambda a: a  # noqa: E731
   else:
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
   params = jax.tree.map(put, params)
@@ -103,7 +124,10 @@ def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: s
 
 
 def run(sparse, d, tokens, devices, layout, implementation):
-  mesh = jax.sharding.Mesh(devices, ("data",))
+  if layout == "tp":
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(1, -1), ("data", "model"))
+  else:
+    mesh = jax.sharding.Mesh(devices, ("data",))
   step, params, opt_state, x = make(sparse, d, tokens, mesh, layout, implementation)
   hlo = step.lower(params, opt_state, x).compile().as_text()
   state = {"p": params, "o": opt_state}
@@ -122,7 +146,7 @@ def main(argv=None):
   p.add_argument("--tokens", type=int, default=16384)
   p.add_argument("--implementation", default="cusparselt",
                  help="the 2:4 layers' backend ('xla' for a CPU smoke test)")
-  p.add_argument("--layouts", default="data,fsdp,fsdp-sharded")
+  p.add_argument("--layouts", default="data,fsdp,fsdp-sharded,tp")
   p.add_argument("--json", default=None)
   p.add_argument("--no-write", action="store_true")
   args = p.parse_args(argv)
@@ -147,7 +171,9 @@ def main(argv=None):
   body = (f"{_common.environment()}\n\nMLP block d_model {args.d}, hidden {4 * args.d},"
           f" {args.tokens} tokens per step, bf16 compute / f32 params; 2:4 ="
           f" SparseDense(transposable=True, implementation={args.implementation!r}) + mask_update;"
-          f" one jax.jit step over a 1-D mesh of {n} GPUs (`benchmarks/bench_sharded.py`).\n\n"
+          f" one jax.jit step over a mesh of {n} GPUs (`tp`: data x model = 1 x {n}, up"
+          f" column-parallel, down row-parallel; otherwise 1-D)"
+          f" (`benchmarks/bench_sharded.py`).\n\n"
           + _common.table(["layout", "model", "1 GPU ms", f"{n} GPUs ms", "scaling",
                            f"dense {n}-GPU ms / this", f"collectives ({n} GPUs)"], rows))
   print(body)

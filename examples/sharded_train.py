@@ -15,11 +15,19 @@ shardings of its inputs (and, for FSDP, one constraint inside the step):
   the 2:4 layers' kernels are left sharded: each device prunes and
   compresses its own columns, and the compressed arrays are gathered.
 
-Tensor parallelism is not offered yet: `jsparse24`'s products gather a weight
-sharded through them (README, "Several GPUs").
+* `--layout tp`: Megatron tensor parallelism of the MLP layers on a
+  `data x model` mesh (`--model-devices` devices on `model`, default all):
+  `up` column-parallel (kernel sharded on its output axis), `down`
+  row-parallel (on its input axis), their optimizer state and masks alike,
+  everything else replicated; each batch split over `data`. The 2:4 layers
+  name their kernels' sharding (`SparseDense(kernel_sharding=...)`): each
+  device prunes, compresses and multiplies its own block, and `down`'s
+  partial products are summed over `model` (one all-reduce), as XLA does
+  for the dense model's `nn.Dense` layers by itself.
 
     python examples/sharded_train.py --layout fsdp              # CPU, tiny
     python examples/sharded_train.py --size gpu --layout data   # GPUs
+    python examples/sharded_train.py --size gpu --layout tp     # GPUs
 
 On a CPU, ask for fake devices first:
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
@@ -60,6 +68,21 @@ def _param_spec(a, n: int) -> P:
   return P()
 
 
+def _tp_specs(d_model: int) -> dict[tuple[int, ...], P]:
+  """`--layout tp`, by array shape: the MLP kernels `up [d, 4d]` (column-
+  parallel) and `down [4d, d]` (row-parallel), their AdamW moments alike,
+  and their packed masks (`[N, K/8]`: `up [4d, d/8]`, `down [d, d/2]`)."""
+  d, h = d_model, 4 * d_model
+  return {(d, h): P(None, "model"), (h, d): P("model", None),
+          (h, d // 8): P("model", None), (d, h // 8): P(None, "model")}
+
+
+def tp_shardings(mesh) -> tuple:
+  """The MLP layers' `kernel_sharding` under `--layout tp`."""
+  return (("up", NamedSharding(mesh, P(None, "model"))),
+          ("down", NamedSharding(mesh, P("model", None))))
+
+
 def _sparse_kernel_paths(run) -> set:
   """Paths (tuples of keys) of the 2:4 layers' kernels in the params tree."""
   if not run.sparse:
@@ -98,8 +121,13 @@ def make_step(lm, run, layout: str, mesh):
 def train(lm, run, args, data, mesh) -> dict:
   n = mesh.size
   rows = NamedSharding(mesh, P("data"))
-  state_sharding = (lambda a: NamedSharding(mesh, _param_spec(a, n))) if args.layout == "fsdp" \
-      else (lambda a: NamedSharding(mesh, P()))
+  if args.layout == "fsdp":
+    state_sharding = lambda a: NamedSharding(mesh, _param_spec(a, n))  # noqa: E731
+  elif args.layout == "tp":
+    specs = _tp_specs(args.d_model)
+    state_sharding = lambda a: NamedSharding(mesh, specs.get(tuple(a.shape), P()))  # noqa: E731
+  else:
+    state_sharding = lambda a: NamedSharding(mesh, P())  # noqa: E731
   params = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.params)
   opt_state = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.opt_state)
   step = make_step(lm, run, args.layout, mesh)
@@ -129,8 +157,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
       epilog="Every other flag is train_lm.py's (model, data, schedule; see its --help).")
-  p.add_argument("--layout", choices=("data", "fsdp"), default="data",
-                 help="data parallel, or FSDP (params sharded at rest) (default: data)")
+  p.add_argument("--layout", choices=("data", "fsdp", "tp"), default="data",
+                 help="data parallel, FSDP (params sharded at rest), or tensor parallel"
+                      " MLP layers (default: data)")
+  p.add_argument("--model-devices", type=int, default=None,
+                 help="--layout tp: devices on the mesh's model axis (default: all)")
   p.add_argument("--size", choices=sorted(lm.PRESETS), default="small",
                  help="train_lm's preset (default: small)")
   p.add_argument("--steps", type=int, default=None,
@@ -144,17 +175,34 @@ def main(argv: Sequence[str] | None = None) -> dict:
                           + (["--batch", str(args.batch)] if args.batch else []))
   lm_args.layout = args.layout
   devices = jax.devices()
-  if lm_args.batch % len(devices):
-    p.error(f"--batch {lm_args.batch} must be a multiple of the {len(devices)} devices.")
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  model_devices = 1
+  if args.layout == "tp":
+    model_devices = args.model_devices or len(devices)
+    if len(devices) % model_devices or (4 * lm_args.d_model) % model_devices:
+      p.error(f"--model-devices {model_devices} must divide the {len(devices)} devices and"
+              f" the MLP's hidden size {4 * lm_args.d_model}.")
+  elif args.model_devices is not None:
+    p.error("--model-devices applies to --layout tp only.")
+  data_devices = len(devices) // model_devices
+  if lm_args.batch % data_devices:
+    p.error(f"--batch {lm_args.batch} must be a multiple of the {data_devices} devices"
+            f" it is split over.")
+  if args.layout == "tp":
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(data_devices, model_devices),
+                             ("data", "model"))
+  else:
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   data, _ = lm.load_text(lm.corpus_files(lm_args.corpus))
   sample = jnp.zeros((1, lm_args.seq_len), jnp.int32)
-  print(f"{len(devices)} devices ({devices[0].platform}), layout {args.layout};"
+  print(f"{len(devices)} devices ({devices[0].platform}), layout {args.layout}"
+        + (f" (mesh data x model = {data_devices} x {model_devices})" if args.layout == "tp"
+           else "") + ";"
         f" d_model {lm_args.d_model}, {lm_args.layers} layers, batch {lm_args.batch} x"
         f" {lm_args.seq_len}, {lm_args.steps} steps")
   out = {}
   for name, sparse in (("dense", False), ("2:4", True)):
-    run = lm.make_run(name, sparse, lm_args, sample)
+    run = lm.make_run(name, sparse, lm_args, sample,
+                      tp_shardings(mesh) if args.layout == "tp" else ())
     out[name] = train(lm, run, lm_args, data, mesh)
     r = out[name]
     print(f"{name:>5}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} (mean of the last"

@@ -190,16 +190,22 @@ class MLP(nn.Module):
   dtype: Any = None
   transposable: bool | None = None  # None: SparseDense's default
   weight_grad: str = "dense"
+  # Tensor parallelism (examples/sharded_train.py): ((layer name,
+  # NamedSharding of its kernel), ...) for the 2:4 layers' `kernel_sharding`.
+  shardings: tuple = ()
 
   @nn.compact
   def __call__(self, x):
+    kw = {name: {} for name in ("up", "down")}
     linear = nn.Dense
     if self.sparse:
       kind = {} if self.transposable is None else {"transposable": self.transposable}
       linear = functools.partial(jsparse24.SparseDense, weight_grad=self.weight_grad, **kind)
-    h = linear(self.hidden, dtype=self.dtype, name="up")(x)
+      for name, sharding in self.shardings:
+        kw[name] = {"kernel_sharding": sharding}
+    h = linear(self.hidden, dtype=self.dtype, name="up", **kw["up"])(x)
     h = nn.gelu(h)
-    return linear(x.shape[-1], dtype=self.dtype, name="down")(h)
+    return linear(x.shape[-1], dtype=self.dtype, name="down", **kw["down"])(h)
 
 
 class Block(nn.Module):
@@ -209,6 +215,7 @@ class Block(nn.Module):
   dtype: Any = None
   transposable: bool | None = None
   weight_grad: str = "dense"
+  mlp_shardings: tuple = ()
 
   @nn.compact
   def __call__(self, x, mask):
@@ -217,7 +224,7 @@ class Block(nn.Module):
         num_heads=self.heads, dtype=self.dtype, deterministic=True, name="attn")(h, mask=mask)
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
     return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
-                   self.weight_grad, name="mlp")(h)
+                   self.weight_grad, self.mlp_shardings, name="mlp")(h)
 
 
 class CharLM(nn.Module):
@@ -233,6 +240,7 @@ class CharLM(nn.Module):
   dtype: Any = None
   transposable: bool | None = None
   weight_grad: str = "dense"  # of the sparse MLP layers: "dense" or "mvue"
+  mlp_shardings: tuple = ()  # tensor parallelism of the 2:4 MLP layers (MLP.shardings)
 
   @nn.compact
   def __call__(self, tokens):
@@ -243,7 +251,7 @@ class CharLM(nn.Module):
     mask = nn.make_causal_mask(tokens)
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
-                self.weight_grad, name=f"block_{i}")(x, mask)
+                self.weight_grad, self.mlp_shardings, name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -533,12 +541,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def make_run(name: str, sparse: bool, args, sample) -> Run:
+def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = ()) -> Run:
+  """`mlp_shardings`: tensor parallelism of the 2:4 MLP layers (`MLP.shardings`)."""
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
   transposable = None if args.mask == "default" else args.mask == "transposable"
   weight_grad = "mvue" if sparse and args.mvue else "dense"
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
-                 transposable, weight_grad)
+                 transposable, weight_grad, mlp_shardings)
   variables = jax.jit(model.init)(jax.random.key(args.seed), sample)
   lr = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps,
