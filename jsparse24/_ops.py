@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, backends
 from jsparse24._format import Mask24, Sparse24
-from jsparse24._sharding import weight_split
+from jsparse24._sharding import is_explicit, weight_split
 
 GRADIENT_MODES = ("ste", "masked")
 WEIGHT_GRADS = ("dense", "mvue")
@@ -207,6 +207,10 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     split = weight_split(fn, weight_sharding, rows, *w.shape,
                          backend.split_align(transposable), backend.name, arg=arg)
   cfg = backends.DotConfig(gradient, transposable, precision, weight_grad, split)
+  if split is not None and is_explicit(split.mesh):
+    # Explicit mesh axes: w typed with its split (a local slice if it was
+    # whole), so that its gradient's product knows its output sharding.
+    w = jax.sharding.reshard(w, jax.sharding.NamedSharding(split.mesh, split.spec("kn")))
   lead = x.shape[:-1]
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
   if active is not None:

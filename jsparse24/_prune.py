@@ -35,6 +35,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks
+from jsparse24._sharding import typed_like
 
 # The 6 ways to keep 2 of 4, in lexicographic order.
 PAIRS: tuple[tuple[int, int], ...] = tuple(itertools.combinations(range(4), 2))
@@ -173,7 +174,8 @@ def prune_24(
   ax = _checks.normalize_axis(fn, "w", axis, w.ndim)
   if not transposable:
     _checks.check_multiple_of_4(fn, "w", w.shape, ax)
-    return _prune_plain(w, ax)
+    # (Explicit mesh axes: a sharded w's group reshapes are partitioned by XLA.)
+    return typed_like(lambda w: _prune_plain(w, ax), w, w)
   if w.ndim < 2:
     raise ValueError(
         f"{fn}: transposable=True needs `w` with at least 2 axes, got shape"
@@ -186,7 +188,7 @@ def prune_24(
                               "transposable masks need both of the last two axes")
   _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1,
                               "transposable masks need both of the last two axes")
-  return _prune_transposable(w)
+  return typed_like(_prune_transposable, w, w)
 
 
 def is_24(mask: Bool[Array, "..."], *, axis: int = -2) -> jax.Array:

@@ -498,9 +498,21 @@ def split_map(split: Split, fn: Callable, in_roles: Any, out_roles: Any, *args: 
 
 
 def is_explicit(mesh: Any) -> bool:
-  """Whether `mesh` has Explicit axes (sharding in types)."""
+  """Whether `mesh` (None allowed) has Explicit axes (sharding in types)."""
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
+  return (mesh is not None and not getattr(mesh, "empty", False) and explicit is not None
+          and explicit in tuple(getattr(mesh, "axis_types", ())))
+
+
+def typed_like(fn: Callable, like: jax.Array, *args: Any) -> jax.Array:
+  """`fn(*args)`, an array shaped like `like`: with Explicit mesh axes it
+  runs with the axes made Auto (XLA partitions its reshapes as it would
+  there) and comes out typed with `like`'s sharding (e.g. a mask unpacked
+  next to its sharded weight); elsewhere `fn(*args)`."""
+  sharding = getattr(jax.typeof(like), "sharding", None)
+  if not is_explicit(getattr(sharding, "mesh", None)):
+    return fn(*args)
+  return jax.sharding.auto_axes(fn, out_sharding=sharding)(*args)
 
 
 def psum_over(y: jax.Array, axes: tuple[str, ...]) -> jax.Array:

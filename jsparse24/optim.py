@@ -40,6 +40,7 @@ import optax
 
 from jsparse24 import backends
 from jsparse24._format import Mask24
+from jsparse24._sharding import is_explicit, typed_like
 from jsparse24.linen import (_map_layers, dense_kernel, layers_by_path, map_sparse_kernels,
                              rebuild_masks)
 
@@ -254,7 +255,9 @@ def mask_update(
     slow = [path for path in old_masks if path not in new_masks]
     if slow:
       def rebuilt():
-        new = {path: Mask24.from_weights(kernels[path], transposable=old_masks[path].transposable)
+        new = {path: _typed_like(Mask24.from_weights(kernels[path],
+                                                     transposable=old_masks[path].transposable),
+                                 old_masks[path])
                for path in slow}
         return new, {path: flip_fraction(old_masks[path], new[path]) for path in slow}
 
@@ -289,6 +292,16 @@ def mask_update(
                                     sparsity_of(masks, active), last)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _typed_like(new: Mask24, old: Mask24) -> Mask24:
+  """`new` with `old`'s sharding type where the mesh axes are Explicit (the
+  rebuilt mask comes out sharded like its weight; the conditional around
+  the rebuild needs both branches typed alike). Elsewhere `new` itself."""
+  sharding = getattr(jax.typeof(old.packed), "sharding", None)
+  if not is_explicit(getattr(sharding, "mesh", None)):
+    return new
+  return dataclasses.replace(new, packed=jax.sharding.reshard(new.packed, sharding))
 
 
 def flip_fraction(old: Mask24, new: Mask24) -> jax.Array:
@@ -369,7 +382,8 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: ja
     # A select between two updates, not `where(mask, 0, weight)`: XLA merged
     # that zero with the zero-filled gradient buffers of nn.scan and read it
     # from memory, a weight-sized float32 buffer per layer (benchmarks/NOTES.md).
-    return jnp.where(layer["mask"].unpack(), update,
+    kept = typed_like(Mask24.unpack, update, layer["mask"])  # typed like it (Explicit axes)
+    return jnp.where(kept, update,
                      update + (scale * weight).astype(update.dtype))
 
   return map_sparse_kernels(add, layers_by_path(masks), updates, params)[0]

@@ -41,7 +41,7 @@ def _setup(implementation, gather_params=None, model=None):
   model = _MLP(implementation) if model is None else model
   x = jax.random.normal(jax.random.key(0), (B, T, D))
   y = jax.random.normal(jax.random.key(1), (B, T, D))
-  v = model.init(jax.random.key(2), x)
+  v = _MLP(implementation).init(jax.random.key(2), x)  # same params for every model
   tx = optax.chain(optim.mask_update(v["sparsity"], optim.MaskSchedule(rebuild_every=2),
                                      decay=1e-3), optax.adam(1e-2))
 
@@ -73,15 +73,15 @@ def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None):
   """(single-device results, sharded results, compiled HLO of the sharded
   step). `model`: the sharded step's model (same parameters)."""
   step, params, opt_state, x, y = _setup(implementation)
-  if gather:
-    step = _setup(implementation, NamedSharding(mesh, P()))[0]
-  if model is not None:
-    step = _setup(implementation, model=model)[0]
   ref = []
   p, o = params, opt_state
   for _ in range(steps):
     p, o, loss = step(p, o, x, y)
     ref.append((loss, p, optim.masks(o)))
+  if gather:
+    step = _setup(implementation, NamedSharding(mesh, P()))[0]
+  if model is not None:
+    step = _setup(implementation, model=model)[0]
 
   data = NamedSharding(mesh, P("data"))
   put_param = lambda a: jax.device_put(  # noqa: E731
@@ -161,8 +161,8 @@ def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagg
   assert not gathered & {(D, H), (H, D)}, gathered  # no weight
   compressed = {(H, D // 2), (D, H // 2), (H, D // 8), (D, H // 8),  # up: values, values_t, meta, meta_t
                 (D, H // 2), (H, D // 2), (D, H // 8), (H, D // 8)}  # down
-  if flagged:  # the rebuild kernel's flip counts (int32 [row tiles, N/8]), summed whole
-    compressed |= {(1, H // 8), (2, D // 8)}
+  if flagged:  # the rebuild kernel's flip counts (int32 [1, N/8]), summed whole
+    compressed |= {(1, H // 8), (1, D // 8)}
   assert gathered and gathered <= compressed, gathered
 
 
@@ -195,10 +195,11 @@ def _megatron_spec(a):
   return {(D, H): P(None, "model"), (H, D): P("model", None)}.get(tuple(a.shape), P())
 
 
-@pytest.mark.parametrize("implementation,flagged", [("xla", False), ("pallas", False),
-                                                    ("pallas", True)])
+@pytest.mark.parametrize("implementation,flagged,axis_type", [
+    ("xla", False, "Auto"), ("pallas", False, "Auto"), ("pallas", True, "Auto"),
+    ("xla", False, "Explicit"), ("pallas", False, "Explicit")])
 def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
-    monkeypatch, implementation, flagged):
+    monkeypatch, implementation, flagged, axis_type):
   """Megatron tensor parallelism named on the layers (`kernel_sharding`: up
   column-parallel, down row-parallel) on a data x model mesh: each device
   prunes, compresses and multiplies its own block of each weight, so the
@@ -208,21 +209,23 @@ def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
   gathered both weights and down's input `[48, 128]`.) `flagged`: the masks
   rebuilt by the mask kernel on a run-time flag, every step, as on a GPU:
   on each device's block too (down's rows; before, down's weight was
-  gathered for it)."""
+  gathered for it). Explicit mesh axes: the same step, the masks rebuilt
+  by XLA with the axes made Auto inside (`_sharding.typed_like`)."""
   if flagged:
     from jsparse24 import backends  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(backends, "_pallas_native", lambda: True)
-  mesh = _megatron_mesh()
+  mesh = _megatron_mesh(axis_type)
   model = _MLP(implementation, NamedSharding(mesh, P(None, "model")),
                NamedSharding(mesh, P("model", None)))
   with interpret_mode():
     ref, got, hlo = _run(implementation, mesh, _megatron_spec, model=model)
   _assert_same(ref, got)
   coll = _collectives(hlo)
-  # Flagged, the rebuilt masks (sharded like their weights) are gathered
-  # back to the replicated mask state of this test, with up's flip counts:
-  # 1 bit per weight, never a weight or an activation.
-  masks = {(H, D // 8), (D, H // 8), (1, H // 8), (1, D // 8)} if flagged else set()
+  # Flagged (or with Explicit axes), the rebuilt masks (sharded like their
+  # weights) are gathered back to the replicated mask state of this test,
+  # with up's flip counts: 1 bit per weight, never a weight or an activation.
+  masks = ({(H, D // 8), (D, H // 8), (1, H // 8), (1, D // 8)}
+           if flagged or axis_type == "Explicit" else set())
   assert set(coll["all-gather"]) <= masks and coll["reduce-scatter"] == [], coll
   reduced = set(coll["all-reduce"])
   assert (B * T // 2, D) in reduced, coll  # down's partial sums

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._prune import prune_24
-from jsparse24._sharding import is_explicit
+from jsparse24._sharding import is_explicit, typed_like
 from jsparse24.backends.base import Backend, DotConfig, matmul, weight_grad
 
 
@@ -56,16 +56,22 @@ class XlaBackend(Backend):
     return 1, 1
 
   def dot(self, x, w, mask, active, cfg: DotConfig, key=None):
-    if cfg.split is not None and not is_explicit(cfg.split.mesh):
+    out = {}
+    if cfg.split is not None:
       # Tensor parallelism: XLA partitions the plain ops itself (as for
-      # nn.Dense); the weight is only held to its sharding. (With Explicit
-      # mesh axes its type carries the sharding already.)
-      w = jax.lax.with_sharding_constraint(
-          w, NamedSharding(cfg.split.mesh, cfg.split.spec("kn")))
+      # nn.Dense); the weight is only held to its sharding. With Explicit
+      # mesh axes its type carries the sharding already, and the product
+      # names its output's (a contraction over a sharded K needs it).
+      if is_explicit(cfg.split.mesh):
+        out = {"out_sharding": NamedSharding(cfg.split.mesh, cfg.split.spec("mn"))}
+      else:
+        w = jax.lax.with_sharding_constraint(
+            w, NamedSharding(cfg.split.mesh, cfg.split.spec("kn")))
     wc = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
     # One mask for both paths (mask=None prunes the cast kernel, as the
-    # layer computes with it).
-    m = jax.lax.stop_gradient(dense_mask(wc, mask, cfg.transposable))
+    # layer computes with it); typed like w under Explicit mesh axes.
+    m = jax.lax.stop_gradient(typed_like(
+        lambda w, mask: dense_mask(w, mask, cfg.transposable), wc, wc, mask))
     if active is not None:
       m = m | ~active  # the dense phase: every weight kept
     if cfg.weight_grad == "mvue":
@@ -76,7 +82,7 @@ class XlaBackend(Backend):
     # accumulates 16-bit products in float32), not a float32 result cast
     # down afterwards, which costs a pass over y.
     return jax.lax.dot_general(x, wm, (((x.ndim - 1,), (0,)), ((), ())),
-                               precision=cfg.precision)
+                               precision=cfg.precision, **out)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     return matmul(x, decompress(sp), precision)
