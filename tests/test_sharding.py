@@ -232,6 +232,28 @@ def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
   assert not reduced & (_activation_shapes() | {(B * T // 2, H), (B * T // 2, H // 4)}), coll
 
 
+def test_tensor_parallel_with_fsdp_on_a_2d_mesh():
+  """Tensor parallelism combined with FSDP on the data x model mesh: the
+  MLP kernels sharded at rest on both axes (FSDP's data on the axis the
+  model axis leaves, e.g. up `P("data", "model")`), `kernel_sharding` over
+  model only. The step gathers each weight's FSDP shards over data (a
+  float32 block of `[D, H/4]` or `[H/4, D]`, as FSDP does for nn.Dense),
+  never an activation, and equals the one-device step."""
+  mesh = _megatron_mesh()
+  model = _MLP("pallas", NamedSharding(mesh, P(None, "model")),
+               NamedSharding(mesh, P("model", None)))
+
+  def spec(a):
+    return {(D, H): P("data", "model"), (H, D): P("model", "data")}.get(tuple(a.shape), P())
+
+  with interpret_mode():
+    ref, got, hlo = _run("pallas", mesh, spec, model=model)
+  _assert_same(ref, got)
+  coll = _collectives(hlo)
+  assert coll["all-gather"] and set(coll["all-gather"]) <= {(D, H // 4), (H // 4, D)}, coll
+  assert (B * T // 2, D) in set(coll["all-reduce"]), coll
+
+
 def _tp_loss(implementation, shardings, gradient, mask_kind):
   """A column-parallel product then a row-parallel one, differentiable in x
   and both weights (x's gradient goes through the column-parallel dx)."""
