@@ -15,11 +15,13 @@ the whole product everywhere. Here they get a rule, through
   layer's weight under FSDP). That covers data parallelism and FSDP: no
   activation is ever gathered.
 
-* `rows_contracted`: `dw[K, N] = f(x[M, K], dy[M, N], first_row)`, a sum over
-  the rows M (the weight gradient on the sparse tensor cores): each device
-  contracts its own rows (`first_row` tells it where they start), then one
-  all-reduce of the float32 partial sums over M's mesh axes, as XLA does for
-  a dense `x^T dy`. No activation or activation gradient is gathered.
+* `rows_contracted`: `dw[K, N] = f(x[M, K], dy[M, N], first_row, ...)`, a
+  sum over the rows M (the weight gradient on the sparse tensor cores):
+  each device contracts its own rows (`first_row` tells it where they
+  start), then one all-reduce of the float32 partial sums over M's mesh
+  axes, as XLA does for a dense `x^T dy`; x split on K or dy on N (tensor
+  parallelism) give each device its block of dw. No activation or
+  activation gradient is gathered.
 
 * `columns_parallel`: the compress kernels (`w[K, N]` -> compressed values
   and metadata, column by column) keep w's sharding of N: under FSDP with the
@@ -218,20 +220,44 @@ def _first_row(axes: tuple[str, ...], rows: int) -> jax.Array:
   return index * rows
 
 
-def _contract_local(fn: Callable, axes: tuple[str, ...]) -> Callable:
+def _contract_local(fn: Callable, axes: tuple[str, ...], col_axes: tuple[str, ...],
+                    n_total: int) -> Callable:
   def local(x, dy, *operands):
-    first = _first_row(axes, x.shape[0]) if axes else jnp.zeros((), jnp.int32)
-    part = fn(x, dy, first, *operands)
+    zero = jnp.zeros((), jnp.int32)
+    first = _first_row(axes, x.shape[0]) if axes else zero
+    first_col = _first_row(col_axes, dy.shape[1]) if col_axes else zero
+    part = fn(x, dy, first, first_col, n_total, *operands)
     return jax.lax.psum(part, axes) if axes else part
   return local
 
 
+def _contracted_specs(mesh, x_sharding, dy_sharding, k: int, n: int, align: int):
+  """(x's spec, dy's spec, dw's spec) of `rows_contracted`: x and dy keep x's
+  rows' partition; x's K and dy's N keep theirs (dw's blocks) where each
+  device's share is a multiple of `align` and no mesh axis is used twice."""
+  rows = _rows_spec(x_sharding, 2)
+  used = set(_mesh_axes(rows[0]))
+
+  def keep(sharding, dim):
+    spec = tuple(getattr(sharding, "spec", None) or ()) + (None, None)
+    entry = spec[1]
+    axes = _mesh_axes(entry)
+    if not axes or used & set(axes) or dim % (_axis_size(mesh, entry) * align):
+      return None
+    used.update(axes)
+    return entry
+  kx = keep(x_sharding, k)
+  ny = keep(dy_sharding, n)
+  return P(rows[0], kx), P(rows[0], ny), P(kx, ny)
+
+
 @functools.cache
-def _wrap_contracted(fn: Callable, ranks: tuple[int, ...]) -> Callable:
+def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int) -> Callable:
 
   @custom_partitioning
   def partitioned(x, dy, *operands):
-    return fn(x, dy, jnp.zeros((), jnp.int32), *operands)
+    zero = jnp.zeros((), jnp.int32)
+    return fn(x, dy, zero, zero, dy.shape[1], *operands)
 
   # custom_partitioning has no batching rule: one product per batch element.
   @jax.custom_batching.custom_vmap
@@ -242,16 +268,21 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...]) -> Callable:
   def _batched(axis_size, in_batched, *args):
     return _one_call_per_element(call, axis_size, in_batched, args)
 
+  def specs(mesh, arg_shapes):
+    x, dy = arg_shapes[:2]
+    return _contracted_specs(mesh, x.sharding, dy.sharding, x.shape[1], dy.shape[1], align)
+
   def infer(mesh, arg_shapes, result_shape):
-    del arg_shapes, result_shape
-    return NamedSharding(mesh, P())
+    del result_shape
+    return NamedSharding(mesh, specs(mesh, arg_shapes)[2])
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    rows = _rows_spec(arg_shapes[0].sharding, 2)
-    args = ((NamedSharding(mesh, rows),) * 2
+    xs, dys, out = specs(mesh, arg_shapes)
+    args = ((NamedSharding(mesh, xs), NamedSharding(mesh, dys))
             + tuple(NamedSharding(mesh, P()) for _ in arg_shapes[2:]))
-    return mesh, _contract_local(fn, _mesh_axes(rows[0])), NamedSharding(mesh, P()), args
+    local = _contract_local(fn, _mesh_axes(xs[0]), _mesh_axes(dys[1]), arg_shapes[1].shape[1])
+    return mesh, local, NamedSharding(mesh, out), args
 
   names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
   extra = "".join(", " + " ".join(next(names) for _ in range(r)) for r in ranks)
@@ -260,25 +291,32 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...]) -> Callable:
   return call
 
 
-def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Array) -> jax.Array:
-  """`fn(x, dy, first_row, *operands)` (x `[M, K]`, dy `[M, N]`, result
-  `[K, N]` float32, a sum over the rows) partitioned over M: each device runs
-  `fn` on its own rows (`first_row`: an int32 scalar, the global index of its
-  first row; `operands` whole on every device), then the partial results are
-  summed over M's mesh axes (one all-reduce). `fn` must be hashable and
-  stable, as for `rows_parallel`. The result is replicated."""
+def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Array,
+                    align: int = 1) -> jax.Array:
+  """`fn(x, dy, first_row, first_col, n_total, *operands)` (x `[M, K]`, dy
+  `[M, N]`, result `[K, N]` float32, a sum over the rows) partitioned over
+  M: each device runs `fn` on its own rows (`first_row`: an int32 scalar,
+  the global index of its first row; `operands` whole on every device),
+  then the partial results are summed over M's mesh axes (one all-reduce).
+  Where x is split on K or dy on N (tensor parallelism; each device's share
+  a multiple of `align`), each device computes its block of the result
+  (`first_col`: the global index of its first column of dy, `n_total`
+  (a Python int): dy's whole N). `fn` must be hashable and stable, as for
+  `rows_parallel`."""
   if _UNPARTITIONED[0]:
-    return fn(x, dy, jnp.zeros((), jnp.int32), *operands)
+    zero = jnp.zeros((), jnp.int32)
+    return fn(x, dy, zero, zero, dy.shape[1], *operands)
   mesh = _explicit_mesh(x)
   if mesh is None:
-    return _wrap_contracted(fn, tuple(a.ndim for a in operands))(x, dy, *operands)
-  rows = _rows_spec(jax.typeof(x).sharding, 2)
+    return _wrap_contracted(fn, tuple(a.ndim for a in operands), align)(x, dy, *operands)
+  xs, dys, out = _contracted_specs(mesh, jax.typeof(x).sharding, jax.typeof(dy).sharding,
+                                   x.shape[1], dy.shape[1], align)
   operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in operands)
-  return jax.shard_map(_contract_local(fn, _mesh_axes(rows[0])), mesh=mesh,
-                       in_specs=(rows, rows) + (P(),) * len(operands), out_specs=P(),
-                       check_vma=False)(
-                           jax.sharding.reshard(x, NamedSharding(mesh, rows)),
-                           jax.sharding.reshard(dy, NamedSharding(mesh, rows)), *operands)
+  local = _contract_local(fn, _mesh_axes(xs[0]), _mesh_axes(dys[1]), dy.shape[1])
+  return jax.shard_map(local, mesh=mesh, in_specs=(xs, dys) + (P(),) * len(operands),
+                       out_specs=out, check_vma=False)(
+                           jax.sharding.reshard(x, NamedSharding(mesh, xs)),
+                           jax.sharding.reshard(dy, NamedSharding(mesh, dys)), *operands)
 
 
 def _axis_size(mesh, entry) -> int:

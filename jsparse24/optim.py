@@ -255,7 +255,7 @@ def mask_update(
     slow = [path for path in old_masks if path not in new_masks]
     if slow:
       def rebuilt():
-        new = {path: _typed_like(Mask24.from_weights(kernels[path],
+        new = {path: _mask_typed_like(Mask24.from_weights(kernels[path],
                                                      transposable=old_masks[path].transposable),
                                  old_masks[path])
                for path in slow}
@@ -294,7 +294,7 @@ def mask_update(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _typed_like(new: Mask24, old: Mask24) -> Mask24:
+def _mask_typed_like(new: Mask24, old: Mask24) -> Mask24:
   """`new` with `old`'s sharding type where the mesh axes are Explicit (the
   rebuilt mask comes out sharded like its weight; the conditional around
   the rebuild needs both branches typed alike). Elsewhere `new` itself."""

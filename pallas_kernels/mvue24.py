@@ -72,21 +72,24 @@ def _check(fn: str, g: jax.Array, seed: jax.Array) -> None:
     raise ValueError(f"{fn}: `seed` must be uint32[2], got {seed.dtype}{list(seed.shape)}.")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *,
+@functools.partial(jax.jit, static_argnames=("row_stride", "config", "interpret"))
+def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: int | None = None,
                   config: prune24.PruneConfig | None = None, interpret: bool = False):
   """`(buffer [M/2 + M/16, N], meta uint8[N, M/8])` for `g[M, N]` (module
   docstring); M and N multiples of 64, `seed` uint32[2], `first_group` the
   number (a uint32 scalar, may be traced) of g's first group: a shard of a
   larger gradient that starts at row r passes `r // 4 * N` and draws what the
-  whole gradient would. The buffer's last M/16 rows are left unwritten for
-  the caller's metadata."""
+  whole gradient would. `row_stride` (static; default N): the group number's
+  step from one group row to the next, so that a block of columns of a
+  wider gradient (`row_stride` = its N, `first_group` = `r // 4 * N` plus the
+  block's first column) draws what the whole would too. The buffer's last
+  M/16 rows are left unwritten for the caller's metadata."""
   _check("mvue_compress", g, seed)
   m, n = g.shape
   cfg = prune24.fit_config(config or DEFAULT_CONFIG, m, n, exact=True)
   bm, bn = cfg.block_k, cfg.block_n
   return pl.pallas_call(
-      functools.partial(_kernel, n=n),
+      functools.partial(_kernel, n=n if row_stride is None else row_stride),
       out_shape=[jax.ShapeDtypeStruct((m // 2 + m // 16, n), g.dtype),
                  jax.ShapeDtypeStruct((n, m // 8), jnp.uint8)],
       grid=(m // bm, n // bn),
@@ -101,13 +104,16 @@ def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *,
   )(_seed_words(seed, first_group), g)
 
 
-def mvue_compress_reference(g: jax.Array, seed: jax.Array, first_group=0):
+def mvue_compress_reference(g: jax.Array, seed: jax.Array, first_group=0,
+                            row_stride: int | None = None):
   """What `mvue_compress` computes, with XLA ops: `(values [M/2, N], meta
   uint8[N, M/8])` (the buffer's value rows, and the packed codes)."""
   _check("mvue_compress_reference", g, seed)
   m, n = g.shape
+  stride = n if row_stride is None else row_stride
   groups = g.reshape(m // 4, 4, n).astype(jnp.float32)
-  index = (jnp.arange(m // 4 * n, dtype=jnp.uint32).reshape(m // 4, n)
+  index = (jnp.arange(m // 4, dtype=jnp.uint32)[:, None] * jnp.uint32(stride)
+           + jnp.arange(n, dtype=jnp.uint32)[None, :]
            + jnp.asarray(first_group).astype(jnp.uint32))
   i0, i1, v0, v1 = mvue_rule.sample([groups[:, l] for l in range(4)],
                                     mvue_rule.uniform(seed[0], seed[1], index))

@@ -128,10 +128,10 @@ def test_metadata_rows_equal_the_bytewise_layout(r, g, cols, dtype):
   np.testing.assert_array_equal(np.asarray(got).view(np.uint8).reshape(-1), want)
 
 
-def _contract_with_metadata(x, dy, first_row, meta):
+def _contract_with_metadata(x, dy, first_row, first_col, n_total, meta):
   """A `rows_contracted` function that writes metadata rows, as the MVUE
   weight gradient does inside its partitioned op."""
-  del first_row
+  del first_row, first_col, n_total
   rows = cusparselt._metadata_rows(meta, 16, 64, jnp.bfloat16)  # pylint: disable=protected-access
   bits = jax.lax.bitcast_convert_type(rows, jnp.uint16).astype(jnp.int32)
   return x.T @ dy + (jnp.sum(bits) % 1000).astype(jnp.float32)
@@ -147,7 +147,7 @@ def test_metadata_rows_trace_inside_a_partitioned_op():
   x, dy = jnp.ones((8, 4)), jnp.ones((8, 6))
   got = jax.jit(lambda x, dy, m: _sharding.rows_contracted(_contract_with_metadata, x, dy, m))(
       x, dy, meta)
-  np.testing.assert_allclose(got, _contract_with_metadata(x, dy, 0, meta))
+  np.testing.assert_allclose(got, _contract_with_metadata(x, dy, 0, 0, 6, meta))
 
 
 def test_from_sparse24_rejects_unaligned_shapes():

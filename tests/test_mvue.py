@@ -316,6 +316,24 @@ def test_mvue_compress_of_row_blocks_draws_what_the_whole_does():
   np.testing.assert_array_equal(jnp.concatenate([m for _, m in parts], axis=1), whole_meta)
 
 
+def test_mvue_compress_of_blocks_draws_what_the_whole_does():
+  # How each device of a data x model mesh prunes its block (tensor
+  # parallelism: dy split on N too): `row_stride` is the whole gradient's N.
+  from pallas_kernels import mvue24
+  g = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
+  seed = jsparse24._mvue.mvue_seeds(jax.random.key(1))
+  whole, whole_meta = mvue24.mvue_compress_reference(g, seed)
+  for r in (0, 64):
+    for c in (0, 64, 128, 192):
+      block = g[r:r + 64, c:c + 64]
+      buf, meta = mvue24.mvue_compress(block, seed, r // 4 * 256 + c, row_stride=256,
+                                       interpret=True)
+      np.testing.assert_array_equal(buf[:32], whole[r // 2:r // 2 + 32, c:c + 64])
+      np.testing.assert_array_equal(meta, whole_meta[c:c + 64, r // 8:r // 8 + 8])
+      ref, _ = mvue24.mvue_compress_reference(block, seed, r // 4 * 256 + c, row_stride=256)
+      np.testing.assert_array_equal(ref, buf[:32])
+
+
 def test_mvue_compress_rejects_bad_input():
   from pallas_kernels import mvue24
   seed = jnp.zeros((2,), jnp.uint32)

@@ -304,6 +304,37 @@ def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementat
   assert _collectives(hlo)["all-gather"] == [], _collectives(hlo)
 
 
+@pytest.mark.parametrize("implementation,axis_type", [("xla", "Auto"), ("xla", "Explicit"),
+                                                     ("pallas", "Auto"), ("pallas", "Explicit")])
+def test_tensor_parallel_with_the_mvue_weight_gradient(implementation, axis_type):
+  """`weight_grad="mvue"` under a split: the same draws and gradients as the
+  unsplit call (the pruned dy's random numbers are those of the whole dy),
+  and no all-gather."""
+  mesh = _megatron_mesh(axis_type)
+  k = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(k[0], (B * T, D))
+  w1, w2 = jax.random.normal(k[1], (D, H)), jax.random.normal(k[2], (H, D))
+
+  def loss(x, w1, w2, key, s1, s2):
+    kw = dict(implementation=implementation, weight_grad="mvue", transposable=True)
+    h = jsparse24.sparse_dot(x, w1, weight_sharding=s1, key=jax.random.fold_in(key, 1), **kw)
+    y = jsparse24.sparse_dot(jnp.tanh(h), w2, weight_sharding=s2,
+                             key=jax.random.fold_in(key, 2), **kw)
+    return jnp.sum(jnp.sin(y))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(4, 5))
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+  args = (put(x, P("data")), put(w1, P(None, "model")), put(w2, P("model", None)), k[3],
+          NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None)))
+  with interpret_mode():
+    want = grad(x, w1, w2, k[3], None, None)
+    got = grad(*args)
+    hlo = grad.lower(*args).compile().as_text()
+  for a, b in zip(want, got):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
+  assert _collectives(hlo)["all-gather"] == [], _collectives(hlo)
+
+
 def test_tensor_parallel_rejects_a_bad_weight_sharding():
   """Errors name the function, the argument and what each device would get."""
   mesh = _megatron_mesh()
@@ -456,12 +487,14 @@ def test_sharded_state_checkpoints_and_resumes_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _weighted_rows(x, dy, first_row, scale):
-  """x^T (dy * (global row index + 1)) * scale: wrong unless every device
-  knows where its rows start."""
+def _weighted_rows(x, dy, first_row, first_col, n_total, scale):
+  """x^T (dy * (global row index + 1) * (global column index + 1)) * scale
+  / n_total: wrong unless every device knows where its rows and columns
+  start and how many columns the whole has."""
   rows = (first_row + 1 + jnp.arange(x.shape[0])).astype(jnp.float32)
-  return scale[0] * jnp.einsum("mk,mn->kn", x, dy * rows[:, None],
-                               preferred_element_type=jnp.float32)
+  cols = (first_col + 1 + jnp.arange(dy.shape[1])).astype(jnp.float32)
+  return scale[0] / n_total * jnp.einsum("mk,mn->kn", x, dy * rows[:, None] * cols,
+                                         preferred_element_type=jnp.float32)
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
@@ -476,7 +509,7 @@ def test_rows_contracted_sums_each_devices_rows_with_one_all_reduce(axis_type, s
   x = jax.random.normal(jax.random.key(0), (64, 16))
   dy = jax.random.normal(jax.random.key(1), (64, 24))
   scale = jnp.array([3.0])
-  want = _weighted_rows(x, dy, jnp.int32(0), scale)
+  want = _weighted_rows(x, dy, jnp.int32(0), jnp.int32(0), 24, scale)
   xs, dys = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, dy))
   f = jax.jit(lambda a, b: rows_contracted(_weighted_rows, a, b, scale))
   np.testing.assert_allclose(f(xs, dys), want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
@@ -536,3 +569,29 @@ def test_tensor_parallel_under_jvp_vmap_scan_and_nnx():
     layers = [jnnx.SparseLinear(D, H, rngs=nnx.Rngs(0), implementation="pallas",
                                 kernel_sharding=s) for s in (None, col)]
     close(nnx.jit(lambda layer, x: layer(x))(layers[1], x), layers[0](x))
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("x_spec,dy_spec,block", [
+    (P("data", "model"), P("data"), (8, 24)),  # row-parallel: x split on K
+    (P("data"), P("data", "model"), (16, 12))])  # column-parallel: dy split on N
+def test_rows_contracted_gives_each_device_its_block(axis_type, x_spec, dy_spec, block):
+  """With x split on K or dy on N (tensor parallelism), each device
+  contracts its rows into its block of the result (knowing its first row
+  and column and the whole N); one all-reduce of the block over the rows'
+  axes; nothing gathered."""
+  from jsparse24._sharding import rows_contracted
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+  x = jax.random.normal(jax.random.key(0), (64, 16))
+  dy = jax.random.normal(jax.random.key(1), (64, 24))
+  scale = jnp.array([3.0])
+  want = _weighted_rows(x, dy, jnp.int32(0), jnp.int32(0), 24, scale)
+  xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+  dys = jax.device_put(dy, NamedSharding(mesh, dy_spec))
+  f = jax.jit(lambda a, b: rows_contracted(_weighted_rows, a, b, scale, align=4))
+  got = f(xs, dys)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+  coll = _collectives(f.lower(xs, dys).compile().as_text())
+  assert coll["all-gather"] == [], coll
+  assert coll["all-reduce"] == [block], coll

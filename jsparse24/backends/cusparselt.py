@@ -443,24 +443,26 @@ def _mvue_kernel():
   return mvue24
 
 
-def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0) -> jax.Array:
+def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0,
+                              row_stride: int | None = None) -> jax.Array:
   """`mvue_24` of `dy[M, N]` (M, N multiples of 64) along M, compressed for
   cuSPARSELt (`buffer_shape(M, N, transpose=False)`), by one Pallas pass then
-  the metadata write. `seed`: `mvue_seeds(key)`; `first_group` as in
-  `pallas_kernels.mvue24.mvue_compress`."""
+  the metadata write. `seed`: `mvue_seeds(key)`; `first_group`, `row_stride`
+  as in `pallas_kernels.mvue24.mvue_compress`."""
   m, n = dy.shape
   _check_aligned(m, n)
-  buf, meta = _mvue_kernel().mvue_compress(dy, seed, first_group,
+  buf, meta = _mvue_kernel().mvue_compress(dy, seed, first_group, row_stride=row_stride,
                                            interpret=pallas_backend.interpreting())
   return _with_metadata(buf, m // 2, meta, m // 4)
 
 
 @functools.cache
 def _mvue_weight_grad_local(search: int, alg: int):
-  """The per-device `fn(x, dy, first_row, seed) -> float32 [K, N]` of
-  `rows_contracted`."""
+  """The per-device `fn(x, dy, first_row, first_col, n_total, seed) ->
+  float32 [K, N]` of `rows_contracted` (dy's block draws what the whole
+  `[M, n_total]` gradient would)."""
 
-  def run(x, dy, first_row, seed):
+  def run(x, dy, first_row, first_col, n_total, seed):
     m, k = x.shape
     n = dy.shape[1]
     head = m - m % 4  # the last M % 4 rows are kept exactly (as mvue_24 does)
@@ -471,8 +473,9 @@ def _mvue_weight_grad_local(search: int, alg: int):
       dyh = jnp.pad(dy[:head], ((0, pad), (0, 0)))
       mp = head + pad
       _check_size(x.dtype, mp, n)
-      first_group = (first_row // 4).astype(jnp.uint32) * jnp.uint32(n)
-      c = mvue_compress_for_product(dyh, seed, first_group)
+      first_group = ((first_row // 4).astype(jnp.uint32) * jnp.uint32(n_total)
+                     + first_col.astype(jnp.uint32))
+      c = mvue_compress_for_product(dyh, seed, first_group, row_stride=n_total)
       # D[N, K] (column-major) = A[N, Mp] (structured, op N) @ op_T(B)[Mp, K].
       dw = _sparse_a_matmul(c, xh, (k, n), m=n, n=k, k=mp, op_a=_N, op_b=_T,
                             search=search, alg=alg).astype(jnp.float32)
@@ -488,9 +491,11 @@ def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
   """`x[M, K]^T mvue_24(dy[M, N], key)` (float32 `[K, N]`) with the product on
   the sparse tensor cores; under `jit` with rows sharded, each device prunes
   and multiplies its own rows (drawing what the whole `dy` would, for M a
-  multiple of 4 per device) and the partial sums are all-reduced."""
+  multiple of 4 per device) and the partial sums are all-reduced; with x
+  split on K or dy on N (tensor parallelism, 64-aligned), each device makes
+  its block of the result."""
   return rows_contracted(_mvue_weight_grad_local(*_search_attrs(x.dtype)), x, dy,
-                         mvue_seeds(key))
+                         mvue_seeds(key), align=ALIGN_KN)
 
 
 @dataclasses.dataclass(frozen=True)

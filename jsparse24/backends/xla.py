@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._prune import prune_24
 from jsparse24._sharding import is_explicit, typed_like
-from jsparse24.backends.base import Backend, DotConfig, matmul, weight_grad
+from jsparse24.backends.base import (Backend, DotConfig, accumulation_dtype, matmul,
+                                     weight_grad)
 
 
 def dense_mask(w: jax.Array, mask: jax.Array | Mask24 | None,
@@ -45,6 +46,15 @@ def _mask_ste_jvp(primals, tangents):
   return _mask_ste(w, mask), tangents[0]
 
 
+def _out(cfg: DotConfig, roles: str) -> dict:
+  """`out_sharding` for a product under a tensor-parallel split with
+  Explicit mesh axes (a contraction over a sharded axis needs it), else
+  nothing."""
+  if cfg.split is None or not is_explicit(cfg.split.mesh):
+    return {}
+  return {"out_sharding": NamedSharding(cfg.split.mesh, cfg.split.spec(roles))}
+
+
 class XlaBackend(Backend):
   name = "xla"
 
@@ -56,17 +66,13 @@ class XlaBackend(Backend):
     return 1, 1
 
   def dot(self, x, w, mask, active, cfg: DotConfig, key=None):
-    out = {}
-    if cfg.split is not None:
+    if cfg.split is not None and not is_explicit(cfg.split.mesh):
       # Tensor parallelism: XLA partitions the plain ops itself (as for
-      # nn.Dense); the weight is only held to its sharding. With Explicit
-      # mesh axes its type carries the sharding already, and the product
-      # names its output's (a contraction over a sharded K needs it).
-      if is_explicit(cfg.split.mesh):
-        out = {"out_sharding": NamedSharding(cfg.split.mesh, cfg.split.spec("mn"))}
-      else:
-        w = jax.lax.with_sharding_constraint(
-            w, NamedSharding(cfg.split.mesh, cfg.split.spec("kn")))
+      # nn.Dense); the weight is only held to its sharding. (With Explicit
+      # mesh axes its type carries the sharding already, and the products
+      # name their outputs' sharding: `_out`.)
+      w = jax.lax.with_sharding_constraint(
+          w, NamedSharding(cfg.split.mesh, cfg.split.spec("kn")))
     wc = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
     # One mask for both paths (mask=None prunes the cast kernel, as the
     # layer computes with it); typed like w under Explicit mesh axes.
@@ -82,7 +88,7 @@ class XlaBackend(Backend):
     # accumulates 16-bit products in float32), not a float32 result cast
     # down afterwards, which costs a pass over y.
     return jax.lax.dot_general(x, wm, (((x.ndim - 1,), (0,)), ((), ())),
-                               precision=cfg.precision, **out)
+                               precision=cfg.precision, **_out(cfg, "mn"))
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     return matmul(x, decompress(sp), precision)
@@ -104,14 +110,16 @@ def _mvue_dot(x, w, kept, active, key, cfg: DotConfig):
 
 def _mvue_dot_fwd(x, w, kept, active, key, cfg: DotConfig):
   wm = jnp.where(kept, w.astype(x.dtype), jnp.zeros((), x.dtype))
-  y = jax.lax.dot_general(x, wm, (((x.ndim - 1,), (0,)), ((), ())), precision=cfg.precision)
+  y = jax.lax.dot_general(x, wm, (((x.ndim - 1,), (0,)), ((), ())), precision=cfg.precision,
+                          **_out(cfg, "mn"))
   return y, (x, w, kept, active, key)
 
 
 def _mvue_dot_bwd(cfg: DotConfig, res, dy):
   x, w, kept, active, key = res
   wm = jnp.where(kept, w.astype(dy.dtype), jnp.zeros((), dy.dtype))
-  dx = matmul(dy, wm.T, cfg.precision)
+  dx = jax.lax.dot_general(dy, wm, (((dy.ndim - 1,), (1,)), ((), ())), precision=cfg.precision,
+                           preferred_element_type=accumulation_dtype(dy.dtype), **_out(cfg, "mk"))
   dw = weight_grad(x, dy, w, cfg, key, active)
   if cfg.gradient == "masked":
     dw = jnp.where(kept, dw, jnp.zeros((), dw.dtype))
