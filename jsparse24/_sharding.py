@@ -125,14 +125,8 @@ def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
 
 def _explicit_mesh(a: jax.Array) -> Any:
   """The mesh of `a`'s sharding type where it has Explicit axes, else None."""
-  sharding = getattr(jax.typeof(a), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or getattr(mesh, "empty", True):
-    return None
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  if explicit is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
-    return None
-  return mesh
+  mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+  return mesh if is_explicit(mesh) else None
 
 
 # Set while a primitive's lowering traces the products (`unpartitioned`).
@@ -538,7 +532,7 @@ def split_map(split: Split, fn: Callable, in_roles: Any, out_roles: Any, *args: 
 def is_explicit(mesh: Any) -> bool:
   """Whether `mesh` (None allowed) has Explicit axes (sharding in types)."""
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  return (mesh is not None and not getattr(mesh, "empty", False) and explicit is not None
+  return (mesh is not None and not getattr(mesh, "empty", True) and explicit is not None
           and explicit in tuple(getattr(mesh, "axis_types", ())))
 
 

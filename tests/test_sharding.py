@@ -358,31 +358,37 @@ def test_tensor_parallel_rejects_a_bad_weight_sharding():
     jsparse24.sparse_dot(x, jsparse24.compress(w), weight_sharding=NamedSharding(mesh, P()))
 
 
-def test_stacked_mask_update_keeps_each_devices_columns():
-  """A stack of layers' kernels (nn.scan's `[L, K, N]`) sharded on N: the
-  flagged mask update (one kernel call for the stack) runs on each device's
-  own columns, never gathers w, and equals the unsharded result."""
+def _rebuild_sharded(w_spec, packed_spec, transposable):
+  """`pallas.rebuild_mask` on a stack of kernels `[3, D, H]` and its masks
+  laid out as given, flagged and not: equal to the unsharded results, the
+  flag respected. Returns the sharded kernels and the flagged call's HLO."""
   from jsparse24.backends import pallas as backend  # pylint: disable=g-import-not-at-top
   mesh = _mesh(jax.sharding.AxisType.Auto)
   w = jax.random.normal(jax.random.key(0), (3, D, H))
   old = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(1), w.shape),
-                                      transposable=True)
-  cols = NamedSharding(mesh, P(None, None, "data"))
-  rows = NamedSharding(mesh, P(None, "data", None))  # the packed mask is [L, N, K/8]
+                                      transposable=transposable)
+  sw = jax.device_put(w, NamedSharding(mesh, w_spec))
+  sold = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, packed_spec)), old)
   update = jax.jit(backend.rebuild_mask)
   with interpret_mode():
     for flag in (True, False):
       want, want_flips = update(w, old, jnp.asarray(flag))
-      sw = jax.device_put(w, cols)
-      sold = jax.tree.map(lambda a: jax.device_put(a, rows), old)
       got, flips = update(sw, sold, jnp.asarray(flag))
       np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
       np.testing.assert_array_equal(np.asarray(flips), np.asarray(want_flips))
       assert (np.asarray(flips) > 0).all() == flag
-    hlo = update.lower(sw, sold, jnp.asarray(True)).compile().as_text()
+    return sw, update.lower(sw, sold, jnp.asarray(True)).compile().as_text()
+
+
+def test_stacked_mask_update_keeps_each_devices_columns():
+  """A stack of layers' kernels (nn.scan's `[L, K, N]`) sharded on N: the
+  flagged mask update (one kernel call for the stack) runs on each device's
+  own columns, never gathers w, and equals the unsharded result."""
+  # The packed mask is [L, N, K/8]: N is its axis 1.
+  _, hlo = _rebuild_sharded(P(None, None, "data"), P(None, "data", None), True)
   # Each device searches its 16 columns of every layer; w is never gathered
   # (the jit's result, the packed mask, is replicated by XLA's choice; so
-  # are the kernel's flip counts, int32 [3, row tiles, N/8], summed whole).
+  # are the kernel's flip counts, int32 [3, 1, N/8], summed whole).
   assert "f32[3,64,16]" in hlo
   coll = _collectives(hlo)
   assert set(coll["all-gather"]) <= {(3, H, D // 8), (3, 1, H // 8)} and not coll["all-reduce"], coll
@@ -395,23 +401,9 @@ def test_stacked_mask_update_keeps_each_devices_rows(transposable):
   the packed mask), the flip counts are summed over the devices, w is never
   gathered, and the result equals the unsharded one."""
   from jsparse24.backends import pallas as backend  # pylint: disable=g-import-not-at-top
-  mesh = _mesh(jax.sharding.AxisType.Auto)
-  w = jax.random.normal(jax.random.key(0), (3, D, H))
-  old = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(1), w.shape),
-                                      transposable=transposable)
-  rows = NamedSharding(mesh, P(None, "data", None))  # K: 8 rows per device
-  packed = NamedSharding(mesh, P(None, None, "data"))  # [L, N, K/8]: one byte per device
-  update = jax.jit(backend.rebuild_mask)
+  # K: 8 rows per device; the packed mask [L, N, K/8]: one byte per device.
+  sw, hlo = _rebuild_sharded(P(None, "data", None), P(None, None, "data"), transposable)
   with interpret_mode():
-    for flag in (True, False):
-      want, want_flips = update(w, old, jnp.asarray(flag))
-      sw = jax.device_put(w, rows)
-      sold = jax.tree.map(lambda a: jax.device_put(a, packed), old)
-      got, flips = update(sw, sold, jnp.asarray(flag))
-      np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
-      np.testing.assert_array_equal(np.asarray(flips), np.asarray(want_flips))
-      assert (np.asarray(flips) > 0).all() == flag
-    hlo = update.lower(sw, sold, jnp.asarray(True)).compile().as_text()
     mask_hlo = jax.jit(backend.transposable_mask).lower(sw).compile().as_text()
   assert "f32[3,8,128]" in hlo  # each device's rows of every layer
   coll = _collectives(hlo)
