@@ -89,7 +89,8 @@ def sparse_dot(
       multiplies by it; x's rows are split over the mesh axes the weight
       does not use (data parallelism). None (default): a sharded weight is
       gathered for the product (correct; the speed of data parallelism and
-      FSDP only). The backend is chosen for each device's block.
+      FSDP only). The backend is chosen for each device's block. Also for
+      a `Sparse24` `w` (each device multiplies by its block of it).
 
   Returns:
     `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in
@@ -149,18 +150,15 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
     if weight_grad != "dense":
       raise ValueError(f"{fn}: weight_grad={weight_grad!r} needs a dense `w` (a Sparse24 is"
                        f" for inference; its gradient is that of its kept values).")
-    if weight_sharding is not None:
-      raise NotImplementedError(
-          f"{fn}: weight_sharding (tensor parallelism) needs a dense `w`; a Sparse24 is"
-          f" multiplied whole on each device (shard the activations' rows instead).")
     if len(w.shape) != 2:
       raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
     _check_contraction(fn, x, w.shape)
     dtype = jnp.result_type(x.dtype, w.dtype)
-    backend = backends.select(implementation, _problem(x.shape, w.shape, dtype, w.has_transpose))
+    backend, split = _backend_and_split(fn, implementation, weight_sharding, x.shape,
+                                        w.shape, dtype, w.has_transpose)
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
-    y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision)
+    y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
   _checks.check_float(fn, "w", w)
@@ -192,20 +190,8 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
       mask = Mask24.pack(mask, transposable=transposable)
 
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
-  rows = math.prod(x.shape[:-1])
-  split = None
-  arg = "weight_sharding" if fn == "sparse_dot" else "kernel_sharding"  # the layers' name
-  if weight_sharding is not None:  # first only the mesh axes (no alignment)
-    split = weight_split(fn, weight_sharding, rows, *w.shape, (1, 1), "any", warn=False,
-                         arg=arg)
-  # Each device's block decides the backend (the whole product under a split).
-  block = (rows // split.size("m"), w.shape[0] // split.size("k"),
-           w.shape[1] // split.size("n")) if split else (rows, *w.shape)
-  backend = backends.select(implementation, _problem((block[0], block[1]), block[1:], dtype,
-                                                     transposable))
-  if split is not None:
-    split = weight_split(fn, weight_sharding, rows, *w.shape,
-                         backend.split_align(transposable), backend.name, arg=arg)
+  backend, split = _backend_and_split(fn, implementation, weight_sharding, x.shape, w.shape,
+                                      dtype, transposable)
   cfg = backends.DotConfig(gradient, transposable, precision, weight_grad, split)
   if split is not None and is_explicit(split.mesh):
     # Explicit mesh axes: w typed with its split (a local slice if it was
@@ -218,6 +204,26 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
   # `w` keeps its dtype: the backend casts it to x's (Backend.dot).
   y = backend.dot(x2, w, mask, active, cfg, key if weight_grad == "mvue" else None)
   return y.reshape(*lead, w.shape[1])
+
+
+def _backend_and_split(fn, implementation, weight_sharding, x_shape, w_shape, dtype,
+                       transposable):
+  """The backend for this call and its tensor-parallel `Split` (None without
+  `weight_sharding`). Under a split each device's block of the product
+  decides the backend, and the split is checked against what the backend
+  needs of a block."""
+  rows = math.prod(x_shape[:-1])
+  k, n = w_shape
+  if weight_sharding is None:
+    return backends.select(implementation, _problem(x_shape, w_shape, dtype, transposable)), None
+  arg = "weight_sharding" if fn == "sparse_dot" else "kernel_sharding"  # the layers' name
+  # First only the mesh axes (no alignment): the block that picks the backend.
+  split = weight_split(fn, weight_sharding, rows, k, n, (1, 1), "any", warn=False, arg=arg)
+  block = (rows // split.size("m"), k // split.size("k"), n // split.size("n"))
+  backend = backends.select(implementation, _problem(block[:2], block[1:], dtype, transposable))
+  split = weight_split(fn, weight_sharding, rows, k, n, backend.split_align(transposable),
+                       backend.name, arg=arg)
+  return backend, split
 
 
 def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:

@@ -158,7 +158,7 @@ def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
       sp, values=sp.values.astype(dtype),
       values_t=None if sp.values_t is None else sp.values_t.astype(dtype))
   y = sparse_dot(inputs.astype(dtype), sp, implementation=opts.implementation,
-                 precision=module.precision)
+                 precision=module.precision, weight_sharding=opts.kernel_sharding)
   if bias is not None:
     y = y + jnp.reshape(bias.astype(y.dtype), (1,) * (y.ndim - 1) + (-1,))
   return y

@@ -354,8 +354,13 @@ def test_tensor_parallel_rejects_a_bad_weight_sharding():
                                        r" 8, got 4\b"):
     with interpret_mode():
       layer.init(jax.random.key(0), jnp.ones((8, D)))
-  with pytest.raises(NotImplementedError, match="sparse_dot: weight_sharding .* needs a dense"):
-    jsparse24.sparse_dot(x, jsparse24.compress(w), weight_sharding=NamedSharding(mesh, P()))
+  with pytest.raises(ValueError, match=r"sparse_dot: `weight_sharding` .* splits N = 32 over"):
+    # A Sparse24 weight (inference) is checked alike.
+    with interpret_mode():
+      jsparse24.sparse_dot(x, jsparse24.compress(w[:, :32], transposed=True),
+                           implementation="pallas",
+                           weight_sharding=NamedSharding(jax.make_mesh((8,), ("model",)),
+                                                         P(None, "model")))
 
 
 def _rebuild_sharded(w_spec, packed_spec, transposable):
@@ -587,3 +592,95 @@ def test_rows_contracted_gives_each_device_its_block(axis_type, x_spec, dy_spec,
   coll = _collectives(f.lower(xs, dys).compile().as_text())
   assert coll["all-gather"] == [], coll
   assert coll["all-reduce"] == [block], coll
+
+
+def test_tensor_parallel_through_sparsify_rules():
+  """`kernel_sharding` as a `sparsify` rule option on an unmodified dense
+  model: the patched layers split like `SparseDense(kernel_sharding=)`, the
+  output and gradients equal the unsplit patched model's, no all-gather."""
+  mesh = _megatron_mesh()
+
+  class Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.relu(nn.Dense(H, use_bias=False, name="up")(x))
+      return nn.Dense(D, use_bias=False, name="down")(h)
+
+  def patched(split):
+    opts = lambda s: {"implementation": "pallas", "kernel_sharding": s}  # noqa: E731
+    return jsparse24.sparsify(Dense(), {
+        "up": opts(NamedSharding(mesh, P(None, "model")) if split else None),
+        "down": opts(NamedSharding(mesh, P("model", None)) if split else None)})
+
+  x = jax.random.normal(jax.random.key(0), (B * T, D))
+  with interpret_mode():
+    v = patched(False).init(jax.random.key(1), x)
+
+    def loss(model):
+      return lambda p, x: jnp.sum(jnp.sin(model.apply({**v, "params": p}, x)))
+    want = jax.jit(jax.value_and_grad(loss(patched(False))))(v["params"], x)
+    f = jax.jit(jax.value_and_grad(loss(patched(True))))
+    sp = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, _megatron_spec(a))),
+                      v["params"])
+    sx = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got = f(sp, sx)
+    hlo = f.lower(sp, sx).compile().as_text()
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      b, a, rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max())), want, got)
+  coll = _collectives(hlo)
+  assert coll["all-gather"] == [] and (B * T // 2, D) in set(coll["all-reduce"]), coll
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_tensor_parallel_on_a_compressed_weight(implementation, transposed):
+  """Inference (and fine-tuning of the kept values) on `Sparse24` weights
+  under a split: column- then row-parallel, value and gradients in x and
+  both weights' values equal the unsplit call's; no all-gather."""
+  mesh = _megatron_mesh()
+  k = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(k[0], (B * T, D))
+  sp1 = jsparse24.compress(jax.random.normal(k[1], (D, H)), transposed=transposed)
+  sp2 = jsparse24.compress(jax.random.normal(k[2], (H, D)), transposed=transposed)
+
+  def loss(x, sp1, sp2, s1, s2):
+    kw = dict(implementation=implementation)
+    h = jsparse24.sparse_dot(x, sp1, weight_sharding=s1, **kw)
+    return jnp.sum(jnp.sin(jsparse24.sparse_dot(jnp.tanh(h), sp2, weight_sharding=s2, **kw)))
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), allow_int=True),
+                 static_argnums=(3, 4))
+  splits = (NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None)))
+  sx = jax.device_put(x, NamedSharding(mesh, P("data")))
+  with interpret_mode():
+    want = grad(x, sp1, sp2, None, None)
+    got = grad(sx, sp1, sp2, *splits)
+    hlo = grad.lower(sx, sp1, sp2, *splits).compile().as_text()
+  (lw, (gx_w, g1_w, g2_w)), (lg, (gx_g, g1_g, g2_g)) = want, got
+  close = lambda a, b: np.testing.assert_allclose(  # noqa: E731
+      b, a, rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
+  close(lw, lg)
+  for a, b in ((gx_w, gx_g), (g1_w.values, g1_g.values), (g2_w.values, g2_g.values)):
+    close(a, b)
+  assert _collectives(hlo)["all-gather"] == [], _collectives(hlo)
+
+
+def test_tensor_parallel_layers_on_compressed_params():
+  """`SparseDense(kernel_sharding=)` applied to `compress_params`' output
+  (inference on Sparse24 kernels) splits its products like the dense-kernel
+  step: the unsplit model's output, no all-gather."""
+  mesh = _megatron_mesh()
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  split = _MLP("pallas", NamedSharding(mesh, P(None, "model")),
+               NamedSharding(mesh, P("model", None)))
+  with interpret_mode():
+    v = _MLP("pallas").init(jax.random.key(1), x)
+    params = jsparse24.compress_params(v["params"], v["sparsity"])
+    want = jax.jit(_MLP("pallas").apply)({"params": params}, x)
+    f = jax.jit(split.apply)
+    sx = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got = f({"params": params}, sx)
+    hlo = f.lower({"params": params}, sx).compile().as_text()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+  coll = _collectives(hlo)
+  assert coll["all-gather"] == [] and (B * T // 2, D) in set(coll["all-reduce"]), coll

@@ -154,12 +154,14 @@ class Backend(abc.ABC):
   def forward_compressed(self, x: jax.Array, sp: Sparse24, precision: Any) -> jax.Array:
     """`x @ decompress(sp)` for inference on a compressed weight."""
 
-  def dot_compressed(self, x: jax.Array, sp: Sparse24, precision: Any) -> jax.Array:
+  def dot_compressed(self, x: jax.Array, sp: Sparse24, precision: Any,
+                     split: Split | None = None) -> jax.Array:
     """`x[M, K] @ decompress(sp)`, differentiable in `x` and in `sp.values`.
     By default a custom_vjp around `forward_compressed` (the Pallas and
     cuSPARSELt calls have no transpose rule); the reference backend
-    overrides it with its plain ops."""
-    return _compressed_product(x, sp, self, precision)
+    overrides it with its plain ops. `split`: tensor parallelism, each
+    device multiplying by its block of `sp` (`_sharding.split_map`)."""
+    return _compressed_product(x, sp, self, precision, split)
 
 
 def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, cfg: DotConfig,
@@ -439,20 +441,42 @@ batching.primitive_batchers[_tangent_p] = _tangent_batch
 mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _compressed_product(x, sp: Sparse24, backend: Backend, precision):
-  return backend.forward_compressed(x, sp, precision)
+def sparse24_roles(sp: Sparse24) -> Sparse24:
+  """`operand_roles` of a `Sparse24`: values and meta `[N, ...]`, the
+  transposed pair `[K, ...]`."""
+  t = sp.values_t is not None
+  return Sparse24("nk", "nk", "kn" if t else None, "kn" if t else None)
 
 
-def _compressed_product_fwd(x, sp, backend: Backend, precision):
-  return backend.forward_compressed(x, sp, precision), (x, sp)
+def _forward_compressed(backend: Backend, x, sp: Sparse24, precision, split: Split | None,
+                        transposed: bool = False):
+  """`x @ decompress(sp)` (`transposed`: `x @ decompress(sp)^T` from the
+  transposed copy), on each device's block of `sp` under a `split`."""
+  if split is None:
+    return backend.forward_compressed(x, sp.transpose() if transposed else sp, precision)
+  if transposed:  # dy[M, N] @ W^T: contracted over N, summed over N's axes
+    local = lambda x, sp: psum_over(  # noqa: E731
+        backend.forward_compressed(x, sp.transpose(), precision), split.n)
+    return split_map(split, local, ("mn", sparse24_roles(sp)), "mk", x, sp)
+  local = lambda x, sp: psum_over(backend.forward_compressed(x, sp, precision),  # noqa: E731
+                                  split.k)
+  return split_map(split, local, ("mk", sparse24_roles(sp)), "mn", x, sp)
 
 
-def _compressed_product_bwd(backend: Backend, precision, res, dy):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _compressed_product(x, sp: Sparse24, backend: Backend, precision, split):
+  return _forward_compressed(backend, x, sp, precision, split)
+
+
+def _compressed_product_fwd(x, sp, backend: Backend, precision, split):
+  return _forward_compressed(backend, x, sp, precision, split), (x, sp)
+
+
+def _compressed_product_bwd(backend: Backend, precision, split, res, dy):
   x, sp = res
   # dx = dy @ W^T: on the sparse kernels where sp holds the transposed copy.
   if sp.has_transpose:
-    dx = backend.forward_compressed(dy, sp.transpose(), precision)
+    dx = _forward_compressed(backend, dy, sp, precision, split, transposed=True)
   else:
     dx = matmul(dy, decompress(sp).T, precision)
   # d values = (x^T dy) at the kept positions (the forward reads `values` only).

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._sharding import columns_parallel, rows_parallel
-from jsparse24.backends.base import Backend, Problem
+from jsparse24.backends.base import Backend, Problem, sparse24_roles
 from jsparse24.backends.base import matmul
 
 _INTERPRET = [False]
@@ -217,8 +217,7 @@ class PallasBackend(Backend):
 
   def operand_roles(self, operand: Sparse24):
     # values and meta are [N, K/2] and [N, K/8]; the transposed pair [K, ...].
-    t = operand.values_t is not None
-    return Sparse24("nk", "nk", "kn" if t else None, "kn" if t else None)
+    return sparse24_roles(operand)
 
   def split_align(self, transposable):
     # Whole bytes of packed codes along K (two 4-groups per byte), and along

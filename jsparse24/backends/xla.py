@@ -93,8 +93,10 @@ class XlaBackend(Backend):
   def forward_compressed(self, x, sp: Sparse24, precision):
     return matmul(x, decompress(sp), precision)
 
-  def dot_compressed(self, x, sp: Sparse24, precision):
-    # Plain ops: JAX differentiates them itself (forward mode too).
+  def dot_compressed(self, x, sp: Sparse24, precision, split=None):
+    # Plain ops: JAX differentiates them itself (forward mode too), and XLA
+    # partitions them under any split.
+    del split
     return self.forward_compressed(x, sp, precision)
 
 
