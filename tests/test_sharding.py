@@ -494,6 +494,20 @@ def _weighted_rows(x, dy, first_row, first_col, n_total, scale):
                                          preferred_element_type=jnp.float32)
 
 
+def _contracted_case(axis_type, x_spec, dy_spec):
+  """x `[64, 16]`, dy `[64, 24]`, the two laid out on a 4 x 2 data x model
+  mesh, `_weighted_rows`' scale operand and its unsplit result."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+  x = jax.random.normal(jax.random.key(0), (64, 16))
+  dy = jax.random.normal(jax.random.key(1), (64, 24))
+  scale = jnp.array([3.0])
+  want = _weighted_rows(x, dy, jnp.int32(0), jnp.int32(0), 24, scale)
+  xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+  dys = jax.device_put(dy, NamedSharding(mesh, dy_spec))
+  return x, dy, xs, dys, scale, want
+
+
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("spec", [P("data"), P(("data", "model")), P(None)])
 def test_rows_contracted_sums_each_devices_rows_with_one_all_reduce(axis_type, spec):
@@ -501,13 +515,7 @@ def test_rows_contracted_sums_each_devices_rows_with_one_all_reduce(axis_type, s
   contracts over M: each device contracts its own rows, then one all-reduce,
   as XLA does for the dense `x^T dy`; no activation is gathered."""
   from jsparse24._sharding import rows_contracted
-  mesh = jax.make_mesh((4, 2), ("data", "model"),
-                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
-  x = jax.random.normal(jax.random.key(0), (64, 16))
-  dy = jax.random.normal(jax.random.key(1), (64, 24))
-  scale = jnp.array([3.0])
-  want = _weighted_rows(x, dy, jnp.int32(0), jnp.int32(0), 24, scale)
-  xs, dys = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, dy))
+  x, dy, xs, dys, scale, want = _contracted_case(axis_type, spec, spec)
   f = jax.jit(lambda a, b: rows_contracted(_weighted_rows, a, b, scale))
   np.testing.assert_allclose(f(xs, dys), want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
   coll = _collectives(f.lower(xs, dys).compile().as_text())
@@ -578,14 +586,7 @@ def test_rows_contracted_gives_each_device_its_block(axis_type, x_spec, dy_spec,
   and column and the whole N); one all-reduce of the block over the rows'
   axes; nothing gathered."""
   from jsparse24._sharding import rows_contracted
-  mesh = jax.make_mesh((4, 2), ("data", "model"),
-                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
-  x = jax.random.normal(jax.random.key(0), (64, 16))
-  dy = jax.random.normal(jax.random.key(1), (64, 24))
-  scale = jnp.array([3.0])
-  want = _weighted_rows(x, dy, jnp.int32(0), jnp.int32(0), 24, scale)
-  xs = jax.device_put(x, NamedSharding(mesh, x_spec))
-  dys = jax.device_put(dy, NamedSharding(mesh, dy_spec))
+  _, _, xs, dys, scale, want = _contracted_case(axis_type, x_spec, dy_spec)
   f = jax.jit(lambda a, b: rows_contracted(_weighted_rows, a, b, scale, align=4))
   got = f(xs, dys)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
