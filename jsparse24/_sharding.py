@@ -177,11 +177,16 @@ def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array
                            jax.sharding.reshard(x, NamedSharding(mesh, rows)), *operands)
 
 
+def explicit_sharding(a: jax.Array) -> Any:
+  """`a`'s sharding type where its mesh has Explicit axes, else None."""
+  return jax.typeof(a).sharding if _explicit_mesh(a) is not None else None
+
+
 def weight_grad_sharding(w: jax.Array) -> Any:
   """`out_sharding` for a product that makes w's gradient: w's sharding
   where the mesh has Explicit axes (there JAX needs it to resolve a product
   contracted over a sharded axis), else None."""
-  return jax.typeof(w).sharding if _explicit_mesh(w) is not None else None
+  return explicit_sharding(w)
 
 
 def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
@@ -541,8 +546,8 @@ def typed_like(fn: Callable, like: jax.Array, *args: Any) -> jax.Array:
   runs with the axes made Auto (XLA partitions its reshapes as it would
   there) and comes out typed with `like`'s sharding (e.g. a mask unpacked
   next to its sharded weight); elsewhere `fn(*args)`."""
-  sharding = getattr(jax.typeof(like), "sharding", None)
-  if not is_explicit(getattr(sharding, "mesh", None)):
+  sharding = explicit_sharding(like)
+  if sharding is None:
     return fn(*args)
   return jax.sharding.auto_axes(fn, out_sharding=sharding)(*args)
 

@@ -40,7 +40,7 @@ import optax
 
 from jsparse24 import backends
 from jsparse24._format import Mask24
-from jsparse24._sharding import is_explicit, typed_like
+from jsparse24._sharding import explicit_sharding, typed_like
 from jsparse24.linen import (_map_layers, dense_kernel, layers_by_path, map_sparse_kernels,
                              rebuild_masks)
 
@@ -298,8 +298,8 @@ def _mask_typed_like(new: Mask24, old: Mask24) -> Mask24:
   """`new` with `old`'s sharding type where the mesh axes are Explicit (the
   rebuilt mask comes out sharded like its weight; the conditional around
   the rebuild needs both branches typed alike). Elsewhere `new` itself."""
-  sharding = getattr(jax.typeof(old.packed), "sharding", None)
-  if not is_explicit(getattr(sharding, "mesh", None)):
+  sharding = explicit_sharding(old.packed)
+  if sharding is None:
     return new
   return dataclasses.replace(new, packed=jax.sharding.reshard(new.packed, sharding))
 

@@ -239,21 +239,28 @@ def _prepare(backend: Backend, w, mask, cfg: DotConfig):
   return split_map(split, local, roles, backend.operand_roles(shape), *args)
 
 
+def _on_blocks(split: Split, product, x, operand, roles, transposed: bool):
+  """`product(x, operand)` on each device's block: `x @ W` (x `[M, K]`,
+  the partial products summed over K's mesh axes), or with `transposed`
+  `x @ W^T` (x `[M, N]`, summed over N's)."""
+  contracted, x_roles, y_roles = ((split.n, "mn", "mk") if transposed
+                                  else (split.k, "mk", "mn"))
+  local = lambda x, op: psum_over(product(x, op), contracted)  # noqa: E731
+  return split_map(split, local, (x_roles, roles), y_roles, x, operand)
+
+
 def _forward(backend: Backend, x, operand, cfg: DotConfig):
-  split = cfg.split
-  if split is None:
-    return backend.forward(x, operand, cfg.precision)
-  local = lambda x, op: psum_over(backend.forward(x, op, cfg.precision), split.k)  # noqa: E731
-  return split_map(split, local, ("mk", backend.operand_roles(operand)), "mn", x, operand)
+  product = lambda x, op: backend.forward(x, op, cfg.precision)  # noqa: E731
+  if cfg.split is None:
+    return product(x, operand)
+  return _on_blocks(cfg.split, product, x, operand, backend.operand_roles(operand), False)
 
 
 def _backward_dx(backend: Backend, dy, operand, cfg: DotConfig):
-  split = cfg.split
-  if split is None:
-    return backend.backward_dx(dy, operand, cfg.precision)
-  local = lambda dy, op: psum_over(  # noqa: E731
-      backend.backward_dx(dy, op, cfg.precision), split.n)
-  return split_map(split, local, ("mn", backend.operand_roles(operand)), "mk", dy, operand)
+  product = lambda dy, op: backend.backward_dx(dy, op, cfg.precision)  # noqa: E731
+  if cfg.split is None:
+    return product(dy, operand)
+  return _on_blocks(cfg.split, product, dy, operand, backend.operand_roles(operand), True)
 
 
 def _mask_grad(backend: Backend, dw, operand, cfg: DotConfig):
@@ -452,15 +459,11 @@ def _forward_compressed(backend: Backend, x, sp: Sparse24, precision, split: Spl
                         transposed: bool = False):
   """`x @ decompress(sp)` (`transposed`: `x @ decompress(sp)^T` from the
   transposed copy), on each device's block of `sp` under a `split`."""
+  product = lambda x, sp: backend.forward_compressed(  # noqa: E731
+      x, sp.transpose() if transposed else sp, precision)
   if split is None:
-    return backend.forward_compressed(x, sp.transpose() if transposed else sp, precision)
-  if transposed:  # dy[M, N] @ W^T: contracted over N, summed over N's axes
-    local = lambda x, sp: psum_over(  # noqa: E731
-        backend.forward_compressed(x, sp.transpose(), precision), split.n)
-    return split_map(split, local, ("mn", sparse24_roles(sp)), "mk", x, sp)
-  local = lambda x, sp: psum_over(backend.forward_compressed(x, sp, precision),  # noqa: E731
-                                  split.k)
-  return split_map(split, local, ("mk", sparse24_roles(sp)), "mn", x, sp)
+    return product(x, sp)
+  return _on_blocks(split, product, x, sp, sparse24_roles(sp), transposed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
