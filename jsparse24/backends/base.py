@@ -167,14 +167,11 @@ class Backend(abc.ABC):
 def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, cfg: DotConfig,
                 key: jax.Array | None = None, active: jax.Array | None = None,
                 backend: "Backend | None" = None) -> jax.Array:
-  """`dw = x^T dy`, accumulated in float32 and returned in w's own dtype;
-  with `cfg.weight_grad == "mvue"`, `x^T mvue_24(dy, key)` (dy pruned 2:4
-  along M, unbiased; `backend.mvue_weight_grad`, by default XLA's dense
-  product of the pruned dy) where `active` (None: always) is True.
-
-  `w` may be wider than x (a layer's float32 kernel with bfloat16 compute,
-  cast inside the product): the product then writes the float32 gradient
-  directly, with no bfloat16 rounding and no separate conversion pass.
+  """`dw = x^T dy` in w's own dtype (`dense_weight_grad`: as nn.Dense's
+  autodiff computes it); with `cfg.weight_grad == "mvue"`, `x^T
+  mvue_24(dy, key)` (dy pruned 2:4 along M, unbiased;
+  `backend.mvue_weight_grad`, by default XLA's dense product of the pruned
+  dy) where `active` (None: always) is True.
   """
   if cfg.weight_grad != "mvue":
     return dense_weight_grad(x, dy, w, cfg.precision)
@@ -201,12 +198,21 @@ def _mvue_weight_grad_xla(x, dy, w, key, precision) -> jax.Array:
 
 
 def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
-  """`x^T dy` by XLA, accumulated in float32, in w's dtype (and sharding,
-  where the mesh axes are Explicit)."""
+  """`x^T dy` by XLA in x's dtype (accumulated in float32 on the GPU), then
+  cast to w's dtype (and sharding, where the mesh axes are Explicit): the
+  same operations, and so the same bits, as the gradient of nn.Dense's
+  kernel.
+
+  A float32 product would keep the bits that the rounding to x's dtype
+  drops, but under nn.scan it costs more than it gives: the stacked
+  gradient takes each layer's float32 product by a copy (4 bytes read and
+  4 written per weight), where a 16-bit product is converted in the
+  fusion that writes the stack (2 read, 4 written), as the dense model's
+  is. On an H100 that copy was 5.5 ms of bench_model.py's d_model 4096
+  step (benchmarks/NOTES.md, "Tenth session")."""
   sharding = weight_grad_sharding(w)  # Explicit mesh axes: dw sharded like w
   kw = {} if sharding is None else {"out_sharding": sharding}
-  out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
-                            preferred_element_type=accumulation_dtype(x.dtype), **kw)
+  out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision, **kw)
   return out.astype(w.dtype)
 
 
