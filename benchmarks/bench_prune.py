@@ -105,7 +105,7 @@ def main(argv=None):
     if jax.default_backend() == "gpu":
       # What the "cusparselt" backend (the default for large layers on a GPU)
       # runs in training: the same kernels writing cuSPARSELt's layout, then
-      # the metadata rows (XLA fusions per copy). A backend internal, as in
+      # its metadata rows (a second Pallas pass per copy). A backend internal, as in
       # section_mvue: no public function compresses into that layout alone.
       from jsparse24.backends import cusparselt as cslt  # pylint: disable=g-import-not-at-top
       f_cp = jax.jit(lambda w, m, t=transposed: cslt.compress_for_products(w, m, t))

@@ -9,7 +9,8 @@ the exact best of the 90 4x4 patterns (in either layout);
 mask, and `rebuild_mask(w, old, rebuild)` builds a mask (transposable or
 plain) only where a run-time flag asks (a mask rebuild schedule without a
 conditional). `compress_with_meta(w, meta)` applies a stored packed mask instead of
-pruning. Results are bit-identical to the plain `jnp` references below
+pruning. `write_cusparselt_metadata(buf, meta, row=...)` writes cuSPARSELt's
+metadata into a compressed buffer after its values, in place. Results are bit-identical to the plain `jnp` references below
 (which define the contract through jsparse24's reference format code).
 """
 
@@ -681,3 +682,98 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   if not transposed:
     return values, None, None
   return values, outs[1][:k, :n // 2], _with_pad_code(outs[2][:k, :math.ceil(n / 8)], n)
+
+
+# --- cuSPARSELt's metadata, written into the compressed buffer in place -------
+#
+# cuSPARSELt (0.8) keeps the 4-bit codes of an R x G matrix of groups (our
+# code i0 | i1 << 2) after the values, in blocks of 64 rows x 8 groups = 256
+# bytes ordered row-block major; inside a block, row r = 16a + 8h + b and
+# group g = 4c + d land in byte 64a + 8b + 2d + c, in the low nibble when
+# h = 0 and the high one when h = 1 (decoded from cusparseLtSpMMACompress2's
+# output; jsparse24.backends.cusparselt.metadata_layout is the byte-wise
+# definition the tests check against recorded bytes). On 32-bit words: four
+# bytes of a row of the packed mask are the codes of one 8-group block
+# (nibble j: group 8*gb + j), and output word 16a + 2b + d1 of a block holds
+# groups 4c + 2*d1 + d0 of rows 16a + b (low nibbles) and 16a + 8 + b (high)
+# at byte 2*d0 + c: shifts and masks of two input words.
+
+
+def _spread_nibbles(t: jax.Array) -> jax.Array:
+  """Nibbles 0, 1, 4, 5 of uint32 `t` to bits 0, 16, 8, 24 (the rest dropped)."""
+  return (t & 0xF) | ((t & 0xF0) << 12) | ((t & 0xF0000) >> 8) | ((t & 0xF00000) << 4)
+
+
+def metadata_words_reference(words: jax.Array) -> jax.Array:
+  """Plain-`jnp` reference of the metadata kernel: uint32 words `[R, G/8]`
+  (row r, 8-group block gb; R % 64 == 0) -> the blocks' output words
+  `[R/64 * G/8, 64]`, row-block major."""
+  r, gb = words.shape
+  w = words.reshape(r // 64, 4, 2, 8, gb).transpose(0, 4, 1, 3, 2)  # [rb, gb, a, b, h]
+  # d1 (the half of the output word) as a broadcast axis: XLA makes a
+  # transpose fusion per h and one elementwise fusion of this. An iota, not
+  # an array constant: jsparse24 traces this inside custom_partitioning,
+  # which refuses constants.
+  shift = jax.lax.iota(jnp.uint32, 2) * jnp.uint32(8)  # [d1]: 0, 8
+  out = (_spread_nibbles(w[..., 0, None] >> shift)
+         | (_spread_nibbles(w[..., 1, None] >> shift) << 4))  # [rb, gb, a, b, d1]
+  return out.reshape(-1, 64)
+
+
+def _metadata_kernel(words_ref, buf_ref, out_ref):
+  """One 64-row block of the mask (`words_ref` `[64, nb]`: nb 8-group
+  blocks) -> its nb 256-byte metadata blocks (`out_ref` `[nb, 64]` words).
+  `buf_ref` is the aliased buffer (not read)."""
+  del buf_ref
+  for a in range(4):
+    lo = words_ref[pl.ds(16 * a, 8), :]  # [b, nb]: rows 16a + b
+    hi = words_ref[pl.ds(16 * a + 8, 8), :]  # rows 16a + 8 + b
+    halves = [(_spread_nibbles(lo >> (8 * d1)) | (_spread_nibbles(hi >> (8 * d1)) << 4)).T
+              for d1 in range(2)]  # [nb, b]
+    out_ref[:, pl.ds(16 * a, 16)] = _tiles.join_lanes(halves)  # word 16a + 2b + d1
+
+
+@functools.partial(jax.jit, static_argnames=("row", "interpret"), donate_argnums=(0,))
+def write_cusparselt_metadata(buf: jax.Array, meta: jax.Array, *, row: int,
+                              interpret: bool = False) -> jax.Array:
+  """`buf` (a 16-bit `[T, C]` compressed buffer, `layout="cusparselt"`)
+  with cuSPARSELt's metadata of the packed mask `meta` (`uint8[R, G/2]`: R
+  rows of G groups of 4, R and G multiples of 64 and 8) written from row
+  `row` on, in place (`buf` is donated; every other element is kept).
+
+  One pass: each program reads a 64-row block of the mask and writes its
+  256-byte metadata blocks. (XLA's fusions of the same word arithmetic,
+  `metadata_words_reference`, made three passes and an in-place update.)
+  """
+  fn = "write_cusparselt_metadata"
+  t, c = buf.shape
+  r, half = meta.shape
+  if jnp.dtype(buf.dtype).itemsize != 2 or meta.dtype != jnp.uint8:
+    raise TypeError(f"{fn}: `buf` must be 16-bit and `meta` uint8, got {buf.dtype},"
+                    f" {meta.dtype}.")
+  if r % 64 or half % 4:
+    raise ValueError(f"{fn}: `meta` must be [R, G/2] with R a multiple of 64 and G of 8,"
+                     f" got {list(meta.shape)}.")
+  groups = 2 * half
+  blocks = r // 64 * (groups // 8)
+  if (row * c) % 128 or row * c // 2 + 64 * blocks > t * c // 2:
+    raise ValueError(f"{fn}: {blocks} metadata blocks from row {row} do not fit"
+                     f" `buf` {list(buf.shape)} (or row * C is not a multiple of 128).")
+  first = row * c // 128  # the first metadata block, in 64-word rows
+  nb = math.gcd(32, groups // 8, first) if first else math.gcd(32, groups // 8)
+  words = jax.lax.bitcast_convert_type(meta.reshape(r, groups // 8, 4), jnp.uint32)
+  view = jax.lax.bitcast_convert_type(buf.reshape(t, c // 2, 2), jnp.uint32).reshape(-1, 64)
+  per_row = groups // 8 // nb  # output blocks of nb per 64-row block
+  spec = pl.BlockSpec((nb, 64), lambda i, j: (first // nb + i * per_row + j, 0))
+  out = pl.pallas_call(
+      _metadata_kernel,
+      out_shape=jax.ShapeDtypeStruct(view.shape, jnp.uint32),
+      grid=(r // 64, per_row),
+      in_specs=[pl.BlockSpec((64, nb), lambda i, j: (i, j)), spec],
+      out_specs=spec,
+      input_output_aliases={1: 0},
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="jsparse24_cusparselt_metadata",
+  )(words, view)
+  return jax.lax.bitcast_convert_type(out.reshape(t, c // 2), buf.dtype).reshape(t, c)

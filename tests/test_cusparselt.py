@@ -17,6 +17,7 @@ from jsparse24 import backends
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends import cusparselt
 from jsparse24.backends.pallas import interpret_mode
+from pallas_kernels import prune24
 
 DATA = pathlib.Path(__file__).parent / "data" / "cusparselt_layout.npz"
 
@@ -128,26 +129,66 @@ def test_metadata_rows_equal_the_bytewise_layout(r, g, cols, dtype):
   np.testing.assert_array_equal(np.asarray(got).view(np.uint8).reshape(-1), want)
 
 
-def _contract_with_metadata(x, dy, first_row, first_col, n_total, meta):
+@pytest.mark.parametrize("k,n", [(64, 64), (128, 192), (256, 64), (640, 320), (192, 1024)])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dtype):
+  """The Pallas metadata pass (`_with_metadata`) writes exactly the bytes of
+  `metadata_layout` after the values of a compressed buffer, and leaves
+  every value as it was (random bits in both; compared as bytes, so that no
+  NaN pattern is canonicalised on the way)."""
+  rng = np.random.default_rng(k + n + transpose)
+  rows, groups = (k, n // 4) if transpose else (n, k // 4)
+  codes = rng.integers(0, 16, (rows, groups), dtype=np.uint8)
+  meta = jnp.asarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
+  shape = cusparselt.buffer_shape(k, n, transpose=transpose)
+  bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+  buf = jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype)
+  first = k if transpose else k // 2
+  with interpret_mode():
+    got = cusparselt._with_metadata(buf, first, meta, groups)  # pylint: disable=protected-access
+  got = np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16))
+  np.testing.assert_array_equal(got[:first], bits[:first])
+  np.testing.assert_array_equal(got[first:].view(np.uint8).reshape(-1),
+                                np.asarray(cusparselt.metadata_layout(jnp.asarray(codes))))
+
+
+def test_metadata_kernel_rejects_bad_shapes():
+  buf = jnp.zeros((36, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="write_cusparselt_metadata: `meta` must be"):
+    prune24.write_cusparselt_metadata(buf, jnp.zeros((48, 8), jnp.uint8), row=32,
+                                      interpret=True)
+  with pytest.raises(ValueError, match="write_cusparselt_metadata: 16 metadata blocks"):
+    prune24.write_cusparselt_metadata(buf, jnp.zeros((64, 64), jnp.uint8), row=32,
+                                      interpret=True)
+
+
+def _contract_with_metadata(x, dy, first_row, first_col, n_total, meta, writer="xla"):
   """A `rows_contracted` function that writes metadata rows, as the MVUE
-  weight gradient does inside its partitioned op."""
+  weight gradient does inside its partitioned op (by the XLA reference or
+  the Pallas pass)."""
   del first_row, first_col, n_total
-  rows = cusparselt._metadata_rows(meta, 16, 64, jnp.bfloat16)  # pylint: disable=protected-access
+  if writer == "xla":
+    rows = cusparselt._metadata_rows(meta, 16, 64, jnp.bfloat16)  # pylint: disable=protected-access
+  else:
+    rows = cusparselt._with_metadata(jnp.zeros((36, 64), jnp.bfloat16), 32, meta, 16)  # pylint: disable=protected-access
   bits = jax.lax.bitcast_convert_type(rows, jnp.uint16).astype(jnp.int32)
   return x.T @ dy + (jnp.sum(bits) % 1000).astype(jnp.float32)
 
 
-def test_metadata_rows_trace_inside_a_partitioned_op():
+@pytest.mark.parametrize("writer", ["xla", "pallas"])
+def test_metadata_rows_trace_inside_a_partitioned_op(writer):
   """custom_partitioning refuses a function with array constants (an
-  assertion at trace time): `_metadata_rows` must build none, or
+  assertion at trace time): the metadata writers must build none, or
   weight_grad="mvue" on cuSPARSELt, which writes the metadata of the pruned
   dy inside `rows_contracted`, fails to trace (seen on an H100)."""
   from jsparse24 import _sharding  # pylint: disable=g-import-not-at-top
   meta = jnp.asarray(np.random.default_rng(0).integers(0, 256, (64, 8), dtype=np.uint8))
   x, dy = jnp.ones((8, 4)), jnp.ones((8, 6))
-  got = jax.jit(lambda x, dy, m: _sharding.rows_contracted(_contract_with_metadata, x, dy, m))(
-      x, dy, meta)
-  np.testing.assert_allclose(got, _contract_with_metadata(x, dy, 0, 0, 6, meta))
+  fn = functools.partial(_contract_with_metadata, writer=writer)
+  with interpret_mode():
+    got = jax.jit(lambda x, dy, m: _sharding.rows_contracted(fn, x, dy, m))(x, dy, meta)
+    np.testing.assert_allclose(got, fn(x, dy, 0, 0, 6, meta))
 
 
 def test_from_sparse24_rejects_unaligned_shapes():

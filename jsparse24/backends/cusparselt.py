@@ -254,8 +254,8 @@ def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
 #    h = 0 and the high nibble when h = 1.
 # So the Pallas compress kernel (layout="cusparselt") writes the values straight
 # into these buffers, in one pass over `w` (mask applied, both copies), and
-# `_with_metadata` writes the metadata after them in place (a small XLA
-# fusion); cusparseLtSpMMACompress2 is slower (benchmarks/NOTES.md).
+# `_with_metadata` writes the metadata after them in place (a second, small
+# Pallas pass); cusparseLtSpMMACompress2 is slower (benchmarks/NOTES.md).
 
 
 def metadata_layout(codes: jax.Array) -> jax.Array:
@@ -268,44 +268,31 @@ def metadata_layout(codes: jax.Array) -> jax.Array:
   return byte.transpose(0, 3, 1, 2, 5, 4).reshape(-1)
 
 
-def _spread_nibbles(t: jax.Array) -> jax.Array:
-  """uint32 nibbles 0, 1, 4, 5 of `t` to bits 0, 16, 8, 24 (the rest dropped)."""
-  return (t & 0xF) | ((t & 0xF0) << 12) | ((t & 0xF0000) >> 8) | ((t & 0xF00000) << 4)
-
-
 def _metadata_rows(meta: jax.Array, groups: int, cols: int, dtype) -> jax.Array:
   """The metadata of packed `meta` (`[R, G/2]`) as `[R*G/(4*cols), cols]`
-  elements of `dtype` (16-bit): `metadata_layout` of its codes, computed on
-  32-bit words.
-
-  Four bytes of a row of `meta` are one word holding the codes of one
-  8-group block (nibble j: group 8*gb + j), and one 32-bit word of the output
-  is bytes 4w..4w+3 of a 256-byte block: (a, b, d1) = (w // 16, w // 2 % 8,
-  w % 2) holds groups 4c + 2*d1 + d0 of rows 16a + b (low nibbles) and
-  16a + 8 + b (high) at byte 2*d0 + c. So each output word is a few shifts
-  and masks of two input words, after a transpose of whole words (XLA's
-  fusion of the byte-wise `metadata_layout` took 0.12-0.15 ms per 16384^2
-  copy on an H100, a third of the compression; benchmarks/NOTES.md)."""
+  elements of `dtype` (16-bit): `metadata_layout` of its codes, computed by
+  XLA on 32-bit words (`prune24.metadata_words_reference`: four bytes of a
+  mask row are one 8-group block's codes, and each output word is shifts
+  and masks of two of them). The reference of the Pallas pass that
+  `_with_metadata` runs; used where the metadata goes into a new buffer
+  (`from_sparse24`)."""
+  prune24, _ = pallas_backend._kernels()  # pylint: disable=protected-access
   r = meta.shape[0]
   words = jax.lax.bitcast_convert_type(meta[:, :groups // 2].reshape(r, groups // 8, 4),
                                        jnp.uint32)  # [R, G/8]: row r, block gb
-  words = words.reshape(r // 64, 4, 2, 8, groups // 8).transpose(0, 4, 1, 3, 2)  # [rb,gb,a,b,h]
-  # d1 (the half of the output word) as a broadcast axis. XLA makes a
-  # transpose fusion per h and one elementwise fusion of this; stacking the
-  # two halves instead measured the same.
-  # An iota, not an array constant: this runs inside custom_partitioning
-  # (the MVUE weight gradient's `rows_contracted`), which refuses constants.
-  shift = jax.lax.iota(jnp.uint32, 2) * jnp.uint32(8)  # [d1]: 0, 8
-  out = (_spread_nibbles(words[..., 0, None] >> shift)
-         | (_spread_nibbles(words[..., 1, None] >> shift) << 4))  # [rb, gb, a, b, d1]
+  out = prune24.metadata_words_reference(words)
   return jax.lax.bitcast_convert_type(out, dtype).reshape(-1, cols)
 
 
 def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int) -> jax.Array:
-  """`buf` with the metadata of `meta` written from row `rows` on (in place
-  under jit: `buf` is the kernel's output, used nowhere else)."""
-  tail = _metadata_rows(meta, groups, buf.shape[1], buf.dtype)
-  return jax.lax.dynamic_update_slice(buf, tail, (rows, 0))
+  """`buf` with the metadata of `meta` written from row `rows` on, in place
+  (`buf` is the compress kernel's output, used nowhere else), by one Pallas
+  pass (`prune24.write_cusparselt_metadata`; the bytes of `_metadata_rows`,
+  for which XLA made three passes and an in-place update:
+  benchmarks/NOTES.md, "Tenth session")."""
+  prune24, _ = pallas_backend._kernels()  # pylint: disable=protected-access
+  return prune24.write_cusparselt_metadata(buf, meta[:, :groups // 2], row=rows,
+                                           interpret=pallas_backend.interpreting())
 
 
 def _check_aligned(k: int, n: int) -> None:
