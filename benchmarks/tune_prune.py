@@ -51,6 +51,10 @@ def _candidates(which: str, layout: str) -> list[prune24.PruneConfig]:
     return [prune24.PruneConfig(bk, bn, warps, 1, strided)
             for strided, (bk, bn), warps in itertools.product(
                 [False, True], [(64, 64), (128, 64), (64, 128), (32, 128)], [8, 4])]
+  if which == "plain":  # strided row lanes (no transpose), or the tile transposed
+    return [prune24.PruneConfig(bk, bn, warps, 1, strided)
+            for strided, (bk, bn), warps in itertools.product(
+                [False, True], [(128, 64), (64, 128), (256, 32), (128, 32)], [4, 8])]
   return [prune24.PruneConfig(bk, bn, warps, 1)
           for (bk, bn), warps in itertools.product([(128, 64), (64, 128), (256, 32), (128, 32)], [4, 8])]
 

@@ -57,12 +57,17 @@ def _weights(seed, shape, dtype, specials=True):
   return w.astype(dtype)
 
 
+@pytest.mark.parametrize("strided", [None, True])
 @pytest.mark.parametrize("shape,dtype", [
     ((16, 8), jnp.float32), ((12, 20), jnp.bfloat16), ((36, 5), jnp.float16),
     ((132, 40), jnp.bfloat16)])
-def test_prune_compress_plain_is_bit_identical(shape, dtype):
+def test_prune_compress_plain_is_bit_identical(shape, dtype, strided):
+  """The default tile (the tile transposed in registers), and strided row
+  lanes compressed along K with the slots transposed (`strided_lanes`)."""
   w = _weights(sum(shape), shape, dtype)
-  got = prune24.prune_compress(w, interpret=True)
+  cfg = None if strided is None else prune24.PruneConfig(block_k=64, block_n=32,
+                                                        strided_lanes=strided)
+  got = prune24.prune_compress(w, config=cfg, interpret=True)
   ref = prune_compress_reference(w)
   assert got[2] is None and got[3] is None
   for a, b in zip(got[:2], ref[:2]):
