@@ -129,28 +129,37 @@ def test_metadata_rows_equal_the_bytewise_layout(r, g, cols, dtype):
   np.testing.assert_array_equal(np.asarray(got).view(np.uint8).reshape(-1), want)
 
 
+def check_metadata_pass(write, rows: int, groups: int, head: int, cols: int, dtype,
+                        seed: int) -> None:
+  """`write(buf, head, meta, groups)` (a metadata writer, `_with_metadata`)
+  on random codes of `rows x groups` groups and a `[head + ..., cols]`
+  buffer of random value bits must write exactly the bytes of
+  `metadata_layout` (the definition, checked against recorded cuSPARSELt
+  bytes) from row `head` on and leave every row before it alone. Compared
+  as bytes, so that no NaN pattern is canonicalised on the way."""
+  rng = np.random.default_rng(seed)
+  codes = rng.integers(0, 16, (rows, groups), dtype=np.uint8)
+  meta = jnp.asarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
+  bits = rng.integers(0, 1 << 16, (head + rows * groups // (4 * cols), cols), dtype=np.uint16)
+  got = write(jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype), head, meta, groups)
+  got = np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16))
+  np.testing.assert_array_equal(got[:head], bits[:head])
+  np.testing.assert_array_equal(got[head:].view(np.uint8).reshape(-1),
+                                np.asarray(cusparselt.metadata_layout(jnp.asarray(codes))))
+
+
 @pytest.mark.parametrize("k,n", [(64, 64), (128, 192), (256, 64), (640, 320), (192, 1024)])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dtype):
-  """The Pallas metadata pass (`_with_metadata`) writes exactly the bytes of
-  `metadata_layout` after the values of a compressed buffer, and leaves
-  every value as it was (random bits in both; compared as bytes, so that no
-  NaN pattern is canonicalised on the way)."""
-  rng = np.random.default_rng(k + n + transpose)
+  """The Pallas metadata pass (`_with_metadata`) on both buffers of a
+  `[K, N]` weight (`buffer_shape`)."""
   rows, groups = (k, n // 4) if transpose else (n, k // 4)
-  codes = rng.integers(0, 16, (rows, groups), dtype=np.uint8)
-  meta = jnp.asarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
-  shape = cusparselt.buffer_shape(k, n, transpose=transpose)
-  bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
-  buf = jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype)
-  first = k if transpose else k // 2
+  cols = cusparselt.buffer_shape(k, n, transpose=transpose)[1]
+  head = k if transpose else k // 2  # the value rows
   with interpret_mode():
-    got = cusparselt._with_metadata(buf, first, meta, groups)  # pylint: disable=protected-access
-  got = np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16))
-  np.testing.assert_array_equal(got[:first], bits[:first])
-  np.testing.assert_array_equal(got[first:].view(np.uint8).reshape(-1),
-                                np.asarray(cusparselt.metadata_layout(jnp.asarray(codes))))
+    check_metadata_pass(cusparselt._with_metadata, rows, groups, head, cols, dtype,  # pylint: disable=protected-access
+                        seed=k + n + transpose)
 
 
 def test_metadata_kernel_rejects_bad_shapes():

@@ -246,21 +246,13 @@ def test_cusparselt_buffers_equal_compress2(dtype, k, n):
 
 @pytest.mark.parametrize("rows,groups", [(4096, 1024), (192, 80), (64, 8)])
 def test_cusparselt_metadata_kernel_on_gpu(rows, groups):
-  """The compiled metadata pass writes the bytes of `metadata_layout`
-  (the definition checked against recorded cuSPARSELt bytes) in place."""
+  """The compiled metadata pass writes the bytes of `metadata_layout` in
+  place (`tests.test_cusparselt.check_metadata_pass`)."""
   from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(rows + groups)
-  codes = rng.integers(0, 16, (rows, groups), dtype=np.uint8)
-  meta = jnp.asarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
-  cols = 64
-  head = 3 * 64  # value rows before the metadata
-  bits = rng.integers(0, 1 << 16, (head + rows * groups // (4 * cols), cols), dtype=np.uint16)
-  buf = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)
-  got = jax.jit(lambda b, m: cusparselt._with_metadata(b, head, m, groups))(buf, meta)  # pylint: disable=protected-access
-  got = np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16))
-  np.testing.assert_array_equal(got[:head], bits[:head])
-  np.testing.assert_array_equal(got[head:].view(np.uint8).reshape(-1),
-                                np.asarray(cusparselt.metadata_layout(jnp.asarray(codes))))
+  from tests.test_cusparselt import check_metadata_pass  # pylint: disable=g-import-not-at-top
+  write = jax.jit(cusparselt._with_metadata, static_argnums=(1, 3))  # pylint: disable=protected-access
+  check_metadata_pass(write, rows, groups, head=3 * 64, cols=64, dtype=jnp.bfloat16,
+                      seed=rows + groups)
 
 
 def test_cusparselt_matmul_rejects_a_wrong_buffer():
