@@ -10,8 +10,9 @@ mask, and `rebuild_mask(w, old, rebuild)` builds a mask (transposable or
 plain) only where a run-time flag asks (a mask rebuild schedule without a
 conditional). `compress_with_meta(w, meta)` applies a stored packed mask instead of
 pruning. `write_cusparselt_metadata(buf, meta, row=...)` writes cuSPARSELt's
-metadata into a compressed buffer after its values, in place. Results are bit-identical to the plain `jnp` references below
-(which define the contract through jsparse24's reference format code).
+metadata into a compressed buffer after its values, in place. Results are
+bit-identical to the plain `jnp` references below (which define the contract
+through jsparse24's reference format code).
 """
 
 from __future__ import annotations
@@ -686,17 +687,14 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
 
 # --- cuSPARSELt's metadata, written into the compressed buffer in place -------
 #
-# cuSPARSELt (0.8) keeps the 4-bit codes of an R x G matrix of groups (our
-# code i0 | i1 << 2) after the values, in blocks of 64 rows x 8 groups = 256
-# bytes ordered row-block major; inside a block, row r = 16a + 8h + b and
-# group g = 4c + d land in byte 64a + 8b + 2d + c, in the low nibble when
-# h = 0 and the high one when h = 1 (decoded from cusparseLtSpMMACompress2's
-# output; jsparse24.backends.cusparselt.metadata_layout is the byte-wise
-# definition the tests check against recorded bytes). On 32-bit words: four
-# bytes of a row of the packed mask are the codes of one 8-group block
-# (nibble j: group 8*gb + j), and output word 16a + 2b + d1 of a block holds
-# groups 4c + 2*d1 + d0 of rows 16a + b (low nibbles) and 16a + 8 + b (high)
-# at byte 2*d0 + c: shifts and masks of two input words.
+# cuSPARSELt (0.8) keeps the 4-bit codes of an R x G matrix of groups after
+# the values, in 256-byte blocks of 64 rows x 8 groups (the byte-wise
+# definition, checked against recorded bytes, is
+# jsparse24.backends.cusparselt.metadata_layout). On 32-bit words: four bytes
+# of a row of the packed mask are the codes of one 8-group block (nibble j:
+# group 8*gb + j), and output word 16a + 2b + d1 of a block holds groups
+# 4c + 2*d1 + d0 of rows 16a + b (low nibbles) and 16a + 8 + b (high) at
+# byte 2*d0 + c: shifts and masks of two input words.
 
 
 def _spread_nibbles(t: jax.Array) -> jax.Array:
@@ -760,7 +758,7 @@ def write_cusparselt_metadata(buf: jax.Array, meta: jax.Array, *, row: int,
     raise ValueError(f"{fn}: {blocks} metadata blocks from row {row} do not fit"
                      f" `buf` {list(buf.shape)} (or row * C is not a multiple of 128).")
   first = row * c // 128  # the first metadata block, in 64-word rows
-  nb = math.gcd(32, groups // 8, first) if first else math.gcd(32, groups // 8)
+  nb = math.gcd(32, groups // 8, first)  # blocks per program (gcd(x, 0) = x)
   words = jax.lax.bitcast_convert_type(meta.reshape(r, groups // 8, 4), jnp.uint32)
   view = jax.lax.bitcast_convert_type(buf.reshape(t, c // 2, 2), jnp.uint32).reshape(-1, 64)
   per_row = groups // 8 // nb  # output blocks of nb per 64-row block
