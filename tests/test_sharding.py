@@ -166,6 +166,39 @@ def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagg
   assert gathered and gathered <= compressed, gathered
 
 
+@pytest.mark.parametrize("transposable", [False, True])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("axis", ["n", "k"])
+def test_cusparselt_compression_of_a_sharded_weight(transposable, axis_type, axis):
+  """What the "cusparselt" backend prepares from a sharded weight (its
+  compress kernel, then the metadata pass into the buffers) equals the
+  unsharded result with Auto and Explicit mesh axes. With Auto axes and the
+  weight sharded on N (FSDP), each device compresses its own columns and
+  XLA gathers the compressed arrays, never the weight."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  k, n = 256, 512
+  w = jax.random.normal(jax.random.key(3), (k, n), jnp.bfloat16)
+  mask = jsparse24.Mask24.from_weights(w, transposable=transposable)
+  prepare = jax.jit(lambda w: cusparselt.compress_for_products(w, mask, transposable))
+  mesh = _mesh(getattr(jax.sharding.AxisType, axis_type))
+  spec = P(None, "data") if axis == "n" else P("data", None)
+  with interpret_mode():
+    want = prepare(w)
+    with jax.set_mesh(mesh):
+      ws = jax.device_put(w, NamedSharding(mesh, spec))
+      got = prepare(ws)
+      hlo = prepare.lower(ws).compile().as_text()
+  assert (got[1] is None) == (not transposable)
+  for g, r in zip(got, want):
+    if r is not None:
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  if axis_type == "Auto" and axis == "n":
+    gathered = set(_collectives(hlo)["all-gather"])
+    buffers = {(k // 2 + k // 16, n)} | ({(k + k // 8, n // 2), (k, n // 8)}
+                                         if transposable else set())
+    assert gathered and gathered <= buffers, gathered  # never w [k, n]
+
+
 def test_tensor_parallel_reference_backend_partitions_like_nn_dense():
   """Megatron-style tensor parallelism on a data x model mesh (up
   column-parallel, down row-parallel) with the reference backend: XLA

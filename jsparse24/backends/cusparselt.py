@@ -41,7 +41,7 @@ import numpy as np
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._mvue import mvue_seeds
 from jsparse24._sharding import (partitioning_off, rows_contracted, rows_parallel,
-                                 weight_grad_sharding)
+                                 weight_grad_sharding, whole_on_each_device)
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends import pallas as pallas_backend
@@ -291,8 +291,13 @@ def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int) -> j
   for which XLA made three passes and an in-place update:
   benchmarks/NOTES.md, "Tenth session")."""
   prune24, _ = pallas_backend._kernels()  # pylint: disable=protected-access
-  return prune24.write_cusparselt_metadata(buf, meta[:, :groups // 2], row=rows,
-                                           interpret=pallas_backend.interpreting())
+  write = functools.partial(prune24.write_cusparselt_metadata, row=rows,
+                            interpret=pallas_backend.interpreting())
+  # The pass needs the whole buffer and mask: with Auto mesh axes XLA gathers
+  # sharded ones itself (the compressed arrays, never the weight); with
+  # Explicit axes the call runs on replicated per-device arrays, as the
+  # compress kernels do.
+  return whole_on_each_device(write, buf, meta[:, :groups // 2])
 
 
 def _check_aligned(k: int, n: int) -> None:
