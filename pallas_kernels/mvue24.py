@@ -46,11 +46,11 @@ def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
   meta_ref[...] = (codes[0] | (codes[1] << 4)).T.astype(jnp.uint8)
 
 
-# The fastest tile of `benchmarks/tune_prune.py --which mvue` on an H100, in
-# two sessions (0.560 and 0.565 ms at 16384^2 against 0.661-0.669 ms for the
-# weights' 64 x 128, 8 warps). The kernel is bound by integer-pipe operations
-# (benchmarks/NOTES.md); 4 warps on a smaller tile keep more warps per SM.
-DEFAULT_CONFIG = prune24.PruneConfig(block_k=32, block_n=128, num_warps=4)
+# The fastest tile of `benchmarks/tune_prune.py --which mvue` on an H100 with
+# the eleventh session's rule (0.481 ms at 16384^2 against 0.505 ms for 32 x
+# 128, 4 warps, the earlier default, which tied with it before). The kernel
+# is bound by integer-pipe operations (benchmarks/NOTES.md).
+DEFAULT_CONFIG = prune24.PruneConfig(block_k=64, block_n=64, num_warps=8)
 
 
 def _seed_words(seed: jax.Array, first_group) -> jax.Array:

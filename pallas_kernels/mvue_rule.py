@@ -13,7 +13,7 @@ Per group `a` of 4 (float32 lanes of any one shape):
   largest entry has `p = 1` and each other `|a_j| / (sum of the others)`
   (uniformly 1/3 when they are all zero). These are the minimum-variance
   marginals with `sum p = 2`, each at most 1.
-* `draw`: two entries by systematic sampling with one uniform number `u`:
+* the draw (`_draw_predicates`): two entries by systematic sampling with one uniform number `u`:
   the entries whose interval `[upper_{i-1}, upper_i)` of the cumulative sums
   of `p` holds `u` and `u + 1` (`upper_3` = 2). Entry `i` is drawn with
   probability `p_i`; the two draws are distinct (each interval is at most 1
@@ -25,8 +25,10 @@ The kernel is bound by the GPU's integer/logic pipe (compares, selects,
 bit operations; benchmarks/NOTES.md, fifth session), so the rule is written
 to spend few of those and no divisions (a long instruction sequence on the
 GPU): `p_i = w_i / S` for weights `w` and a scale `S` (`_weights`), the draw
-compares the cumulative sums of `w` with `u * S`, and `a_i / p_i` is
-`sign(a_i) * S_i` in closed form (`sample`).
+compares the cumulative sums of `w` with `u * S` and picks the kept entries
+by those comparisons, and `a_i / p_i` is `sign(a_i) * S_i` in closed form
+(`sample`). (The eleventh session's form of these gives the same bits as the
+earlier one, with 10% fewer instructions in the kernel: benchmarks/NOTES.md.)
 * `uniform`: `u` from a counter-based hash of (a 64-bit seed, the group's
   index), so that a kernel tile computes the numbers of its own groups with no
   random-number state and no extra memory traffic.
@@ -59,14 +61,11 @@ def uniform(seed0: jax.Array, seed1: jax.Array, index: jax.Array) -> jax.Array:
   return one_plus_u - 1.0
 
 
-def _weights(a: list[jax.Array]):
-  """The rule's unnormalised form: `(m, w, S, capped, rest)` with `p_i = w_i / S`.
-
-  Spread case (no entry holds half the magnitude): `w_i = 2|a_i|`, `S = sum|a|`.
-  Capped case: the first largest entry has `w = S`, each other `w_j = |a_j|`,
-  `S = rest` (the others' sum); when the others are all zero, `w_j = 1` and
-  `S = 3` (one of them uniformly, its value being 0 either way).
-  """
+def _parts(a: list[jax.Array]):
+  """`(m, total, first, rest, capped, none_left)` of 4 float32 lanes: the
+  magnitudes, their sum, the first lane holding the largest (bool lanes),
+  the others' sum, whether that lane holds half the magnitude or more
+  (`capped`), and whether the others are all zero."""
   m = [jnp.abs(x) for x in a]
   total = ((m[0] + m[1]) + m[2]) + m[3]
   top = jnp.maximum(jnp.maximum(m[0], m[1]), jnp.maximum(m[2], m[3]))
@@ -79,45 +78,66 @@ def _weights(a: list[jax.Array]):
   # weight then equals `rest` exactly (probability exactly 1).
   rest = ((jnp.where(first[0], 0.0, m[0]) + jnp.where(first[1], 0.0, m[1]))
           + jnp.where(first[2], 0.0, m[2])) + jnp.where(first[3], 0.0, m[3])
-  capped = 2.0 * top >= total
-  none_left = rest == 0
+  return m, total, first, rest, 2.0 * top >= total, rest == 0
+
+
+def _weights(a: list[jax.Array]):
+  """The rule's unnormalised form: `(w, S, capped_first)` with `p_i = w_i / S`
+  (`capped_first`: the bool lanes of the entry kept with probability 1).
+
+  Spread case (no entry holds half the magnitude): `w_i = 2|a_i|`, `S = sum|a|`.
+  Capped case: the first largest entry has `w = S`, each other `w_j = |a_j|`,
+  `S = rest` (the others' sum); when the others are all zero, `w_j = 1` and
+  `S = 3` (one of them uniformly, its value being 0 either way). Written as
+  `w_j = |a_j| * k + e` (k = 2 spread, 1 capped; e = 1 when capped with the
+  others all zero, else 0), exact, with no select per case.
+  """
+  m, total, first, rest, capped, none_left = _parts(a)
   scale = jnp.where(capped, jnp.where(none_left, 3.0, rest), total)
-  w = [jnp.where(capped, jnp.where(f, scale, jnp.where(none_left, 1.0, x)), 2.0 * x)
-       for x, f in zip(m, first)]
-  return m, w, scale, capped, first, rest, total
+  k = jnp.where(capped, 1.0, 2.0)
+  e = jnp.where(capped & none_left, 1.0, 0.0)
+  capped_first = [f & capped for f in first]
+  w = [jnp.where(f, scale, x * k + e) for x, f in zip(m, capped_first)]
+  return w, scale, capped_first, capped, rest, total
 
 
 def probabilities(a: list[jax.Array]) -> list[jax.Array]:
   """The keep probabilities (float32) of 4 float32 lanes `a` (module docstring).
   (Reporting only: `sample` draws without dividing.)"""
-  _, w, scale, *_ = _weights(a)
+  w, scale, *_ = _weights(a)
   safe = jnp.where(scale > 0, scale, 1.0)
   return [jnp.where(scale > 0, x / safe, 0.5) for x in w]
 
 
-def draw(w: list[jax.Array], scale: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(i0, i1) int32, i0 < i1: the entries drawn by `u` and `u + 1` from the
-  weights `w` (`p = w / scale`): entry i is drawn by v when
-  `upper_{i-1} <= v < upper_i`, compared as `cumsum(w) <= v * scale` (no
-  division)."""
+def _draw_predicates(w: list[jax.Array], scale: jax.Array, u: jax.Array):
+  """The draws of `u` and `u + 1` from the weights `w` (`p = w / scale`) as
+  bool lanes `(p0, p1, r1, r2)`: the first drawn index is `i0 = p0 + p1`,
+  the second `i1 = 1 + r1 + r2` (so `p1` means i0 = 2, `r2` means i1 = 3).
+
+  Entry i is drawn by v when `upper_{i-1} <= v < upper_i`, compared as
+  `cumsum(w) <= v * scale` (no division). The cumulative sums never
+  decrease (w >= 0), so each comparison implies the ones before it and
+  counting two of them gives i0 already capped at 2; i1 is at least i0 + 1
+  (exact arithmetic gives that always; rounding of the sums can break it,
+  and an all-zero group compares false everywhere): every group gets two
+  distinct, valid indices (its 2:4 code). Bit for bit the indices of
+  counting all three comparisons each and mending to `0 <= i0 < i1 <= 3`.
+  """
   c0 = w[0]
   c1 = c0 + w[1]
   c2 = c1 + w[2]
   v0 = u * scale
   v1 = (u + 1.0) * scale
-  i0 = (c0 <= v0).astype(jnp.int32) + (c1 <= v0).astype(jnp.int32) + (c2 <= v0).astype(jnp.int32)
-  i1 = (c0 <= v1).astype(jnp.int32) + (c1 <= v1).astype(jnp.int32) + (c2 <= v1).astype(jnp.int32)
-  # Exact arithmetic gives i0 < i1 always; rounding of the sums can (rarely)
-  # give equal draws or i0 = 3, and an all-zero group draws (3, 3). Mend to a
-  # valid pair.
-  i0 = jnp.minimum(i0, 2)
-  i1 = jnp.minimum(jnp.maximum(i1, i0 + 1), 3)
-  return i0, i1
+  p0, p1 = c0 <= v0, c1 <= v0
+  return p0, p1, (c1 <= v1) | p0, (c2 <= v1) | p1
 
 
-def _pick3(lanes: list[jax.Array], i: jax.Array, lo: int) -> jax.Array:
-  """`lanes[i]` for i in {lo, lo + 1, lo + 2}."""
-  return jnp.where(i == lo, lanes[lo], jnp.where(i == lo + 1, lanes[lo + 1], lanes[lo + 2]))
+def _signed(mag: jax.Array, x: jax.Array) -> jax.Array:
+  """`mag` (>= 0) with x's sign, 0 where x is 0 or NaN: one bit operation
+  and one select (the kernel is bound by such integer-pipe operations)."""
+  bits = (jax.lax.bitcast_convert_type(mag, jnp.uint32)
+          | (jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000)))
+  return jnp.where(jnp.abs(x) > 0, jax.lax.bitcast_convert_type(bits, jnp.float32), 0.0)
 
 
 def sample(a: list[jax.Array], u: jax.Array):
@@ -126,15 +146,18 @@ def sample(a: list[jax.Array], u: jax.Array):
   computed without division: `sign(a_i) * sum|a| / 2` in the spread case;
   in the capped case `a_i` for the largest entry and `sign(a_j) * rest` for
   the others (0 for a zero entry)."""
-  _, w, scale, capped, first, rest, total = _weights(a)
-  i0, i1 = draw(w, scale, u)
-  half = total * 0.5
+  w, scale, capped_first, capped, rest, total = _weights(a)
+  p0, p1, r1, r2 = _draw_predicates(w, scale, u)
+  # Each kept entry is picked out of 3 lanes by the draw's predicates, with
+  # no integer compare of the indices (the kernel is bound by such
+  # operations, benchmarks/NOTES.md).
+  pick0 = lambda lanes: jnp.where(p1, lanes[2], jnp.where(p0, lanes[1], lanes[0]))  # noqa: E731
+  pick1 = lambda lanes: jnp.where(r2, lanes[3], jnp.where(r1, lanes[2], lanes[1]))  # noqa: E731
+  other = jnp.where(capped, rest, total * 0.5)  # |a_j / p_j| of every entry but a capped top
   out = []
-  # i0 is 0, 1 or 2 and i1 is 1, 2 or 3 (`draw`): each picks from 3 lanes,
-  # two selects instead of `pick`'s three (the kernel is bound by these
-  # integer-pipe operations, benchmarks/NOTES.md).
-  for i, lo in ((i0, 0), (i1, 1)):
-    x = _pick3(a, i, lo)
-    mag = jnp.where(capped, jnp.where(_pick3(first, i, lo), jnp.abs(x), rest), half)
-    out.append(jnp.where(x > 0, mag, jnp.where(x < 0, -mag, 0.0)))
+  for pick in (pick0, pick1):
+    x = pick(a)
+    out.append(_signed(jnp.where(pick(capped_first), jnp.abs(x), other), x))
+  i0 = p0.astype(jnp.int32) + p1.astype(jnp.int32)
+  i1 = 1 + r1.astype(jnp.int32) + r2.astype(jnp.int32)
   return i0, i1, out[0], out[1]

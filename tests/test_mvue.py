@@ -53,6 +53,96 @@ def test_two_kept_per_group_each_rescaled_by_its_probability():
         p > 0, p, 1))[kept], rtol=1e-6)
 
 
+@jax.jit
+def _rule_spec(a, u):
+  """The MVUE rule as first written (float32 jnp ops under jit, so with
+  the reference's arithmetic, subnormals flushed as XLA does): the weights
+  case by case, each index by counting the cumulative sums at or below its
+  point and mending to 0 <= i0 < i1 <= 3, each value `a_i / p_i` by cases.
+  The kernel's form (`pallas_kernels.mvue_rule.sample`) computes the same
+  things with fewer operations and must give the same bits."""
+  f32 = jnp.float32
+  m = jnp.abs(a)
+  total = ((m[:, 0] + m[:, 1]) + m[:, 2]) + m[:, 3]
+  top = jnp.maximum(jnp.maximum(m[:, 0], m[:, 1]), jnp.maximum(m[:, 2], m[:, 3]))
+  hit = m == top[:, None]
+  first = hit & (jnp.cumsum(hit, axis=1) == 1)
+  r = jnp.where(first, f32(0), m)
+  rest = ((r[:, 0] + r[:, 1]) + r[:, 2]) + r[:, 3]
+  capped, none_left = f32(2) * top >= total, rest == 0
+  scale = jnp.where(capped, jnp.where(none_left, f32(3), rest), total)
+  w = jnp.where(capped[:, None], jnp.where(first, scale[:, None],
+                                         jnp.where(none_left[:, None], f32(1), m)), f32(2) * m)
+  c = [w[:, 0], w[:, 0] + w[:, 1]]
+  c.append(c[1] + w[:, 2])
+  v0, v1 = u * scale, (u + f32(1)) * scale
+  i0 = jnp.minimum(sum((x <= v0).astype(jnp.int32) for x in c), 2)
+  i1 = jnp.minimum(jnp.maximum(sum((x <= v1).astype(jnp.int32) for x in c), i0 + 1), 3)
+  rows = jnp.arange(len(a))
+  out = []
+  for i in (i0, i1):
+    x = a[rows, i]
+    mag = jnp.where(capped, jnp.where(first[rows, i], jnp.abs(x), rest), total * f32(0.5))
+    out.append(jnp.where(x > 0, mag, jnp.where(x < 0, -mag, f32(0))))
+  return i0, i1, out[0], out[1]
+
+
+def test_the_kernels_rule_gives_the_bits_of_the_rule_as_first_written():
+  """`mvue_rule.sample` against `_rule_spec` on groups that reach every
+  case: spread, capped, ties, zeros, one and two non-zeros, NaN, +-inf,
+  -0, subnormals, values near the float32 maximum (NaN outputs compared as
+  NaN, whatever their sign)."""
+  from pallas_kernels import mvue_rule  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(7)
+  n = 1 << 16
+  g = rng.standard_normal((n, 4)).astype(np.float32)
+  special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-40, -1e-45, 3e38, -3e38, 1.0,
+                      -1.0, 0.5], np.float32)
+  cases = [g, g * (rng.random((n, 4)) < 0.5), np.round(g * 2) / 2, g * np.float32(1e-39),
+           np.where(rng.random((n, 4)) < 0.5, special[rng.integers(0, 12, (n, 4))], g),
+           g * np.float32([10, 1, 1, 1])[rng.permutation(4)],
+           np.where(rng.random((n, 4)) < 0.75, np.float32(0), np.round(g))]
+  a = np.concatenate(cases).astype(np.float32)
+  u = np.asarray(mvue_rule.uniform(jnp.uint32(5), jnp.uint32(9),
+                                   jnp.arange(len(a), dtype=jnp.uint32)))
+  got = jax.jit(lambda a, u: mvue_rule.sample([a[:, l] for l in range(4)], u))(a, u)
+  for name, x, y in zip(("i0", "i1", "v0", "v1"), got, _rule_spec(a, u)):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.dtype == np.float32:
+      same = (np.isnan(x) & np.isnan(y)) | (x.view(np.uint32) == y.view(np.uint32))
+    else:
+      same = x == y
+    assert same.all(), (name, a[~same][:3], x[~same][:3], y[~same][:3])
+
+
+def test_the_draw_mends_what_rounding_breaks_as_first_written():
+  """The draw's indices from any non-negative weights (also ones whose
+  cumulative sums jump past both points, as rounding can make them, and
+  all-zero or NaN ones): the counts of the cumulative sums at or below
+  `u * S` and `(u + 1) * S`, mended to 0 <= i0 < i1 <= 3."""
+  from pallas_kernels import mvue_rule  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(8)
+  n = 1 << 14
+  w = rng.choice(np.float32([0, 0.25, 1, 3, 10, np.inf, np.nan]), (n, 3))
+  scale = rng.choice(np.float32([0, 1, 2, 3, np.inf]), n)
+  u = rng.choice(np.float32([0, 0.25, 0.5, 0.75, 1 - 2 ** -23]), n)
+
+  @jax.jit
+  def indices(w, scale, u):
+    draw = mvue_rule._draw_predicates  # pylint: disable=protected-access
+    p0, p1, r1, r2 = draw([w[:, 0], w[:, 1], w[:, 2]], scale, u)
+    i = lambda *b: sum(x.astype(jnp.int32) for x in b)  # noqa: E731
+    return i(p0, p1), 1 + i(r1, r2)
+
+  i0, i1 = map(np.asarray, indices(w, scale, u))
+  with np.errstate(invalid="ignore"):  # 0 * inf and inf - inf are NaN here, as on the GPU
+    c = np.cumsum(w, axis=1, dtype=np.float32)
+    want0 = np.minimum((c <= (u * scale)[:, None]).sum(1), 2)
+    want1 = np.minimum(np.maximum((c <= ((u + 1) * scale)[:, None]).sum(1), want0 + 1), 3)
+  np.testing.assert_array_equal(i0, want0)
+  np.testing.assert_array_equal(i1, want1)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unbiased_with_the_formula_variance(dtype):
   """Over many keys, the mean is g and the variance g^2 (1/p - 1), each
