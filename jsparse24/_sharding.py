@@ -182,11 +182,32 @@ def explicit_sharding(a: jax.Array) -> Any:
   return jax.typeof(a).sharding if _explicit_mesh(a) is not None else None
 
 
-def weight_grad_sharding(w: jax.Array) -> Any:
-  """`out_sharding` for a product that makes w's gradient: w's sharding
-  where the mesh has Explicit axes (there JAX needs it to resolve a product
-  contracted over a sharded axis), else None."""
-  return explicit_sharding(w)
+def product_sharding(x: Any, split: "Split | None") -> Any:
+  """The sharding type of `x @ W` (x `[M, K]`, an array or its aval) as the
+  products make it with Explicit mesh axes: the rows of x's partition of M
+  (`rows_parallel`), or the split's M and N (tensor parallelism); None
+  (unsharded, the default) elsewhere. For an abstract evaluation, whose
+  result must carry the type the evaluated product has."""
+  sharding = getattr(x, "sharding", None)
+  mesh, spec = ((split.mesh, split.spec("mn")) if split is not None
+                else (getattr(sharding, "mesh", None), _rows_spec(sharding, 2)))
+  if not is_explicit(mesh):
+    return None
+  # An aval's sharding names the abstract mesh (a split holds the concrete one).
+  return NamedSharding(getattr(mesh, "abstract_mesh", mesh), spec)
+
+
+def weight_grad_sharding(w: jax.Array, *operands: jax.Array) -> Any:
+  """`out_sharding` for a product of `operands` (x, dy) that makes w's
+  gradient: w's sharding where its mesh has Explicit axes (there JAX needs
+  it to resolve a product contracted over a sharded axis); replicated where
+  only the operands are typed with such a mesh (a `w` that is not a sharded
+  parameter, e.g. a constant); else None."""
+  sharding = explicit_sharding(w)
+  if sharding is not None:
+    return sharding
+  mesh = next((m for m in map(_explicit_mesh, operands) if m is not None), None)
+  return None if mesh is None else NamedSharding(mesh, P())
 
 
 def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:

@@ -199,6 +199,74 @@ def test_cusparselt_compression_of_a_sharded_weight(transposable, axis_type, axi
     assert gathered and gathered <= buffers, gathered  # never w [k, n]
 
 
+def _explicit_dp_loss(implementation):
+  """A loss whose first sparse product's input is computed (`x @ w0`), so
+  that its gradient flows into an activation, as after an embedding."""
+  masks = [jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(i), s),
+                                         transposable=True)
+           for i, s in ((5, (D, H)), (6, (H, D)))]
+
+  def loss(w0, w1, w2, x):
+    h = jax.nn.relu(jsparse24.sparse_dot(x @ w0, w1, masks[0], implementation=implementation))
+    return jnp.mean(jsparse24.sparse_dot(h, w2, masks[1], implementation=implementation) ** 2)
+  return loss
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_explicit_axes_gradient_through_a_computed_activation(implementation):
+  """Data parallel with Explicit mesh axes, the gradient taken through the
+  sparse products into the activations (and x): the same loss and
+  gradients as one device, dx typed like x; also with the weights as
+  constants (frozen, not typed with the mesh) and the gradient of x alone,
+  where dw's products need an explicit result type (JAX refused that step:
+  "Contracting dimensions are sharded and it is ambiguous how the output
+  should be sharded")."""
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
+  ks = jax.random.split(jax.random.key(4), 4)
+  args = (jax.random.normal(ks[0], (D, D)) / 8, jax.random.normal(ks[1], (D, H)),
+          jax.random.normal(ks[2], (H, D)), jax.random.normal(ks[3], (B * T, D)))
+  loss = _explicit_dp_loss(implementation)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+  frozen = jax.jit(jax.grad(lambda x: loss(*args[:3], x)))
+  with interpret_mode():
+    want = step(*args), frozen(args[3])
+    with jax.set_mesh(mesh):
+      put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+      x = put(args[3], P("data", None))
+      got = step(*(put(a, P()) for a in args[:3]), x), frozen(x)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    # (dw sums 8 partial products: another order of float32 additions)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+  for dx in (got[0][1][3], got[1]):
+    assert dx.sharding.spec == P("data", None), dx.sharding
+
+
+def test_cusparselt_backend_under_explicit_axes_types_its_gradients(monkeypatch):
+  """The "cusparselt" backend's step with Explicit mesh axes (the weights
+  sharded on N, x on its rows), its cuSPARSELt call replaced by a stand-in
+  of the right shape and dtype: no cuSPARSELt on CPU, so only the wiring
+  around it runs (compression, metadata pass, the batched and
+  row-partitioned product, the transpose); the values are the GPU tests'.
+  The gradients come out typed like their arguments."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_sparse_a_matmul",
+                      lambda a, b, shape, **kw: jnp.zeros(shape, b.dtype) + 0 * a[0, 0] * b[0, 0])
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
+  k, n, m = 256, 512, 64
+  w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+  mask = jsparse24.Mask24.from_weights(w, transposable=True)
+  loss = lambda x, w: jnp.sum(jsparse24.sparse_dot(  # noqa: E731
+      x, w, mask, implementation="cusparselt").astype(jnp.float32) ** 2)
+  with interpret_mode(), jax.set_mesh(mesh):
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        jax.device_put(x, NamedSharding(mesh, P("data", None))),
+        jax.device_put(w, NamedSharding(mesh, P(None, "data"))))
+  assert dx.sharding.spec == P("data", None) and dw.sharding.spec == P(None, "data")
+
+
 def test_tensor_parallel_reference_backend_partitions_like_nn_dense():
   """Megatron-style tensor parallelism on a data x model mesh (up
   column-parallel, down row-parallel) with the reference backend: XLA

@@ -27,8 +27,8 @@ from jax.interpreters import ad, batching, mlir
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._mvue import mvue_24
-from jsparse24._sharding import (Split, psum_over, split_map, unpartitioned,
-                                 weight_grad_sharding)
+from jsparse24._sharding import (Split, product_sharding, psum_over, split_map,
+                                 unpartitioned, weight_grad_sharding)
 
 
 def accumulation_dtype(dtype) -> Any:
@@ -210,7 +210,7 @@ def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any)
   fusion that writes the stack (2 read, 4 written), as the dense model's
   is. On an H100 that copy was 5.5 ms of bench_model.py's d_model 4096
   step (benchmarks/NOTES.md, "Tenth session")."""
-  sharding = weight_grad_sharding(w)  # Explicit mesh axes: dw sharded like w
+  sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw sharded like w
   kw = {} if sharding is None else {"out_sharding": sharding}
   out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision, **kw)
   return out.astype(w.dtype)
@@ -406,9 +406,12 @@ def _tangent_impl(*args, backend, cfg, treedef, linear):
 
 
 def _tangent_abstract_eval(*args, backend, cfg, treedef, linear):
-  del backend, cfg
+  del backend
   _, _, (x, w, *_) = _split(args, treedef, linear)
-  return jax.core.ShapedArray((*x.shape[:-1], w.shape[-1]), x.dtype)
+  # Typed like the product (Explicit mesh axes), so that the cotangent
+  # reaching the transpose, and the dx it returns, carry x's sharding.
+  return jax.core.ShapedArray((*x.shape[:-1], w.shape[-1]), x.dtype,
+                              sharding=product_sharding(x, cfg.split))
 
 
 def _tangent_transpose(ct, *args, backend, cfg, treedef, linear):

@@ -587,7 +587,7 @@ class CusparseltBackend(Backend):
   def mvue_weight_grad(self, x, dy, w, key, precision):
     del precision  # cuSPARSELt accumulates in float32
     dw = mvue_weight_grad(x, dy, key).astype(w.dtype)
-    sharding = weight_grad_sharding(w)  # Explicit mesh axes: dw typed like w
+    sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw typed like w
     return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
