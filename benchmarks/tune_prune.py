@@ -29,7 +29,7 @@ from benchmarks import _common
 from pallas_kernels import mvue24, prune24
 
 
-def _candidates(which: str, layout: str) -> list[prune24.PruneConfig]:
+def _candidates(which: str) -> list[prune24.PruneConfig]:
   if which == "mvue":
     return [prune24.PruneConfig(bk, bn, warps, 1)
             for (bk, bn), warps in itertools.product(
@@ -47,7 +47,7 @@ def _candidates(which: str, layout: str) -> list[prune24.PruneConfig]:
     # a row's lanes interleaved in registers and stored contiguously.
     return [prune24.PruneConfig(bk, bn, warps, 1, strided)
             for strided, ((bk, bn), warps) in itertools.product([False, True], searched)]
-  if which == "apply_t" and layout == "cusparselt":
+  if which == "apply_t":  # strided: each row's keep decoded in place, or the keep tile transposed
     return [prune24.PruneConfig(bk, bn, warps, 1, strided)
             for strided, (bk, bn), warps in itertools.product(
                 [False, True], [(64, 64), (128, 64), (64, 128), (32, 128)], [8, 4])]
@@ -127,7 +127,7 @@ def main(argv=None):
       sp = jsparse24.compress(w, mask_t, transposed=True, implementation="xla")
       want = (sp.values.T if args.layout == "cusparselt" else sp.values, sp.values_t, sp.meta_t)
     results = []
-    for i, cfg in enumerate(_candidates(which, args.layout)):
+    for i, cfg in enumerate(_candidates(which)):
       if args.index is not None and i != args.index:
         continue
       if time.time() - start > args.budget:

@@ -122,6 +122,20 @@ def expand_rows(values: jax.Array, meta: jax.Array) -> jax.Array:
   return join_lanes(dense)
 
 
+def keep_rows(codes: jax.Array) -> jax.Array:
+  """The bool keep tile `[8R, C]` of 2:4 groups along the rows from their
+  code bytes `[R, C]` (int32; byte (q, c): the groups of rows 8q..8q+7 of
+  column c, low nibble first): each byte broadcast to its 8 rows and
+  decoded there, so that no `[8R, C]` tile is transposed or interleaved
+  (those go through shared memory in Triton's lowering)."""
+  rows, cols = codes.shape
+  codes = jnp.broadcast_to(codes[:, None, :], (rows, 8, cols)).reshape(8 * rows, cols)
+  r = jax.lax.broadcasted_iota(jnp.int32, (8 * rows, cols), 0) % 8
+  nibble = jnp.where(r >= 4, codes >> 4, codes) & 0xF
+  pos = r % 4
+  return ((nibble & 3) == pos) | ((nibble >> 2) == pos)
+
+
 def keep_from_meta(meta: jax.Array) -> list[jax.Array]:
   """meta `[R, C/8]` -> 8 bool lanes `[R, C/8]` of the kept positions."""
   codes = meta.astype(jnp.int32)

@@ -44,6 +44,9 @@ class PruneConfig:
   # K-compressed values (plain pruning in either layout, and compression
   # with a stored mask in layout="cusparselt"; the values are then stored
   # with strided stores there, joined in registers in the Sparse24 layout).
+  # With a stored mask's transposed copy (either layout), True also decodes
+  # each row's keep from its code byte (`_tiles.keep_rows`) where False
+  # joins the keep lanes and transposes the tile.
   # Transposable pruning always loads its lanes strided, and
   # this says how it stores them: each lane with a strided store (True), or
   # a row's lanes interleaved in registers and stored contiguously (False).
@@ -53,8 +56,9 @@ class PruneConfig:
   def default(cls, k: int, n: int, kind: str, layout: str = "sparse24") -> "PruneConfig":
     """kind: "prune", "prune_transposable", "apply" (compress with a mask) or
     "apply_transposed" (and write the transposed copy). The tiles were the
-    fastest of a sweep on an H200, "prune" and "prune_transposable" (also
-    the tile of `transposable_mask`) on an H100 (benchmarks/NOTES.md)."""
+    fastest of a sweep on an H200; "prune", "prune_transposable" (also the
+    tile of `transposable_mask`) and "apply_transposed" in cuSPARSELt's
+    layout on an H100 (benchmarks/NOTES.md)."""
     del k, n
     if kind == "prune_transposable":  # either layout; rows stored contiguously
       return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=False)
@@ -63,8 +67,10 @@ class PruneConfig:
       # for the tile transposed in registers, the best of that way).
       return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
     if layout == "cusparselt":
-      if kind == "apply_transposed":
-        return cls(block_k=64, block_n=64, num_warps=8, strided_lanes=False)
+      if kind == "apply_transposed":  # row lanes forward, each row's keep decoded in place
+        # (H100, 16384^2: 0.529-0.531 ms against 0.576-0.580 ms for 64x64, 8
+        # warps with the tile transposed, the default before).
+        return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
       return cls(block_k=128, block_n=64, num_warps=8, strided_lanes=False)
     return cls(block_k=128, block_n=64, num_warps=8)
 
@@ -310,8 +316,9 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: 
 def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
                   k_major: bool, strided_lanes: bool):
   meta_in = meta_in_ref[...]  # [bn, bk/8]
+  meta_kn = meta_in.astype(jnp.int32).T if strided_lanes else None  # [bk/8, bn]
   if k_major and strided_lanes:
-    keep_kn = _tiles.keep_from_meta(meta_in.astype(jnp.int32).T)  # 8 x [bk/8, bn]
+    keep_kn = _tiles.keep_from_meta(meta_kn)  # 8 x [bk/8, bn]
     slots, _ = _tiles.compress_lanes(_row_lanes(w_ref), keep_kn)
     store_k_major(values_ref, slots)
   else:
@@ -319,10 +326,13 @@ def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
     values_ref[...] = values.T if k_major else values
   if transposed:
     values_t_ref, meta_t_ref = rest
-    keep_lanes = _tiles.keep_from_meta(meta_in)  # 8 x [bn, bk/8]
-    keep = _tiles.join_lanes([k.astype(jnp.int32) for k in keep_lanes]).T  # [bk, bn]
-    values_t, meta_t = _tiles.compress_rows(w_ref[...],
-                                            [k != 0 for k in _tiles.split_lanes(keep, 8)])
+    if strided_lanes:  # each row's keep decoded from its code byte, no tile transpose
+      keep = _tiles.keep_rows(meta_kn)
+    else:  # the keep lanes joined into a [bn, bk] tile, then transposed
+      keep_lanes = _tiles.keep_from_meta(meta_in)  # 8 x [bn, bk/8]
+      keep = _tiles.join_lanes([k.astype(jnp.int32) for k in keep_lanes]).T  # [bk, bn]
+    values_t, meta_t = _tiles.compress_rows(
+        w_ref[...], [k != 0 for k in _tiles.split_lanes(keep.astype(jnp.int32), 8)])
     values_t_ref[...] = values_t
     meta_t_ref[...] = meta_t
 

@@ -207,13 +207,18 @@ def test_mask_from_weights_takes_the_fused_kernel_where_pallas_runs_natively(mon
   np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
 
 
+@pytest.mark.parametrize("strided", [True, False])
 @pytest.mark.parametrize("shape,transposed", [((20, 12), False), ((12, 20), True), ((40, 8), True)])
-def test_compress_with_stored_mask_is_bit_identical(shape, transposed):
+def test_compress_with_stored_mask_is_bit_identical(shape, transposed, strided):
+  # strided: the transposed copy's keep decoded per row from the codes
+  # (`_tiles.keep_rows`), or the keep tile transposed.
   w = _weights(7 * shape[0], shape, jnp.bfloat16)
   # A mask that is NOT the magnitude mask of w: the kernel must follow it.
   other = jax.random.normal(jax.random.key(3), shape)
   mask = jsparse24.Mask24.from_weights(other, transposable=transposed)
-  got = prune24.compress_with_meta(w, mask.meta(), transposed=transposed, interpret=True)
+  cfg = prune24.PruneConfig(block_k=128, block_n=64, num_warps=8, strided_lanes=strided)
+  got = prune24.compress_with_meta(w, mask.meta(), transposed=transposed, config=cfg,
+                                   interpret=True)
   ref = compress_with_meta_reference(w, mask.meta(), transposed=transposed)
   for a, b in zip(got, ref):
     if b is None:
