@@ -13,12 +13,13 @@ Per group `a` of 4 (float32 lanes of any one shape):
   largest entry has `p = 1` and each other `|a_j| / (sum of the others)`
   (uniformly 1/3 when they are all zero). These are the minimum-variance
   marginals with `sum p = 2`, each at most 1.
-* the draw (`_draw_predicates`): two entries by systematic sampling with one uniform number `u`:
-  the entries whose interval `[upper_{i-1}, upper_i)` of the cumulative sums
-  of `p` holds `u` and `u + 1` (`upper_3` = 2). Entry `i` is drawn with
-  probability `p_i`; the two draws are distinct (each interval is at most 1
-  long), and rounding that would break that is mended, so that every group
-  always gets two distinct, valid indices (its 2:4 code).
+* the draw (`_draw_predicates`): two entries by systematic sampling with
+  one uniform number `u`: the entries whose interval `[upper_{i-1},
+  upper_i)` of the cumulative sums of `p` holds `u` and `u + 1` (`upper_3`
+  = 2). Entry `i` is drawn with probability `p_i`; the two draws are
+  distinct (each interval is at most 1 long), and rounding that would break
+  that is mended, so that every group always gets two distinct, valid
+  indices (its 2:4 code).
 * a drawn entry's value becomes `a_i / p_i`: the estimate is unbiased.
 
 The kernel is bound by the GPU's integer/logic pipe (compares, selects,
