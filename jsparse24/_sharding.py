@@ -123,10 +123,14 @@ def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
   return call
 
 
-def _explicit_mesh(a: jax.Array) -> Any:
-  """The mesh of `a`'s sharding type where it has Explicit axes, else None."""
-  mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
-  return mesh if is_explicit(mesh) else None
+def _explicit_mesh(*arrays: jax.Array) -> Any:
+  """The mesh of the first of `arrays` whose sharding type has Explicit
+  axes, else None."""
+  for a in arrays:
+    mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+    if is_explicit(mesh):
+      return mesh
+  return None
 
 
 # Set while a primitive's lowering traces the products (`unpartitioned`).
@@ -206,7 +210,7 @@ def weight_grad_sharding(w: jax.Array, *operands: jax.Array) -> Any:
   sharding = explicit_sharding(w)
   if sharding is not None:
     return sharding
-  mesh = next((m for m in map(_explicit_mesh, operands) if m is not None), None)
+  mesh = _explicit_mesh(*operands)
   return None if mesh is None else NamedSharding(mesh, P())
 
 
@@ -216,7 +220,7 @@ def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
   With Auto axes XLA gathers a sharded weight for such a call by itself;
   with Explicit axes the call runs in a `shard_map` over replicated specs
   (Pallas calls only accept per-device arrays there)."""
-  mesh = next((m for m in map(_explicit_mesh, args) if m is not None), None)
+  mesh = _explicit_mesh(*args)
   if mesh is None or _UNPARTITIONED[0]:
     return fn(*args)
   args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args)
@@ -462,7 +466,7 @@ def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.A
   (Auto mesh axes; with Explicit ones see `whole_on_each_device`.)"""
   if _UNPARTITIONED[0]:
     return _vmapped(fn, lead)(w, *extras)
-  if any(_explicit_mesh(a) is not None for a in (w, *extras)):
+  if _explicit_mesh(w, *extras) is not None:
     return whole_on_each_device(_vmapped(fn, lead), w, *extras)
   return _wrap_columns(fn, tuple(n_dims), align, tuple(e.ndim - lead for e in extras),
                        lead, k_dims, extra_k_dims)(w, *extras)
