@@ -113,7 +113,8 @@ def _nibble(word: jax.Array, shift: int) -> jax.Array:
   return ((word >> shift) & 0xF).astype(jnp.int32)
 
 
-def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Array:
+def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
+                  with_total: bool = False):
   """The exact best 4x4 pattern of every block -> its uint32 `_pattern_word`.
 
   lanes[r][c]: element (r, c) of every block. Same order and arithmetic as
@@ -121,7 +122,10 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Ar
   the float32 per-row sum of kept finite magnitudes, then the first pattern
   in lexicographic row-pair order. `count_nonfinite=False` leaves out the
   first criterion: exact only for blocks without NaN or inf (every count
-  is 0 there), and half the work.
+  is 0 there), and half the work. `with_total` (with count_nonfinite=False)
+  also returns the float32 sum of each block's magnitudes (subnormals
+  flushed), from two of each row's pair sums: not finite where the block
+  holds a NaN or inf (or where finite magnitudes overflow the sum).
   """
   mag = [[None] * 4 for _ in range(4)]
   nonfinite = [[None] * 4 for _ in range(4)]
@@ -180,6 +184,11 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool) -> jax.Ar
   best = stack.pop()[1]
   while stack:
     best = merge(stack.pop()[1], best)
+  if with_total:
+    assert not count_nonfinite
+    whole = _tiles.PAIRS.index((0, 1)), _tiles.PAIRS.index((2, 3))
+    block_sum = functools.reduce(jnp.add, [pair_sum[r][q] for r in range(4) for q in whole])
+    return best[-1], block_sum
   return best[-1]
 
 
@@ -212,15 +221,53 @@ def _quadrants(code: jax.Array) -> list[list[jax.Array]]:
 
 def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: bool,
                                strided_stores: bool, store_meta=None):
-  """Transposable prune + compress of a `[bk, bn]` tile (bk, bn multiples of
-  8): the best pattern of each 4x4 block, then both compressed copies and
-  both metadata, from the lanes of the four quadrants of the tile's 8x8
-  regions (loaded with stride 8), so that every output row is made of
-  whole lanes: `strided_stores` stores each lane with a strided store,
-  else the lanes of a row are interleaved in registers (`join_lanes`) and
-  stored contiguously.
+  """Transposable prune + compress of a `[bk, bn]` tile in one kernel, the
+  search chosen per tile by `_best_pattern_of_tile` (`prune_compress` and
+  the rebuild kernel; `transposable_mask` runs the two passes below).
+  Arguments as `_write_transposable`'s."""
+  _write_transposable(w_ref, _best_pattern_of_tile(_block_lanes(w_ref, 4)), out_refs,
+                      k_major=k_major, with_values=with_values,
+                      strided_stores=strided_stores, store_meta=store_meta)
 
-  Outputs: with_values: values, meta, values_t, meta_t (see `_outputs`);
+
+def _transposable_common_pass(w_ref, *refs, **kw):
+  """Pass 1 of transposable pruning, every tile: the search without the
+  non-finite counts (`_best_pattern(lanes, False)`, exact where the tile
+  holds no NaN or inf) and the outputs written from it, and in the first
+  entry of the program's `suspect_ref` block 1 where the tile's magnitudes
+  do not sum to a finite float32 (a NaN or inf, or a harmless false alarm
+  where huge finite ones overflow), else 0."""
+  *out_refs, suspect_ref = refs
+  words, block_sum = _best_pattern(_block_lanes(w_ref, 4), False, with_total=True)
+  suspect = jnp.logical_not(jnp.sum(block_sum) <= _FLOAT32_MAX).astype(jnp.int32)
+  first = jax.lax.broadcasted_iota(jnp.int32, suspect_ref.shape, 1) == 0
+  suspect_ref[...] = jnp.where(first, suspect, 0)
+  _write_transposable(w_ref, words, out_refs, **kw)
+
+
+def _transposable_exact_pass(w_ref, suspect_ref, *refs, **kw):
+  """Pass 2, the outputs of pass 1 aliased in and out: a program whose tile
+  pass 1 flagged writes its outputs again from the exact search (non-finite
+  counts first); every other program returns at once."""
+  out_refs = refs[len(refs) // 2:]  # the aliased inputs come first
+
+  @pl.when(jnp.max(suspect_ref[...]) != 0)
+  def _():
+    _write_transposable(w_ref, _best_pattern(_block_lanes(w_ref, 4), True), out_refs, **kw)
+
+
+def _write_transposable(w_ref, words: jax.Array, out_refs, *, k_major: bool,
+                        with_values: bool, strided_stores: bool, store_meta=None):
+  """Writes transposable pruning's outputs for a `[bk, bn]` tile (bk, bn
+  multiples of 8) whose 4x4 blocks chose the patterns `words` (`[bk/4,
+  bn/4]`, `_pattern_word`s): both compressed copies and both metadata,
+  from the lanes of the four quadrants of the tile's 8x8 regions (loaded
+  with stride 8), so that every output row is made of whole lanes:
+  `strided_stores` stores each lane with a strided store, else the lanes
+  of a row are interleaved in registers (`join_lanes`) and stored
+  contiguously.
+
+  out_refs: with_values: values, meta, values_t, meta_t (see `_outputs`);
   else meta only (the mask). `store_meta(rows, tile)`, if given, stores the
   mask's rows `rows` of meta (int32 bytes `[bn/8, bk/8]`) instead."""
   if with_values:
@@ -230,7 +277,7 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
   bk, bn = w_ref.shape
   rows8, cols8 = bk // 8, bn // 8
   # [t][b] [bk/8, bn/8]: the blocks' pattern words (`_pattern_word`).
-  quads = _quadrants(_best_pattern_of_tile(_block_lanes(w_ref, 4)))
+  quads = _quadrants(words)
   lanes = ([[_block_lanes(w_ref, 8, 4 * t, 4 * b) for b in range(2)] for t in range(2)]
            if with_values else None)
 
@@ -458,6 +505,10 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   out_shape, out_specs = _outputs(wp, cfg, meta=True, transposed=transposable,
                                   k_major=k_major)
   if transposable:
+    # One kernel choosing the search per tile, not `_transposable_passes`:
+    # with every output written by both passes that took 37.5 s to compile
+    # against 17.8 s, for 0.07 ms (8%) at 16384^2 on an H100
+    # (benchmarks/NOTES.md, twelfth session).
     kernel = functools.partial(_prune_transposable_kernel, k_major=k_major, with_values=True,
                                strided_stores=cfg.strided_lanes)
   else:
@@ -490,7 +541,9 @@ def transposable_mask(w: jax.Array, *, config: PruneConfig | None = None,
   """The transposable 2:4 mask of `w[K, N]` (the exact best of the 90 4x4
   patterns per block, as `prune_compress(transposable=True)` chooses it), as
   packed metadata `uint8[N, ceil(K/8)]` only: one read of `w` in its own
-  dtype (float32 master weights included), no values written."""
+  dtype (float32 master weights included), no values written; a second
+  kernel reads again only the tiles that may hold a NaN or inf
+  (`_transposable_passes`)."""
   fn = "transposable_mask"
   _check_weight(fn, w, True)
   k, n = w.shape
@@ -498,19 +551,52 @@ def transposable_mask(w: jax.Array, *, config: PruneConfig | None = None,
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
-  meta = pl.pallas_call(
-      functools.partial(_prune_transposable_kernel, k_major=False, with_values=False,
-                        strided_stores=True),
-      out_shape=jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8),
-      grid=(kp // bk, np_ // bn),
-      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j))],
-      out_specs=pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)),
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages),
-      interpret=interpret,
-      name="jsparse24_transposable_mask",
-  )(wp)
+  (meta,) = _transposable_passes(
+      wp, cfg, [jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8)],
+      [pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))], interpret=interpret,
+      name="jsparse24_transposable_mask", k_major=False, with_values=False,
+      strided_stores=True)
   return _with_pad_code(meta[:n, :math.ceil(k / 8)], k)
+
+
+def _transposable_passes(wp: jax.Array, cfg: PruneConfig, out_shape, out_specs, *,
+                         interpret: bool, name: str, **kw) -> list[jax.Array]:
+  """Transposable pruning of the padded `wp` in two kernels: every tile
+  searched without the non-finite counts (`_transposable_common_pass`),
+  then only the tiles that may hold a NaN or inf searched again exactly,
+  into the same buffers (`_transposable_exact_pass`). For the mask alone
+  at 16384^2 on an H100 that took 0.525 ms against 0.620 for one kernel
+  choosing per tile (`lax.cond`, as `_prune_transposable_kernel`), and
+  9-10 s to compile (benchmarks/NOTES.md, twelfth session)."""
+  kp, np_ = wp.shape
+  bk, bn = cfg.block_k, cfg.block_n
+  grid = (kp // bk, np_ // bn)
+  w_spec = pl.BlockSpec((bk, bn), lambda i, j: (i, j))
+  # One int32 flag per program (the first of a block of bn/8).
+  flag_shape = jax.ShapeDtypeStruct((grid[0], np_ // 8), jnp.int32)
+  flag_spec = pl.BlockSpec((1, bn // 8), lambda i, j: (i, j))
+  params = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  *outs, suspect = pl.pallas_call(
+      functools.partial(_transposable_common_pass, **kw),
+      out_shape=[*out_shape, flag_shape], grid=grid, in_specs=[w_spec],
+      out_specs=[*out_specs, flag_spec], compiler_params=params, interpret=interpret,
+      name=name,
+  )(wp)
+  n = len(outs)
+  # Pass 2's programs nearly all return at once, so what it costs is how
+  # many are resident: its exact search takes ~255 registers per thread,
+  # and fewer warps per program let more programs fit. For the mask at
+  # 16384^2 on an H100: 0.562 ms in all at 4 warps, 0.525 at 2, 0.503 at
+  # 1, whose compile (register spills) took 24-29 s against 9-10 s at 2
+  # and 4-5 at 4 (benchmarks/NOTES.md, twelfth session).
+  exact_params = pltriton.CompilerParams(num_warps=min(cfg.num_warps, 2),
+                                         num_stages=cfg.num_stages)
+  return pl.pallas_call(
+      functools.partial(_transposable_exact_pass, **kw),
+      out_shape=out_shape, grid=grid, in_specs=[w_spec, flag_spec, *out_specs],
+      out_specs=out_specs, input_output_aliases={2 + i: i for i in range(n)},
+      compiler_params=exact_params, interpret=interpret, name=name + "_exact",
+  )(wp, suspect, *outs)
 
 
 def _plain_mask_kernel(w_ref, meta_ref, store_meta=None):

@@ -102,11 +102,20 @@ def test_prune_compress_transposable_is_bit_identical(shape, dtype, strided):
     np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("shape,dtype", [((72, 136), jnp.float32), ((20, 12), jnp.bfloat16)])
-def test_transposable_mask_is_bit_identical(shape, dtype):
+@pytest.mark.parametrize("shape,dtype,huge", [((72, 136), jnp.float32, False),
+                                              ((20, 12), jnp.bfloat16, False),
+                                              ((72, 136), jnp.bfloat16, True)])
+def test_transposable_mask_is_bit_identical(shape, dtype, huge):
   # The mask alone (what the rebuilds use): float32 master weights included,
-  # subnormal magnitudes scoring 0 like the reference's.
+  # subnormal magnitudes scoring 0 like the reference's. Its kernel searches
+  # again the tiles whose magnitudes do not sum to a finite float32: the
+  # NaN/inf tile, and with `huge` a tile of finite magnitudes that overflow
+  # the sum (and the pattern scores: ties at inf).
   w = _adversarial(3 * sum(shape), shape, dtype)
+  if huge:
+    t = w[64:72, 64:80].astype(jnp.float32)
+    w = w.at[64:72, 64:80].set((t / (1 + jnp.abs(t)) * 3e38).astype(dtype))  # |t| < 3e38
+    assert bool(jnp.all(jnp.isfinite(w[64:72, 64:80].astype(jnp.float32))))
   got = prune24.transposable_mask(w, interpret=True)
   want = jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=True), transposable=True)
   assert got.shape == want.meta().shape and got.dtype == jnp.uint8
