@@ -534,3 +534,41 @@ def test_forward_mode_on_the_gpu_kernels(impl, gradient):
                                      transposable=True).astype(jnp.float32).sum(0)
   jf, jr = jax.jacfwd(g)(small[1]), jax.jacrev(g)(small[1])
   assert _rel_err(jf, jr) < _ROUNDING[jnp.dtype(jnp.float16)]
+
+
+def test_cusparselt_product_is_not_computed_twice_under_scan():
+  """Blocks in `nn.scan` whose product is both kept for the backward pass
+  (the up-projection, GELU's input) and read by the next op: XLA's GPU
+  dynamic-slice fusion used to compute such an FFI call a second time, to
+  write it straight into the scan's stacked buffer (the d_model 2048 model
+  of bench_model.py lost 3% to it). One product per layer and direction:
+  up and down forward, their dx backward."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  d, h = 256, 1024
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      up = jsparse24.SparseDense(h, implementation="cusparselt", use_bias=False,
+                                 dtype=jnp.bfloat16, name="up")
+      down = jsparse24.SparseDense(d, implementation="cusparselt", use_bias=False,
+                                   dtype=jnp.bfloat16, name="down")
+      return x + down(nn.gelu(up(x))), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                      split_rngs={"params": True}, length=3)
+      return stack(name="blocks")(x, None)[0]
+
+  x = jax.random.normal(jax.random.key(0), (2048, d), jnp.bfloat16)
+  model = Model()
+  variables = model.init(jax.random.key(1), x)
+
+  def loss(params):
+    return jnp.sum(model.apply({**variables, "params": params}, x).astype(jnp.float32) ** 2)
+
+  hlo = jax.jit(jax.grad(loss)).lower(variables["params"]).compile().as_text()
+  assert hlo.count('custom_call_target="jsparse24_cusparselt_matmul"') == 4

@@ -350,10 +350,17 @@ def _sparse_a_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, int], *, m: i
   compressed structured buffer `a`, `B` the dense `b`; `D` is returned as
   the row-major `shape` array of b's dtype that its buffer is."""
   call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul", jax.ShapeDtypeStruct(shape, b.dtype))
-  return call(a, b, m=np.int64(m), n=np.int64(n), k=np.int64(k), op_a=np.int64(op_a),
-              op_b=np.int64(op_b), sparse_a=np.int64(1), order_a=np.int64(_COL),
-              order_b=np.int64(_COL), order_d=np.int64(_COL), search=np.int64(search),
-              alg=np.int64(alg))
+  d = call(a, b, m=np.int64(m), n=np.int64(n), k=np.int64(k), op_a=np.int64(op_a),
+           op_b=np.int64(op_b), sparse_a=np.int64(1), order_a=np.int64(_COL),
+           order_b=np.int64(_COL), order_d=np.int64(_COL), search=np.int64(search),
+           alg=np.int64(alg))
+  # Where the product is also written into a stacked buffer (an `nn.scan`
+  # keeping it for the backward pass) and read by another op, XLA's GPU
+  # dynamic-slice fusion computed the call twice, once into the stack:
+  # the up-projection's product in every block of bench_model.py's
+  # d_model 2048 model (benchmarks/NOTES.md, twelfth session). Behind the
+  # barrier the stack gets a copy, as a dense dot's output does.
+  return jax.lax.optimization_barrier(d)
 
 
 @functools.cache
