@@ -6,6 +6,7 @@ dispatch rules. The products themselves are tested in tests/test_gpu.py."""
 import functools
 import pathlib
 import platform
+import re
 
 import jax
 import jax.numpy as jnp
@@ -417,3 +418,19 @@ def test_operand_roles_fit_the_operand(transposable):
   assert roles.meta == "nk" and roles.fwd == "kn"
   for a, r in zip(jax.tree.leaves(op), jax.tree.leaves(roles)):
     assert len(r) == a.ndim
+
+
+def test_cusparselt_product_sits_behind_an_optimization_barrier():
+  """The cuSPARSELt matmul's result goes through an optimization barrier
+  (so that XLA's GPU dynamic-slice fusion cannot compute it twice; the
+  effect itself is checked on a GPU by
+  test_gpu.py::test_cusparselt_product_is_not_computed_twice_under_scan).
+  Lowered only: the FFI target needs a GPU to compile."""
+  a = jnp.zeros((576, 128), jnp.bfloat16)
+  b = jnp.zeros((256, 128), jnp.bfloat16)
+  f = lambda a, b: cusparselt._sparse_a_matmul(  # noqa: E731
+      a, b, (256, 128), m=128, n=256, k=512, op_a=0, op_b=0, search=0, alg=0)
+  text = jax.jit(f).lower(a, b).as_text()
+  call = re.search(r"(%\S+) = stablehlo.custom_call @jsparse24_cusparselt_matmul", text)
+  assert call, text
+  assert re.search(rf"stablehlo.optimization_barrier {re.escape(call.group(1))}\b", text), text

@@ -787,19 +787,3 @@ def test_tensor_parallel_layers_on_compressed_params():
   coll = _collectives(hlo)
   assert coll["all-gather"] == [] and (B * T // 2, D) in set(coll["all-reduce"]), coll
 
-
-def test_cusparselt_product_sits_behind_an_optimization_barrier():
-  """The cuSPARSELt matmul's result goes through an optimization barrier
-  (so that XLA's GPU dynamic-slice fusion cannot compute it twice; the
-  effect itself is checked on a GPU by
-  test_gpu.py::test_cusparselt_product_is_not_computed_twice_under_scan).
-  Lowered only: the FFI target needs a GPU to compile."""
-  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
-  a = jnp.zeros((576, 128), jnp.bfloat16)
-  b = jnp.zeros((256, 128), jnp.bfloat16)
-  f = lambda a, b: cusparselt._sparse_a_matmul(  # noqa: E731
-      a, b, (256, 128), m=128, n=256, k=512, op_a=0, op_b=0, search=0, alg=0)
-  text = jax.jit(f).lower(a, b).as_text()
-  call = re.search(r"(%\S+) = stablehlo.custom_call @jsparse24_cusparselt_matmul", text)
-  assert call, text
-  assert re.search(rf"stablehlo.optimization_barrier {re.escape(call.group(1))}\b", text), text
