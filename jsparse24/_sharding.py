@@ -18,8 +18,8 @@ the whole product everywhere. Here they get a rule, through
 * `rows_contracted`: `dw[K, N] = f(x[M, K], dy[M, N], first_row, ...)`, a
   sum over the rows M (the weight gradient on the sparse tensor cores):
   each device contracts its own rows (`first_row` tells it where they
-  start), then one all-reduce of the float32 partial sums over M's mesh
-  axes, as XLA does for a dense `x^T dy`; x split on K or dy on N (tensor
+  start), then one all-reduce of the partial sums (in their dtype) over M's
+  mesh axes, as XLA does for a dense `x^T dy`; x split on K or dy on N (tensor
   parallelism) give each device its block of dw. No activation or
   activation gradient is gathered.
 
@@ -318,7 +318,7 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int) -> Callab
 def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Array,
                     align: int = 1) -> jax.Array:
   """`fn(x, dy, first_row, first_col, n_total, *operands)` (x `[M, K]`, dy
-  `[M, N]`, result `[K, N]` float32, a sum over the rows) partitioned over
+  `[M, N]`, result `[K, N]`, a sum over the rows, all-reduced in its dtype) partitioned over
   M: each device runs `fn` on its own rows (`first_row`: an int32 scalar,
   the global index of its first row; `operands` whole on every device),
   then the partial results are summed over M's mesh axes (one all-reduce).

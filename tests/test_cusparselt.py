@@ -434,3 +434,27 @@ def test_cusparselt_product_sits_behind_an_optimization_barrier():
   call = re.search(r"(%\S+) = stablehlo.custom_call @jsparse24_cusparselt_matmul", text)
   assert call, text
   assert re.search(rf"stablehlo.optimization_barrier {re.escape(call.group(1))}\b", text), text
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_mvue_weight_grad_partial_sums_are_in_the_products_dtype(dtype, monkeypatch):
+  """The MVUE weight gradient's per-device partial sums, which data
+  parallelism all-reduces, are in x's dtype (what the sparse product
+  writes), as XLA's dense `x^T dy` is: a float32 result doubled the
+  all-reduce's bytes (benchmarks/NOTES.md, "Thirteenth session"). Traced
+  only: the FFI target needs a GPU to run, and cuSPARSELt's size query a
+  GPU too (skipped here)."""
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  x = jax.ShapeDtypeStruct((256, 128), dtype)
+  dy = jax.ShapeDtypeStruct((256, 192), dtype)
+  local = cusparselt._mvue_weight_grad_local(0, 0)
+  seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  for m in (256, 254):  # with and without the exact tail of M % 4 rows
+    xm, dym = (jax.ShapeDtypeStruct((m,) + a.shape[1:], dtype) for a in (x, dy))
+    with interpret_mode():
+      out = jax.eval_shape(lambda *a: local(*a[:4], 192, a[4]), xm, dym, i, i, seed)
+    assert out.shape == (128, 192) and out.dtype == dtype, out
+  with interpret_mode():
+    whole = jax.eval_shape(cusparselt.mvue_weight_grad, x, dy, jax.random.key(0))
+  assert whole.dtype == dtype, whole

@@ -442,9 +442,11 @@ def test_mvue_compress_kernel_on_gpu(shape, dtype):
 def test_cusparselt_mvue_weight_grad(dtype, tol, m, k, n):
   """dw = x^T mvue_24(dy) on the sparse tensor cores against XLA's dense
   product of the reference's pruned dy (float32): they differ by the
-  result's rounding to `dtype` (cuSPARSELt writes its input dtype) and the
-  rare draws of test_mvue_compress_kernel_on_gpu. M = 1003 has a tail of 3
-  rows (kept exactly) and pads to 1024; M = 3 is all tail."""
+  result's rounding to `dtype` (cuSPARSELt writes its input dtype, and the
+  result stays in it, so that data parallelism all-reduces 16-bit partial
+  sums as for a dense `x^T dy`) and the rare draws of
+  test_mvue_compress_kernel_on_gpu. M = 1003 has a tail of 3 rows (kept
+  exactly, then rounded with the rest) and pads to 1024; M = 3 is all tail."""
   from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
   kx, kd, kk = jax.random.split(jax.random.key(m + k + n), 3)
   x = jax.random.normal(kx, (m, k), dtype)
@@ -453,7 +455,7 @@ def test_cusparselt_mvue_weight_grad(dtype, tol, m, k, n):
   want = jax.jit(lambda x, dy, kk: jnp.dot(
       x.T.astype(jnp.float32), jsparse24.mvue_24(dy, kk, axis=0).astype(jnp.float32),
       precision=jax.lax.Precision.HIGHEST))(x, dy, kk)
-  assert got.shape == (k, n) and got.dtype == jnp.float32
+  assert got.shape == (k, n) and got.dtype == dtype
   assert _rel_err(got, want) < tol, _rel_err(got, want)
 
 

@@ -457,9 +457,14 @@ def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0,
 
 @functools.cache
 def _mvue_weight_grad_local(search: int, alg: int):
-  """The per-device `fn(x, dy, first_row, first_col, n_total, seed) ->
-  float32 [K, N]` of `rows_contracted` (dy's block draws what the whole
-  `[M, n_total]` gradient would)."""
+  """The per-device `fn(x, dy, first_row, first_col, n_total, seed) -> [K, N]`
+  of `rows_contracted` (dy's block draws what the whole `[M, n_total]`
+  gradient would), in x's dtype: the partial sums are all-reduced in the
+  dtype the product writes, as XLA reduces the dense model's `x^T dy` (and
+  the reference backend's MVUE product). A float32 result would double the
+  all-reduce's bytes: with data parallelism on 2 H200s it made the MVUE
+  step's two all-reduces 2.3 ms against the dense step's 1.1 ms
+  (benchmarks/NOTES.md, "Thirteenth session")."""
 
   def run(x, dy, first_row, first_col, n_total, seed):
     m, k = x.shape
@@ -481,13 +486,13 @@ def _mvue_weight_grad_local(search: int, alg: int):
     if head < m:
       dw = dw + jax.lax.dot_general(x[head:], dy[head:], (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)
-    return dw
+    return dw.astype(x.dtype)  # exact where M % 4 == 0 (the product's own dtype)
 
   return run
 
 
 def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
-  """`x[M, K]^T mvue_24(dy[M, N], key)` (float32 `[K, N]`) with the product on
+  """`x[M, K]^T mvue_24(dy[M, N], key)` (`[K, N]` in x's dtype) with the product on
   the sparse tensor cores; under `jit` with rows sharded, each device prunes
   and multiplies its own rows (drawing what the whole `dy` would, for M a
   multiple of 4 per device) and the partial sums are all-reduced; with x
