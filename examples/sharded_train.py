@@ -91,7 +91,11 @@ def _sparse_kernel_paths(run) -> set:
   return {tuple(path.split("/")) + ("kernel",) for path in jsparse24.optim.stats(run.opt_state)}
 
 
-def make_step(lm, run, layout: str, mesh):
+def make_step(lm, run, layout: str, mesh, state):
+  """The jitted train step; `state` = (params, opt_state) as laid out, which
+  the step's outputs keep (left to XLA, the masks that the rebuild kernel
+  makes on each device's block could come back replicated, gathered every
+  step)."""
   whole = NamedSharding(mesh, P())
   sparse_kernels = _sparse_kernel_paths(run)
 
@@ -115,7 +119,8 @@ def make_step(lm, run, layout: str, mesh):
     updates, opt_state = run.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  return jax.jit(step, donate_argnums=(0, 1), static_argnames="phase")
+  keep = jax.tree.map(lambda a: a.sharding, state) + (whole,)
+  return jax.jit(step, donate_argnums=(0, 1), static_argnames="phase", out_shardings=keep)
 
 
 def train(lm, run, args, data, mesh) -> dict:
@@ -130,7 +135,7 @@ def train(lm, run, args, data, mesh) -> dict:
     state_sharding = lambda a: NamedSharding(mesh, P())  # noqa: E731
   params = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.params)
   opt_state = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.opt_state)
-  step = make_step(lm, run, args.layout, mesh)
+  step = make_step(lm, run, args.layout, mesh, (params, opt_state))
   # Timed from the step after the first sparse one (compilation and
   # cuSPARSELt's algorithm search happen before), as in train_lm.
   start = min(args.mask_warmup + 2, args.steps - 1)

@@ -3,6 +3,7 @@
 `examples/` is not a package: each script is imported from its path.
 """
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -157,14 +158,24 @@ def test_patch_model_sparsifies_only_the_mlps():
 
 
 @pytest.mark.parametrize("layout", ["data", "fsdp", "tp"])
-def test_sharded_train_learns_on_a_mesh(layout):
+def test_sharded_train_learns_on_a_mesh(layout, monkeypatch):
   """8 fake CPU devices: both runs learn, and their state stays in the layout's
   shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
-  kernels column- and row-parallel over 4 model devices for tp)."""
-  out = load_example("sharded_train").main(
-      ["--layout", layout, "--steps", "30", "--batch", "16", "--d-model", "32",
-       "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2"]
-      + (["--model-devices", "4"] if layout == "tp" else []))
+  kernels column- and row-parallel over 4 model devices for tp, and their
+  masks alike). tp: the masks rebuilt by the mask kernel on a run-time flag
+  every step, as on a GPU, which makes them on each device's block (left
+  to XLA, the step returned them replicated: gathered every step)."""
+  context = contextlib.nullcontext()
+  if layout == "tp":
+    from jsparse24 import backends  # pylint: disable=g-import-not-at-top
+    from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+    context = interpret_mode()
+  with context:
+    out = load_example("sharded_train").main(
+        ["--layout", layout, "--steps", "30", "--batch", "16", "--d-model", "32",
+         "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2"]
+        + (["--model-devices", "4"] if layout == "tp" else []))
   for run in ("dense", "2:4"):
     r = out[run]
     assert r["loss_last"] < r["loss_first"] - 0.5, (run, r["loss_first"], r["loss_last"])
@@ -177,6 +188,10 @@ def test_sharded_train_learns_on_a_mesh(layout):
     if layout == "tp":
       down = r["params"]["block_0"]["mlp"]["down"]["kernel"]
       assert spec(down) == ("model", None), down.sharding
+  if layout == "tp":  # the masks stay sharded like their kernels (packed [N, K/8])
+    masks = jsparse24.optim.masks(out["2:4"]["opt_state"])["block_0"]["mlp"]
+    assert spec(masks["up"]["mask"].packed) == ("model", None), masks["up"]["mask"].packed.sharding
+    assert spec(masks["down"]["mask"].packed) == (None, "model"), masks["down"]["mask"].packed.sharding
 
 
 def test_train_lm_resume_at_or_past_steps_says_so(train_lm, capsys, tmp_path):
