@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jsparse24
 from benchmarks import _common
@@ -318,6 +319,11 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   d, layers, remat = result["d_model"], result["layers"], result["remat"]
   batch, seq, vocab, rebuild_every = cfg["batch"], cfg["seq"], cfg["vocab"], cfg["rebuild_every"]
   tokens_per_step = batch * seq
+  # --devices N: data parallel over a 1-D mesh of N GPUs, the batch split over
+  # them, params and optimizer state replicated; one jax.jit step partitioned
+  # by XLA (jsparse24's products keep each device's rows).
+  mesh = jax.sharding.Mesh(jax.local_devices()[:cfg["devices"]], ("data",))
+  whole = functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
 
   def phase(name):
     result["phase"] = name
@@ -327,7 +333,8 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   model = GPT(vocab, d, layers, seq, cfg["attention"], remat)
   sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)})
   key_data, key_init = jax.random.split(jax.random.key(0))
-  tokens = jax.random.randint(key_data, (batch, seq + 1), 0, vocab, jnp.int32)
+  tokens = jax.device_put(jax.random.randint(key_data, (batch, seq + 1), 0, vocab, jnp.int32),
+                          NamedSharding(mesh, P("data")))
   dense_shapes = jax.eval_shape(model.init, key_init, tokens[:, :-1])["params"]
   n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(dense_shapes))
   mem = memory_estimate(n_params, d, layers, remat, tokens_per_step, vocab)
@@ -346,7 +353,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   transposable = MASK_KINDS[cfg["mask"]].get("transposable")
   result["implementations"] = {
       kind: jsparse24.selected_implementation(
-          (batch, seq, k), (k, n), jnp.bfloat16,
+          (batch // cfg["devices"], seq, k), (k, n), jnp.bfloat16,
           transposable=n % 4 == 0 if transposable is None else transposable)
       for kind, (k, n) in layer_shapes(d).items()}
   print(f"[d_model {d}] automatic 2:4 backend per layer: {result['implementations']}", flush=True)
@@ -354,7 +361,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   adamw = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
 
   phase("dense: init, compile, first step")
-  params = jax.jit(model.init)(key_init, tokens[:, :-1])["params"]
+  params = whole(jax.jit(model.init)(key_init, tokens[:, :-1])["params"])
   fingerprint = jax.tree.leaves(jax.tree.map(float, _fingerprint(params)))
   opt_state = jax.jit(adamw.init)(params)
   step, compile_s = compile_step(
@@ -377,7 +384,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   del params, opt_state, run, state, step
 
   phase("2:4: init, compile, first step")
-  variables = jax.jit(sparse.init)(key_init, tokens[:, :-1])
+  variables = whole(jax.jit(sparse.init)(key_init, tokens[:, :-1]))
   params = variables["params"]
   if _signature(params) != _signature(dense_shapes):
     raise AssertionError("the 2:4 model's params tree differs from the dense model's")
@@ -420,6 +427,9 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   run, state = threaded(step, params, opt_state, count=plain)
   sp["step_ms"] = step_timer(run, tokens) * 1e3
   sp["tokens_per_s"] = tokens_per_step / sp["step_ms"] * 1e3
+  # Where the step ran: the devices holding its params, and the split of its batch.
+  sp["devices"] = len(jax.tree.leaves(state["params"])[0].sharding.device_set)
+  sp["batch_split"] = len(tokens.sharding.device_set)
   last = int(state["opt"][0].last_rebuild)
   if last != 0:
     raise AssertionError(f"a timed 2:4 step rebuilt the masks (last_rebuild={last})")
@@ -444,7 +454,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   # models do not fit in memory together at the larger widths), and the
   # ratios use the mean of the two timings; their spread is reported.
   phase("dense: timing again, after the 2:4 step")
-  params = jax.jit(model.init)(key_init, tokens[:, :-1])["params"]
+  params = whole(jax.jit(model.init)(key_init, tokens[:, :-1])["params"])
   run, state = threaded(dense_step, params, jax.jit(adamw.init)(params))
   dense["step_ms_before"] = dense["step_ms"]
   dense["step_ms_after"] = step_timer(run, tokens) * 1e3
@@ -460,8 +470,9 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
                                                       + sp["rebuild_extra_ms_per_step"])
 
-  phase("breakdown: linear layers, attention")
-  result["breakdown"] = breakdown(cfg, timer, result)
+  if cfg["devices"] == 1:  # its parts are one-device programs
+    phase("breakdown: linear layers, attention")
+    result["breakdown"] = breakdown(cfg, timer, result)
   del result["phase"]
 
 
@@ -583,7 +594,8 @@ def summary_table(results: list[dict]) -> str:
   rows = [[r["d_model"], _blocks(r),
            f"{r['params'] / 1e6:,.0f}M" if "params" in r else "FAILED",
            _get(r, "dense", "tokens_per_s"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
-           _get(r, "breakdown", "mask_update_pct"), _get(r, "breakdown", "ceiling_measured")]
+           *((_get(r, "breakdown", "mask_update_pct"), _get(r, "breakdown", "ceiling_measured"))
+             if "breakdown" in r or r["status"] != "ok" else ("n/a", "n/a"))]
           for r in results]
   return _common.table(["d_model", "blocks", "params", "dense tokens/s", "2:4 tokens/s", "ratio",
                         "mask_update overhead % of 2:4 step", "ceiling (b)"], rows)
@@ -612,7 +624,10 @@ def notes(cfg: dict) -> str:
       f" over {cfg['rebuild_every']} steps). Whole steps are timed in runs of >= 1 s of"
       f" consecutive steps, dispatched asynchronously as in a training loop (median of 5"
       f" runs); the dense step is timed before and again after the 2:4 step, and the"
-      f" ratios use the mean (the spread between the two is shown).\n\n"
+      f" ratios use the mean (the spread between the two is shown)."
+      + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
+         f" batch split over them, params and optimizer state replicated (no breakdown)."
+         if cfg["devices"] > 1 else "") + "\n\n"
       f"Breakdown: each part is its own jitted program at the model's shapes, summed over"
       f" the blocks (with remat the recomputed forward is added): linear layers = `nn.Dense`"
       f" vs `jsparse24.SparseDense` forward + `jax.vjp` (y, dx, dw) from f32 params on bf16"
@@ -648,6 +663,9 @@ def main(argv=None) -> dict:
                  help="2:4 mask kind of the sparse layers (default: the library's default)")
   p.add_argument("--weight-grad", default="dense", choices=("dense", "mvue"),
                  help="the sparse layers' weight_grad (mvue: dw on the sparse tensor cores too)")
+  p.add_argument("--devices", type=int, default=1,
+                 help="data parallel over this many local GPUs (--batch is split over them;"
+                      " no breakdown)")
   p.add_argument("--quick", action="store_true", help="one timing repeat (CPU smoke test)")
   p.add_argument("--json", default=None, help="also write every number to this JSON file")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
@@ -656,6 +674,10 @@ def main(argv=None) -> dict:
   widths = [int(w) for w in args.widths.split(",")]
   if any(w % HEAD_DIM for w in widths):
     p.error(f"--widths: every d_model must be a multiple of the head size {HEAD_DIM}")
+  if not 1 <= args.devices <= len(jax.local_devices()):
+    p.error(f"--devices {args.devices}: this machine has {len(jax.local_devices())}")
+  if args.batch % args.devices:
+    p.error(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
   if args.rebuild_every < 2:
     p.error("--rebuild-every must be >= 2 (with 1 every step rebuilds)")
   if args.layers is None and any(w not in DEFAULTS for w in widths):
@@ -673,7 +695,7 @@ def main(argv=None) -> dict:
                "cudnn": "cudnn", "xla": "xla"}[args.attention]
   cfg = {"widths": widths, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
          "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask,
-         "weight_grad": args.weight_grad}
+         "weight_grad": args.weight_grad, "devices": args.devices}
   timer = (functools.partial(_common.bench, min_time=0.0, repeats=1) if args.quick
            else _common.bench)
   # Whole steps run back to back for >= 1 s per timing, dispatched
@@ -717,7 +739,8 @@ def main(argv=None) -> dict:
   if not args.no_write:
     title = (f"Whole model: GPT-style decoder, d_model {','.join(map(str, widths))},"
              f" {args.batch}x{args.seq} tokens per step, {args.mask} masks"
-             + (", MVUE weight gradient" if args.weight_grad == "mvue" else ""))
+             + (", MVUE weight gradient" if args.weight_grad == "mvue" else "")
+             + (f", data parallel over {args.devices} GPUs" if args.devices > 1 else ""))
     path = _common.write_section(title, f"{env}\n\n{notes(cfg)}\n\n{tables}")
     print(f"wrote {path}", flush=True)
   print(f"\n{tables}", flush=True)

@@ -34,3 +34,23 @@ def test_bench_model_runs_on_cpu(capsys, weight_grad):
                                                "mask_update_pct"))
   printed = capsys.readouterr().out
   assert printed.rstrip().splitlines()[-1].startswith("| 128 | 2 |")  # the summary table, last
+
+
+def test_bench_model_data_parallel_on_cpu(capsys):
+  """--devices 2: the batch split over a 2-device mesh, params replicated on
+  both, no breakdown (its parts are one-device programs)."""
+  out = bench_model.main(["--widths", "128", "--layers", str(LAYERS), "--seq", "32",
+                          "--batch", "4", "--vocab", "512", "--rebuild-every", "5",
+                          "--devices", "2", "--quick", "--no-write"])
+  (r,) = out["widths"]
+  assert r["status"] == "ok", r.get("error")
+  assert out["config"]["devices"] == 2
+  assert r["sparse"]["devices"] == 2 and r["sparse"]["batch_split"] == 2
+  assert "breakdown" not in r and math.isfinite(r["ratio"]) and r["ratio"] > 0
+  assert r["sparse"]["first_loss"] == pytest.approx(r["sparse"]["reference_loss"], rel=1e-2)
+  assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith("| n/a | n/a |")
+
+
+def test_bench_model_rejects_more_devices_than_there_are():
+  with pytest.raises(SystemExit):
+    bench_model.main(["--widths", "128", "--layers", "1", "--devices", "1000", "--no-write"])
