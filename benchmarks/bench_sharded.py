@@ -29,6 +29,7 @@ collectives in the compiled HLO by kind. Written to results/<gpu>.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -48,6 +49,7 @@ class Block(nn.Module):
   sparse: bool
   implementation: str = "cusparselt"
   shardings: tuple | None = None  # tensor parallel: {name: kernel NamedSharding}
+  weight_grad: str = "dense"
 
   @nn.compact
   def __call__(self, x):
@@ -55,7 +57,8 @@ class Block(nn.Module):
     if self.sparse:
       layer = lambda n, name: jsparse24.SparseDense(  # noqa: E731
           n, name=name, dtype=jnp.bfloat16, use_bias=False, transposable=True,
-          implementation=self.implementation, kernel_sharding=kernel_sharding.get(name))
+          implementation=self.implementation, kernel_sharding=kernel_sharding.get(name),
+          weight_grad=self.weight_grad)
     else:
       layer = lambda n, name: nn.Dense(n, name=name, dtype=jnp.bfloat16, use_bias=False)  # noqa: E731
     return x + layer(self.d, "down")(nn.gelu(layer(4 * self.d, "up")(x)))
@@ -72,10 +75,11 @@ def tp_specs(d: int) -> dict[str, P]:
   return {"up": P(None, "model"), "down": P("model", None)}
 
 
-def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: str):
+def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: str,
+         weight_grad: str = "dense"):
   shardings = (tuple((k, NamedSharding(mesh, v)) for k, v in tp_specs(d).items())
                if layout == "tp" else None)
-  model = Block(d, sparse, implementation, shardings)
+  model = Block(d, sparse, implementation, shardings, weight_grad)
   x = jax.random.normal(jax.random.key(0), (tokens, d), jnp.bfloat16)
   v = model.init(jax.random.key(1), x)
   sgd = optax.sgd(1e-3)
@@ -96,10 +100,13 @@ def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: s
     def loss(p):
       if gather is not None:
         p = jax.tree_util.tree_map_with_path(constrain, p)
-      variables = {"params": p}
+      variables, rngs = {"params": p}, None
       if sparse:
         variables["sparsity"] = jsparse24.optim.masks(opt_state)
-      return jnp.mean(model.apply(variables, x).astype(jnp.float32) ** 2)
+        if weight_grad == "mvue":  # a new key per step, from mask_update's count
+          rngs = {jsparse24.linen.MVUE_RNG: jax.random.fold_in(jax.random.key(2),
+                                                               opt_state[0].count)}
+      return jnp.mean(model.apply(variables, x, rngs=rngs).astype(jnp.float32) ** 2)
 
     grads = jax.grad(loss)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -120,15 +127,38 @@ def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: s
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
   params = jax.tree.map(put, params)
   opt_state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), opt_state)
-  return jax.jit(step), params, opt_state, jax.device_put(x, rows)
+  if layout == "tp" and sparse:
+    opt_state = masks_like_kernels(opt_state, mesh, tp_specs(d))
+  # The state keeps its layout from step to step (as a training loop's
+  # does); left to XLA, the rebuilt masks could come back replicated.
+  keep = jax.tree.map(lambda a: a.sharding, (params, opt_state))
+  return jax.jit(step, out_shardings=keep), params, opt_state, jax.device_put(x, rows)
 
 
-def run(sparse, d, tokens, devices, layout, implementation):
+def masks_like_kernels(opt_state, mesh, specs: dict[str, P]):
+  """`mask_update`'s masks sharded like their kernels (`specs`: layer name ->
+  the kernel's `P(K entry, N entry)`): a packed mask is `uint8[N, K/8]`, so
+  it takes `P(N entry, K entry)`. Left replicated, each step would gather
+  the masks that the rebuild kernel makes on each device's block."""
+
+  def put(path, leaf):
+    if not isinstance(leaf, jsparse24.Mask24):
+      return leaf
+    layer = next(k.key for k in path if getattr(k, "key", None) in specs)
+    k_entry, n_entry = specs[layer]
+    packed = jax.device_put(leaf.packed, NamedSharding(mesh, P(n_entry, k_entry)))
+    return dataclasses.replace(leaf, packed=packed)
+
+  return jax.tree_util.tree_map_with_path(
+      put, opt_state, is_leaf=lambda a: isinstance(a, jsparse24.Mask24))
+
+
+def run(sparse, d, tokens, devices, layout, implementation, weight_grad="dense"):
   if layout == "tp":
     mesh = jax.sharding.Mesh(np.array(devices).reshape(1, -1), ("data", "model"))
   else:
     mesh = jax.sharding.Mesh(devices, ("data",))
-  step, params, opt_state, x = make(sparse, d, tokens, mesh, layout, implementation)
+  step, params, opt_state, x = make(sparse, d, tokens, mesh, layout, implementation, weight_grad)
   hlo = step.lower(params, opt_state, x).compile().as_text()
   state = {"p": params, "o": opt_state}
 
@@ -147,30 +177,39 @@ def main(argv=None):
   p.add_argument("--implementation", default="cusparselt",
                  help="the 2:4 layers' backend ('xla' for a CPU smoke test)")
   p.add_argument("--layouts", default="data,fsdp,fsdp-sharded,tp")
+  p.add_argument("--weight-grad", default="dense",
+                 help="the 2:4 layers' weight_grad, comma-separated for one 2:4 row each"
+                      " ('dense,mvue': also dw = x^T MVUE24(dy) on the sparse tensor cores)")
   p.add_argument("--json", default=None)
   p.add_argument("--no-write", action="store_true")
   args = p.parse_args(argv)
+  grads = args.weight_grad.split(",")
+  if not set(grads) <= {"dense", "mvue"}:
+    p.error(f"--weight-grad: expected 'dense' and/or 'mvue', got {args.weight_grad!r}")
   devs = jax.local_devices()
   n = len(devs)
+  models = [("dense", False, "dense")] + [
+      ("2:4" if g == "dense" else "2:4 MVUE", True, g) for g in grads]
   rows, out = [], []
   for layout in args.layouts.split(","):
     res = {}
-    for sparse in (False, True):
-      one, _ = run(sparse, args.d, args.tokens, devs[:1], layout, args.implementation)
-      many, coll = run(sparse, args.d, args.tokens, devs, layout, args.implementation)
-      res[sparse] = (one, many, coll)
-      name = "2:4" if sparse else "dense"
-      print(f"{layout:5s} {name:5s}: 1 GPU {one:.2f} ms, {n} GPUs {many:.2f} ms,"
-            f" scaling {one / many:.2f}x, collectives {coll}", flush=True)
+    for name, sparse, grad in models:
+      one, _ = run(sparse, args.d, args.tokens, devs[:1], layout, args.implementation, grad)
+      many, coll = run(sparse, args.d, args.tokens, devs, layout, args.implementation, grad)
+      res[name] = (one, many, coll)
+      print(f"{layout:5s} {name:8s}: 1 GPU {one:.2f} ms, {n} GPUs {many:.2f} ms,"
+            f" scaling {one / many:.2f}x, dense {n}-GPU / this {res['dense'][1] / many:.3f}x,"
+            f" collectives {coll}", flush=True)
       out.append({"layout": layout, "model": name, "ms_1": one, f"ms_{n}": many,
                   "scaling": one / many, "collectives": coll})
-    for sparse in (False, True):
-      one, many, coll = res[sparse]
-      rows.append([layout, "2:4" if sparse else "dense", one, many, one / many,
-                   res[False][1] / many, ", ".join(f"{v} {k}" for k, v in coll.items() if v) or "none"])
+    for name, _, _ in models:
+      one, many, coll = res[name]
+      rows.append([layout, name, one, many, one / many, res["dense"][1] / many,
+                   ", ".join(f"{v} {k}" for k, v in coll.items() if v) or "none"])
   body = (f"{_common.environment()}\n\nMLP block d_model {args.d}, hidden {4 * args.d},"
           f" {args.tokens} tokens per step, bf16 compute / f32 params; 2:4 ="
-          f" SparseDense(transposable=True, implementation={args.implementation!r}) + mask_update;"
+          f" SparseDense(transposable=True, implementation={args.implementation!r}) + mask_update"
+          + ("; 2:4 MVUE = the same with weight_grad='mvue'" if "mvue" in grads else "") + ";"
           f" one jax.jit step over a mesh of {n} GPUs (`tp`: data x model = 1 x {n}, up"
           f" column-parallel, down row-parallel; otherwise 1-D)"
           f" (`benchmarks/bench_sharded.py`).\n\n"
