@@ -1,0 +1,45 @@
+"""benchmarks/bench_sharded.py on 8 fake CPU devices: its tensor-parallel step
+keeps the masks on each device's block, and its table runs end to end."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import bench_sharded
+from jsparse24 import backends
+from jsparse24.backends.pallas import interpret_mode
+
+
+def _gathered_bytes_arrays(hlo: str) -> list[str]:
+  """The uint8 results of the compiled step's all-gathers (packed masks)."""
+  return re.findall(r"= \(?(u8\[[\d,]*\])[^=]*? all-gather(?:-start)?\(", hlo)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_tensor_parallel_step_keeps_the_masks_on_each_devices_block(monkeypatch, keep):
+  """The masks rebuilt by the mask kernel every step on a run-time flag (as
+  on a GPU) come out of each device's block of the weight. With the state's
+  layout kept by the step (bench_sharded's `masks_like_kernels` and
+  `out_shardings`) they are never gathered; left to XLA (`keep=False`, the
+  benchmark before), the step gathered both packed masks every step."""
+  monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+  if not keep:
+    jit = jax.jit
+    monkeypatch.setattr(bench_sharded, "masks_like_kernels", lambda o, *a: o)
+    monkeypatch.setattr(jax, "jit", lambda f, out_shardings=None, **kw: jit(f, **kw))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+  with interpret_mode():
+    step, params, opt_state, x = bench_sharded.make(True, 128, 64, mesh, "tp", "pallas")
+    hlo = step.lower(params, opt_state, x).compile().as_text()
+  gathered = _gathered_bytes_arrays(hlo)
+  assert (gathered == []) == keep, gathered
+
+
+def test_bench_sharded_table_runs_on_cpu(capsys):
+  bench_sharded.main(["--d", "128", "--tokens", "64", "--implementation", "xla",
+                      "--layouts", "data,tp", "--weight-grad", "dense,mvue", "--no-write"])
+  rows = [line for line in capsys.readouterr().out.splitlines()
+          if line.startswith(("| data |", "| tp |"))]
+  assert [r.split(" | ")[1] for r in rows] == ["dense", "2:4", "2:4 MVUE"] * 2, rows
