@@ -616,7 +616,8 @@ def notes(cfg: dict) -> str:
       f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`."
       f" 2:4 = the same model through `jsparse24.sparsify(model,"
       f" {{{SPARSE_LAYERS!r}: {sparse_options(cfg)}}})` (mask kind: {cfg['mask']}; the"
-      f" backend is the automatic choice, named per layer below) and"
+      f" backend is the automatic choice{', named per layer below' if cfg['devices'] == 1 else ''})"
+      f" and"
       f" `mask_update(MaskSchedule(rebuild_every={cfg['rebuild_every']}), decay={MASK_DECAY})`"
       f" chained before AdamW; same init params. Steps donate their state (a training"
       f" loop does); the 2:4 steps are timed with mask_update's count pinned to a step that"
@@ -627,7 +628,8 @@ def notes(cfg: dict) -> str:
       f" ratios use the mean (the spread between the two is shown)."
       + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
          f" batch split over them, params and optimizer state replicated (no breakdown)."
-         if cfg["devices"] > 1 else "") + "\n\n"
+         if cfg["devices"] > 1 else "")
+      + ("" if cfg["devices"] > 1 else "\n\n"
       f"Breakdown: each part is its own jitted program at the model's shapes, summed over"
       f" the blocks (with remat the recomputed forward is added): linear layers = `nn.Dense`"
       f" vs `jsparse24.SparseDense` forward + `jax.vjp` (y, dx, dw) from f32 params on bf16"
@@ -640,7 +642,7 @@ def notes(cfg: dict) -> str:
       f" dense step with its linear layers at the 2:4 products bound (y and dx at half"
       f" cost, dw dense: 1.5x, 1.6x with remat; every product at half cost with the MVUE"
       f" weight gradient: 2x); (b) the dense step with its linear layers"
-      f" and optimizer replaced by the measured 2:4 ones.")
+      f" and optimizer replaced by the measured 2:4 ones."))
 
 
 def main(argv=None) -> dict:
