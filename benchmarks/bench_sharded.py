@@ -29,7 +29,6 @@ collectives in the compiled HLO by kind. Written to results/<gpu>.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 
@@ -127,30 +126,12 @@ def make(sparse: bool, d: int, tokens: int, mesh, layout: str, implementation: s
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
   params = jax.tree.map(put, params)
   opt_state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), opt_state)
-  if layout == "tp" and sparse:
-    opt_state = masks_like_kernels(opt_state, mesh, tp_specs(d))
+  if sparse:  # the masks where each device's block of its kernel is (tp)
+    opt_state = jsparse24.optim.masks_like_kernels(opt_state, params)
   # The state keeps its layout from step to step (as a training loop's
   # does); left to XLA, the rebuilt masks could come back replicated.
   keep = jax.tree.map(lambda a: a.sharding, (params, opt_state))
   return jax.jit(step, out_shardings=keep), params, opt_state, jax.device_put(x, rows)
-
-
-def masks_like_kernels(opt_state, mesh, specs: dict[str, P]):
-  """`mask_update`'s masks sharded like their kernels (`specs`: layer name ->
-  the kernel's `P(K entry, N entry)`): a packed mask is `uint8[N, K/8]`, so
-  it takes `P(N entry, K entry)`. Left replicated, each step would gather
-  the masks that the rebuild kernel makes on each device's block."""
-
-  def put(path, leaf):
-    if not isinstance(leaf, jsparse24.Mask24):
-      return leaf
-    layer = next(k.key for k in path if getattr(k, "key", None) in specs)
-    k_entry, n_entry = specs[layer]
-    packed = jax.device_put(leaf.packed, NamedSharding(mesh, P(n_entry, k_entry)))
-    return dataclasses.replace(leaf, packed=packed)
-
-  return jax.tree_util.tree_map_with_path(
-      put, opt_state, is_leaf=lambda a: isinstance(a, jsparse24.Mask24))
 
 
 def run(sparse, d, tokens, devices, layout, implementation, weight_grad="dense"):

@@ -70,11 +70,10 @@ def _param_spec(a, n: int) -> P:
 
 def _tp_specs(d_model: int) -> dict[tuple[int, ...], P]:
   """`--layout tp`, by array shape: the MLP kernels `up [d, 4d]` (column-
-  parallel) and `down [4d, d]` (row-parallel), their AdamW moments alike,
-  and their packed masks (`[N, K/8]`: `up [4d, d/8]`, `down [d, d/2]`)."""
+  parallel) and `down [4d, d]` (row-parallel) and their AdamW moments alike
+  (their masks follow them: `jsparse24.optim.masks_like_kernels`)."""
   d, h = d_model, 4 * d_model
-  return {(d, h): P(None, "model"), (h, d): P("model", None),
-          (h, d // 8): P("model", None), (d, h // 8): P(None, "model")}
+  return {(d, h): P(None, "model"), (h, d): P("model", None)}
 
 
 def tp_shardings(mesh) -> tuple:
@@ -135,6 +134,8 @@ def train(lm, run, args, data, mesh) -> dict:
     state_sharding = lambda a: NamedSharding(mesh, P())  # noqa: E731
   params = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.params)
   opt_state = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.opt_state)
+  if run.sparse:  # each mask where its kernel's block is (tp, FSDP's sharded kernels)
+    opt_state = jsparse24.optim.masks_like_kernels(opt_state, params)
   step = make_step(lm, run, args.layout, mesh, (params, opt_state))
   # Timed from the step after the first sparse one (compilation and
   # cuSPARSELt's algorithm search happen before), as in train_lm.

@@ -21,7 +21,8 @@ from jsparse24._ops import compress, selected_implementation, sparse_dot
 from jsparse24._prune import is_24, prune_24
 from jsparse24.backends import BACKENDS as _BACKENDS
 from jsparse24.backends import BackendUnavailableError
-from jsparse24.linen import SparseDense, compress_params, rebuild_masks, sparsify
+from jsparse24.linen import (SparseDense, compress_params, masks_like_kernels, rebuild_masks,
+                             sparsify)
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "compress_params",
     "decompress",
     "is_24",
+    "masks_like_kernels",
     "mvue_24",
     "mvue_24_probabilities",
     "nnx",

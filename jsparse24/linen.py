@@ -365,6 +365,48 @@ def layers_by_path(sparsity: Mapping, path: tuple[str, ...] = ()) -> dict[tuple[
   return out
 
 
+def masks_like_kernels(sparsity: Mapping, params: Mapping) -> dict:
+  """The `"sparsity"` collection with every mask laid out like its layer's
+  kernel in `params` (laid-out arrays, e.g. after `jax.device_put`).
+
+  A packed mask is `uint8[..., N, K/8]` for a kernel `[..., K, N]`, so a
+  kernel sharded `P(..., k, n)` gives its mask `P(..., n, k)`: each device
+  holds the mask of its block of the weight, where the backends' mask
+  kernels make it (tensor parallelism, FSDP with the kernels left sharded);
+  a replicated mask would be gathered back every step. (Masks whose K/4 is
+  odd are packed flat; they keep only the stack axes' sharding.) A kernel
+  that is not sharded over a mesh (`NamedSharding`) leaves its mask as it
+  is. Raises where a device's block of the mask would not be whole bytes,
+  naming the layer. Give the train step `out_shardings` equal to the
+  state's shardings, so the rebuilt masks stay where they are."""
+  fn = "masks_like_kernels"
+
+  def place(layer, layer_params, path):
+    kernel = dense_kernel(layer_params, path, fn)
+    sharding, mask = getattr(kernel, "sharding", None), layer["mask"]
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      return layer
+    spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
+    lead, (k, n) = spec[:-2], spec[-2:]
+    packed = mask.packed
+    flat = packed.ndim == len(lead) + 1
+    want = jax.sharding.PartitionSpec(*lead, *((None,) if flat else (n, k)))
+    mesh = sharding.mesh
+    for axis, (entry, size) in enumerate(zip(want, packed.shape)):
+      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      parts = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+      if size % parts:
+        raise ValueError(
+            f"{fn}: the mask of layer {'/'.join(path)!r} (packed {packed.shape}) cannot"
+            f" be split like its kernel ({sharding.spec}): its axis {axis} of {size}"
+            f" does not divide over the {parts} devices of {names}; the kernel's K"
+            f" must split into multiples of 8 per device.")
+    placed = jax.device_put(packed, jax.sharding.NamedSharding(mesh, want))
+    return {**layer, "mask": dataclasses.replace(mask, packed=placed)}
+
+  return _map_layers(place, sparsity, params)
+
+
 def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
   """A new `"sparsity"` collection with every mask rebuilt from `params` by
   magnitude (each keeps its `transposable` setting and its `active` flag).

@@ -42,7 +42,7 @@ from jsparse24 import backends
 from jsparse24._format import Mask24
 from jsparse24._sharding import explicit_sharding, typed_like
 from jsparse24.linen import (_map_layers, dense_kernel, layers_by_path, map_sparse_kernels,
-                             rebuild_masks)
+                             masks_like_kernels as _masks_like_kernels, rebuild_masks)
 
 DENSITY = 0.5  # 2 of 4 kept
 
@@ -432,6 +432,20 @@ def masks(opt_state, sparse: bool | None = None) -> dict:
   return _with_active(held, lambda layer: np.zeros(_stack_shape(layer), bool))
 
 
+def masks_like_kernels(opt_state, params: Mapping):
+  """`opt_state` with its `mask_update` state's masks laid out like their
+  kernels in `params` (`jsparse24.masks_like_kernels`), the rest as it is:
+
+      opt_state = jsparse24.optim.masks_like_kernels(opt_state, params)
+      keep = jax.tree.map(lambda a: a.sharding, (params, opt_state))
+      step = jax.jit(train_step, out_shardings=keep + (loss_sharding,))
+  """
+  state = _find_state(opt_state)
+  placed = state._replace(masks=_masks_like_kernels(state.masks, params))
+  return jax.tree.map(lambda s: placed if s is state else s, opt_state,
+                      is_leaf=lambda s: s is state)
+
+
 def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
   """`{"layer/path": {"flip_rate": ..., "sparsity": ...}}` for logging."""
   state = _find_state(opt_state)
@@ -445,4 +459,5 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
           for path, flip in by_path(state.flip_rate).items()}
 
 
-__all__ = ["MaskSchedule", "MaskUpdateState", "mask_update", "masks", "stats"]
+__all__ = ["MaskSchedule", "MaskUpdateState", "mask_update", "masks", "masks_like_kernels",
+           "stats"]

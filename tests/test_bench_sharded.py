@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+import jsparse24
 from benchmarks import bench_sharded
 from jsparse24 import backends
 from jsparse24.backends.pallas import interpret_mode
@@ -21,13 +22,13 @@ def _gathered_bytes_arrays(hlo: str) -> list[str]:
 def test_tensor_parallel_step_keeps_the_masks_on_each_devices_block(monkeypatch, keep):
   """The masks rebuilt by the mask kernel every step on a run-time flag (as
   on a GPU) come out of each device's block of the weight. With the state's
-  layout kept by the step (bench_sharded's `masks_like_kernels` and
+  layout kept by the step (`jsparse24.optim.masks_like_kernels` and
   `out_shardings`) they are never gathered; left to XLA (`keep=False`, the
   benchmark before), the step gathered both packed masks every step."""
   monkeypatch.setattr(backends, "_pallas_native", lambda: True)
   if not keep:
     jit = jax.jit
-    monkeypatch.setattr(bench_sharded, "masks_like_kernels", lambda o, *a: o)
+    monkeypatch.setattr(jsparse24.optim, "masks_like_kernels", lambda o, *a: o)
     monkeypatch.setattr(jax, "jit", lambda f, out_shardings=None, **kw: jit(f, **kw))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
   with interpret_mode():

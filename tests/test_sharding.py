@@ -787,3 +787,66 @@ def test_tensor_parallel_layers_on_compressed_params():
   coll = _collectives(hlo)
   assert coll["all-gather"] == [] and (B * T // 2, D) in set(coll["all-reduce"]), coll
 
+
+
+class _Stack(nn.Module):
+  """Two SparseDense layers (64 -> 128 -> 64), then a stack of 3 under nn.scan."""
+
+  @nn.compact
+  def __call__(self, h):
+    h = jsparse24.SparseDense(H, use_bias=False, name="up")(h)
+    h = jsparse24.SparseDense(D, use_bias=False, name="down")(h)
+
+    class Body(nn.Module):
+      @nn.compact
+      def __call__(self, c, _):
+        return jsparse24.SparseDense(D, use_bias=False, name="layer")(c), None
+
+    scan = nn.scan(Body, variable_axes={"params": 0, "sparsity": 0},
+                   split_rngs={"params": True}, length=3)
+    return scan(name="blocks")(h, None)[0]
+
+
+def test_masks_like_kernels_follows_each_kernels_sharding():
+  """Each packed mask `[..., N, K/8]` takes its kernel's `P(..., k, n)` as
+  `P(..., n, k)` (column-, row-parallel and a stack under nn.scan), with the
+  same bits; `optim.masks_like_kernels` does it to a mask_update state and
+  leaves the rest of the state alone; an unsharded kernel leaves its mask."""
+  mesh = _megatron_mesh()
+  v = _Stack().init(jax.random.key(0), jnp.ones((4, D)))
+  put = lambda a, spec: {"kernel": jax.device_put(a["kernel"], NamedSharding(mesh, spec))}  # noqa: E731
+  params = {"up": put(v["params"]["up"], P(None, "model")),
+            "down": put(v["params"]["down"], P("model", None)),
+            "blocks": {"layer": put(v["params"]["blocks"]["layer"], P(None, "data", "model"))}}
+  placed = jsparse24.masks_like_kernels(v["sparsity"], params)
+  want = {"up": P("model", None), "down": P(None, "model"), "blocks": P(None, "model", "data")}
+  for name, spec in want.items():
+    layer = placed[name] if name != "blocks" else placed["blocks"]["layer"]
+    old = v["sparsity"][name] if name != "blocks" else v["sparsity"]["blocks"]["layer"]
+    assert layer["mask"].packed.sharding.spec == spec, (name, layer["mask"].packed.sharding)
+    np.testing.assert_array_equal(np.asarray(layer["mask"].packed), np.asarray(old["mask"].packed))
+    assert layer["mask"].dims == old["mask"].dims and layer["active"] is old["active"]
+
+  tx = optax.chain(optim.mask_update(v["sparsity"]), optax.sgd(0.1))
+  opt_state = tx.init(v["params"])
+  placed = optim.masks_like_kernels(opt_state, {**v["params"], "up": params["up"]})
+  masks = optim.masks(placed)
+  assert masks["up"]["mask"].packed.sharding.spec == P("model", None)
+  assert masks["down"]["mask"].packed is optim.masks(opt_state)["down"]["mask"].packed
+  assert jax.tree.structure(placed) == jax.tree.structure(opt_state)
+  assert placed[0].count is opt_state[0].count and placed[0].flip_rate is opt_state[0].flip_rate
+
+
+def test_masks_like_kernels_names_the_layer_whose_mask_cannot_split():
+  """K = 16 split over 8 devices: 2 rows each, a quarter of a packed byte
+  (8 rows): an error that names the layer (here the root module, '')."""
+  mesh = jax.make_mesh((8,), ("model",))
+  v = jsparse24.SparseDense(8, use_bias=False).init(jax.random.key(0), jnp.ones((2, 16)))
+  kernel = jax.device_put(v["params"]["kernel"], NamedSharding(mesh, P("model", None)))
+  with pytest.raises(ValueError, match=r"masks_like_kernels: the mask of layer ''.*multiples of 8"):
+    jsparse24.masks_like_kernels(v["sparsity"], {"kernel": kernel})
+  # K/4 odd: the codes are packed flat, so the mask stays whole on each device.
+  v = jsparse24.SparseDense(8, use_bias=False).init(jax.random.key(0), jnp.ones((2, 12)))
+  kernel = jax.device_put(v["params"]["kernel"], NamedSharding(mesh, P(None, "model")))
+  flat = jsparse24.masks_like_kernels(v["sparsity"], {"kernel": kernel})["mask"].packed
+  assert flat.ndim == 1 and flat.sharding.spec == P(None), flat.sharding
