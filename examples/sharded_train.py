@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
 
 import jsparse24
 
@@ -141,7 +142,9 @@ def train(lm, run, args, data, mesh) -> dict:
   # cuSPARSELt's algorithm search happen before), as in train_lm.
   start = min(args.mask_warmup + 2, args.steps - 1)
   losses, t0 = [], None
-  for i in range(args.steps):
+  # Progress: steps dispatched (the first step of each phase waits for its
+  # compilation, and the first sparse one for cuSPARSELt's algorithm search).
+  for i in tqdm(range(args.steps), desc=f"{run.name:>5}", unit="step", dynamic_ncols=True):
     if i == start:
       jax.block_until_ready(params)
       t0 = time.perf_counter()
