@@ -365,6 +365,31 @@ def layers_by_path(sparsity: Mapping, path: tuple[str, ...] = ()) -> dict[tuple[
   return out
 
 
+def mask_like_kernel(mask: Mask24, kernel: Any, layer: str, fn: str) -> Mask24:
+  """`mask` laid out like `kernel` (`masks_like_kernels`); `layer` and `fn`
+  name the layer and the caller in the error."""
+  sharding = getattr(kernel, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return mask
+  spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
+  lead, (k, n) = spec[:-2], spec[-2:]
+  packed = mask.packed
+  flat = packed.ndim == len(lead) + 1
+  want = jax.sharding.PartitionSpec(*lead, *((None,) if flat else (n, k)))
+  mesh = sharding.mesh
+  for axis, (entry, size) in enumerate(zip(want, packed.shape)):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    parts = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+    if size % parts:
+      raise ValueError(
+          f"{fn}: the mask of layer {layer!r} (packed {packed.shape}) cannot be split"
+          f" like its kernel ({sharding.spec}): its axis {axis} of {size} does not"
+          f" divide over the {parts} devices of {names}; the kernel's K must split"
+          f" into multiples of 8 per device.")
+  placed = jax.device_put(packed, jax.sharding.NamedSharding(mesh, want))
+  return dataclasses.replace(mask, packed=placed)
+
+
 def masks_like_kernels(sparsity: Mapping, params: Mapping) -> dict:
   """The `"sparsity"` collection with every mask laid out like its layer's
   kernel in `params` (laid-out arrays, e.g. after `jax.device_put`).
@@ -383,26 +408,7 @@ def masks_like_kernels(sparsity: Mapping, params: Mapping) -> dict:
 
   def place(layer, layer_params, path):
     kernel = dense_kernel(layer_params, path, fn)
-    sharding, mask = getattr(kernel, "sharding", None), layer["mask"]
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-      return layer
-    spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
-    lead, (k, n) = spec[:-2], spec[-2:]
-    packed = mask.packed
-    flat = packed.ndim == len(lead) + 1
-    want = jax.sharding.PartitionSpec(*lead, *((None,) if flat else (n, k)))
-    mesh = sharding.mesh
-    for axis, (entry, size) in enumerate(zip(want, packed.shape)):
-      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      parts = int(np.prod([mesh.shape[a] for a in names])) if names else 1
-      if size % parts:
-        raise ValueError(
-            f"{fn}: the mask of layer {'/'.join(path)!r} (packed {packed.shape}) cannot"
-            f" be split like its kernel ({sharding.spec}): its axis {axis} of {size}"
-            f" does not divide over the {parts} devices of {names}; the kernel's K"
-            f" must split into multiples of 8 per device.")
-    placed = jax.device_put(packed, jax.sharding.NamedSharding(mesh, want))
-    return {**layer, "mask": dataclasses.replace(mask, packed=placed)}
+    return {**layer, "mask": mask_like_kernel(layer["mask"], kernel, "/".join(path), fn)}
 
   return _map_layers(place, sparsity, params)
 

@@ -33,7 +33,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from jsparse24._format import Mask24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24.linen import MVUE_RNG, SparsityOptions, resolve_transposable
+from jsparse24.linen import MVUE_RNG, SparsityOptions, mask_like_kernel, resolve_transposable
 
 
 
@@ -208,10 +208,27 @@ def rebuild_masks(model: nnx.Module) -> None:
                                                transposable=old.transposable))
 
 
+def masks_like_kernels(model: nnx.Module) -> None:
+  """Lays out, in place, the stored mask of every `SparseLinear` in `model`
+  like its kernel (`jsparse24.masks_like_kernels`: a kernel sharded
+  `P(k, n)` gives its packed mask `[N, K/8]` `P(n, k)`), so that the mask
+  kernels' per-device blocks stay where they are made. Call it outside
+  `jit`, after the kernels are laid out; a kernel that is not sharded over
+  a mesh leaves its mask as it is."""
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+        f"masks_like_kernels: `model` must be an nnx.Module, got {type(model).__name__}.")
+  for path, layer in nnx.iter_modules(model):
+    if isinstance(layer, SparseLinear) and layer.mask is not None:
+      name = "/".join(str(p) for p in path)
+      layer.mask.set_value(mask_like_kernel(layer.mask.get_value(), layer.kernel.get_value(),
+                                            name, "nnx.masks_like_kernels"))
+
+
 def masks_state(model: nnx.Module) -> nnx.State:
   """The `SparsityMask` variables of `model` (masks and `active` flags), for
   checkpointing or `nnx.update`."""
   return nnx.state(model, SparsityMask)
 
 
-__all__ = ["SparseLinear", "SparsityMask", "masks_state", "rebuild_masks"]
+__all__ = ["SparseLinear", "SparsityMask", "masks_like_kernels", "masks_state", "rebuild_masks"]

@@ -850,3 +850,28 @@ def test_masks_like_kernels_names_the_layer_whose_mask_cannot_split():
   kernel = jax.device_put(v["params"]["kernel"], NamedSharding(mesh, P(None, "model")))
   flat = jsparse24.masks_like_kernels(v["sparsity"], {"kernel": kernel})["mask"].packed
   assert flat.ndim == 1 and flat.sharding.spec == P(None), flat.sharding
+
+
+def test_nnx_masks_like_kernels():
+  """`jsparse24.nnx.masks_like_kernels`: each SparseLinear's stored mask laid
+  out like its kernel, the bits unchanged; an unsharded kernel leaves it."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jsparse24 import nnx as jnnx  # pylint: disable=g-import-not-at-top
+  mesh = _megatron_mesh()
+
+  class Two(nnx.Module):
+    def __init__(self):
+      self.up = jnnx.SparseLinear(D, H, use_bias=False, rngs=nnx.Rngs(0))
+      self.down = jnnx.SparseLinear(H, D, use_bias=False, rngs=nnx.Rngs(1))
+
+  model = Two()
+  before = np.asarray(model.up.mask.get_value().packed)
+  model.up.kernel.set_value(jax.device_put(model.up.kernel.get_value(),
+                                           NamedSharding(mesh, P(None, "model"))))
+  jnnx.masks_like_kernels(model)
+  packed = model.up.mask.get_value().packed
+  assert packed.sharding.spec == P("model", None), packed.sharding
+  np.testing.assert_array_equal(np.asarray(packed), before)
+  assert len(model.down.mask.get_value().packed.sharding.device_set) == 1
+  with pytest.raises(TypeError, match="masks_like_kernels: `model` must be an nnx.Module"):
+    jnnx.masks_like_kernels({"up": model.up})
