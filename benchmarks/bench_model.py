@@ -71,6 +71,14 @@ MVUE = jsparse24.linen.MVUE_RNG  # the rng stream of weight_grad="mvue"
 # differently: XLA's dots are saveable but the 2:4 products are custom calls,
 # so only the 2:4 model would recompute its linear layers.
 REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
+# --remat-policy compressed: also keep the 2:4 products' compressed weights
+# (`jsparse24.CHECKPOINT_NAME`), which depend on the weights alone, so the
+# recomputed forward pass does not prune and compress every weight again.
+# The dense model has no such residual: for it this is `nothing_saveable`.
+REMAT_POLICIES = {
+    "nothing": REMAT_POLICY,
+    "compressed": jax.checkpoint_policies.save_only_these_names(jsparse24.CHECKPOINT_NAME),
+}
 
 
 # --- the model --------------------------------------------------------------------
@@ -105,6 +113,7 @@ class GPT(nn.Module):
   attention: str | None
   remat: bool = False
   dtype: Any = jnp.bfloat16
+  remat_policy: str = "nothing"  # a key of REMAT_POLICIES
 
   @nn.compact
   def __call__(self, tokens):
@@ -113,7 +122,8 @@ class GPT(nn.Module):
                  name="embed")(tokens)
     pos = self.param("pos_embed", init, (self.max_len, self.d_model))
     x = x + pos[: tokens.shape[-1]].astype(self.dtype)
-    block = nn.remat(Block, policy=REMAT_POLICY, prevent_cse=False) if self.remat else Block
+    block = (nn.remat(Block, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False)
+             if self.remat else Block)
     # "sparsity" stacks like "params": one mask per block once sparsified.
     # A 2:4 model with weight_grad="mvue" draws a key per block from "mvue".
     blocks = nn.scan(block, variable_axes={"params": 0, "sparsity": 0},
@@ -330,7 +340,8 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
     print(f"[d_model {d}] {name}", flush=True)
 
   phase("setup")
-  model = GPT(vocab, d, layers, seq, cfg["attention"], remat)
+  model = GPT(vocab, d, layers, seq, cfg["attention"], remat,
+              remat_policy=cfg.get("remat_policy", "nothing"))
   sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)})
   key_data, key_init = jax.random.split(jax.random.key(0))
   tokens = jax.device_put(jax.random.randint(key_data, (batch, seq + 1), 0, vocab, jnp.int32),
@@ -470,7 +481,9 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
                                                       + sp["rebuild_extra_ms_per_step"])
 
-  if cfg["devices"] == 1:  # its parts are one-device programs
+  # Its parts are one-device programs, and they time remat's recomputed
+  # forward pass as a whole forward pass (compression included).
+  if cfg["devices"] == 1 and not (remat and cfg.get("remat_policy") == "compressed"):
     phase("breakdown: linear layers, attention")
     result["breakdown"] = breakdown(cfg, timer, result)
   del result["phase"]
@@ -612,7 +625,11 @@ def notes(cfg: dict) -> str:
       f" {WEIGHT_DECAY}); {cfg['batch']}x{cfg['seq']} = {cfg['batch'] * cfg['seq']:,} random"
       f" tokens per step. Remat: `nn.remat` around the block, policy `nothing_saveable`"
       f" (saving matmul outputs would favour the dense model: XLA's dots are saveable, the"
-      f" 2:4 products are custom calls). Default depths fit JAX's default memory pool on"
+      f" 2:4 products are custom calls)"
+      + (", and for the 2:4 model its compressed weights saved too"
+         f" (`save_only_these_names(jsparse24.CHECKPOINT_NAME)`)"
+         if cfg.get("remat_policy", "nothing") == "compressed" else "") + "."
+      f" Default depths fit JAX's default memory pool on"
       f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`."
       f" 2:4 = the same model through `jsparse24.sparsify(model,"
       f" {{{SPARSE_LAYERS!r}: {sparse_options(cfg)}}})` (mask kind: {cfg['mask']}; the"
@@ -629,7 +646,7 @@ def notes(cfg: dict) -> str:
       + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
          f" batch split over them, params and optimizer state replicated (no breakdown)."
          if cfg["devices"] > 1 else "")
-      + ("" if cfg["devices"] > 1 else "\n\n"
+      + ("" if cfg["devices"] > 1 or cfg.get("remat_policy") == "compressed" else "\n\n"
       f"Breakdown: each part is its own jitted program at the model's shapes, summed over"
       f" the blocks (with remat the recomputed forward is added): linear layers = `nn.Dense`"
       f" vs `jsparse24.SparseDense` forward + `jax.vjp` (y, dx, dw) from f32 params on bf16"
@@ -655,6 +672,9 @@ def main(argv=None) -> dict:
                  + ")")
   p.add_argument("--remat", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                  help="nn.remat around each block (auto: per DEFAULTS, off for other widths)")
+  p.add_argument("--remat-policy", default="nothing", choices=sorted(REMAT_POLICIES),
+                 help="with remat: 'nothing' saves nothing; 'compressed' also keeps the 2:4"
+                      " products' compressed weights (jsparse24.CHECKPOINT_NAME)")
   p.add_argument("--seq", type=int, default=2048)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--vocab", type=int, default=32768)
@@ -697,7 +717,8 @@ def main(argv=None) -> dict:
                "cudnn": "cudnn", "xla": "xla"}[args.attention]
   cfg = {"widths": widths, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
          "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask,
-         "weight_grad": args.weight_grad, "devices": args.devices}
+         "weight_grad": args.weight_grad, "devices": args.devices,
+         "remat_policy": args.remat_policy}
   timer = (functools.partial(_common.bench, min_time=0.0, repeats=1) if args.quick
            else _common.bench)
   # Whole steps run back to back for >= 1 s per timing, dispatched
@@ -742,7 +763,8 @@ def main(argv=None) -> dict:
     title = (f"Whole model: GPT-style decoder, d_model {','.join(map(str, widths))},"
              f" {args.batch}x{args.seq} tokens per step, {args.mask} masks"
              + (", MVUE weight gradient" if args.weight_grad == "mvue" else "")
-             + (f", data parallel over {args.devices} GPUs" if args.devices > 1 else ""))
+             + (f", data parallel over {args.devices} GPUs" if args.devices > 1 else "")
+             + (f", remat policy {args.remat_policy}" if args.remat_policy != "nothing" else ""))
     path = _common.write_section(title, f"{env}\n\n{notes(cfg)}\n\n{tables}")
     print(f"wrote {path}", flush=True)
   print(f"\n{tables}", flush=True)

@@ -12,6 +12,10 @@ Public API (everything else is internal):
 * optax: `jsparse24.optim` (the mask-update transform and its schedule)
 * backends: `available_implementations`, `selected_implementation`,
   `BackendUnavailableError`
+* several devices: `masks_like_kernels` (also in `optim` and `nnx`); remat:
+  `CHECKPOINT_NAME`, the name of the products' compressed weights, for a
+  `jax.checkpoint` policy that keeps them
+  (`jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME)`)
 """
 
 from jsparse24 import nnx, optim
@@ -21,6 +25,7 @@ from jsparse24._ops import compress, selected_implementation, sparse_dot
 from jsparse24._prune import is_24, prune_24
 from jsparse24.backends import BACKENDS as _BACKENDS
 from jsparse24.backends import BackendUnavailableError
+from jsparse24.backends.base import COMPRESSED as CHECKPOINT_NAME
 from jsparse24.linen import (SparseDense, compress_params, masks_like_kernels, rebuild_masks,
                              sparsify)
 
@@ -34,6 +39,7 @@ def available_implementations() -> dict[str, str | None]:
 
 __all__ = [
     "BackendUnavailableError",
+    "CHECKPOINT_NAME",
     "Mask24",
     "Sparse24",
     "SparseDense",

@@ -54,3 +54,17 @@ def test_bench_model_data_parallel_on_cpu(capsys):
 def test_bench_model_rejects_more_devices_than_there_are():
   with pytest.raises(SystemExit):
     bench_model.main(["--widths", "128", "--layers", "1", "--devices", "1000", "--no-write"])
+
+
+def test_bench_model_remat_policy_keeping_the_compressed_weights(capsys):
+  """--remat --remat-policy compressed: the 2:4 model's remat keeps its
+  compressed weights (jsparse24.CHECKPOINT_NAME); no breakdown (its parts
+  would time a recompressing forward pass)."""
+  out = bench_model.main(["--widths", "128", "--layers", "1", "--seq", "32", "--batch", "2",
+                          "--vocab", "512", "--rebuild-every", "5", "--remat",
+                          "--remat-policy", "compressed", "--quick", "--no-write"])
+  (r,) = out["widths"]
+  assert r["status"] == "ok", r.get("error")
+  assert r["remat"] and out["config"]["remat_policy"] == "compressed" and "breakdown" not in r
+  assert r["sparse"]["first_loss"] == pytest.approx(r["sparse"]["reference_loss"], rel=1e-2)
+  assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith("| n/a | n/a |")

@@ -311,3 +311,53 @@ def test_scan_masks_weights_without_weight_sized_constants_outside_the_loop():
   hoisted = re.findall(r"= (?:u8|pred|s8|s32)\[(\d+),(\d+)\]", entry)
   weight_shaped = {(D, H), (H, D)}
   assert not {(int(a), int(b)) for a, b in hoisted} & weight_shaped, hoisted
+
+
+def _count_eqns(jaxpr, pred) -> int:
+  n = 0
+  for e in jaxpr.eqns:
+    n += bool(pred(e))
+    for v in e.params.values():
+      for j in v if isinstance(v, (list, tuple)) else [v]:
+        if isinstance(j, jax.extend.core.ClosedJaxpr):
+          n += _count_eqns(j.jaxpr, pred)
+        elif isinstance(j, jax.extend.core.Jaxpr):
+          n += _count_eqns(j, pred)
+  return n
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_remat_policy_can_keep_the_compressed_weights(save):
+  """Under nn.scan(nn.remat(...)) the backward pass recomputes the forward
+  one, compression included (2 compress kernels in the gradient's program);
+  a policy saving `jsparse24.CHECKPOINT_NAME` keeps the compressed weights
+  instead (1), with the same gradient."""
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return h + jsparse24.SparseDense(64, use_bias=False, implementation="pallas")(h), None
+
+  def grad_of(policy):
+    scan = nn.scan(nn.remat(Block, policy=policy, prevent_cse=False),
+                   variable_axes={"params": 0, "sparsity": 0}, split_rngs={"params": True},
+                   length=3)()
+    v = scan.init(jax.random.key(0), x, None)
+    g = jax.grad(lambda p: jnp.sum(scan.apply({**v, "params": p}, x, None)[0] ** 2))
+    return g, v["params"]
+
+  x = jax.random.normal(jax.random.key(1), (16, 64))
+  nothing = jax.checkpoint_policies.nothing_saveable
+  policy = (jax.checkpoint_policies.save_only_these_names(jsparse24.CHECKPOINT_NAME)
+            if save else nothing)
+  with interpret_mode():
+    g, params = grad_of(policy)
+    jaxpr = jax.make_jaxpr(g)(params)
+    compress = _count_eqns(jaxpr.jaxpr, lambda e: e.primitive.name == "pallas_call"
+                           and "compress" in str(e.params.get("name", "")))
+    assert compress == (1 if save else 2), compress
+    if save:
+      want = grad_of(nothing)[0](params)
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+                   g(params), want)

@@ -23,12 +23,21 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad, batching, mlir
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._mvue import mvue_24
 from jsparse24._sharding import (Split, product_sharding, psum_over, split_map,
                                  unpartitioned, weight_grad_sharding)
+
+
+# The checkpoint name of a product's compressed weight (the residual that
+# `prepare` builds from the kernel alone). Under `jax.checkpoint` / `nn.remat`
+# a policy that saves it, e.g.
+# `jax.checkpoint_policies.save_only_these_names(COMPRESSED)`, keeps the
+# backward pass from pruning and compressing every weight again.
+COMPRESSED = "jsparse24_compressed"
 
 
 def accumulation_dtype(dtype) -> Any:
@@ -312,7 +321,8 @@ def _custom_dot_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   # H100 the d_model 4096 x 6 block step of bench_model.py went 258.5 ->
   # 255.6 ms this way (benchmarks/NOTES.md, "The cast before the compress
   # kernel").
-  operand = _prepare(backend, w.astype(x.dtype), mask, cfg)
+  operand = jax.tree.map(lambda a: checkpoint_name(a, COMPRESSED),
+                         _prepare(backend, w.astype(x.dtype), mask, cfg))
   sparse = lambda: _forward(backend, x, operand, cfg)  # noqa: E731
   if active is None:
     y = sparse()
