@@ -217,7 +217,7 @@ def masks_like_kernels(model: nnx.Module) -> None:
   a mesh leaves its mask as it is."""
   if not isinstance(model, nnx.Module):
     raise TypeError(
-        f"masks_like_kernels: `model` must be an nnx.Module, got {type(model).__name__}.")
+        f"nnx.masks_like_kernels: `model` must be an nnx.Module, got {type(model).__name__}.")
   for path, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and layer.mask is not None:
       name = "/".join(str(p) for p in path)
