@@ -340,8 +340,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
     print(f"[d_model {d}] {name}", flush=True)
 
   phase("setup")
-  model = GPT(vocab, d, layers, seq, cfg["attention"], remat,
-              remat_policy=cfg.get("remat_policy", "nothing"))
+  model = GPT(vocab, d, layers, seq, cfg["attention"], remat, remat_policy=cfg["remat_policy"])
   sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)})
   key_data, key_init = jax.random.split(jax.random.key(0))
   tokens = jax.device_put(jax.random.randint(key_data, (batch, seq + 1), 0, vocab, jnp.int32),
@@ -481,12 +480,17 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
                                                       + sp["rebuild_extra_ms_per_step"])
 
-  # Its parts are one-device programs, and they time remat's recomputed
-  # forward pass as a whole forward pass (compression included).
-  if cfg["devices"] == 1 and not (remat and cfg.get("remat_policy") == "compressed"):
+  if has_breakdown(cfg, remat):
     phase("breakdown: linear layers, attention")
     result["breakdown"] = breakdown(cfg, timer, result)
   del result["phase"]
+
+
+def has_breakdown(cfg: dict, remat: bool) -> bool:
+  """Whether a width gets the breakdown: its parts are one-device programs,
+  and they time remat's recomputed forward pass as a whole forward pass
+  (compression included), which --remat-policy compressed does not run."""
+  return cfg["devices"] == 1 and not (remat and cfg["remat_policy"] == "compressed")
 
 
 def breakdown(cfg: dict, timer, result: dict) -> dict:
@@ -628,7 +632,7 @@ def notes(cfg: dict) -> str:
       f" 2:4 products are custom calls)"
       + (", and for the 2:4 model its compressed weights saved too"
          f" (`save_only_these_names(jsparse24.CHECKPOINT_NAME)`)"
-         if cfg.get("remat_policy", "nothing") == "compressed" else "") + "."
+         if cfg["remat_policy"] == "compressed" else "") + "."
       f" Default depths fit JAX's default memory pool on"
       f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`."
       f" 2:4 = the same model through `jsparse24.sparsify(model,"
@@ -646,8 +650,11 @@ def notes(cfg: dict) -> str:
       + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
          f" batch split over them, params and optimizer state replicated (no breakdown)."
          if cfg["devices"] > 1 else "")
-      + ("" if cfg["devices"] > 1 or cfg.get("remat_policy") == "compressed" else "\n\n"
-      f"Breakdown: each part is its own jitted program at the model's shapes, summed over"
+      + ("" if cfg["devices"] > 1 else "\n\n"
+      + ("(No breakdown for the widths with remat: with this policy their recomputed"
+         " forward pass does not compress, which the parts below would count.) "
+         if cfg["remat_policy"] == "compressed" else "")
+      + f"Breakdown: each part is its own jitted program at the model's shapes, summed over"
       f" the blocks (with remat the recomputed forward is added): linear layers = `nn.Dense`"
       f" vs `jsparse24.SparseDense` forward + `jax.vjp` (y, dx, dw) from f32 params on bf16"
       f" activations, masking and compression included; compression = `jsparse24.compress`"
