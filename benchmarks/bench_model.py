@@ -66,10 +66,7 @@ MASK_KINDS = {"default": {}, "plain": {"transposable": False},
               "transposable": {"transposable": True}}
 LR, WEIGHT_DECAY, MASK_DECAY = 1e-4, 0.1, 2e-4
 MVUE = jsparse24.linen.MVUE_RNG  # the rng stream of weight_grad="mvue"
-# Recompute everything in the backward pass. A policy that saves matmul
-# outputs (`dots_with_no_batch_dims_saveable`) would treat the two models
-# differently: XLA's dots are saveable but the 2:4 products are custom calls,
-# so only the 2:4 model would recompute its linear layers.
+# Recompute everything in the backward pass (the default).
 REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
 # --remat-policy compressed: also keep the 2:4 products' compressed weights
 # (`jsparse24.CHECKPOINT_NAME`), which depend on the weights alone, so the
@@ -78,6 +75,24 @@ REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
 REMAT_POLICIES = {
     "nothing": REMAT_POLICY,
     "compressed": jax.checkpoint_policies.save_only_these_names(jsparse24.CHECKPOINT_NAME),
+    # --remat-policy dots: the matmul outputs saved, the 2:4 products' too
+    # (jsparse24.checkpoint_policies); on the dense model it is JAX's policy.
+    "dots": jsparse24.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # --remat-policy dots-jax: JAX's own, which sees `dot_general` only: the
+    # dense model keeps its matmul outputs, the 2:4 model recomputes its
+    # products (custom calls). What a user who does not switch policies gets.
+    "dots-jax": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+POLICY_NOTES = {
+    "nothing": "`nothing_saveable`",
+    "compressed": "`nothing_saveable` for the dense model, and for the 2:4 model its compressed"
+                  " weights saved (`save_only_these_names(jsparse24.CHECKPOINT_NAME)`)",
+    "dots": "`jsparse24.checkpoint_policies.dots_with_no_batch_dims_saveable` (the matmul"
+            " outputs saved, the 2:4 products' too; on the dense model it is JAX's"
+            " `dots_with_no_batch_dims_saveable`)",
+    "dots-jax": "JAX's `dots_with_no_batch_dims_saveable` on both models (it saves"
+                " `dot_general` outputs only: the 2:4 model recomputes its products, which are"
+                " custom calls)",
 }
 
 
@@ -139,14 +154,16 @@ def layer_shapes(d: int) -> dict[str, tuple[int, int]]:
 
 
 def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
-                    vocab: int) -> dict[str, float]:
+                    vocab: int, saves_dots: bool = False) -> dict[str, float]:
   """Peak device bytes of the 2:4 training step (the larger of the two), by part.
 
   The timed steps donate their params and optimizer state, so the state is
   held once. Activations: a block saves about 18 bf16 `[tokens, d]` tensors
   for its backward pass (LayerNorm inputs and outputs, q/k/v, the attention
   output, the residual, and the 4d-wide MLP input and GELU output); with remat
-  only its input, plus one block's worth while it is recomputed.
+  only its input, plus one block's worth while it is recomputed, and with a
+  policy that saves the matmul outputs (`saves_dots`) those too: 9 bf16
+  `[tokens, d]` per block (qkv 3d, out d, up 4d, down d).
   """
   linear = 12 * d * d * layers
   parts = {
@@ -154,7 +171,8 @@ def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
       "masks": 2 * linear / 8,  # packed, 1 bit/weight: held, and the update's new ones
       "weights": 2 * linear,  # bf16 copies of the kernels the products read
       "compressed": (1 if remat else layers) * 12 * d * d * 1.2,  # 2:4 operands kept for dx
-      "activations": (2 * layers + 36) * d * tokens if remat else 36 * d * tokens * layers,
+      "activations": ((2 + 18 * saves_dots) * layers + 36) * d * tokens if remat
+                     else 36 * d * tokens * layers,
       "logits": 12 * tokens * vocab,  # bf16 logits, their f32 upcast and its gradient
   }
   return {**parts, "total": sum(parts.values())}
@@ -347,7 +365,8 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
                           NamedSharding(mesh, P("data")))
   dense_shapes = jax.eval_shape(model.init, key_init, tokens[:, :-1])["params"]
   n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(dense_shapes))
-  mem = memory_estimate(n_params, d, layers, remat, tokens_per_step, vocab)
+  mem = memory_estimate(n_params, d, layers, remat, tokens_per_step, vocab,
+                        saves_dots=cfg["remat_policy"].startswith("dots"))
   result.update(params=n_params, sparse_weights=12 * d * d * layers,
                 memory_estimate_gib={k: v / 2**30 for k, v in mem.items()})
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -489,8 +508,9 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
 def has_breakdown(cfg: dict, remat: bool) -> bool:
   """Whether a width gets the breakdown: its parts are one-device programs,
   and they time remat's recomputed forward pass as a whole forward pass
-  (compression included), which --remat-policy compressed does not run."""
-  return cfg["devices"] == 1 and not (remat and cfg["remat_policy"] == "compressed")
+  (products and compression included), which a policy that saves anything
+  does not run."""
+  return cfg["devices"] == 1 and not (remat and cfg["remat_policy"] != "nothing")
 
 
 def breakdown(cfg: dict, timer, result: dict) -> dict:
@@ -627,12 +647,8 @@ def notes(cfg: dict) -> str:
       f" {cfg['vocab']},"
       f" dense output head; bf16 compute, f32 params; AdamW (lr {LR}, weight decay"
       f" {WEIGHT_DECAY}); {cfg['batch']}x{cfg['seq']} = {cfg['batch'] * cfg['seq']:,} random"
-      f" tokens per step. Remat: `nn.remat` around the block, policy `nothing_saveable`"
-      f" (saving matmul outputs would favour the dense model: XLA's dots are saveable, the"
-      f" 2:4 products are custom calls)"
-      + (", and for the 2:4 model its compressed weights saved too"
-         f" (`save_only_these_names(jsparse24.CHECKPOINT_NAME)`)"
-         if cfg["remat_policy"] == "compressed" else "") + "."
+      f" tokens per step. Remat: `nn.remat` around the block, policy"
+      f" {POLICY_NOTES[cfg['remat_policy']]}."
       f" Default depths fit JAX's default memory pool on"
       f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`."
       f" 2:4 = the same model through `jsparse24.sparsify(model,"
@@ -652,8 +668,8 @@ def notes(cfg: dict) -> str:
          if cfg["devices"] > 1 else "")
       + ("" if cfg["devices"] > 1 else "\n\n"
       + ("(No breakdown for the widths with remat: with this policy their recomputed"
-         " forward pass does not compress, which the parts below would count.) "
-         if cfg["remat_policy"] == "compressed" else "")
+         " forward pass is not a whole forward pass, which the parts below would count.) "
+         if cfg["remat_policy"] != "nothing" else "")
       + f"Breakdown: each part is its own jitted program at the model's shapes, summed over"
       f" the blocks (with remat the recomputed forward is added): linear layers = `nn.Dense`"
       f" vs `jsparse24.SparseDense` forward + `jax.vjp` (y, dx, dw) from f32 params on bf16"
@@ -680,8 +696,11 @@ def main(argv=None) -> dict:
   p.add_argument("--remat", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                  help="nn.remat around each block (auto: per DEFAULTS, off for other widths)")
   p.add_argument("--remat-policy", default="nothing", choices=sorted(REMAT_POLICIES),
-                 help="with remat: 'nothing' saves nothing; 'compressed' also keeps the 2:4"
-                      " products' compressed weights (jsparse24.CHECKPOINT_NAME)")
+                 help="with remat: 'nothing' saves nothing; 'compressed' keeps the 2:4"
+                      " products' compressed weights (jsparse24.CHECKPOINT_NAME); 'dots' keeps"
+                      " the matmul outputs, the 2:4 products' included"
+                      " (jsparse24.checkpoint_policies); 'dots-jax' is JAX's dot policy, under"
+                      " which the 2:4 model recomputes its products")
   p.add_argument("--seq", type=int, default=2048)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--vocab", type=int, default=32768)

@@ -15,10 +15,12 @@ Public API (everything else is internal):
 * several devices: `masks_like_kernels` (also in `optim` and `nnx`); remat:
   `CHECKPOINT_NAME`, the name of the products' compressed weights, for a
   `jax.checkpoint` policy that keeps them
-  (`jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME)`)
+  (`jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME)`);
+  `jsparse24.checkpoint_policies`, JAX's dot-saving policies with the 2:4
+  products saved too (JAX's see only `dot_general`)
 """
 
-from jsparse24 import nnx, optim
+from jsparse24 import checkpoint_policies, nnx, optim
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._mvue import mvue_24, mvue_24_probabilities
 from jsparse24._ops import compress, selected_implementation, sparse_dot
@@ -44,6 +46,7 @@ __all__ = [
     "Sparse24",
     "SparseDense",
     "available_implementations",
+    "checkpoint_policies",
     "compress",
     "compress_params",
     "decompress",

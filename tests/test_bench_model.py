@@ -56,15 +56,18 @@ def test_bench_model_rejects_more_devices_than_there_are():
     bench_model.main(["--widths", "128", "--layers", "1", "--devices", "1000", "--no-write"])
 
 
-def test_bench_model_remat_policy_keeping_the_compressed_weights(capsys):
-  """--remat --remat-policy compressed: the 2:4 model's remat keeps its
-  compressed weights (jsparse24.CHECKPOINT_NAME); no breakdown (its parts
-  would time a recompressing forward pass)."""
+@pytest.mark.parametrize("policy", ["compressed", "dots"])
+def test_bench_model_remat_policy_that_saves_something(capsys, policy):
+  """--remat --remat-policy compressed (the 2:4 model's remat keeps its
+  compressed weights, jsparse24.CHECKPOINT_NAME) or dots (the matmul
+  outputs, jsparse24.checkpoint_policies): no breakdown (its parts would
+  time a whole recomputed forward pass); the notes name the policy."""
   out = bench_model.main(["--widths", "128", "--layers", "1", "--seq", "32", "--batch", "2",
                           "--vocab", "512", "--rebuild-every", "5", "--remat",
-                          "--remat-policy", "compressed", "--quick", "--no-write"])
+                          "--remat-policy", policy, "--quick", "--no-write"])
   (r,) = out["widths"]
   assert r["status"] == "ok", r.get("error")
-  assert r["remat"] and out["config"]["remat_policy"] == "compressed" and "breakdown" not in r
+  assert r["remat"] and out["config"]["remat_policy"] == policy and "breakdown" not in r
+  assert bench_model.POLICY_NOTES[policy] in bench_model.notes(out["config"])
   assert r["sparse"]["first_loss"] == pytest.approx(r["sparse"]["reference_loss"], rel=1e-2)
   assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith("| n/a | n/a |")

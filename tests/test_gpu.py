@@ -538,13 +538,10 @@ def test_forward_mode_on_the_gpu_kernels(impl, gradient):
   assert _rel_err(jf, jr) < _ROUNDING[jnp.dtype(jnp.float16)]
 
 
-def test_cusparselt_product_is_not_computed_twice_under_scan():
-  """Blocks in `nn.scan` whose product is both kept for the backward pass
-  (the up-projection, GELU's input) and read by the next op: XLA's GPU
-  dynamic-slice fusion used to compute such an FFI call a second time, to
-  write it straight into the scan's stacked buffer (the d_model 2048 model
-  of bench_model.py lost 3% to it). One product per layer and direction:
-  up and down forward, their dx backward."""
+def _cusparselt_products_in_scanned_gradient(policy=None) -> int:
+  """The cuSPARSELt products in the compiled gradient of 3 MLP blocks in
+  `nn.scan` (with `nn.remat(..., policy=policy)` unless None); each scan
+  body is written once in the HLO, so these are per block."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   d, h = 256, 1024
@@ -561,7 +558,8 @@ def test_cusparselt_product_is_not_computed_twice_under_scan():
   class Model(nn.Module):
     @nn.compact
     def __call__(self, x):
-      stack = nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+      block = Block if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)
+      stack = nn.scan(block, variable_axes={"params": 0, "sparsity": 0},
                       split_rngs={"params": True}, length=3)
       return stack(name="blocks")(x, None)[0]
 
@@ -573,4 +571,24 @@ def test_cusparselt_product_is_not_computed_twice_under_scan():
     return jnp.sum(model.apply({**variables, "params": params}, x).astype(jnp.float32) ** 2)
 
   hlo = jax.jit(jax.grad(loss)).lower(variables["params"]).compile().as_text()
-  assert hlo.count('custom_call_target="jsparse24_cusparselt_matmul"') == 4
+  return hlo.count('custom_call_target="jsparse24_cusparselt_matmul"')
+
+
+def test_cusparselt_product_is_not_computed_twice_under_scan():
+  """Blocks in `nn.scan` whose product is both kept for the backward pass
+  (the up-projection, GELU's input) and read by the next op: XLA's GPU
+  dynamic-slice fusion used to compute such an FFI call a second time, to
+  write it straight into the scan's stacked buffer (the d_model 2048 model
+  of bench_model.py lost 3% to it). One product per layer and direction:
+  up and down forward, their dx backward."""
+  assert _cusparselt_products_in_scanned_gradient() == 4
+
+
+def test_cusparselt_products_saved_by_jsparse24_dot_policies_under_remat():
+  """Under remat, JAX's dot policy does not see the cuSPARSELt products
+  (custom calls): the backward pass recomputes up's (5 per block);
+  `jsparse24.checkpoint_policies` saves them as JAX's saves dense dots (4)."""
+  cp = jax.checkpoint_policies
+  assert _cusparselt_products_in_scanned_gradient(cp.dots_with_no_batch_dims_saveable) == 5
+  assert _cusparselt_products_in_scanned_gradient(
+      jsparse24.checkpoint_policies.dots_with_no_batch_dims_saveable) == 4

@@ -361,3 +361,73 @@ def test_remat_policy_can_keep_the_compressed_weights(save):
       want = grad_of(nothing)[0](params)
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
                    g(params), want)
+
+
+class _MlpBlock(nn.Module):
+  """h + down(gelu(up(h))), 2:4 on the Pallas products (`sparse`) or `nn.Dense`."""
+
+  sparse: bool
+
+  @nn.compact
+  def __call__(self, h, _):
+    if self.sparse:
+      layer = lambda n: jsparse24.SparseDense(n, use_bias=False, implementation="pallas")  # noqa: E731
+    else:
+      layer = lambda n: nn.Dense(n, use_bias=False)  # noqa: E731
+    return h + layer(64)(nn.gelu(layer(128)(h))), None
+
+
+def _remat_gradient(sparse: bool, policy):
+  """(the gradient function, params, its jaxpr) of 3 `_MlpBlock`s under
+  `nn.scan(nn.remat(..., policy=policy))`."""
+  scan = nn.scan(nn.remat(_MlpBlock, policy=policy, prevent_cse=False),
+                 variable_axes={"params": 0, "sparsity": 0}, split_rngs={"params": True},
+                 length=3)(sparse)
+  x = jax.random.normal(jax.random.key(1), (16, 64))
+  v = scan.init(jax.random.key(0), x, None)
+  g = jax.grad(lambda p: jnp.sum(scan.apply({**v, "params": p}, x, None)[0] ** 2))
+  return g, v["params"], jax.make_jaxpr(g)(v["params"]).jaxpr
+
+
+_JAX_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+_CP = jsparse24.checkpoint_policies
+
+
+@pytest.mark.parametrize("policy, products", [
+    (jax.checkpoint_policies.nothing_saveable, 5),
+    (_JAX_DOTS, 5),  # JAX's dot policy does not see the 2:4 products: recomputed
+    (_CP.dots_with_no_batch_dims_saveable, 4),
+    (_CP.dots_saveable, 4),
+    (_CP.checkpoint_dots_with_no_batch_dims, 4),
+    (_CP.saving_products(jax.checkpoint_policies.nothing_saveable), 4),
+], ids=["nothing", "jax-dots", "dots_no_batch", "dots", "alias", "saving_products"])
+def test_checkpoint_policies_save_the_sparse_products(policy, products):
+  """Per block, 2 forward products and 2 dx products; a policy that saves
+  the products' outputs keeps the backward pass from recomputing `up`'s
+  (GELU needs its output): 5 -> 4 Pallas products in the gradient's
+  program, as JAX's dot policy takes a dense block's dots 7 -> 6. The
+  gradient is the one that saves nothing."""
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+
+  with interpret_mode():
+    g, params, jaxpr = _remat_gradient(True, policy)
+    got = _count_eqns(jaxpr, lambda e: e.primitive.name == "pallas_call"
+                      and "spmm" in str(e.params.get("name", "")))
+    assert got == products, got
+    if products == 4:
+      want = _remat_gradient(True, jax.checkpoint_policies.nothing_saveable)[0](params)
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+                   g(params), want)
+
+
+def test_checkpoint_policies_save_what_jax_saves_on_a_dense_model():
+  dots = lambda jaxpr: _count_eqns(jaxpr, lambda e: e.primitive.name == "dot_general")  # noqa: E731
+  assert dots(_remat_gradient(False, jax.checkpoint_policies.nothing_saveable)[2]) == 7
+  assert dots(_remat_gradient(False, _JAX_DOTS)[2]) == 6
+  assert dots(_remat_gradient(False, _CP.dots_with_no_batch_dims_saveable)[2]) == 6
+  assert dots(_remat_gradient(False, _CP.dots_saveable)[2]) == 6
+
+
+def test_saving_products_rejects_a_non_policy():
+  with pytest.raises(TypeError, match=r"saving_products: `policy` must be a jax.checkpoint"):
+    _CP.saving_products("dots")

@@ -38,6 +38,13 @@ from jsparse24._sharding import (Split, product_sharding, psum_over, split_map,
 # `jax.checkpoint_policies.save_only_these_names(COMPRESSED)`, keeps the
 # backward pass from pruning and compressing every weight again.
 COMPRESSED = "jsparse24_compressed"
+# The checkpoint name of a product's output `y`. JAX's dot policies
+# (`dots_saveable`, `dots_with_no_batch_dims_saveable`) save the outputs of
+# `dot_general` only, and the Pallas and cuSPARSELt products are custom
+# calls: under those policies the backward pass would recompute every 2:4
+# product that a dense model's policy saves. `jsparse24.checkpoint_policies`
+# saves this name beside what JAX's policies save.
+PRODUCT = "jsparse24_product"
 
 
 def accumulation_dtype(dtype) -> Any:
@@ -328,6 +335,7 @@ def _custom_dot_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
     y = sparse()
   else:
     y = jax.lax.cond(active, sparse, lambda: matmul(x, w.astype(x.dtype), cfg.precision))
+  y = checkpoint_name(y, PRODUCT)
   # w itself is a residual only for its dtype and sharding (dw's) and the
   # dense branch; it costs nothing: the parameter is alive anyway, and
   # nn.scan forwards it.
