@@ -6,7 +6,8 @@ step's span (span minus kernel time = GPU idle).
     PYTHONPATH=. python benchmarks/profile_model.py D_MODEL BLOCKS [--remat]
         [--variants dense,sparse,fixed,nodecay] [--out DIR] [--weight-grad mvue]
 
-Variants (same model, same init params):
+Variants (same model, same init params; `NAME@POLICY` uses that remat policy of
+`bench_model.py`'s `--remat-policy`, e.g. `sparse@dots`; default `nothing`):
   dense    `nn.Dense` layers, AdamW;
   sparse   `sparsify` defaults + `mask_update(rebuild_every=100, decay)` + AdamW
            (what `bench_model.py` times);
@@ -72,10 +73,19 @@ def kernel_key(event: dict) -> str:
   return re.sub(r"[._]\d+", "", name)[:80]
 
 
-def step_of(name: str, d: int, layers: int, remat: bool, tokens, vocab: int, attention,
+def step_of(variant: str, d: int, layers: int, remat: bool, tokens, vocab: int, attention,
             weight_grad: str = "dense"):
-  """(train step, params, optimizer state) of one variant."""
-  model = bm.GPT(vocab, d, layers, tokens.shape[1] - 1, attention, remat)
+  """(train step, params, optimizer state) of one variant (`name[@policy]`,
+  the policy a key of `bench_model.REMAT_POLICIES`)."""
+  name, _, policy = variant.partition("@")
+  if name not in ("dense", "sparse", "fixed", "nodecay"):
+    raise SystemExit(f"profile_model: unknown variant {variant!r} (dense, sparse, fixed, nodecay,"
+                     f" each optionally @ a remat policy)")
+  if policy and policy not in bm.REMAT_POLICIES:
+    raise SystemExit(f"profile_model: unknown remat policy in {variant!r}; one of"
+                     f" {sorted(bm.REMAT_POLICIES)}")
+  model = bm.GPT(vocab, d, layers, tokens.shape[1] - 1, attention, remat,
+                 remat_policy=policy or "nothing")
   adamw = optax.adamw(bm.LR, weight_decay=bm.WEIGHT_DECAY)
   if name == "dense":
     params = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])["params"]
