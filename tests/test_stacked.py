@@ -431,3 +431,34 @@ def test_checkpoint_policies_save_what_jax_saves_on_a_dense_model():
 def test_saving_products_rejects_a_non_policy():
   with pytest.raises(TypeError, match=r"saving_products: `policy` must be a jax.checkpoint"):
     _CP.saving_products("dots")
+
+
+@pytest.mark.parametrize("policy, products", [
+    (_JAX_DOTS, 5), (_CP.dots_with_no_batch_dims_saveable, 4)], ids=["jax-dots", "jsparse24"])
+def test_checkpoint_policies_under_nnx_remat(policy, products):
+  """The same policies under `nnx.remat` with `jsparse24.nnx.SparseLinear`:
+  JAX's recomputes up's product in the backward pass, jsparse24's saves it."""
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      self.up = jnnx.SparseLinear(64, 128, use_bias=False, implementation="pallas", rngs=rngs)
+      self.down = jnnx.SparseLinear(128, 64, use_bias=False, implementation="pallas", rngs=rngs)
+
+    def __call__(self, h):
+      return h + self.down(jax.nn.gelu(self.up(h)))
+
+  x = jax.random.normal(jax.random.key(1), (16, 64))
+
+  @nnx.remat(policy=policy, prevent_cse=False)
+  def forward(model, h):
+    return model(h)
+
+  with interpret_mode():
+    graphdef, state = nnx.split(Mlp(nnx.Rngs(0)))
+    grads = lambda st: nnx.state(nnx.grad(  # noqa: E731
+        lambda m: jnp.sum(forward(m, x) ** 2))(nnx.merge(graphdef, st)))
+    jaxpr = jax.make_jaxpr(lambda st: jax.tree.leaves(grads(st)))(state).jaxpr
+  got = _count_eqns(jaxpr, lambda e: e.primitive.name == "pallas_call"
+                    and "spmm" in str(e.params.get("name", "")))
+  assert got == products, got
