@@ -82,6 +82,11 @@ REMAT_POLICIES = {
     # dense model keeps its matmul outputs, the 2:4 model recomputes its
     # products (custom calls). What a user who does not switch policies gets.
     "dots-jax": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # --remat-policy dots-compressed: "dots" and "compressed" together.
+    "dots-compressed": jsparse24.checkpoint_policies.saving_products(
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(jsparse24.CHECKPOINT_NAME))),
 }
 POLICY_NOTES = {
     "nothing": "`nothing_saveable`",
@@ -93,6 +98,11 @@ POLICY_NOTES = {
     "dots-jax": "JAX's `dots_with_no_batch_dims_saveable` on both models (it saves"
                 " `dot_general` outputs only: the 2:4 model recomputes its products, which are"
                 " custom calls)",
+    "dots-compressed": "`jsparse24.checkpoint_policies.saving_products(save_from_both_policies("
+                       "dots_with_no_batch_dims_saveable, save_only_these_names("
+                       "jsparse24.CHECKPOINT_NAME)))` (the matmul outputs, the 2:4 products'"
+                       " and their compressed weights saved; on the dense model JAX's"
+                       " `dots_with_no_batch_dims_saveable`)",
 }
 
 
@@ -700,7 +710,8 @@ def main(argv=None) -> dict:
                       " products' compressed weights (jsparse24.CHECKPOINT_NAME); 'dots' keeps"
                       " the matmul outputs, the 2:4 products' included"
                       " (jsparse24.checkpoint_policies); 'dots-jax' is JAX's dot policy, under"
-                      " which the 2:4 model recomputes its products")
+                      " which the 2:4 model recomputes its products; 'dots-compressed' is"
+                      " 'dots' and 'compressed' together")
   p.add_argument("--seq", type=int, default=2048)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--vocab", type=int, default=32768)

@@ -56,7 +56,7 @@ def test_bench_model_rejects_more_devices_than_there_are():
     bench_model.main(["--widths", "128", "--layers", "1", "--devices", "1000", "--no-write"])
 
 
-@pytest.mark.parametrize("policy", ["compressed", "dots"])
+@pytest.mark.parametrize("policy", ["compressed", "dots", "dots-compressed"])
 def test_bench_model_remat_policy_that_saves_something(capsys, policy):
   """--remat --remat-policy compressed (the 2:4 model's remat keeps its
   compressed weights, jsparse24.CHECKPOINT_NAME) or dots (the matmul
