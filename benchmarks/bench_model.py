@@ -164,7 +164,8 @@ def layer_shapes(d: int) -> dict[str, tuple[int, int]]:
 
 
 def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
-                    vocab: int, saves_dots: bool = False) -> dict[str, float]:
+                    vocab: int, saves_dots: bool = False,
+                    saves_compressed: bool = False) -> dict[str, float]:
   """Peak device bytes of the 2:4 training step (the larger of the two), by part.
 
   The timed steps donate their params and optimizer state, so the state is
@@ -173,14 +174,17 @@ def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
   output, the residual, and the 4d-wide MLP input and GELU output); with remat
   only its input, plus one block's worth while it is recomputed, and with a
   policy that saves the matmul outputs (`saves_dots`) those too: 9 bf16
-  `[tokens, d]` per block (qkv 3d, out d, up 4d, down d).
+  `[tokens, d]` per block (qkv 3d, out d, up 4d, down d). The compressed
+  weights: with remat one block's, unless the policy saves them
+  (`saves_compressed`), then every block's, as without remat.
   """
   linear = 12 * d * d * layers
   parts = {
       "state": 16 * params,  # f32 params, AdamW's two moments, grads
       "masks": 2 * linear / 8,  # packed, 1 bit/weight: held, and the update's new ones
       "weights": 2 * linear,  # bf16 copies of the kernels the products read
-      "compressed": (1 if remat else layers) * 12 * d * d * 1.2,  # 2:4 operands kept for dx
+      # 2:4 operands kept for dx
+      "compressed": (1 if remat and not saves_compressed else layers) * 12 * d * d * 1.2,
       "activations": ((2 + 18 * saves_dots) * layers + 36) * d * tokens if remat
                      else 36 * d * tokens * layers,
       "logits": 12 * tokens * vocab,  # bf16 logits, their f32 upcast and its gradient
@@ -376,7 +380,8 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   dense_shapes = jax.eval_shape(model.init, key_init, tokens[:, :-1])["params"]
   n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(dense_shapes))
   mem = memory_estimate(n_params, d, layers, remat, tokens_per_step, vocab,
-                        saves_dots=cfg["remat_policy"].startswith("dots"))
+                        saves_dots=cfg["remat_policy"].startswith("dots"),
+                        saves_compressed=cfg["remat_policy"].endswith("compressed"))
   result.update(params=n_params, sparse_weights=12 * d * d * layers,
                 memory_estimate_gib={k: v / 2**30 for k, v in mem.items()})
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
