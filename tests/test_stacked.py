@@ -326,6 +326,12 @@ def _count_eqns(jaxpr, pred) -> int:
   return n
 
 
+def _count_pallas_calls(jaxpr, part: str) -> int:
+  """The Pallas calls in `jaxpr` (nested ones included) whose kernel name holds `part`."""
+  return _count_eqns(jaxpr, lambda e: e.primitive.name == "pallas_call"
+                     and part in str(e.params.get("name", "")))
+
+
 @pytest.mark.parametrize("save", [False, True])
 def test_remat_policy_can_keep_the_compressed_weights(save):
   """Under nn.scan(nn.remat(...)) the backward pass recomputes the forward
@@ -354,8 +360,7 @@ def test_remat_policy_can_keep_the_compressed_weights(save):
   with interpret_mode():
     g, params = grad_of(policy)
     jaxpr = jax.make_jaxpr(g)(params)
-    compress = _count_eqns(jaxpr.jaxpr, lambda e: e.primitive.name == "pallas_call"
-                           and "compress" in str(e.params.get("name", "")))
+    compress = _count_pallas_calls(jaxpr.jaxpr, "compress")
     assert compress == (1 if save else 2), compress
     if save:
       want = grad_of(nothing)[0](params)
@@ -411,8 +416,7 @@ def test_checkpoint_policies_save_the_sparse_products(policy, products):
 
   with interpret_mode():
     g, params, jaxpr = _remat_gradient(True, policy)
-    got = _count_eqns(jaxpr, lambda e: e.primitive.name == "pallas_call"
-                      and "spmm" in str(e.params.get("name", "")))
+    got = _count_pallas_calls(jaxpr, "spmm")
     assert got == products, got
     if products == 4:
       want = _remat_gradient(True, jax.checkpoint_policies.nothing_saveable)[0](params)
@@ -459,6 +463,5 @@ def test_checkpoint_policies_under_nnx_remat(policy, products):
     grads = lambda st: nnx.state(nnx.grad(  # noqa: E731
         lambda m: jnp.sum(forward(m, x) ** 2))(nnx.merge(graphdef, st)))
     jaxpr = jax.make_jaxpr(lambda st: jax.tree.leaves(grads(st)))(state).jaxpr
-  got = _count_eqns(jaxpr, lambda e: e.primitive.name == "pallas_call"
-                    and "spmm" in str(e.params.get("name", "")))
+  got = _count_pallas_calls(jaxpr, "spmm")
   assert got == products, got
