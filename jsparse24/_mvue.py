@@ -21,10 +21,14 @@ entries past the last whole group (`size % 4` of them) are kept exactly.
 The rule itself (`pallas_kernels.mvue_rule`) is shared with the GPU kernel
 that prunes and compresses `dy` in one pass for the cuSPARSELt product: the
 uniform numbers are a counter-based hash of a seed drawn from `key` and the
-group's number, so the kernel and this reference draw the same groups.
+group's number (two neighbouring groups along `axis` take the high and the
+low 16 bits of one hash), so the kernel and this reference draw the same
+groups.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -66,11 +70,15 @@ def mvue_24(g: Float[Array, "..."], key: jax.Array, *, axis: int = 0) -> jax.Arr
     return g
   groups = _groups(head, axis)  # [..., G, ..., 4] with the group entries last
   seed = mvue_seeds(key)
-  # Group number j (row-major over the grouped shape) draws with counter j:
-  # for a [M, N] gradient pruned along M, group (r, c) is j = r * N + c, as
-  # the kernel numbers them.
+  # Group number j (row-major over the grouped shape): for a [M, N] gradient
+  # pruned along M, group (r, c) is j = r * N + c, as the kernel numbers
+  # them; the groups r = 2t and 2t + 1 of a column share one hash (of
+  # 2t's number), as the kernel's do.
   index = jnp.arange(groups[..., 0].size, dtype=jnp.uint32).reshape(groups.shape[:-1])
-  i0, i1, v0, v1 = rule.sample(_lanes(groups), rule.uniform(seed[0], seed[1], index))
+  row = jax.lax.broadcasted_iota(jnp.uint32, index.shape, axis)
+  stride = math.prod(index.shape[axis + 1:])
+  u = rule.uniform_of_group(seed[0], seed[1], index, row % 2 == 1, stride)
+  i0, i1, v0, v1 = rule.sample(_lanes(groups), u)
   out = jnp.stack([jnp.where(i0 == l, v0, jnp.where(i1 == l, v1, 0.0)) for l in range(4)],
                   axis=-1).astype(g.dtype)
   return jnp.concatenate([_ungroup(out, axis, head.shape), tail], axis=axis)

@@ -6,11 +6,15 @@ it pruned 2:4 along M by the minimum-variance unbiased rule
 cuSPARSELt's layout for a structured operand compressed along M (the layout
 `prune24.prune_compress(..., layout="cusparselt")` writes for a weight
 compressed along K): values `[M/2, N]` in the leading rows of a
-`[M/2 + M/16, N]` buffer, and the packed codes `uint8[N, M/8]` (the `Mask24`
-layout) from which the caller writes the buffer's metadata rows. The random
+`[M/2 + M/16, N]` buffer, and the packed codes `uint8[M/8, N]` (the
+`Mask24` layout transposed: a byte per two groups along M) from which the
+caller writes the buffer's metadata rows
+(`prune24.write_cusparselt_metadata(..., by_groups=True)`). The random
 numbers come from a counter-based hash of `seed` and the group's number
-`first_group + (m // 4) * N + n`, so the result equals `mvue_compress_reference` (the same
-rule applied by XLA ops) for the same seed.
+`first_group + (m // 4) * N + n` (group rows 2t and 2t + 1 taking the two
+halves of one hash, `mvue_rule.uniform_of_group`), so the result equals
+`mvue_compress_reference` (the same rule applied by XLA ops) for the same
+seed.
 """
 
 from __future__ import annotations
@@ -35,22 +39,29 @@ def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
   stripe = jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 0)
   col = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 1)
   seed0, seed1, first_group = seed_ref[0], seed_ref[1], seed_ref[2]
+  # The stripe's two groups (group rows 2r and 2r + 1 from an even first
+  # row) are a pair of `mvue_rule.uniform_pair`: one hash of the first's number.
+  index = ((first_row + 2 * stripe) * n + col).astype(jnp.uint32) + first_group
+  uniforms = mvue_rule.uniform_pair(seed0, seed1, index)
   slots, codes = [], []
   for h in (0, 1):
-    index = ((first_row + 2 * stripe + h) * n + col).astype(jnp.uint32) + first_group
-    i0, i1, v0, v1 = mvue_rule.sample(lanes[4 * h:4 * h + 4],
-                                      mvue_rule.uniform(seed0, seed1, index))
+    i0, i1, v0, v1 = mvue_rule.sample(lanes[4 * h:4 * h + 4], uniforms[h])
     slots += [v0.astype(g_ref.dtype), v1.astype(g_ref.dtype)]
     codes.append(i0 | (i1 << 2))
   prune24.store_k_major(values_ref, slots)
-  meta_ref[...] = (codes[0] | (codes[1] << 4)).T.astype(jnp.uint8)
+  # The codes as the tile holds them, [M/8, N]: a transpose to the Mask24
+  # layout [N, M/8] here (through shared memory) took 22% of the kernel's
+  # time on an H200 (benchmarks/NOTES.md, fifteenth session); the metadata
+  # pass reads this layout as it is (`write_cusparselt_metadata(by_groups=True)`).
+  meta_ref[...] = (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
 
 
-# The fastest tile of `benchmarks/tune_prune.py --which mvue` on an H100 with
-# the eleventh session's rule (0.481 ms at 16384^2 against 0.505 ms for 32 x
-# 128, 4 warps, the earlier default, which tied with it before). The kernel
-# is bound by integer-pipe operations (benchmarks/NOTES.md).
-DEFAULT_CONFIG = prune24.PruneConfig(block_k=64, block_n=64, num_warps=8)
+# The fastest tile of `benchmarks/tune_prune.py --which mvue` on an H200
+# with the codes stored untransposed and one hash per pair of groups
+# (fifteenth session): 0.338 ms at 16384^2, kernel alone, against 0.343-0.349
+# ms for 64 x 64 and 128 x 64, 4 warps. The kernel is bound by integer-pipe
+# operations (benchmarks/NOTES.md).
+DEFAULT_CONFIG = prune24.PruneConfig(block_k=32, block_n=128, num_warps=4)
 
 
 def _seed_words(seed: jax.Array, first_group) -> jax.Array:
@@ -75,11 +86,12 @@ def _check(fn: str, g: jax.Array, seed: jax.Array) -> None:
 @functools.partial(jax.jit, static_argnames=("row_stride", "config", "interpret"))
 def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: int | None = None,
                   config: prune24.PruneConfig | None = None, interpret: bool = False):
-  """`(buffer [M/2 + M/16, N], meta uint8[N, M/8])` for `g[M, N]` (module
+  """`(buffer [M/2 + M/16, N], codes uint8[M/8, N])` for `g[M, N]` (module
   docstring); M and N multiples of 64, `seed` uint32[2], `first_group` the
   number (a uint32 scalar, may be traced) of g's first group: a shard of a
-  larger gradient that starts at row r passes `r // 4 * N` and draws what the
-  whole gradient would. `row_stride` (static; default N): the group number's
+  larger gradient that starts at row r (a multiple of 8: the group rows
+  pair up from there) passes `r // 4 * N` and draws what the whole gradient
+  would. `row_stride` (static; default N): the group number's
   step from one group row to the next, so that a block of columns of a
   wider gradient (`row_stride` = its N, `first_group` = `r // 4 * N` plus the
   block's first column) draws what the whole would too. The buffer's last
@@ -91,12 +103,12 @@ def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: i
   return pl.pallas_call(
       functools.partial(_kernel, n=n if row_stride is None else row_stride),
       out_shape=[jax.ShapeDtypeStruct((m // 2 + m // 16, n), g.dtype),
-                 jax.ShapeDtypeStruct((n, m // 8), jnp.uint8)],
+                 jax.ShapeDtypeStruct((m // 8, n), jnp.uint8)],
       grid=(m // bm, n // bn),
       in_specs=[pl.BlockSpec((4,), lambda i, j: (0,)),
                 pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((bm // 2, bn), lambda i, j: (i, j)),
-                 pl.BlockSpec((bn, bm // 8), lambda i, j: (j, i))],
+                 pl.BlockSpec((bm // 8, bn), lambda i, j: (i, j))],
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
@@ -107,17 +119,16 @@ def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: i
 def mvue_compress_reference(g: jax.Array, seed: jax.Array, first_group=0,
                             row_stride: int | None = None):
   """What `mvue_compress` computes, with XLA ops: `(values [M/2, N], meta
-  uint8[N, M/8])` (the buffer's value rows, and the packed codes)."""
+  uint8[M/8, N])` (the buffer's value rows, and the packed codes)."""
   _check("mvue_compress_reference", g, seed)
   m, n = g.shape
   stride = n if row_stride is None else row_stride
   groups = g.reshape(m // 4, 4, n).astype(jnp.float32)
-  index = (jnp.arange(m // 4, dtype=jnp.uint32)[:, None] * jnp.uint32(stride)
-           + jnp.arange(n, dtype=jnp.uint32)[None, :]
+  rows = jnp.arange(m // 4, dtype=jnp.uint32)[:, None]
+  index = (rows * jnp.uint32(stride) + jnp.arange(n, dtype=jnp.uint32)[None, :]
            + jnp.asarray(first_group).astype(jnp.uint32))
-  i0, i1, v0, v1 = mvue_rule.sample([groups[:, l] for l in range(4)],
-                                    mvue_rule.uniform(seed[0], seed[1], index))
+  u = mvue_rule.uniform_of_group(seed[0], seed[1], index, rows % 2 == 1, stride)
+  i0, i1, v0, v1 = mvue_rule.sample([groups[:, l] for l in range(4)], u)
   values = jnp.stack([v0, v1], axis=1).reshape(m // 2, n).astype(g.dtype)
-  codes = (i0 | (i1 << 2)).T  # [N, M/4]
-  meta = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(jnp.uint8)
-  return values, meta
+  codes = i0 | (i1 << 2)  # [M/4, N]
+  return values, (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)

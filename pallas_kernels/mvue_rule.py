@@ -30,9 +30,16 @@ compares the cumulative sums of `w` with `u * S` and picks the kept entries
 by those comparisons, and `a_i / p_i` is `sign(a_i) * S_i` in closed form
 (`sample`). (The eleventh session's form of these gives the same bits as the
 earlier one, with 10% fewer instructions in the kernel: benchmarks/NOTES.md.)
-* `uniform`: `u` from a counter-based hash of (a 64-bit seed, the group's
-  index), so that a kernel tile computes the numbers of its own groups with no
-  random-number state and no extra memory traffic.
+* `uniform_pair`: `u` from a counter-based hash of (a 64-bit seed, a group's
+  index), so that a kernel tile computes the numbers of its own groups with
+  no random-number state and no extra memory traffic. One hash serves two
+  groups (its high and low 16 bits; `uniform_of_group` says which): half
+  the hashing per group in a kernel bound by its instruction count
+  (benchmarks/NOTES.md, fifteenth session). With 16 bits an entry is drawn
+  with a probability within 2^-15 of its `p_i` (two runs of multiples of
+  2^-16), so a kept value's expectation is within `2^-15 |a_i / p_i|` of
+  `a_i`: 64 times below the rounding of the kept value to bfloat16 (2^-9
+  relative), which the estimate carries anyway.
 """
 
 from __future__ import annotations
@@ -51,15 +58,33 @@ def _mix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def uniform(seed0: jax.Array, seed1: jax.Array, index: jax.Array) -> jax.Array:
-  """float32 in [0, 1) (multiples of 2^-23: 23 random bits, so that u + 1
-  is exact in float32) for uint32 `index` under the uint32 seed pair: two
-  rounds of `_mix32`, each keyed by one seed word."""
-  h = _mix32(_mix32(index ^ seed0) + seed1)
-  # (h >> 9) * 2^-23 without an int -> float conversion: the 23 bits as the
-  # mantissa of a float in [1, 2), minus 1 (exact, so the same bits).
-  one_plus_u = jax.lax.bitcast_convert_type((h >> 9) | jnp.uint32(0x3F800000), jnp.float32)
+def _bits_to_unit(mantissa: jax.Array) -> jax.Array:
+  """float32 `1 + mantissa * 2^-23` minus 1 (exact) for uint32 `mantissa`
+  below 2^23: [0, 1) without an int -> float conversion."""
+  one_plus_u = jax.lax.bitcast_convert_type(mantissa | jnp.uint32(0x3F800000), jnp.float32)
   return one_plus_u - 1.0
+
+
+def uniform_pair(seed0: jax.Array, seed1: jax.Array, index: jax.Array):
+  """Two float32 numbers in [0, 1) (multiples of 2^-16, so that u + 1 is
+  exact in float32) for uint32 `index` under the uint32 seed pair: the high
+  and the low 16 bits of two rounds of `_mix32`, each keyed by one seed
+  word: for a pair of groups (module docstring) numbered `index` and
+  another, the first group's number and the second's."""
+  h = _mix32(_mix32(index ^ seed0) + seed1)
+  # Each half as mantissa bits 22..7.
+  return (_bits_to_unit((h >> 9) & jnp.uint32(0x007FFF80)),
+          _bits_to_unit((h << 7) & jnp.uint32(0x007FFF80)))
+
+
+def uniform_of_group(seed0: jax.Array, seed1: jax.Array, index: jax.Array,
+                     second: jax.Array, stride) -> jax.Array:
+  """`u` of the groups numbered `index` (uint32): the groups of rows 2t and
+  2t + 1 (rows of groups `stride` numbers apart; `second`: bool, the group
+  is in row 2t + 1) share `uniform_pair` of row 2t's number."""
+  first = index - jnp.where(second, jnp.uint32(stride), jnp.uint32(0))
+  hi, lo = uniform_pair(seed0, seed1, first)
+  return jnp.where(second, lo, hi)
 
 
 def _parts(a: list[jax.Array]):

@@ -56,9 +56,8 @@ class PruneConfig:
   def default(cls, k: int, n: int, kind: str, layout: str = "sparse24") -> "PruneConfig":
     """kind: "prune", "prune_transposable", "apply" (compress with a mask) or
     "apply_transposed" (and write the transposed copy). The tiles were the
-    fastest of a sweep on an H200; "prune", "prune_transposable" (also the
-    tile of `transposable_mask`) and "apply_transposed" in cuSPARSELt's
-    layout on an H100 (benchmarks/NOTES.md)."""
+    fastest of a sweep on an H200; "prune" and "prune_transposable" (also
+    the tile of `transposable_mask`) on an H100 (benchmarks/NOTES.md)."""
     del k, n
     if kind == "prune_transposable":  # either layout; rows stored contiguously
       return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=False)
@@ -67,11 +66,17 @@ class PruneConfig:
       # for the tile transposed in registers, the best of that way).
       return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
     if layout == "cusparselt":
+      # Both from the codes transposed by XLA, so that nothing in the kernel
+      # transposes a tile (`_apply_kernel`); `tune_prune.py --layout
+      # cusparselt` on an H200, 16384^2, kernel alone (fifteenth session).
       if kind == "apply_transposed":  # row lanes forward, each row's keep decoded in place
-        # (H100, 16384^2: 0.529-0.531 ms against 0.576-0.580 ms for 64x64, 8
-        # warps with the tile transposed, the default before).
-        return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
-      return cls(block_k=128, block_n=64, num_warps=8, strided_lanes=False)
+        # 0.410 ms against 0.424 ms for 64x128, 8 warps (the default
+        # before, 0.53 ms with the codes transposed in the kernel).
+        return cls(block_k=32, block_n=128, num_warps=4, strided_lanes=True)
+      # Strided row lanes, no transpose: 0.235 ms (the tile transposed in
+      # registers, 128x64, 8 warps, the default before: 0.34-0.35 ms on an
+      # H100, benchmarks/NOTES.md).
+      return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=True)
     return cls(block_k=128, block_n=64, num_warps=8)
 
 
@@ -362,13 +367,19 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: 
 
 def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
                   k_major: bool, strided_lanes: bool):
-  meta_in = meta_in_ref[...]  # [bn, bk/8]
-  meta_kn = meta_in.astype(jnp.int32).T if strided_lanes else None  # [bk/8, bn]
   if k_major and strided_lanes:
+    # The codes arrive transposed (`[bk/8, bn]`, by XLA before the call):
+    # transposed here, the code tile went through shared memory, and the
+    # transposable kernel with its metadata passes took 0.533 ms at 16384^2
+    # on an H200 against 0.447 ms with XLA's transpose (benchmarks/NOTES.md,
+    # fifteenth session). Nothing in this path transposes a tile.
+    meta_kn = meta_in_ref[...].astype(jnp.int32)
     keep_kn = _tiles.keep_from_meta(meta_kn)  # 8 x [bk/8, bn]
     slots, _ = _tiles.compress_lanes(_row_lanes(w_ref), keep_kn)
     store_k_major(values_ref, slots)
   else:
+    meta_in = meta_in_ref[...]  # [bn, bk/8]
+    meta_kn = meta_in.astype(jnp.int32).T if strided_lanes else None  # [bk/8, bn]
     values, _ = _tiles.compress_rows(w_ref[...].T, _tiles.keep_from_meta(meta_in))
     values_ref[...] = values.T if k_major else values
   if transposed:
@@ -760,13 +771,16 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
                constant_values=0x44)
   out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed,
                                   k_major=k_major)
+  if k_major and cfg.strided_lanes:  # the codes transposed for the kernel (`_apply_kernel`)
+    mp, codes_spec = mp.T, pl.BlockSpec((bk // 8, bn), lambda i, j: (i, j))
+  else:
+    codes_spec = pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))
   outs = pl.pallas_call(
       functools.partial(_apply_kernel, transposed=transposed, k_major=k_major,
                         strided_lanes=cfg.strided_lanes),
       out_shape=out_shape,
       grid=(kp // bk, np_ // bn),
-      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)),
-                pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))],
+      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)), codes_spec],
       out_specs=out_specs,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
@@ -827,13 +841,35 @@ def _metadata_kernel(words_ref, buf_ref, out_ref):
     out_ref[:, pl.ds(16 * a, 16)] = _tiles.join_lanes(halves)  # word 16a + 2b + d1
 
 
-@functools.partial(jax.jit, static_argnames=("row", "interpret"), donate_argnums=(0,))
+def _metadata_kernel_by_groups(bytes_ref, buf_ref, out_ref):
+  """`_metadata_kernel` on the mask's transpose (`bytes_ref` `[4 nb, 64]`:
+  a row per byte of 2 groups, a column per mask row): each 8-group block's
+  word is four strided rows of bytes, already `[nb, b]` (no transpose)."""
+  del buf_ref
+  nb = bytes_ref.shape[0] // 4
+
+  def words(col0):  # [nb, 8]: the words of mask rows col0 .. col0 + 7
+    parts = [bytes_ref[pl.ds(j, nb, stride=4), pl.ds(col0, 8)].astype(jnp.uint32) << (8 * j)
+             for j in range(4)]
+    return (parts[0] | parts[1]) | (parts[2] | parts[3])
+
+  for a in range(4):
+    lo, hi = words(16 * a), words(16 * a + 8)  # rows 16a + b, 16a + 8 + b
+    halves = [_spread_nibbles(lo >> (8 * d1)) | (_spread_nibbles(hi >> (8 * d1)) << 4)
+              for d1 in range(2)]  # [nb, b]
+    out_ref[:, pl.ds(16 * a, 16)] = _tiles.join_lanes(halves)  # word 16a + 2b + d1
+
+
+@functools.partial(jax.jit, static_argnames=("row", "by_groups", "interpret"),
+                   donate_argnums=(0,))
 def write_cusparselt_metadata(buf: jax.Array, meta: jax.Array, *, row: int,
-                              interpret: bool = False) -> jax.Array:
+                              by_groups: bool = False, interpret: bool = False) -> jax.Array:
   """`buf` (a 16-bit `[T, C]` compressed buffer, `layout="cusparselt"`)
   with cuSPARSELt's metadata of the packed mask `meta` (`uint8[R, G/2]`: R
-  rows of G groups of 4, R and G multiples of 64 and 8) written from row
-  `row` on, in place (`buf` is donated; every other element is kept).
+  rows of G groups of 4, R and G multiples of 64 and 8; with `by_groups`
+  its transpose `uint8[G/2, R]`, as a kernel that compresses along its
+  tile's rows writes it without a transpose) written from row `row` on, in
+  place (`buf` is donated; every other element is kept).
 
   One pass: each program reads a 64-row block of the mask and writes its
   256-byte metadata blocks. (XLA's fusions of the same word arithmetic,
@@ -841,12 +877,13 @@ def write_cusparselt_metadata(buf: jax.Array, meta: jax.Array, *, row: int,
   """
   fn = "write_cusparselt_metadata"
   t, c = buf.shape
-  r, half = meta.shape
+  half, r = meta.shape if by_groups else meta.shape[::-1]
   if jnp.dtype(buf.dtype).itemsize != 2 or meta.dtype != jnp.uint8:
     raise TypeError(f"{fn}: `buf` must be 16-bit and `meta` uint8, got {buf.dtype},"
                     f" {meta.dtype}.")
   if r % 64 or half % 4:
-    raise ValueError(f"{fn}: `meta` must be [R, G/2] with R a multiple of 64 and G of 8,"
+    form = "[G/2, R]" if by_groups else "[R, G/2]"
+    raise ValueError(f"{fn}: `meta` must be {form} with R a multiple of 64 and G of 8,"
                      f" got {list(meta.shape)}.")
   groups = 2 * half
   blocks = r // 64 * (groups // 8)
@@ -855,19 +892,25 @@ def write_cusparselt_metadata(buf: jax.Array, meta: jax.Array, *, row: int,
                      f" `buf` {list(buf.shape)} (or row * C is not a multiple of 128).")
   first = row * c // 128  # the first metadata block, in 64-word rows
   nb = math.gcd(32, groups // 8, first)  # blocks per program (gcd(x, 0) = x)
-  words = jax.lax.bitcast_convert_type(meta.reshape(r, groups // 8, 4), jnp.uint32)
   view = jax.lax.bitcast_convert_type(buf.reshape(t, c // 2, 2), jnp.uint32).reshape(-1, 64)
   per_row = groups // 8 // nb  # output blocks of nb per 64-row block
   spec = pl.BlockSpec((nb, 64), lambda i, j: (first // nb + i * per_row + j, 0))
+  if by_groups:
+    kernel, codes = _metadata_kernel_by_groups, meta
+    codes_spec = pl.BlockSpec((4 * nb, 64), lambda i, j: (j, i))
+  else:
+    kernel = _metadata_kernel
+    codes = jax.lax.bitcast_convert_type(meta.reshape(r, groups // 8, 4), jnp.uint32)
+    codes_spec = pl.BlockSpec((64, nb), lambda i, j: (i, j))
   out = pl.pallas_call(
-      _metadata_kernel,
+      kernel,
       out_shape=jax.ShapeDtypeStruct(view.shape, jnp.uint32),
       grid=(r // 64, per_row),
-      in_specs=[pl.BlockSpec((64, nb), lambda i, j: (i, j)), spec],
+      in_specs=[codes_spec, spec],
       out_specs=spec,
       input_output_aliases={1: 0},
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="jsparse24_cusparselt_metadata",
-  )(words, view)
+  )(codes, view)
   return jax.lax.bitcast_convert_type(out.reshape(t, c // 2), buf.dtype).reshape(t, c)

@@ -149,18 +149,24 @@ def check_metadata_pass(write, rows: int, groups: int, head: int, cols: int, dty
                                 np.asarray(cusparselt.metadata_layout(jnp.asarray(codes))))
 
 
+def write_by_groups(buf, head, meta, groups):
+  """`_with_metadata` given the mask transposed, as the MVUE kernel writes it."""
+  return cusparselt._with_metadata(buf, head, meta.T, groups, by_groups=True)  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("k,n", [(64, 64), (128, 192), (256, 64), (640, 320), (192, 1024)])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dtype):
+@pytest.mark.parametrize("by_groups", [False, True])
+def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dtype, by_groups):
   """The Pallas metadata pass (`_with_metadata`) on both buffers of a
-  `[K, N]` weight (`buffer_shape`)."""
+  `[K, N]` weight (`buffer_shape`), from the packed mask or its transpose."""
   rows, groups = (k, n // 4) if transpose else (n, k // 4)
   cols = cusparselt.buffer_shape(k, n, transpose=transpose)[1]
   head = k if transpose else k // 2  # the value rows
+  write = write_by_groups if by_groups else cusparselt._with_metadata  # pylint: disable=protected-access
   with interpret_mode():
-    check_metadata_pass(cusparselt._with_metadata, rows, groups, head, cols, dtype,  # pylint: disable=protected-access
-                        seed=k + n + transpose)
+    check_metadata_pass(write, rows, groups, head, cols, dtype, seed=k + n + transpose)
 
 
 def test_metadata_kernel_rejects_bad_shapes():
@@ -171,6 +177,9 @@ def test_metadata_kernel_rejects_bad_shapes():
   with pytest.raises(ValueError, match="write_cusparselt_metadata: 16 metadata blocks"):
     prune24.write_cusparselt_metadata(buf, jnp.zeros((64, 64), jnp.uint8), row=32,
                                       interpret=True)
+  with pytest.raises(ValueError, match=r"write_cusparselt_metadata: `meta` must be \[G/2, R\]"):
+    prune24.write_cusparselt_metadata(buf, jnp.zeros((8, 48), jnp.uint8), row=32,
+                                      by_groups=True, interpret=True)
 
 
 def _contract_with_metadata(x, dy, first_row, first_col, n_total, meta, writer="xla"):

@@ -245,12 +245,15 @@ def test_cusparselt_buffers_equal_compress2(dtype, k, n):
 
 
 @pytest.mark.parametrize("rows,groups", [(4096, 1024), (192, 80), (64, 8)])
-def test_cusparselt_metadata_kernel_on_gpu(rows, groups):
+@pytest.mark.parametrize("by_groups", [False, True])
+def test_cusparselt_metadata_kernel_on_gpu(rows, groups, by_groups):
   """The compiled metadata pass writes the bytes of `metadata_layout` in
-  place (`tests.test_cusparselt.check_metadata_pass`)."""
+  place (`tests.test_cusparselt.check_metadata_pass`), from the packed mask
+  or its transpose."""
   from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
-  from tests.test_cusparselt import check_metadata_pass  # pylint: disable=g-import-not-at-top
-  write = jax.jit(cusparselt._with_metadata, static_argnums=(1, 3))  # pylint: disable=protected-access
+  from tests.test_cusparselt import check_metadata_pass, write_by_groups  # pylint: disable=g-import-not-at-top
+  write = jax.jit(write_by_groups if by_groups else cusparselt._with_metadata,  # pylint: disable=protected-access
+                  static_argnums=(1, 3))
   check_metadata_pass(write, rows, groups, head=3 * 64, cols=64, dtype=jnp.bfloat16,
                       seed=rows + groups)
 
@@ -431,7 +434,8 @@ def test_mvue_compress_kernel_on_gpu(shape, dtype):
   m = shape[0]
   got = np.asarray(buf[:m // 2], np.float32).reshape(m // 4, 2, -1)
   want = np.asarray(values, np.float32).reshape(m // 4, 2, -1)
-  agree = same.reshape(same.shape[0], m // 4).T[:, None, :]  # [M/4, 1, N]
+  # codes [M/8, N, 2] (byte row r holds group rows 2r, 2r + 1) -> [M/4, 1, N]
+  agree = same.transpose(0, 2, 1).reshape(m // 4, -1)[:, None, :]
   np.testing.assert_allclose(np.where(agree, got, 0), np.where(agree, want, 0),
                              rtol=2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -10)
 

@@ -284,20 +284,23 @@ def _metadata_rows(meta: jax.Array, groups: int, cols: int, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(out, dtype).reshape(-1, cols)
 
 
-def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int) -> jax.Array:
+def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int,
+                   by_groups: bool = False) -> jax.Array:
   """`buf` with the metadata of `meta` written from row `rows` on, in place
   (`buf` is the compress kernel's output, used nowhere else), by one Pallas
   pass (`prune24.write_cusparselt_metadata`; the bytes of `_metadata_rows`,
   for which XLA made three passes and an in-place update:
-  benchmarks/NOTES.md, "Tenth session")."""
+  benchmarks/NOTES.md, "Tenth session"). `by_groups`: `meta` is the packed
+  mask transposed (`uint8[groups/2, R]`)."""
   prune24, _ = pallas_backend._kernels()  # pylint: disable=protected-access
-  write = functools.partial(prune24.write_cusparselt_metadata, row=rows,
+  write = functools.partial(prune24.write_cusparselt_metadata, row=rows, by_groups=by_groups,
                             interpret=pallas_backend.interpreting())
   # The pass needs the whole buffer and mask: with Auto mesh axes XLA gathers
   # sharded ones itself (the compressed arrays, never the weight); with
   # Explicit axes the call runs on replicated per-device arrays, as the
   # compress kernels do.
-  return whole_on_each_device(write, buf, meta[:, :groups // 2])
+  return whole_on_each_device(write, buf, meta[:groups // 2] if by_groups
+                              else meta[:, :groups // 2])
 
 
 def _check_aligned(k: int, n: int) -> None:
@@ -450,9 +453,9 @@ def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0,
   as in `pallas_kernels.mvue24.mvue_compress`."""
   m, n = dy.shape
   _check_aligned(m, n)
-  buf, meta = _mvue_kernel().mvue_compress(dy, seed, first_group, row_stride=row_stride,
-                                           interpret=pallas_backend.interpreting())
-  return _with_metadata(buf, m // 2, meta, m // 4)
+  buf, codes = _mvue_kernel().mvue_compress(dy, seed, first_group, row_stride=row_stride,
+                                            interpret=pallas_backend.interpreting())
+  return _with_metadata(buf, m // 2, codes, m // 4, by_groups=True)
 
 
 @functools.cache
@@ -495,9 +498,9 @@ def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
   """`x[M, K]^T mvue_24(dy[M, N], key)` (`[K, N]` in x's dtype) with the product on
   the sparse tensor cores; under `jit` with rows sharded, each device prunes
   and multiplies its own rows (drawing what the whole `dy` would, for M a
-  multiple of 4 per device) and the partial sums are all-reduced; with x
-  split on K or dy on N (tensor parallelism, 64-aligned), each device makes
-  its block of the result."""
+  multiple of 8 per device: two group rows share one hash) and the partial
+  sums are all-reduced; with x split on K or dy on N (tensor parallelism,
+  64-aligned), each device makes its block of the result."""
   return rows_contracted(_mvue_weight_grad_local(*_search_attrs(x.dtype)), x, dy,
                          mvue_seeds(key), align=ALIGN_KN)
 
