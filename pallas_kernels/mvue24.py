@@ -50,9 +50,10 @@ def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
     codes.append(i0 | (i1 << 2))
   prune24.store_k_major(values_ref, slots)
   # The codes as the tile holds them, [M/8, N]: a transpose to the Mask24
-  # layout [N, M/8] here (through shared memory) took 22% of the kernel's
-  # time on an H200 (benchmarks/NOTES.md, fifteenth session); the metadata
-  # pass reads this layout as it is (`write_cusparselt_metadata(by_groups=True)`).
+  # layout [N, M/8] here (through shared memory) was about a fifth of the
+  # kernel's time on an H200 (benchmarks/NOTES.md, fifteenth session); the
+  # metadata pass reads this layout as it is
+  # (`write_cusparselt_metadata(by_groups=True)`).
   meta_ref[...] = (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
 
 

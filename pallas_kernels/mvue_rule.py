@@ -36,10 +36,11 @@ earlier one, with 10% fewer instructions in the kernel: benchmarks/NOTES.md.)
   groups (its high and low 16 bits; `uniform_of_group` says which): half
   the hashing per group in a kernel bound by its instruction count
   (benchmarks/NOTES.md, fifteenth session). With 16 bits an entry is drawn
-  with a probability within 2^-15 of its `p_i` (two runs of multiples of
-  2^-16), so a kept value's expectation is within `2^-15 |a_i / p_i|` of
-  `a_i`: 64 times below the rounding of the kept value to bfloat16 (2^-9
-  relative), which the estimate carries anyway.
+  with a probability within 2^-15 of its `p_i` (its interval of `u` values
+  may be split in two at 1, each part off by at most one step of 2^-16), so
+  a kept value's expectation is within `2^-15 |a_i / p_i|` of `a_i`: 64
+  times below the rounding of the kept value to bfloat16 (2^-9 relative),
+  which the estimate carries anyway.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def uniform_pair(seed0: jax.Array, seed1: jax.Array, index: jax.Array):
   """Two float32 numbers in [0, 1) (multiples of 2^-16, so that u + 1 is
   exact in float32) for uint32 `index` under the uint32 seed pair: the high
   and the low 16 bits of two rounds of `_mix32`, each keyed by one seed
-  word: for a pair of groups (module docstring) numbered `index` and
-  another, the first group's number and the second's."""
+  word. The groups are drawn in pairs (`uniform_of_group`): the first of a
+  pair, numbered `index`, takes the high half, the second the low half."""
   h = _mix32(_mix32(index ^ seed0) + seed1)
   # Each half as mantissa bits 22..7.
   return (_bits_to_unit((h >> 9) & jnp.uint32(0x007FFF80)),
