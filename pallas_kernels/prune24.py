@@ -828,6 +828,13 @@ def metadata_words_reference(words: jax.Array) -> jax.Array:
   return out.reshape(-1, 64)
 
 
+def _metadata_halves(lo: jax.Array, hi: jax.Array) -> list[jax.Array]:
+  """The output words d1 = 0, 1 of a block from the mask's words of rows
+  16a + b (`lo`) and 16a + 8 + b (`hi`), in their layout."""
+  return [_spread_nibbles(lo >> (8 * d1)) | (_spread_nibbles(hi >> (8 * d1)) << 4)
+          for d1 in range(2)]
+
+
 def _metadata_kernel(words_ref, buf_ref, out_ref):
   """One 64-row block of the mask (`words_ref` `[64, nb]`: nb 8-group
   blocks) -> its nb 256-byte metadata blocks (`out_ref` `[nb, 64]` words).
@@ -836,8 +843,7 @@ def _metadata_kernel(words_ref, buf_ref, out_ref):
   for a in range(4):
     lo = words_ref[pl.ds(16 * a, 8), :]  # [b, nb]: rows 16a + b
     hi = words_ref[pl.ds(16 * a + 8, 8), :]  # rows 16a + 8 + b
-    halves = [(_spread_nibbles(lo >> (8 * d1)) | (_spread_nibbles(hi >> (8 * d1)) << 4)).T
-              for d1 in range(2)]  # [nb, b]
+    halves = [h.T for h in _metadata_halves(lo, hi)]  # [nb, b]
     out_ref[:, pl.ds(16 * a, 16)] = _tiles.join_lanes(halves)  # word 16a + 2b + d1
 
 
@@ -854,9 +860,7 @@ def _metadata_kernel_by_groups(bytes_ref, buf_ref, out_ref):
     return (parts[0] | parts[1]) | (parts[2] | parts[3])
 
   for a in range(4):
-    lo, hi = words(16 * a), words(16 * a + 8)  # rows 16a + b, 16a + 8 + b
-    halves = [_spread_nibbles(lo >> (8 * d1)) | (_spread_nibbles(hi >> (8 * d1)) << 4)
-              for d1 in range(2)]  # [nb, b]
+    halves = _metadata_halves(words(16 * a), words(16 * a + 8))  # [nb, b]
     out_ref[:, pl.ds(16 * a, 16)] = _tiles.join_lanes(halves)  # word 16a + 2b + d1
 
 
