@@ -1,7 +1,8 @@
 """Profiles one training step of `bench_model.py`'s GPT in several variants and
 prints where the GPU time goes: interleaved step timings, kernel time by
-category, the kernels whose time differs most from the dense step's, and the
-step's span (span minus kernel time = GPU idle).
+category, the kernels whose time differs most from the dense step's, the
+Pallas, FFI and custom-call kernels by kernel name, and the step's span (span
+minus kernel time = GPU idle).
 
     PYTHONPATH=. python benchmarks/profile_model.py D_MODEL BLOCKS [--remat]
         [--variants dense,sparse,fixed,nodecay] [--out DIR] [--weight-grad mvue]
@@ -111,7 +112,8 @@ def step_of(variant: str, d: int, layers: int, remat: bool, tokens, vocab: int, 
 
 
 def profile(name, state, tokens, trace_dir):
-  """Kernel times of one step: ({key: (us, count)}, {category: us}, span us)."""
+  """Kernel times of one step: ({key: (us, count)}, {category: us}, span us,
+  {kernel name: (us, count)} of the Pallas, FFI and custom-call kernels)."""
   step, params, opt = state["step"], state["params"], state["opt"]
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     params, opt, loss = step(params, opt, tokens)
@@ -119,16 +121,19 @@ def profile(name, state, tokens, trace_dir):
   state["params"], state["opt"] = params, opt
   events = gpu_events(trace_dir)
   if not events:
-    return {}, {}, 0.0
+    return {}, {}, 0.0, {}
   print(f"   ({name}) first kernel event args: {sorted(events[0].get('args', {}))}")
   by, cats = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(float)
+  calls = collections.defaultdict(lambda: [0.0, 0])
   for e in events:
-    entry = by[kernel_key(e)]
-    entry[0] += e.get("dur", 0)
-    entry[1] += 1
+    key = kernel_key(e)
+    for table, k in ((by, key), (calls, e["name"][:70])):
+      if table is by or key.startswith(("pallas_call", "ffi_call", "custom-call")):
+        table[k][0] += e.get("dur", 0)
+        table[k][1] += 1
     cats[category(e["name"])] += e.get("dur", 0)
   span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-  return dict(by), dict(cats), span
+  return dict(by), dict(cats), span, dict(calls)
 
 
 def main():
@@ -187,7 +192,7 @@ def main():
   prof = {name: profile(name, states[name], tokens, f"/tmp/profm/{d}_{name}")
           for name in variants}
   for name in variants:
-    by, cats, span = prof[name]
+    by, cats, span, _ = prof[name]
     total = sum(t for t, _ in by.values())
     print(f"\n== {name}: span {span / 1e3:.2f} ms, kernel time {total / 1e3:.2f} ms,"
           f" idle {(span - total) / 1e3:.2f} ms, {sum(c for _, c in by.values())} kernels")
@@ -201,6 +206,13 @@ def main():
     print(f"\nkernels that differ most, {name} - {variants[0]} (ms, count):")
     for k, (t, c) in sorted(diffs.items(), key=lambda kv: -abs(kv[1][0]))[:30]:
       print(f"  {t / 1e3:+8.3f} ms {c:+5d}  {k}")
+  for name in variants:
+    calls = prof[name][3]
+    if calls:
+      print(f"\nPallas, FFI and custom-call kernels of {name} by kernel name (ms, count,"
+            " us per call):")
+      for k, (t, c) in sorted(calls.items(), key=lambda kv: -kv[1][0])[:20]:
+        print(f"  {t / 1e3:8.3f} ms {c:5d} {t / c:8.1f} us  {k}")
 
 
 if __name__ == "__main__":

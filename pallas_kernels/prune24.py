@@ -637,36 +637,95 @@ def _popcount8(x: jax.Array) -> jax.Array:
   return (x + (x >> 4)) & 0x0F
 
 
-def _rebuild_where_flagged(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_ref, *,
-                           transposable: bool):
-  """The mask kernel (transposable search or plain) in a program whose
-  columns are flagged, which also counts the weights whose kept/pruned state
-  changed (in the first entry of its `flips_ref` block); an unflagged
-  program copies its block of the old mask and counts 0, without reading w.
+class _Window:
+  """`size` entries of a kernel ref along `axis` from a traced `offset`,
+  indexed as a ref of that shape (`shape`, `[...]`, slices, `pl.ds`) by
+  kernel code written for a whole block: each index is shifted on `axis`.
+  (Triton's lowering takes one indexer per load or store, so a `ref.at[...]`
+  view cannot be indexed again.)"""
+
+  def __init__(self, ref, axis: int, offset, size: int):
+    self.ref, self.axis, self.offset, self.size = ref, axis, offset, size
+    self.shape = tuple(size if a == axis else d for a, d in enumerate(ref.shape))
+
+  def _index(self, idx):
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if idx == (Ellipsis,):
+      idx = ()
+    idx = idx + (slice(None),) * (len(self.shape) - len(idx))
+    i = idx[self.axis]
+    if isinstance(i, slice):
+      assert i == slice(None), i
+      i = pl.ds(self.offset, self.size)
+    else:
+      i = pl.ds(self.offset + i.start, i.size, i.stride)
+    return idx[:self.axis] + (i,) + idx[self.axis + 1:]
+
+  def __getitem__(self, idx):
+    return self.ref[self._index(idx)]
+
+  def __setitem__(self, idx, value):
+    self.ref[self._index(idx)] = value
+
+
+def _rebuild_tile(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_ref, *,
+                  transposable: bool):
+  """The mask kernel (transposable search or plain) on a `[bk, bn]` tile,
+  which also counts the weights whose kept/pruned state changed against
+  `old_ref` (in the first entry of its `flips_ref` row).
 
   valid_ref: per metadata byte column, the bits of its groups that lie in
   the unpadded weight (0xFF, 0x0F for the padding nibble, 0 beyond K);
   padded columns have flag 0, which leaves them out of the count."""
-  flagged = jnp.max(flag_ref[...]) != 0
+  counts = []
+
+  def store(rows, meta):  # rows of meta_ref; meta: int32 bytes [rows, bk/8]
+    meta_ref[rows, :] = meta.astype(jnp.uint8)
+    valid = (jnp.where(flag_ref[rows] != 0, 0xFF, 0)[:, None]
+             & valid_ref[...][None, :])
+    changed = (_kept_bits(old_ref[rows, :].astype(jnp.int32)) ^ _kept_bits(meta)) & valid
+    counts.append(jnp.sum(_popcount8(changed)))
+
+  if transposable:
+    _prune_transposable_kernel(w_ref, meta_ref, k_major=False, with_values=False,
+                               strided_stores=True, store_meta=store)
+  else:
+    _plain_mask_kernel(w_ref, meta_ref, store_meta=store)
   first = jax.lax.broadcasted_iota(jnp.int32, flips_ref.shape, 1) == 0
+  flips_ref[...] = jnp.where(first, functools.reduce(jnp.add, counts), 0)
+
+
+def _rebuild_where_flagged(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_ref, *,
+                           transposable: bool, block_k: int):
+  """A program of `rebuild_mask`: when any of its columns is flagged,
+  `_rebuild_tile` on each of its `[block_k, bn]` tiles along K (a loop);
+  else its block of the old mask copied, and counts of 0 (w is not read).
+
+  Most steps rebuild nothing, and what the call costs then is this copy:
+  with one tile per program each program copied rows of 8 bytes
+  (`[bn, block_k/8]` of the `[N, K/8]` mask), and the calls of a d_model
+  4096 x 8 model took 1.0 ms of its step on an H200 (benchmarks/NOTES.md,
+  sixteenth session); 8 tiles along K make the rows 64 bytes."""
+  tiles = w_ref.shape[0] // block_k
+  flagged = jnp.max(flag_ref[...]) != 0
 
   @pl.when(flagged)
   def _():
-    counts = []
+    if tiles == 1:
+      _rebuild_tile(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_ref,
+                    transposable=transposable)
+      return
 
-    def store(rows, meta):  # rows of meta_ref; meta: int32 bytes [rows, bk/8]
-      meta_ref[rows, :] = meta.astype(jnp.uint8)
-      valid = (jnp.where(flag_ref[rows] != 0, 0xFF, 0)[:, None]
-               & valid_ref[...][None, :])
-      changed = (_kept_bits(old_ref[rows, :].astype(jnp.int32)) ^ _kept_bits(meta)) & valid
-      counts.append(jnp.sum(_popcount8(changed)))
+    def tile(t, carry):
+      bytes_ = block_k // 8
+      _rebuild_tile(_Window(w_ref, 0, t * block_k, block_k), flag_ref,
+                    _Window(valid_ref, 0, t * bytes_, bytes_),
+                    _Window(old_ref, 1, t * bytes_, bytes_),
+                    _Window(meta_ref, 1, t * bytes_, bytes_),
+                    _Window(flips_ref, 0, t, 1), transposable=transposable)
+      return carry
 
-    if transposable:
-      _prune_transposable_kernel(w_ref, meta_ref, k_major=False, with_values=False,
-                                 strided_stores=True, store_meta=store)
-    else:
-      _plain_mask_kernel(w_ref, meta_ref, store_meta=store)
-    flips_ref[...] = jnp.where(first, functools.reduce(jnp.add, counts), 0)
+    jax.lax.fori_loop(0, tiles, tile, 0)
 
   @pl.when(jnp.logical_not(flagged))
   def _():
@@ -674,9 +733,16 @@ def _rebuild_where_flagged(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_
     flips_ref[...] = jnp.zeros(flips_ref.shape, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret"))
+# The fewest programs the rebuild kernel leaves when it puts several tiles
+# into one (`rebuild_mask`): about one wave of an H100 or H200, which keeps
+# about 2 of them resident per SM (the search's ~255 registers per thread).
+_REBUILD_PROGRAMS = 256
+
+
+@functools.partial(jax.jit, static_argnames=("transposable", "config", "tiles_per_program",
+                                             "interpret"))
 def rebuild_mask(w: jax.Array, old: jax.Array, rebuild: jax.Array, *, transposable: bool,
-                 config: PruneConfig | None = None,
+                 config: PruneConfig | None = None, tiles_per_program: int | None = None,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """`(mask, flips)`: the packed 2:4 mask of `w[K, N]` (transposable: as
   `transposable_mask`; else the plain one, as `prune_compress` chooses it)
@@ -688,8 +754,12 @@ def rebuild_mask(w: jax.Array, old: jax.Array, rebuild: jax.Array, *, transposab
 
   old: packed metadata `uint8[N, ceil(K/8)]`; rebuild: `int32[N]`, one flag
   per column of `w` (the caller broadcasts one flag, so that the flags
-  shard with w's columns). A program rebuilds its whole tile when any of
-  its columns is flagged.
+  shard with w's columns). A tile is rebuilt whole when any of its columns
+  is flagged.
+
+  tiles_per_program: the tiles along K that one program takes (a power of
+  two dividing the padded K's tiles); None: as many as leave at least
+  `_REBUILD_PROGRAMS` programs, at most 8.
 
   flips: `int32[R, ceil(N/8)]` (R: the kernel's row tiles), whose sum is the
   number of weights of the flagged columns that the new mask keeps and the
@@ -714,6 +784,16 @@ def rebuild_mask(w: jax.Array, old: jax.Array, rebuild: jax.Array, *, transposab
   bk, bn = cfg.block_k, cfg.block_n
   wp = _padded(w, bk, bn)
   kp, np_ = wp.shape
+  per = tiles_per_program
+  if per is None:
+    per = 1
+    while per < 8 and (kp // bk) % (2 * per) == 0 and (
+        (kp // bk) * (np_ // bn) // (2 * per) >= _REBUILD_PROGRAMS):
+      per *= 2
+  if per < 1 or per & (per - 1) or (kp // bk) % per:
+    raise ValueError(f"{fn}: `tiles_per_program` must be a power of two dividing the"
+                     f" {kp // bk} tiles along K, got {tiles_per_program}.")
+  bkp = per * bk  # the rows of w of a program
   flags = jnp.pad(rebuild.astype(jnp.int32), (0, np_ - n))
   oldp = jnp.pad(old, ((0, np_ - n), (0, kp // 8 - old.shape[1])))
   # Byte b holds groups 2b and 2b + 1: both real, only the first, or none.
@@ -722,16 +802,16 @@ def rebuild_mask(w: jax.Array, old: jax.Array, rebuild: jax.Array, *, transposab
   groups = 2 * jax.lax.iota(jnp.int32, kp // 8)
   valid = jnp.where(groups + 1 < k // 4, 0xFF, jnp.where(groups < k // 4, 0x0F, 0))
   meta, flips = pl.pallas_call(
-      functools.partial(_rebuild_where_flagged, transposable=transposable),
+      functools.partial(_rebuild_where_flagged, transposable=transposable, block_k=bk),
       out_shape=[jax.ShapeDtypeStruct((np_, kp // 8), jnp.uint8),
                  jax.ShapeDtypeStruct((kp // bk, np_ // 8), jnp.int32)],
-      grid=(kp // bk, np_ // bn),
-      in_specs=[pl.BlockSpec((bk, bn), lambda i, j: (i, j)),
+      grid=(kp // bkp, np_ // bn),
+      in_specs=[pl.BlockSpec((bkp, bn), lambda i, j: (i, j)),
                 pl.BlockSpec((bn,), lambda i, j: (j,)),
-                pl.BlockSpec((bk // 8,), lambda i, j: (i,)),
-                pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))],
-      out_specs=[pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i)),
-                 pl.BlockSpec((1, bn // 8), lambda i, j: (i, j))],
+                pl.BlockSpec((bkp // 8,), lambda i, j: (i,)),
+                pl.BlockSpec((bn, bkp // 8), lambda i, j: (j, i))],
+      out_specs=[pl.BlockSpec((bn, bkp // 8), lambda i, j: (j, i)),
+                 pl.BlockSpec((per, bn // 8), lambda i, j: (i, j))],
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,

@@ -72,6 +72,29 @@ def test_fused_transposable_prune_is_bit_identical(shape, dtype):
   assert _same_bits(got_mask.packed, want.packed)
 
 
+@pytest.mark.parametrize("transposable", [True, False])
+def test_rebuild_mask_several_tiles_per_program_on_gpu(transposable):
+  """The rebuild kernel's loop over tiles along K (1, 2, 8 per program, and
+  the automatic choice: 8 at this shape): tiles of flagged columns rebuilt
+  with the XLA reference's bits, the others keep `old`; flips counted on
+  the flagged columns only. Adversarial float32 weights."""
+  from pallas_kernels import prune24
+  shape = (4096, 8192)
+  w = _adversarial(shape, jnp.float32, seed=21)
+  reference = lambda w: jsparse24.Mask24.pack(  # noqa: E731
+      jsparse24.prune_24(w, transposable=transposable), transposable=transposable)
+  old, new = reference(-w[::-1]), reference(w)
+  cols = np.zeros(shape[1], bool)
+  cols[128:1024] = cols[7936:] = True
+  want = np.where(cols[:, None], np.asarray(new.meta()), np.asarray(old.meta()))
+  changed = int(np.sum((np.asarray(old.unpack()) != np.asarray(new.unpack()))[:, cols]))
+  for per in (1, 2, 8, None):
+    got, counts = prune24.rebuild_mask(w, old.meta(), jnp.asarray(cols, jnp.int32),
+                                       transposable=transposable, tiles_per_program=per)
+    assert _same_bits(got, want), per
+    assert int(np.sum(counts)) == changed, per
+
+
 def test_mask_update_rebuilds_without_a_conditional():
   """mask_update's rebuilds on the GPU: the compiled step has no
   conditional (the flagged mask kernels instead), and over steps with and

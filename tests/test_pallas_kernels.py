@@ -157,6 +157,37 @@ def test_rebuild_mask_only_when_flagged(shape, config, transposable):
                          interpret=True)
 
 
+@pytest.mark.parametrize("transposable", [True, False])
+@pytest.mark.parametrize("per", [2, 8])
+def test_rebuild_mask_several_tiles_per_program(per, transposable):
+  """A program that loops over `per` tiles along K: the tiles of the flagged
+  columns are rebuilt (every tile along K), the others keep `old`, and
+  only the flagged columns' flips are counted. The same as one tile per
+  program."""
+  shape, config = (256, 192), prune24.PruneConfig(block_k=32, block_n=64)
+  k, n = shape
+  w = _adversarial(11 * k + n, shape, jnp.float32)
+  old = jsparse24.Mask24.from_weights(_adversarial(k + 3 * n, shape, jnp.float32),
+                                      transposable=transposable).meta()
+  new = jsparse24.Mask24.from_weights(w, transposable=transposable).meta()
+  cols = np.repeat(np.array([True, False, True]), 64)
+  want = np.where(cols[:, None], np.asarray(new), np.asarray(old))
+  changed = int(np.sum((jsparse24.Mask24.from_meta(old, shape).unpack()
+                        != jsparse24.Mask24.from_meta(new, shape).unpack())[:, cols]))
+  assert changed
+  for p in (per, 1):
+    got, counts = prune24.rebuild_mask(w, old, jnp.asarray(cols, jnp.int32),
+                                       transposable=transposable, config=config,
+                                       tiles_per_program=p, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert counts.shape == (k // 32, n // 8)
+    assert int(np.sum(counts)) == changed
+  with pytest.raises(ValueError, match=r"rebuild_mask: `tiles_per_program` must be a power"
+                                       r" of two dividing the 8 tiles along K, got 3"):
+    prune24.rebuild_mask(w, old, jnp.asarray(cols, jnp.int32), transposable=transposable,
+                         config=config, tiles_per_program=3, interpret=True)
+
+
 def test_plain_rebuild_mask_takes_any_n():
   """A plain mask needs only K in groups of 4: N = 10 (padded tiles)."""
   w = _adversarial(3, (24, 10), jnp.bfloat16)
