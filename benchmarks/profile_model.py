@@ -127,10 +127,12 @@ def profile(name, state, tokens, trace_dir):
   calls = collections.defaultdict(lambda: [0.0, 0])
   for e in events:
     key = kernel_key(e)
-    for table, k in ((by, key), (calls, e["name"][:70])):
-      if table is by or key.startswith(("pallas_call", "ffi_call", "custom-call")):
-        table[k][0] += e.get("dur", 0)
-        table[k][1] += 1
+    tables = [(by, key)]
+    if key.startswith(("pallas_call", "ffi_call", "custom-call")):
+      tables.append((calls, e["name"][:70]))
+    for table, k in tables:
+      table[k][0] += e.get("dur", 0)
+      table[k][1] += 1
     cats[category(e["name"])] += e.get("dur", 0)
   span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
   return dict(by), dict(cats), span, dict(calls)
