@@ -1,6 +1,8 @@
 """GPU-only checks of the Pallas kernels at realistic sizes (skipped without
 an NVIDIA GPU; run on the device with `python -m pytest -m gpu tests/test_gpu.py`)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -569,6 +571,11 @@ def _cusparselt_products_in_scanned_gradient(policy=None) -> int:
   """The cuSPARSELt products in the compiled gradient of 3 MLP blocks in
   `nn.scan` (with `nn.remat(..., policy=policy)` unless None); each scan
   body is written once in the HLO, so these are per block."""
+  return _scanned_gradient_hlo(policy).count('custom_call_target="jsparse24_cusparselt_matmul"')
+
+
+def _scanned_gradient_hlo(policy=None) -> str:
+  """The compiled gradient of `_cusparselt_products_in_scanned_gradient`'s model."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   d, h = 256, 1024
@@ -597,8 +604,7 @@ def _cusparselt_products_in_scanned_gradient(policy=None) -> int:
   def loss(params):
     return jnp.sum(model.apply({**variables, "params": params}, x).astype(jnp.float32) ** 2)
 
-  hlo = jax.jit(jax.grad(loss)).lower(variables["params"]).compile().as_text()
-  return hlo.count('custom_call_target="jsparse24_cusparselt_matmul"')
+  return jax.jit(jax.grad(loss)).lower(variables["params"]).compile().as_text()
 
 
 def test_cusparselt_product_is_not_computed_twice_under_scan():
@@ -609,6 +615,22 @@ def test_cusparselt_product_is_not_computed_twice_under_scan():
   of bench_model.py lost 3% to it). One product per layer and direction:
   up and down forward, their dx backward."""
   assert _cusparselt_products_in_scanned_gradient() == 4
+
+
+def test_forward_pass_under_remat_compresses_without_the_transposed_copy():
+  """With remat saving nothing, the forward pass throws the compressed
+  operand away, so its compression writes only the forward copy (the plain
+  kernel); the backward pass's writes both (the fused kernel), once per
+  weight. Without remat the forward pass keeps both: fused kernels only."""
+
+  def compressions(hlo):  # (fused calls: 3 results, plain calls: 1), per block
+    calls = [line for line in hlo.splitlines()
+             if "custom-call(" in line and "jsparse24_compress_with_meta" in line]
+    fused = sum(bool(re.search(r"= \(\S+, \S+, \S+\) custom-call\(", c)) for c in calls)
+    return fused, len(calls) - fused
+
+  assert compressions(_scanned_gradient_hlo()) == (2, 0)
+  assert compressions(_scanned_gradient_hlo(jax.checkpoint_policies.nothing_saveable)) == (2, 2)
 
 
 def test_cusparselt_products_saved_by_jsparse24_dot_policies_under_remat():

@@ -267,6 +267,48 @@ def test_compress_with_stored_mask_is_bit_identical(shape, transposed, strided):
     np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
+@pytest.mark.parametrize("layout,shape", [("sparse24", (40, 24)), ("cusparselt", (128, 192))])
+def test_unused_transposed_copy_is_not_written(layout, shape):
+  """The compression with a transposable stored mask writes both copies in
+  one kernel; where a program uses only `values` (the forward pass under
+  remat, which throws the residuals away), JAX's dead-code elimination
+  narrows it to the plain kernel, which writes the same bytes."""
+  from jax.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends import pallas as pallas_backend  # pylint: disable=g-import-not-at-top
+
+  w = _weights(11, shape, jnp.bfloat16)
+  mask = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(4), shape),
+                                       transposable=True)
+  both = lambda w: pallas_backend.compress_arrays(w, mask, True, layout)  # noqa: E731
+  values_only = lambda w: both(w)[0]  # noqa: E731
+
+  def compressions(fn):
+    jaxpr = jax.make_jaxpr(fn)(w).jaxpr
+    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return [(e.params["transposed"], len(e.outvars)) for e in jaxpr.eqns
+            if e.primitive.name == "jsparse24_compress_with_mask"]
+
+  with interpret_mode():
+    assert compressions(both) == [(True, 3)]
+    assert compressions(values_only) == [(False, 1)]
+    assert compressions(lambda w: both(w)[2]) == [(True, 3)]  # the transposed copy's codes
+    want = jax.jit(both)(w)
+    got = jax.jit(values_only)(w)
+  # (cuSPARSELt's buffer: the value rows; the metadata rows are written later.)
+  rows = shape[0] // 2 if layout == "cusparselt" else got.shape[0]
+  np.testing.assert_array_equal(_bits(got[:rows]), _bits(want[0][:rows]))
+  # vmapped (a stack of weights, one mask): still one primitive, narrowed alike.
+  ws = jnp.stack([w, -2 * w])
+  with interpret_mode():
+    stacked = jax.vmap(values_only)
+    assert [(e.params["transposed"], e.params["lead"]) for e in pe.dce_jaxpr(
+        jax.make_jaxpr(stacked)(ws).jaxpr, [True])[0].eqns
+            if e.primitive.name == "jsparse24_compress_with_mask"] == [(False, 1)]
+    got = jax.jit(stacked)(ws)
+    for i in range(2):
+      np.testing.assert_array_equal(_bits(got[i][:rows]), _bits(jax.jit(both)(ws[i])[0][:rows]))
+
+
 @pytest.mark.parametrize("strided", [True, False])
 @pytest.mark.parametrize("shape,dtype", [((64, 64), jnp.bfloat16), ((192, 320), jnp.float16)])
 def test_cusparselt_layout_is_bit_identical(shape, dtype, strided):
@@ -396,10 +438,11 @@ def test_pallas_is_never_chosen_automatically_before_it_measured_faster():
 
 
 def _pallas_call_inputs(jaxpr):
-  """The input avals of every pallas_call in `jaxpr`, nested jaxprs included."""
+  """The input avals of every pallas_call in `jaxpr`, nested jaxprs included
+  (and of the stored-mask compression's primitive, which holds its kernel)."""
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name in ("pallas_call", "jsparse24_compress_with_mask"):
       found.append([v.aval for v in eqn.invars])
     for inner in sub_jaxprs(eqn):
       found += _pallas_call_inputs(inner)

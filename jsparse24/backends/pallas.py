@@ -23,10 +23,15 @@ import contextlib
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+from jax.interpreters import batching, mlir
+from jax.interpreters import partial_eval as pe
+from jax._src import dispatch as _jax_dispatch  # pylint: disable=g-importing-member
 
 from jsparse24._format import Mask24, Sparse24, decompress
-from jsparse24._sharding import columns_parallel, rows_parallel
+from jsparse24._sharding import columns_parallel, partitioning_off, rows_parallel
+from jsparse24._sharding import unpartitioned as unpartitioned_scope
 from jsparse24.backends.base import Backend, Problem, sparse24_roles
 from jsparse24.backends.base import matmul
 
@@ -110,20 +115,100 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
   what gets gathered for the products, not `w`."""
   interpret = _INTERPRET[0]
   w = jax.lax.stop_gradient(w)
-  cusparselt = layout == "cusparselt"
-  # Columns per device: whole 64-column blocks for cuSPARSELt's layout,
-  # whole bytes of N-groups for the transposed copy.
-  align = 64 if cusparselt else (8 if transposed else 1)
-  values_n = 1 if cusparselt else 0  # the axis of `values` that runs over N
   if mask is None:  # prune and compress in one pass (transposable: both copies)
     outs = columns_parallel(_prune_fn(transposed, interpret, layout),
-                            (values_n, 0, 1, 1) if transposed else (values_n, 0), align, w)
+                            _values_n_dims(layout, transposed, (0,)),
+                            _align(layout, transposed), w)
     return tuple(outs) if transposed else (*outs, None, None)
   meta = (mask if isinstance(mask, Mask24) else Mask24.pack(mask)).meta()
-  outs = columns_parallel(_apply_fn(transposed, interpret, layout),
-                          (values_n, 1, 1) if transposed else (values_n,), align, w, meta)
-  values, values_t, meta_t = outs if transposed else (outs[0], None, None)
+  params = dict(layout=layout, interpret=interpret, lead=0, unpartitioned=partitioning_off())
+  if not transposed:
+    (values,) = _apply_columns(w, meta, transposed=False, **params)
+    return values, meta, None, None
+  values, values_t, meta_t = _compress_with_mask_p.bind(w, meta, transposed=True, **params)
   return values, meta, values_t, meta_t
+
+
+def _align(layout: str, transposed: bool) -> int:
+  """Columns per device of the compress kernels: whole 64-column blocks for
+  cuSPARSELt's layout, whole bytes of N-groups for the transposed copy."""
+  return 64 if layout == "cusparselt" else (8 if transposed else 1)
+
+
+def _values_n_dims(layout: str, transposed: bool, meta_n: tuple[int, ...]) -> tuple[int, ...]:
+  """`columns_parallel`'s n_dims: `values` (its N axis: 1 in cuSPARSELt's
+  layout, else 0), then `meta_n`, then the transposed pair's."""
+  values_n = 1 if layout == "cusparselt" else 0
+  return (values_n, *meta_n, 1, 1) if transposed else (values_n, *meta_n)
+
+
+def _apply_columns(w, meta, *, layout: str, interpret: bool, transposed: bool, lead: int,
+                   unpartitioned: bool) -> list:
+  """The stored-mask compress kernel on each device's columns of `w`:
+  `[values]`, or `[values, values_t, meta_t]` with `transposed` (`lead`:
+  leading stack axes of `w`, `meta` and the results; `unpartitioned`: as
+  `_sharding.unpartitioned` was where the caller traced it, for the
+  lowering rule, which traces this again)."""
+  with unpartitioned_scope() if unpartitioned else contextlib.nullcontext():
+    outs = columns_parallel(_apply_fn(transposed, interpret, layout),
+                            _values_n_dims(layout, transposed, ()), _align(layout, transposed),
+                            w, meta, lead=lead)
+  return list(outs)
+
+
+# The compression with a transposable stored mask as a primitive, for one
+# reason: its dead-code rule. The fused kernel writes both copies in one
+# pass, which is what a training step needs where the backward pass keeps
+# the transposed copy (for dx). Under remat (`jax.checkpoint`, `nn.remat`
+# with a policy that does not save the compressed operand, such as
+# `nothing_saveable`) the forward pass throws the transposed copy away and
+# the backward pass compresses again; JAX's dead-code elimination then
+# leaves this primitive with only `values` used, and the rule swaps it for
+# the plain kernel (no transposed copy: 0.235 against 0.410 ms per 16384^2
+# bf16 weight in cuSPARSELt's layout on an H200, benchmarks/NOTES.md,
+# "Seventeenth session"). A `pallas_call` cannot be narrowed that way: its
+# outputs are one kernel's, and JAX keeps the call whole.
+_compress_with_mask_p = jax.extend.core.Primitive("jsparse24_compress_with_mask")
+_compress_with_mask_p.multiple_results = True
+_compress_with_mask_p.def_impl(_apply_columns)
+
+
+def _compress_with_mask_abstract_eval(w, meta, **params):
+  return [jax.core.ShapedArray(o.shape, o.dtype, sharding=o.sharding)
+          for o in jax.eval_shape(functools.partial(_apply_columns, **params), w, meta)]
+
+
+def _compress_with_mask_dce(used_outs, eqn):
+  """Only `values` used: the plain kernel; nothing used: gone."""
+  if not any(used_outs):
+    return [False, False], None
+  if eqn.params["transposed"] and not any(used_outs[1:]):
+    params = dict(eqn.params, transposed=False)
+    return [True, True], jax.extend.core.new_jaxpr_eqn(
+        eqn.invars, eqn.outvars[:1], _compress_with_mask_p, params, eqn.effects,
+        eqn.source_info, eqn.ctx)
+  return [True, True], eqn
+
+
+def _compress_with_mask_batch(args, dims, *, lead, **params):
+  """vmap: one more leading stack axis (the primitive, and its dead-code
+  rule, stay)."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  w, meta = (jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+             for a, d in zip(args, dims))
+  outs = _compress_with_mask_p.bind(w, meta, lead=lead + 1, **params)
+  return outs, [0] * len(outs)
+
+
+_compress_with_mask_p.def_abstract_eval(_compress_with_mask_abstract_eval)
+pe.dce_rules[_compress_with_mask_p] = _compress_with_mask_dce
+batching.primitive_batchers[_compress_with_mask_p] = _compress_with_mask_batch
+mlir.register_lowering(_compress_with_mask_p,
+                       mlir.lower_fun(_apply_columns, multiple_results=True))
+# Its lowering holds `columns_parallel`'s custom_partitioning, which needs the
+# devices while lowering: JAX registers such primitives here (no public name;
+# without it, lowering fails with an AssertionError in custom_partitioning).
+_jax_dispatch.prim_requires_devices_during_lowering.add(_compress_with_mask_p)
 
 
 def transposable_mask(w: jax.Array) -> Mask24:
