@@ -27,7 +27,8 @@ import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import batching, mlir
 from jax.interpreters import partial_eval as pe
-from jax._src import dispatch as _jax_dispatch  # pylint: disable=g-importing-member
+# JAX's registry of primitives that need devices while lowering (below); no public name.
+from jax._src import dispatch as _jax_dispatch  # pylint: disable=protected-access
 
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._sharding import columns_parallel, partitioning_off, rows_parallel
@@ -165,9 +166,11 @@ def _apply_columns(w, meta, *, layout: str, interpret: bool, transposed: bool, l
 # the backward pass compresses again; JAX's dead-code elimination then
 # leaves this primitive with only `values` used, and the rule swaps it for
 # the plain kernel (no transposed copy: 0.235 against 0.410 ms per 16384^2
-# bf16 weight in cuSPARSELt's layout on an H200, benchmarks/NOTES.md,
-# "Seventeenth session"). A `pallas_call` cannot be narrowed that way: its
-# outputs are one kernel's, and JAX keeps the call whole.
+# bf16 weight in cuSPARSELt's layout on an H200, fifteenth session's sweep;
+# -0.9 ms per step of the d_model 4096 x 8 GPT of bench_model.py,
+# benchmarks/NOTES.md, "Seventeenth session"). A `pallas_call` cannot be
+# narrowed that way: its outputs are one kernel's, and JAX keeps the call
+# whole.
 _compress_with_mask_p = jax.extend.core.Primitive("jsparse24_compress_with_mask")
 _compress_with_mask_p.multiple_results = True
 _compress_with_mask_p.def_impl(_apply_columns)
