@@ -313,17 +313,20 @@ def test_scan_masks_weights_without_weight_sized_constants_outside_the_loop():
   assert not {(int(a), int(b)) for a, b in hoisted} & weight_shaped, hoisted
 
 
-def _count_eqns(jaxpr, pred) -> int:
-  n = 0
+def _all_eqns(jaxpr):
+  """The equations of `jaxpr`, those of the jaxprs nested in them included."""
   for e in jaxpr.eqns:
-    n += bool(pred(e))
+    yield e
     for v in e.params.values():
       for j in v if isinstance(v, (list, tuple)) else [v]:
         if isinstance(j, jax.extend.core.ClosedJaxpr):
-          n += _count_eqns(j.jaxpr, pred)
+          yield from _all_eqns(j.jaxpr)
         elif isinstance(j, jax.extend.core.Jaxpr):
-          n += _count_eqns(j, pred)
-  return n
+          yield from _all_eqns(j)
+
+
+def _count_eqns(jaxpr, pred) -> int:
+  return sum(bool(pred(e)) for e in _all_eqns(jaxpr))
 
 
 def _count_pallas_calls(jaxpr, part: str) -> int:
@@ -337,11 +340,11 @@ def _compressions(jaxpr) -> list[bool]:
   whether each writes the transposed copy: the transposable ones are
   `jsparse24_compress_with_mask` equations, the plain ones the kernel's."""
   found = []
-  _count_eqns(jaxpr, lambda e: e.primitive.name == "jsparse24_compress_with_mask"
-              and found.append(e.params["transposed"]))
-  _count_eqns(jaxpr, lambda e: e.primitive.name == "pallas_call"
-              and "compress_with_meta" in str(e.params.get("name", ""))
-              and found.append(False))
+  for e in _all_eqns(jaxpr):
+    if e.primitive.name == "jsparse24_compress_with_mask":
+      found.append(e.params["transposed"])
+    elif e.primitive.name == "pallas_call" and "compress_with_meta" in str(e.params.get("name", "")):
+      found.append(False)
   return sorted(found)
 
 
