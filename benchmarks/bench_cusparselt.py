@@ -22,6 +22,10 @@ Sections (one run, side by side; bf16 unless named; tables go to benchmarks/resu
             cores too) beside the dense-dw step and dense XLA.
   sweep     the training step over M at the three (K, N): where it pays.
   fp16      float16 forward and training step (jsparse24's configuration search).
+
+Every dense XLA baseline is timed first (`DenseBaselines`), before any
+cuSPARSELt product runs in the process: after one, the process's
+compute-bound kernels run 2-7% slower until it ends.
 """
 
 from __future__ import annotations
@@ -64,6 +68,56 @@ def _step(implementation, mask, transposable=None):
     y, vjp = jax.vjp(f, x, w)
     return (y,) + vjp(dy)
   return step
+
+
+def _dense_inputs(m, k, n, dtype=jnp.bfloat16):
+  """Random x [M, K], w [K, N], dy [M, N] for a dense baseline (its time does
+  not depend on the values)."""
+  kx, kw, kd = jax.random.split(jax.random.key(m * 7 + k * 3 + n), 3)
+  return (jax.random.normal(kx, (m, k), dtype), jax.random.normal(kw, (k, n), dtype),
+          jax.random.normal(kd, (m, n), dtype))
+
+
+class DenseBaselines:
+  """Dense XLA timings, all taken before the first cuSPARSELt product of the
+  process: once one has run, the CUDA context's compute-bound kernels (cuBLAS
+  GEMMs among them) run 2-7% slower until the process ends (the same after
+  PyTorch's `torch._cslt_sparse_mm`; benchmarks/NOTES.md, eighteenth session),
+  which a dense program in its own process never pays. `measure` (before)
+  times every dense program the sections need; `ms` (in the sections) looks
+  them up and refuses one that was not timed then."""
+
+  def __init__(self):
+    self._seconds: dict[tuple, float] = {}
+
+  def measure(self, sections) -> None:
+    need = set()
+    if {"forward", "fp16"} & set(sections):
+      need |= {("fwd", shape, dt) for shape in SHAPES
+               for dt in ([jnp.bfloat16] if "forward" in sections else [])
+               + ([jnp.float16] if "fp16" in sections else [])}
+    if {"step", "mvue", "fp16"} & set(sections):
+      need |= {("step", shape, dt) for shape in SHAPES
+               for dt in ([jnp.bfloat16] if {"step", "mvue"} & set(sections) else [])
+               + ([jnp.float16] if "fp16" in sections else [])}
+    if "sweep" in sections:
+      need |= {("step", (m, k, n), jnp.bfloat16) for _, k, n in SHAPES for m in SWEEP_MS}
+    for kind, (m, k, n), dt in sorted(need, key=str):
+      x, w, dy = _dense_inputs(m, k, n, dt)
+      fn, args = ((jax.jit(lambda x, w: x @ w), (x, w)) if kind == "fwd"
+                  else (_step("dense", None), (x, w, dy)))
+      self._seconds[(kind, (m, k, n), jnp.dtype(dt).name)] = _common.bench(fn, *args)
+      print(f"dense baseline {kind} {m}x{k}x{n} {jnp.dtype(dt).name}:"
+            f" {self._seconds[(kind, (m, k, n), jnp.dtype(dt).name)] * 1e3:.3f} ms", flush=True)
+    if "mlp" in sections:
+      self._seconds[("mlp",)] = _mlp_time(sparse=False)
+
+  def seconds(self, kind, shape=(), dtype=jnp.bfloat16) -> float:
+    key = (kind,) if kind == "mlp" else (kind, tuple(shape), jnp.dtype(dtype).name)
+    if key not in self._seconds:
+      raise RuntimeError(f"bench_cusparselt: the dense baseline {key} was not timed before the"
+                         f" first cuSPARSELt product (DenseBaselines.measure)")
+    return self._seconds[key]
 
 
 # --- PyTorch peer ---------------------------------------------------------------
@@ -162,14 +216,13 @@ def section_forward(ctx):
   for m, k, n in SHAPES:
     w, mask = _weights(k, n, transposable=False)
     x = jax.random.normal(jax.random.key(m + 1), (m, k), jnp.bfloat16)
-    dense = jax.jit(lambda x, w: x @ w)
     wm = jnp.where(mask.unpack(), w, jnp.zeros((), w.dtype))
     c = jax.jit(lambda a: cslt.compress(a, transpose=False))(wm)
     ours_mm = jax.jit(lambda x, c: cslt.matmul(x, c, k=k, n=n))
     ours_all = jax.jit(lambda x, w, mk: jsparse24.sparse_dot(x, w, mk, implementation="cusparselt"))
     ref = jnp.dot(x, wm, preferred_element_type=jnp.float32)
     err = _rel_err(ours_mm(x, c), ref)
-    t_dense = _common.bench(dense, x, w)
+    t_dense = ctx["dense"].seconds("fwd", (m, k, n))
     t_mm = _common.bench(ours_mm, x, c)
     t_all = _common.bench(ours_all, x, w, mask)
     t_torch = float("nan")
@@ -220,7 +273,7 @@ def section_step(ctx, shapes=SHAPES, sweep=False):
     mask = jsparse24.Mask24.from_weights(w)
     x = jax.random.normal(jax.random.key(m + 2), (m, k), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(m + 3), (m, n), jnp.bfloat16)
-    t_dense = _common.bench(_step("dense", None), x, w, dy)
+    t_dense = ctx["dense"].seconds("step", (m, k, n))
     ours_t = _step("cusparselt", mask_t)
     got, ref = ours_t(x, w, dy), _step("xla", mask_t)(x, w, dy)
     err = max(_rel_err(g, r) for g, r in zip(got, ref))
@@ -286,7 +339,7 @@ def section_mvue(ctx):
     x = jax.random.normal(jax.random.key(m + 2), (m, k), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(m + 3), (m, n), jnp.bfloat16)
     key = jax.random.key(m + 4)
-    t_dense = _common.bench(_step("dense", None), x, w, dy)
+    t_dense = ctx["dense"].seconds("step", (m, k, n))
     t_t = _common.bench(_step("cusparselt", mask_t), x, w, dy)
     ours = _mvue_step("cusparselt", mask_t)
     got, ref = ours(x, w, dy, key), _mvue_step("xla", mask_t)(x, w, dy, key)
@@ -322,11 +375,10 @@ def section_fp16(ctx):
     mask = jsparse24.Mask24.from_weights(w)
     x = jax.random.normal(jax.random.key(m + 1), (m, k), dt)
     dy = jax.random.normal(jax.random.key(m + 3), (m, n), dt)
-    fwd_dense = jax.jit(lambda x, w: x @ w)
     fwd_ours = jax.jit(lambda x, w, mk: jsparse24.sparse_dot(x, w, mk, implementation="cusparselt"))
-    t_fd = _common.bench(fwd_dense, x, w)
+    t_fd = ctx["dense"].seconds("fwd", (m, k, n), dt)
     t_fo = _common.bench(fwd_ours, x, w, mask)
-    t_sd = _common.bench(_step("dense", None), x, w, dy)
+    t_sd = ctx["dense"].seconds("step", (m, k, n), dt)
     ours_t = _step("cusparselt", mask_t)
     got, ref = ours_t(x, w, dy), _step("xla", mask_t)(x, w, dy)
     err = max(_rel_err(g, r) for g, r in zip(got, ref))
@@ -347,7 +399,14 @@ def section_fp16(ctx):
           + _common.table(headers, rows))
 
 
-def section_mlp(ctx, d_model=4096, batch=8, seq=2048):
+MLP_SHAPE = {"d_model": 4096, "batch": 8, "seq": 2048}
+
+
+def _mlp_time(sparse: bool, d_model=MLP_SHAPE["d_model"], batch=MLP_SHAPE["batch"],
+              seq=MLP_SHAPE["seq"]) -> float:
+  """Seconds per training step (forward + backward + SGD) of
+  examples/train_lm.py's MLP block, dense `nn.Dense` or
+  `jsparse24.SparseDense(transposable=True, implementation="cusparselt")`."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
@@ -369,25 +428,30 @@ def section_mlp(ctx, d_model=4096, batch=8, seq=2048):
   x = jax.random.normal(jax.random.key(0), (batch, seq, d_model), jnp.bfloat16)
   target = jax.random.normal(jax.random.key(1), (batch, seq, d_model), jnp.bfloat16)
   tx = optax.sgd(1e-3)
+  model = MLP(sparse)
+  variables = model.init(jax.random.key(2), x)
+  params = variables["params"]
+  rest = {k: v for k, v in variables.items() if k != "params"}
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def train_step(params, opt_state, x, target):
+    def loss(p):
+      y = model.apply({"params": p, **rest}, x)
+      return jnp.mean((y.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return _common.bench(lambda p, o: train_step(p, o, x, target), params, opt_state)
+
+
+def section_mlp(ctx):
+  d_model, batch, seq = MLP_SHAPE["d_model"], MLP_SHAPE["batch"], MLP_SHAPE["seq"]
+  tokens = batch * seq
   rows = []
   for sparse in (False, True):
-    model = MLP(sparse)
-    variables = model.init(jax.random.key(2), x)
-    params = variables["params"]
-    rest = {k: v for k, v in variables.items() if k != "params"}
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def train_step(params, opt_state, x, target, rest=rest, model=model):
-      def loss(p):
-        y = model.apply({"params": p, **rest}, x)
-        return jnp.mean((y.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
-      value, grads = jax.value_and_grad(loss)(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, value
-
-    t = _common.bench(lambda p, o: train_step(p, o, x, target), params, opt_state)
-    tokens = batch * seq
+    t = _mlp_time(True) if sparse else ctx["dense"].seconds("mlp")
     rows.append(["2:4 (cusparselt)" if sparse else "dense", t * 1e3, tokens / t])
     print(f"mlp {'sparse' if sparse else 'dense'}: {t*1e3:.3f} ms/step, {tokens/t:,.0f} tokens/s",
           flush=True)
@@ -395,7 +459,8 @@ def section_mlp(ctx, d_model=4096, batch=8, seq=2048):
   return (f"MLP block training step (d_model {d_model}, hidden {4 * d_model}, {batch}x{seq} tokens)",
           "examples/train_lm.py's MLP block (Dense up, GELU, Dense down) at GPU size;"
           " forward + backward + SGD update; sparse = `jsparse24.SparseDense(transposable=True,"
-          " implementation='cusparselt')` with its stored masks.\n\n"
+          " implementation='cusparselt')` with its stored masks. The dense step is timed"
+          " before any cuSPARSELt product of the run (`DenseBaselines`).\n\n"
           + _common.table(["model", "ms / step", "tokens / s"], rows))
 
 
@@ -411,9 +476,15 @@ def main(argv=None):
   from jsparse24.backends import _cusparselt_build  # pylint: disable=g-import-not-at-top
   lib = _cusparselt_build.load()
   print(f"cuSPARSELt {_cusparselt_build.version(lib)}, shim {_cusparselt_build.build()}", flush=True)
-  ctx = {"bw": _common.copy_bandwidth(), "peak": _common.dense_peak(), "torch": _torch_setup()}
+  ctx = {"bw": _common.copy_bandwidth(), "peak": _common.dense_peak(), "torch": _torch_setup(),
+         "dense": DenseBaselines()}
+  # Every dense baseline first, before any cuSPARSELt product (DenseBaselines).
+  ctx["dense"].measure(args.sections.split(","))
   head = (f"{_common.environment()}; cuSPARSELt {_cusparselt_build.version(lib)}; measured copy"
-          f" bandwidth {ctx['bw'] / 1e12:.3f} TB/s, dense bf16 peak {ctx['peak'] / 1e12:.0f} TFLOP/s.\n\n")
+          f" bandwidth {ctx['bw'] / 1e12:.3f} TB/s, dense bf16 peak {ctx['peak'] / 1e12:.0f}"
+          f" TFLOP/s. Every dense XLA baseline is timed before the run's first cuSPARSELt"
+          f" product: a process that has run one runs its compute-bound kernels 2-7% slower"
+          f" from then on (benchmarks/NOTES.md, eighteenth session).\n\n")
   print(head, flush=True)
   sections = {
       "compress": section_compress, "forward": section_forward, "step": section_step,

@@ -26,7 +26,11 @@ Per width it times the whole training step of both (steps that do not rebuild
 the masks), one rebuild step, and a breakdown of where the 2:4 step's time
 goes (linear layers, compression, attention, optimizer, the rest), each part
 its own jitted program at the model's shapes; then the ceilings the breakdown
-implies. Tables are printed and written to benchmarks/results/<gpu>.md.
+implies. Every width's dense model (and its parts) is timed before any 2:4
+model runs: a process that has run a cuSPARSELt matmul runs its other
+compute-bound kernels slower from then on (see `setup_width`), which a dense
+model in its own process never pays. Tables are printed and written to
+benchmarks/results/<gpu>.md.
 
 Default depths (`DEFAULTS`) fit JAX's default GPU memory pool on an 80 GB
 H100 (75% of it, about 58 GiB); `memory_estimate` says what is counted.
@@ -352,34 +356,35 @@ def time_optimizer(timer, tx, params, opt_state, count: int | None = None) -> fl
 # --- one width --------------------------------------------------------------------------
 
 
-def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
-  """Measures one width, filling `result` (which has d_model, layers, remat)
-  as it goes, so that a failure keeps what was measured and `result["phase"]`
-  says where it stopped. `step_timer` (default `timer`) times the whole
-  training steps."""
-  step_timer = step_timer or timer
+# cuSPARSELt taxes the rest of its process: once a cuSPARSELt matmul has run
+# in a CUDA context, that context's compute-bound kernels (cuBLAS GEMMs, cuDNN
+# attention) run 2-7% slower until the process ends, memory-bound ones do not,
+# and the idle GPU draws ~13 W more (benchmarks/NOTES.md, eighteenth session:
+# the same with PyTorch's `torch._cslt_sparse_mm`, so it is the library's, not
+# ours). The dense model of a user's dense run never pays it; timed after a 2:4
+# step in the same process it would, and the ratio would flatter the 2:4
+# model by ~4%. So every width's dense model is timed first (`run_dense`, all
+# widths), then every 2:4 model (`run_sparse`; those without a cuSPARSELt
+# product first), and the dense step's timing once the 2:4 steps have run is
+# reported beside the ratio, not used in it.
+
+
+def setup_width(cfg: dict, result: dict) -> dict:
+  """What both models of one width share: the models, tokens, mesh; prints
+  the memory estimate and the automatic backend per layer."""
   d, layers, remat = result["d_model"], result["layers"], result["remat"]
-  batch, seq, vocab, rebuild_every = cfg["batch"], cfg["seq"], cfg["vocab"], cfg["rebuild_every"]
-  tokens_per_step = batch * seq
+  batch, seq, vocab = cfg["batch"], cfg["seq"], cfg["vocab"]
   # --devices N: data parallel over a 1-D mesh of N GPUs, the batch split over
   # them, params and optimizer state replicated; one jax.jit step partitioned
   # by XLA (jsparse24's products keep each device's rows).
   mesh = jax.sharding.Mesh(jax.local_devices()[:cfg["devices"]], ("data",))
-  whole = functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
-
-  def phase(name):
-    result["phase"] = name
-    print(f"[d_model {d}] {name}", flush=True)
-
-  phase("setup")
   model = GPT(vocab, d, layers, seq, cfg["attention"], remat, remat_policy=cfg["remat_policy"])
-  sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)})
   key_data, key_init = jax.random.split(jax.random.key(0))
   tokens = jax.device_put(jax.random.randint(key_data, (batch, seq + 1), 0, vocab, jnp.int32),
                           NamedSharding(mesh, P("data")))
   dense_shapes = jax.eval_shape(model.init, key_init, tokens[:, :-1])["params"]
   n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(dense_shapes))
-  mem = memory_estimate(n_params, d, layers, remat, tokens_per_step, vocab,
+  mem = memory_estimate(n_params, d, layers, remat, batch * seq, vocab,
                         saves_dots=cfg["remat_policy"].startswith("dots"),
                         saves_compressed=cfg["remat_policy"].endswith("compressed"))
   result.update(params=n_params, sparse_weights=12 * d * d * layers,
@@ -391,7 +396,6 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
         f" {n_params / 1e6:,.0f}M params; memory estimate {mem['total'] / 2**30:.1f} GiB"
         f" ({parts}); {whose} pool {pool:.1f} GiB"
         + (": MAY NOT FIT" if mem["total"] / 2**30 > pool else ""), flush=True)
-
   # The layers' mask kind: --mask, or the library's default (transposable
   # where the output size is a multiple of 4: every layer here).
   transposable = MASK_KINDS[cfg["mask"]].get("transposable")
@@ -401,12 +405,26 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
           transposable=n % 4 == 0 if transposable is None else transposable)
       for kind, (k, n) in layer_shapes(d).items()}
   print(f"[d_model {d}] automatic 2:4 backend per layer: {result['implementations']}", flush=True)
+  return {"model": model, "key_init": key_init, "tokens": tokens, "dense_shapes": dense_shapes,
+          "whole": functools.partial(jax.device_put, device=NamedSharding(mesh, P())),
+          "adamw": optax.adamw(LR, weight_decay=WEIGHT_DECAY)}
 
-  adamw = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
 
-  phase("dense: init, compile, first step")
+def _phase(result: dict, name: str) -> None:
+  result["phase"] = name
+  print(f"[d_model {result['d_model']}] {name}", flush=True)
+
+
+def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> None:
+  """The dense model of one width (before any 2:4 step has run in this
+  process): its training step, AdamW alone, and the dense parts of the
+  breakdown. Fills `result["dense"]`; keeps the compiled step in `ctx`."""
+  step_timer = step_timer or timer
+  d, tokens, whole, adamw = result["d_model"], ctx["tokens"], ctx["whole"], ctx["adamw"]
+  model, key_init = ctx["model"], ctx["key_init"]
+  _phase(result, "dense: init, compile, first step")
   params = whole(jax.jit(model.init)(key_init, tokens[:, :-1])["params"])
-  fingerprint = jax.tree.leaves(jax.tree.map(float, _fingerprint(params)))
+  ctx["fingerprint"] = jax.tree.leaves(jax.tree.map(float, _fingerprint(params)))
   opt_state = jax.jit(adamw.init)(params)
   step, compile_s = compile_step(
       make_train_step(lambda p, _, x: model.apply({"params": p}, x), adamw),
@@ -416,29 +434,46 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   print(f"[d_model {d}] dense: train step compiled in {compile_s:.1f} s, first-step loss"
         f" {dense['first_loss']:.4f}", flush=True)
 
-  phase("dense: timing")
+  _phase(result, "dense: timing")
   run, state = threaded(step, params, opt_state)
   dense["step_ms"] = step_timer(run, tokens) * 1e3
-  dense["tokens_per_s"] = tokens_per_step / dense["step_ms"] * 1e3
+  dense["tokens_per_s"] = cfg["batch"] * cfg["seq"] / dense["step_ms"] * 1e3
   print(f"[d_model {d}] dense: {dense['step_ms']:.2f} ms/step, {dense['tokens_per_s']:,.0f}"
         f" tokens/s", flush=True)
-  phase("dense: AdamW alone")
+  _phase(result, "dense: AdamW alone")
   dense["optimizer_ms"] = time_optimizer(timer, adamw, state["params"], state["opt"]) * 1e3
-  dense_step = step  # timed again after the 2:4 step (below)
-  del params, opt_state, run, state, step
+  ctx["dense_step"] = step  # timed again after the 2:4 step (`run_sparse`)
+  del params, opt_state, run, state
+  if has_breakdown(cfg, result["remat"]):
+    _phase(result, "dense: breakdown parts (linear layers, attention)")
+    result["breakdown_dense"] = breakdown_parts(cfg, timer, result, sparse=False)
+  del result["phase"]
 
-  phase("2:4: init, compile, first step")
+
+def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> None:
+  """The 2:4 model of one width, after `run_dense` of every width: its
+  training step (one that rebuilds nothing, and one that rebuilds),
+  mask_update + AdamW alone, the 2:4 parts of the breakdown; then the dense
+  step again, in this process that has now run the 2:4 steps. Fills
+  `result["sparse"]`, the ratios and the breakdown."""
+  step_timer = step_timer or timer
+  d, tokens, whole, adamw = result["d_model"], ctx["tokens"], ctx["whole"], ctx["adamw"]
+  model, key_init, dense = ctx["model"], ctx["key_init"], result["dense"]
+  tokens_per_step = cfg["batch"] * cfg["seq"]
+  sparse = jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)})
+  _phase(result, "2:4: init, compile, first step")
   variables = whole(jax.jit(sparse.init)(key_init, tokens[:, :-1]))
   params = variables["params"]
-  if _signature(params) != _signature(dense_shapes):
+  if _signature(params) != _signature(ctx["dense_shapes"]):
     raise AssertionError("the 2:4 model's params tree differs from the dense model's")
   # Two compiled init programs may round an initializer differently by an ulp.
   if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in
-             zip(jax.tree.leaves(jax.tree.map(float, _fingerprint(params))), fingerprint)):
+             zip(jax.tree.leaves(jax.tree.map(float, _fingerprint(params))), ctx["fingerprint"])):
     raise AssertionError("the 2:4 model's initial params differ from the dense model's")
   result["mask_shapes"] = {path: list(m.shape)
                            for path, m in masks_by_layer(variables["sparsity"]).items()}
   print(f"[d_model {d}] 2:4 masks (path: stacked shape): {result['mask_shapes']}", flush=True)
+  rebuild_every = cfg["rebuild_every"]
   schedule = jsparse24.optim.MaskSchedule(rebuild_every=rebuild_every)
   tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"], schedule, decay=MASK_DECAY),
                    adamw)
@@ -467,7 +502,7 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
 
   # The timed calls check it: `last_rebuild` stays 0, then becomes R.
   plain, rebuild = 0, rebuild_every - 1
-  phase(f"2:4: timing (mask_update count pinned at {plain}: no rebuild)")
+  _phase(result, f"2:4: timing (mask_update count pinned at {plain}: no rebuild)")
   run, state = threaded(step, params, opt_state, count=plain)
   sp["step_ms"] = step_timer(run, tokens) * 1e3
   sp["tokens_per_s"] = tokens_per_step / sp["step_ms"] * 1e3
@@ -477,47 +512,82 @@ def run_width(cfg: dict, timer, result: dict, step_timer=None) -> None:
   last = int(state["opt"][0].last_rebuild)
   if last != 0:
     raise AssertionError(f"a timed 2:4 step rebuilt the masks (last_rebuild={last})")
+  result["ratio"] = sp["tokens_per_s"] / dense["tokens_per_s"]
   print(f"[d_model {d}] 2:4: {sp['step_ms']:.2f} ms/step, {sp['tokens_per_s']:,.0f} tokens/s,"
-        f" {sp['tokens_per_s'] / dense['tokens_per_s']:.3f}x dense", flush=True)
+        f" {result['ratio']:.3f}x dense", flush=True)
 
-  phase(f"2:4: timing a rebuild step (count pinned at {rebuild})")
+  _phase(result, f"2:4: timing a rebuild step (count pinned at {rebuild})")
   run, state = threaded(step, state["params"], state["opt"], count=rebuild)
   sp["rebuild_step_ms"] = step_timer(run, tokens) * 1e3
   last = int(state["opt"][0].last_rebuild)
   if last != rebuild_every:
     raise AssertionError(f"the rebuild step did not rebuild (last_rebuild={last})")
   sp["rebuild_extra_ms_per_step"] = (sp["rebuild_step_ms"] - sp["step_ms"]) / rebuild_every
+  result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
+                                                      + sp["rebuild_extra_ms_per_step"])
   print(f"[d_model {d}] 2:4 rebuild step: {sp['rebuild_step_ms']:.2f} ms, amortised over"
         f" {rebuild_every} steps {sp['rebuild_extra_ms_per_step']:.3f} ms/step", flush=True)
-  phase("2:4: mask_update + AdamW alone")
+  _phase(result, "2:4: mask_update + AdamW alone")
   sp["optimizer_ms"] = time_optimizer(timer, tx, state["params"], state["opt"], plain) * 1e3
   del params, opt_state, run, state, step
 
-  # The same dense program measured 5% apart in two runs minutes apart on one
-  # H100 (benchmarks/NOTES.md): it is timed again, after the 2:4 step (both
-  # models do not fit in memory together at the larger widths), and the
-  # ratios use the mean of the two timings; their spread is reported.
-  phase("dense: timing again, after the 2:4 step")
+  _phase(result, "dense: timing again, in this process after the 2:4 steps")
   params = whole(jax.jit(model.init)(key_init, tokens[:, :-1])["params"])
-  run, state = threaded(dense_step, params, jax.jit(adamw.init)(params))
-  dense["step_ms_before"] = dense["step_ms"]
-  dense["step_ms_after"] = step_timer(run, tokens) * 1e3
-  dense["step_ms"] = (dense["step_ms_before"] + dense["step_ms_after"]) / 2
-  dense["tokens_per_s"] = tokens_per_step / dense["step_ms"] * 1e3
-  dense["drift"] = dense["step_ms_after"] / dense["step_ms_before"] - 1
-  print(f"[d_model {d}] dense again: {dense['step_ms_after']:.2f} ms/step (before the 2:4"
-        f" step {dense['step_ms_before']:.2f}; {dense['drift']:+.1%})"
-        + ("  NOTE: more than 2% apart, the ratio carries that noise"
-           if abs(dense["drift"]) > 0.02 else ""), flush=True)
-  del params, run, state, dense_step
-  result["ratio"] = sp["tokens_per_s"] / dense["tokens_per_s"]
-  result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
-                                                      + sp["rebuild_extra_ms_per_step"])
+  run, state = threaded(ctx.pop("dense_step"), params, jax.jit(adamw.init)(params))
+  dense["step_ms_after_sparse"] = step_timer(run, tokens) * 1e3
+  dense["after_sparse"] = dense["step_ms_after_sparse"] / dense["step_ms"] - 1
+  print(f"[d_model {d}] dense again: {dense['step_ms_after_sparse']:.2f} ms/step"
+        f" ({dense['after_sparse']:+.1%} over its timing before any 2:4 step; not used in the"
+        f" ratio)", flush=True)
+  del params, run, state
 
-  if has_breakdown(cfg, remat):
-    phase("breakdown: linear layers, attention")
-    result["breakdown"] = breakdown(cfg, timer, result)
+  if "breakdown_dense" in result:
+    _phase(result, "2:4: breakdown parts (linear layers, attention)")
+    result["breakdown"] = breakdown(cfg, result, breakdown_parts(cfg, timer, result, sparse=True))
   del result["phase"]
+
+
+def run_widths(cfg: dict, widths: dict[int, dict], timer, step_timer) -> list[dict]:
+  """Every width's dense model, then every width's 2:4 model (the comment
+  above `setup_width` says why). `widths`: d_model -> {"layers", "remat"}."""
+  results, contexts = [], {}
+
+  def attempt(result, fn, *args) -> bool:
+    t0 = time.time()
+    try:
+      fn(*args)
+      ok = True
+    except Exception as e:  # pylint: disable=broad-except  (OOM too: on to the next width)
+      traceback.print_exc()
+      result["status"] = f"FAILED in {result.get('phase', 'setup')}: {type(e).__name__}"
+      result["error"] = traceback.format_exc()
+      print(f"[d_model {result['d_model']}] {result['status']}", flush=True)
+      ok = False
+    print(f"[d_model {result['d_model']}] {fn.__name__} done in {time.time() - t0:.0f} s",
+          flush=True)
+    # Free this width's buffers and compiled programs before the next one.
+    gc.collect()
+    jax.clear_caches()
+    return ok
+
+  def dense_part(result):
+    contexts[result["d_model"]] = setup_width(cfg, result)
+    run_dense(cfg, timer, result, contexts[result["d_model"]], step_timer)
+
+  for d, shape in widths.items():
+    result = {"d_model": d, **shape, "status": "ok"}
+    results.append(result)
+    if not attempt(result, dense_part, result):
+      contexts.pop(d, None)
+  # The 2:4 models that run no cuSPARSELt product (the automatic choice at
+  # the narrow widths) first, in a process that has not paid the tax either.
+  def uses_cusparselt(result):
+    return "cusparselt" in result.get("implementations", {}).values()
+
+  for result in sorted(results, key=uses_cusparselt):
+    if result["d_model"] in contexts:
+      attempt(result, run_sparse, cfg, timer, result, contexts.pop(result["d_model"]), step_timer)
+  return results
 
 
 def has_breakdown(cfg: dict, remat: bool) -> bool:
@@ -528,27 +598,47 @@ def has_breakdown(cfg: dict, remat: bool) -> bool:
   return cfg["devices"] == 1 and not (remat and cfg["remat_policy"] != "nothing")
 
 
-def breakdown(cfg: dict, timer, result: dict) -> dict:
-  """Times the parts at the model's shapes and splits both steps into them."""
-  d, layers, remat = result["d_model"], result["layers"], result["remat"]
+def breakdown_parts(cfg: dict, timer, result: dict, sparse: bool) -> dict:
+  """One model's parts at the model's shapes, each its own jitted program:
+  every layer kind's fwd+bwd (nn.Dense, or SparseDense with the width's
+  sparse options) and the attention call, per block."""
+  d, remat = result["d_model"], result["remat"]
   batch, seq = cfg["batch"], cfg["seq"]
   passes = 2 if remat else 1  # forward passes per step: remat recomputes each block's
-  per_layer = {}
+  layers = {}
   for kind, (k, n) in layer_shapes(d).items():
-    dense = time_linear(timer, nn.Dense(n, use_bias=False, dtype=jnp.bfloat16), k, n, batch,
-                        seq, passes)
-    sparse = time_linear(timer, jsparse24.SparseDense(n, use_bias=False, dtype=jnp.bfloat16,
-                                                      **sparse_options(cfg)),
-                         k, n, batch, seq, passes, mvue_rngs(cfg, 0))
-    per_layer[kind] = {"k": k, "n": n, "implementation": result["implementations"][kind],
-                       "dense_ms": dense["step"] * 1e3, "sparse_ms": sparse["step"] * 1e3,
-                       "compress_ms": sparse["compress"] * 1e3 if "compress" in sparse else None}
-    print(f"[d_model {d}] {kind} {k}x{n}: dense {dense['step'] * 1e3:.3f} ms, 2:4"
-          f" {sparse['step'] * 1e3:.3f} ms ({result['implementations'][kind]})", flush=True)
-  attention_ms = time_attention(timer, d, batch, seq, cfg["attention"], passes) * 1e3 * layers
+    if sparse:
+      t = time_linear(timer, jsparse24.SparseDense(n, use_bias=False, dtype=jnp.bfloat16,
+                                                   **sparse_options(cfg)),
+                      k, n, batch, seq, passes, mvue_rngs(cfg, 0))
+    else:
+      t = time_linear(timer, nn.Dense(n, use_bias=False, dtype=jnp.bfloat16), k, n, batch, seq,
+                      passes)
+    layers[kind] = {"ms": t["step"] * 1e3,
+                    "compress_ms": t["compress"] * 1e3 if "compress" in t else None}
+    print(f"[d_model {d}] {'2:4' if sparse else 'dense'} {kind} {k}x{n}: {t['step'] * 1e3:.3f} ms"
+          + (f" ({result['implementations'][kind]})" if sparse else ""), flush=True)
+  attention = time_attention(timer, d, batch, seq, cfg["attention"], passes) * 1e3
+  print(f"[d_model {d}] {'2:4' if sparse else 'dense'} model's process: attention"
+        f" {attention:.3f} ms per block", flush=True)
+  return {"layers": layers, "attention_ms": attention * result["layers"]}
 
+
+def breakdown(cfg: dict, result: dict, sparse_parts: dict) -> dict:
+  """Splits both steps into the parts (`breakdown_parts` of each model,
+  timed in its model's phase) and derives the ceilings."""
+  layers, remat = result["layers"], result["remat"]
+  passes = 2 if remat else 1
+  dense_parts = result.pop("breakdown_dense")
+  per_layer = {
+      kind: {"k": k, "n": n, "implementation": result["implementations"][kind],
+             "dense_ms": dense_parts["layers"][kind]["ms"],
+             "sparse_ms": sparse_parts["layers"][kind]["ms"],
+             "compress_ms": sparse_parts["layers"][kind]["compress_ms"]}
+      for kind, (k, n) in layer_shapes(result["d_model"]).items()}
   dense_step, sparse_step = result["dense"]["step_ms"], result["sparse"]["step_ms"]
-  out = {"layers": per_layer, "attention_ms": attention_ms}
+  out = {"layers": per_layer, "attention_dense_ms": dense_parts["attention_ms"],
+         "attention_sparse_ms": sparse_parts["attention_ms"]}
   out["linear_dense_ms"] = sum(p["dense_ms"] for p in per_layer.values()) * layers
   out["linear_sparse_ms"] = sum(p["sparse_ms"] for p in per_layer.values()) * layers
   compress = [p["compress_ms"] for p in per_layer.values()]
@@ -556,8 +646,9 @@ def breakdown(cfg: dict, timer, result: dict) -> dict:
   opt_dense, opt_sparse = result["dense"]["optimizer_ms"], result["sparse"]["optimizer_ms"]
   out["mask_update_ms"] = opt_sparse - opt_dense
   out["mask_update_pct"] = 100 * out["mask_update_ms"] / sparse_step
-  out["other_dense_ms"] = dense_step - out["linear_dense_ms"] - attention_ms - opt_dense
-  out["other_sparse_ms"] = sparse_step - out["linear_sparse_ms"] - attention_ms - opt_sparse
+  out["other_dense_ms"] = dense_step - out["linear_dense_ms"] - out["attention_dense_ms"] - opt_dense
+  out["other_sparse_ms"] = (sparse_step - out["linear_sparse_ms"] - out["attention_sparse_ms"]
+                            - opt_sparse)
   # (a) y (every forward pass, the recomputed one too) and dx at half cost,
   # dw dense: 1.5x on the products without remat, 1.6x with.
   # With the MVUE weight gradient dw is at half cost too: 2x.
@@ -565,10 +656,11 @@ def breakdown(cfg: dict, timer, result: dict) -> dict:
   products = (0.5 * passes + 0.5 + dw_cost) / (passes + 2)
   linear = out["linear_dense_ms"]
   out["ceiling_bound"] = dense_step / (dense_step - linear + linear * products)
-  # (b) the dense step with its linear layers and optimizer swapped for the
-  # 2:4 ones, as measured alone.
-  out["ceiling_measured"] = dense_step / (dense_step - linear - opt_dense
-                                          + out["linear_sparse_ms"] + opt_sparse)
+  # (b) the dense step with its linear layers, attention and optimizer
+  # swapped for the ones measured in the 2:4 model's phase.
+  out["ceiling_measured"] = dense_step / (
+      dense_step - linear - out["attention_dense_ms"] - opt_dense
+      + out["linear_sparse_ms"] + out["attention_sparse_ms"] + opt_sparse)
   return out
 
 
@@ -597,14 +689,16 @@ def _blocks(r: dict) -> str:
 
 
 def main_table(results: list[dict]) -> str:
-  rows = [[r["d_model"], _blocks(r), _get(r, "dense", "step_ms"), _percent(_get(r, "dense", "drift")),
-           _get(r, "dense", "tokens_per_s"),
+  rows = [[r["d_model"], _blocks(r), _get(r, "dense", "step_ms"),
+           _get(r, "dense", "tokens_per_s"), _get(r, "dense", "step_ms_after_sparse"),
+           _percent(_get(r, "dense", "after_sparse")),
            _get(r, "sparse", "step_ms"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
            _get(r, "sparse", "rebuild_step_ms"), _get(r, "sparse", "rebuild_extra_ms_per_step"),
            _get(r, "ratio_with_rebuilds"), r["status"]]
           for r in results]
-  return _common.table(["d_model", "blocks", "dense ms/step (mean of before and after)",
-                        "dense after / before - 1", "dense tokens/s", "2:4 ms/step",
+  return _common.table(["d_model", "blocks", "dense ms/step", "dense tokens/s",
+                        "dense ms/step again, after the 2:4 steps (not in the ratio)",
+                        "again / first - 1", "2:4 ms/step",
                         "2:4 tokens/s", "ratio (2:4 / dense tokens/s)", "2:4 rebuild step ms",
                         "rebuild extra ms/step (amortised)", "ratio with rebuilds", "status"],
                        rows)
@@ -619,7 +713,8 @@ def breakdown_tables(r: dict) -> str:
       [f"linear layers (qkv, out, up, down) fwd+bwd{recompute}", b["linear_dense_ms"],
        b["linear_sparse_ms"]],
       ["  of which compression (proxy)", "", _na(b["compress_ms"])],
-      [f"attention fwd+bwd{recompute}", b["attention_ms"], b["attention_ms"]],
+      [f"attention fwd+bwd{recompute} (timed in each model's phase)", b["attention_dense_ms"],
+       b["attention_sparse_ms"]],
       ["optimizer (dense: AdamW; 2:4: mask_update + AdamW)", r["dense"]["optimizer_ms"],
        r["sparse"]["optimizer_ms"]],
       ["everything else (step - parts above)", b["other_dense_ms"], b["other_sparse_ms"]],
@@ -676,8 +771,12 @@ def notes(cfg: dict) -> str:
       f" does not rebuild, and once pinned to one that does (its extra cost shown amortised"
       f" over {cfg['rebuild_every']} steps). Whole steps are timed in runs of >= 1 s of"
       f" consecutive steps, dispatched asynchronously as in a training loop (median of 5"
-      f" runs); the dense step is timed before and again after the 2:4 step, and the"
-      f" ratios use the mean (the spread between the two is shown)."
+      f" runs). Every width's dense model is timed before any 2:4 step runs in the"
+      f" process: once a cuSPARSELt matmul has run, the CUDA context's compute-bound"
+      f" kernels stay 2-7% slower until the process ends (the same with PyTorch's"
+      f" cuSPARSELt; benchmarks/NOTES.md, eighteenth session), which a dense model in its"
+      f" own process never pays. The dense step timed again after the 2:4 steps shows that"
+      f" tax; the ratios use the first timing."
       + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
          f" batch split over them, params and optimizer state replicated (no breakdown)."
          if cfg["devices"] > 1 else "")
@@ -696,8 +795,8 @@ def notes(cfg: dict) -> str:
       f" goes negative where the parts overlap inside the whole step. Ceilings: (a) the"
       f" dense step with its linear layers at the 2:4 products bound (y and dx at half"
       f" cost, dw dense: 1.5x, 1.6x with remat; every product at half cost with the MVUE"
-      f" weight gradient: 2x); (b) the dense step with its linear layers"
-      f" and optimizer replaced by the measured 2:4 ones."))
+      f" weight gradient: 2x); (b) the dense step with its linear layers, attention"
+      f" and optimizer replaced by the ones measured in the 2:4 model's phase."))
 
 
 def main(argv=None) -> dict:
@@ -775,22 +874,8 @@ def main(argv=None) -> dict:
   print(env, flush=True)
   print(f"backends: {jsparse24.available_implementations()}", flush=True)
 
-  results = []
-  for d in widths:
-    t0 = time.time()
-    result = {"d_model": d, "layers": layers[d], "remat": remat[d], "status": "ok"}
-    try:
-      run_width(cfg, timer, result, step_timer)
-    except Exception as e:  # pylint: disable=broad-except  (OOM too: on to the next width)
-      traceback.print_exc()
-      result["status"] = f"FAILED in {result.get('phase', 'setup')}: {type(e).__name__}"
-      result["error"] = traceback.format_exc()
-      print(f"[d_model {d}] {result['status']}", flush=True)
-    results.append(result)
-    print(f"[d_model {d}] done in {time.time() - t0:.0f} s", flush=True)
-    # Free this width's buffers and compiled programs before the next one.
-    gc.collect()
-    jax.clear_caches()
+  results = run_widths(cfg, {d: {"layers": layers[d], "remat": remat[d]} for d in widths},
+                       timer, step_timer)
 
   tables = (f"{main_table(results)}\n\n"
             + "".join(f"{breakdown_tables(r)}\n\n" for r in results if "breakdown" in r)
