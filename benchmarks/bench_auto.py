@@ -19,11 +19,17 @@ included, for
 mask kind, with that backend's time ("xla" uses the plain-mask time for both
 kinds: its products do not depend on the kind).
 
-Each (K, N) builds its weight and masks once and runs every M. At the first M
-of each (K, N) the cuSPARSELt outputs are checked against the xla ones
-(relative error by norm). The variants are timed in rounds, each round
-visiting every variant once, and the median per variant is kept; the spread
-of the dense step's rounds shows the timing noise.
+Two passes over the points a run reaches: first dense and xla at every point,
+then the two cuSPARSELt variants at the same points. Once a cuSPARSELt product
+has run in a process, its compute-bound kernels (cuBLAS's GEMMs among them)
+run 2-7% slower until it ends (benchmarks/NOTES.md, eighteenth session), which
+a dense layer in a user's dense run never pays; so no dense or xla step is
+timed after one. Each pass builds each (K, N)'s weight and masks (the same
+bits both times) and runs every M; within a pass the variants are timed in
+rounds, each round visiting every variant once, and the median per variant is
+kept; the spread of the dense step's rounds shows the timing noise. At the
+first M of each (K, N) the cuSPARSELt outputs are checked against the xla
+ones with the same mask (relative error by norm).
 
 Output: the table (section "Automatic backend choice: training-step sweep" of
 benchmarks/results/<gpu>.md unless --no-write), all raw numbers (--json, written
@@ -33,7 +39,9 @@ which cuSPARSELt is >= 1% faster than dense at that M and every larger M.
 The full grid is 125 points x 4 programs, mostly compile time and cuSPARSELt's
 algorithm search (first call of each shape). `--budget` stops before a point
 that it estimates would end past that many seconds (counted from the end of
-the imports), writes what it has and lists the points left; `--resume` a JSON
+the imports; the dense pass may use 40% of them), writes what it has and
+lists the points left (a point whose cuSPARSELt pass did not run counts as
+left); `--resume` a JSON
 of an earlier run on the same GPU model measures only the points it lacks and
 reports them all, so a sweep splits over two device calls:
     python benchmarks/bench_auto.py --budget 530 --no-write --json $OUT/auto.json
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import pathlib
@@ -123,9 +132,9 @@ def _first(fn, args, keep=False):
 
 def _round_robin(calls: dict, opts) -> dict[str, list[float]]:
   """Seconds per call of each `name: (fn, args)`, timed in `opts.repeats`
-  rounds that visit every variant once (`_common.bench` with one repeat):
-  clock and power drift then hits every variant alike, where timing one
-  variant after the other measured the same dense step 9% apart (median)."""
+  rounds that visit every variant once (`_common.bench` with one repeat), so
+  that drift between them hits every variant alike. (The variants of one
+  pass only: see CLEAN.)"""
   times = {name: [] for name in calls}
   for _ in range(opts.repeats):
     for name, (fn, args) in calls.items():
@@ -135,21 +144,39 @@ def _round_robin(calls: dict, opts) -> dict[str, list[float]]:
 
 # --- one point ---------------------------------------------------------------------
 
-def _measure(m, k, n, w, masks, steps, opts, check):
-  """One (M, K, N): every variant's step time, the auto choice, and (check)
-  the error of cusparselt against xla."""
+# Timed first, all of them, before the process runs any cuSPARSELt product:
+# once one has run, the process's compute-bound kernels (cuBLAS's GEMMs, so
+# the dense and xla steps) run 2-7% slower until it ends (benchmarks/NOTES.md,
+# eighteenth session), which a dense layer in a user's dense run never pays.
+CLEAN = ("dense", "xla")
+CSLT = ("cusparselt plain", "cusparselt transposable")
+# With --budget, the share of it the clean pass may use; the cuSPARSELt pass
+# (its first calls search for an algorithm) gets the rest.
+CLEAN_SHARE = 0.4
+
+
+def _new_rec(m, k, n):
+  return {"m": m, "k": k, "n": n, "ms": {}, "first_s": {}, "bench_s": {}, "na": {}, "errors": {},
+          "seconds": 0.0}
+
+
+def _measure(rec, w, masks, steps, opts, names, check):
+  """Times the variants `names` of one (M, K, N) point into `rec` (medians
+  over `_round_robin`'s rounds) and, with `check`, the error of the
+  cuSPARSELt variants against xla with the same mask."""
   t_start = time.perf_counter()
-  rec = {"m": m, "k": k, "n": n, "ms": {}, "first_s": {}, "bench_s": {}, "na": {}, "errors": {}}
+  m, k, n = rec["m"], rec["k"], rec["n"]
   x, dy = _normal((m, k), 1), _normal((m, n), 2)
   outs, calls = {}, {}
-  t_bench = time.perf_counter()
-  for name, (impl, kind) in VARIANTS.items():
+  first = {}
+  for name in names:
+    impl, kind = VARIANTS[name]
     if impl == "cusparselt" and opts.cslt_reason is not None:
       rec["na"][name] = opts.cslt_reason
       continue
     args = (x, w, masks[kind] if kind else None, dy)
     try:
-      out, rec["first_s"][name] = _first(steps[impl], args, keep=check and name != "dense")
+      out, first[name] = _first(steps[impl], args, keep=check)
     except jsparse24.BackendUnavailableError as e:
       rec["na"][name] = str(e)
       continue
@@ -160,32 +187,30 @@ def _measure(m, k, n, w, masks, steps, opts, check):
     calls[name] = (steps[impl], args)
     if out is not None:
       outs[name] = out
-  t_bench = time.perf_counter() - t_bench - sum(rec["first_s"].values())
+  rec["first_s"].update(first)
   t0 = time.perf_counter()
   times = _round_robin(calls, opts)
-  rec["bench_s"] = {"all": time.perf_counter() - t0 + t_bench}
+  rec["bench_s"]["+".join(names)] = time.perf_counter() - t0
   for name, ts in times.items():
     rec["ms"][name] = statistics.median(ts) * 1e3
   if "dense" in times:
     ts = times["dense"]
     rec["dense_spread"] = (max(ts) - min(ts)) / statistics.median(ts)
-  if check:
-    err = {}
-    if "cusparselt plain" in outs and "xla" in outs:
-      err["plain"] = _max_err(outs["cusparselt plain"], outs["xla"])
-    if "cusparselt transposable" in outs:
-      try:
-        ref = jax.block_until_ready(steps["xla"](x, w, masks["transposable"], dy))
-        err["transposable"] = _max_err(outs["cusparselt transposable"], ref)
-        del ref
-      except Exception as e:  # pylint: disable=broad-except
-        rec["errors"]["check"] = f"{type(e).__name__}: {e}"[:500]
-    rec["err"] = err
+  if check and outs:
+    err = rec.setdefault("err", {})
+    for kind in KINDS:
+      if f"cusparselt {kind}" in outs:
+        try:
+          ref = jax.block_until_ready(steps["xla"](x, w, masks[kind], dy))
+          err[kind] = _max_err(outs[f"cusparselt {kind}"], ref)
+          del ref
+        except Exception as e:  # pylint: disable=broad-except
+          rec["errors"]["check"] = f"{type(e).__name__}: {e}"[:500]
   del outs
   rec["auto"] = {kind: jsparse24.selected_implementation(
       (m, k), (k, n), jnp.bfloat16, transposable=kind == "transposable") for kind in KINDS}
-  rec["seconds"] = time.perf_counter() - t_start
-  return rec
+  rec["seconds"] += time.perf_counter() - t_start
+  return time.perf_counter() - t_start
 
 
 def _complete(rec) -> bool:
@@ -290,14 +315,15 @@ def _row(rec):
           auto["plain"], auto["transposable"], spread, err_text]
 
 
-def _progress(rec, done, total):
+def _progress(rec, done, total, timed):
   ms, first = rec["ms"], rec["first_s"]
   parts = []
   for v, short in (("dense", "dense"), ("xla", "xla"), ("cusparselt plain", "cslt plain"),
                    ("cusparselt transposable", "cslt transp")):
     r = _ratio(rec, v) if v != "dense" else None
     parts.append(f"{short} " + (f"{ms[v]:.4g} ms" + (f" ({r:.3f}x)" if r is not None else "")
-                                if v in ms else "n/a" if v in rec["na"] else "ERROR"))
+                                if v in ms else "n/a" if v in rec["na"]
+                                else "ERROR" if v in rec.get("errors", {}) else "-"))
   text = " | ".join(parts)
   text += f" | auto {rec['auto']['plain']}/{rec['auto']['transposable']}"
   text += (" | first call " + "/".join(f"{first[v]:.2f}" if v in first else "-" for v in VARIANTS)
@@ -310,8 +336,8 @@ def _progress(rec, done, total):
         if kind in rec["err"] else "-" for kind in KINDS)
   if rec.get("errors"):
     text += " | ERRORS: " + "; ".join(f"{v}: {e[:120]}" for v, e in rec["errors"].items())
-  print(f"[{done:3d}/{total} {_elapsed():5.0f} s {rec['seconds']:5.1f} s] M={rec['m']} K={rec['k']}"
-        f" N={rec['n']}: {text}", flush=True)
+  print(f"[{timed}: {done:3d}/{total} {_elapsed():5.0f} s {rec['seconds']:5.1f} s] M={rec['m']}"
+        f" K={rec['k']} N={rec['n']}: {text}", flush=True)
 
 
 # --- report ------------------------------------------------------------------------
@@ -420,67 +446,113 @@ def main(argv=None):
         + (f"; budget {opts.budget:.0f} s" if opts.budget else ""), flush=True)
 
   skipped, failed, stop, count = [], [], None, 0
-  point_s: dict[int, float] = {}  # the longest point so far, per M
-  mask_s = 0.0  # the longest weight + masks build so far
+  pair_s: dict[str, float] = {}  # the longest weight + masks build so far
+  point_s: dict[str, dict[int, float]] = {"clean": {}, "cslt": {}}  # longest point per M
 
-  def estimate(m):
-    """Seconds the point at M may take: 1.5x the longest so far at this M or larger."""
-    longer = [s for mm, s in point_s.items() if mm >= m] or list(point_s.values()) or [0.0]
+  def estimate(which, m):
+    """Seconds a point of this pass at M may take: 1.5x the longest so far at
+    this M or larger."""
+    done = point_s[which]
+    longer = [s for mm, s in done.items() if mm >= m] or list(done.values()) or [0.0]
     return 1.5 * max(longer)
 
+  def inputs(k, n):
+    """The float32 weight of (K, N) and its two masks (the same bits in both
+    passes), or None where building them failed."""
+    t0 = time.perf_counter()
+    try:
+      w = jax.random.normal(jax.random.key(k * 31 + n), (k, n), jnp.float32)
+      masks = {"plain": jsparse24.Mask24.from_weights(w),
+               "transposable": jsparse24.Mask24.from_weights(w, transposable=True)}
+      jax.block_until_ready((w, masks))
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      print(f"K={k} N={n}: weight or masks FAILED ({type(e).__name__}); its points skipped",
+            flush=True)
+      return None
+    state["masks_s"][f"{k}x{n}"] = time.perf_counter() - t0
+    pair_s["max"] = max(pair_s.get("max", 0.0), time.perf_counter() - t0)
+    return w, masks
+
+  steps = {impl: _step(impl) for impl in ("dense", "xla", "cusparselt")}
+  # Pass 1: dense and xla at every point this run reaches, before any
+  # cuSPARSELt product (CLEAN).
+  clean_budget = opts.budget * CLEAN_SHARE if opts.budget else None
+  pending = []
   for k in ks:
     for n in ns:
       pair_ms = [m for m in ms if (m, k, n) not in done_keys]
       if not pair_ms:
         continue
-      ahead = 1.5 * mask_s + estimate(pair_ms[0])
-      if stop is None and opts.budget and _elapsed() + ahead > opts.budget:
-        stop = f"{_elapsed():.0f} s elapsed, the next masks and point estimated at {ahead:.0f} s"
+      ahead = 1.5 * pair_s.get("max", 0.0) + estimate("clean", pair_ms[0])
+      if stop is None and clean_budget and _elapsed() + ahead > clean_budget:
+        stop = (f"{_elapsed():.0f} s elapsed, the next masks and dense point estimated at"
+                f" {ahead:.0f} s past the clean pass's share of the budget")
       if stop is not None:
         skipped += [(m, k, n) for m in pair_ms]
         continue
-      t0 = time.perf_counter()
-      try:
-        w = jax.random.normal(jax.random.key(k * 31 + n), (k, n), jnp.float32)
-        masks = {"plain": jsparse24.Mask24.from_weights(w),
-                 "transposable": jsparse24.Mask24.from_weights(w, transposable=True)}
-        jax.block_until_ready((w, masks))
-      except Exception as e:  # pylint: disable=broad-except
-        traceback.print_exc()
-        print(f"K={k} N={n}: weight or masks FAILED ({type(e).__name__}); its points skipped",
-              flush=True)
+      built = inputs(k, n)
+      if built is None:
         failed += [(m, k, n) for m in pair_ms]
         continue
-      mask_s = max(mask_s, time.perf_counter() - t0)
-      state["masks_s"][f"{k}x{n}"] = time.perf_counter() - t0
-      steps = {impl: _step(impl) for impl in ("dense", "xla", "cusparselt")}
-      for i, m in enumerate(pair_ms):
-        if stop is None and opts.budget and _elapsed() + estimate(m) > opts.budget:
-          stop = f"{_elapsed():.0f} s elapsed, the next point estimated at {estimate(m):.0f} s"
+      for m in pair_ms:
+        if stop is None and clean_budget and _elapsed() + estimate("clean", m) > clean_budget:
+          stop = f"{_elapsed():.0f} s elapsed, the next dense point estimated at" \
+                 f" {estimate('clean', m):.0f} s"
         if stop is not None:
           skipped.append((m, k, n))
           continue
-        rec = _measure(m, k, n, w, masks, steps, opts, check=i == 0)
-        count += 1
-        point_s[m] = max(point_s.get(m, 0.0), rec["seconds"])
+        rec = _new_rec(m, k, n)
+        took = _measure(rec, *built, steps, opts, CLEAN, check=False)
+        point_s["clean"][m] = max(point_s["clean"].get(m, 0.0), took)
+        pending.append(rec)
         state["points"].append(rec)
-        _progress(rec, count, total)
-        state["wall_s"] = _elapsed()
-        _write_json(opts.json, state)
-      del w, masks, steps
+        _progress(rec, len(pending), total, "dense, xla")
+      del built
+  state["wall_s"] = _elapsed()
+  _write_json(opts.json, state)
+  # Pass 2: cuSPARSELt at the same points (the rest of the budget).
+  untimed = []
+  for (k, n), group in itertools.groupby(pending, key=lambda r: (r["k"], r["n"])):
+    group = list(group)
+    ahead = 1.5 * pair_s.get("max", 0.0) + estimate("cslt", group[0]["m"])
+    if opts.budget and _elapsed() + ahead > opts.budget:
+      untimed += group
+      continue
+    built = inputs(k, n) if opts.cslt_reason is None else (None, {"plain": None,
+                                                                  "transposable": None})
+    if built is None:
+      untimed += group
+      continue
+    for i, rec in enumerate(group):
+      if opts.budget and _elapsed() + estimate("cslt", rec["m"]) > opts.budget:
+        untimed.append(rec)
+        continue
+      took = _measure(rec, *built, steps, opts, CSLT, check=i == 0)
+      point_s["cslt"][rec["m"]] = max(point_s["cslt"].get(rec["m"], 0.0), took)
+      count += 1
+      _progress(rec, count, len(pending), "cusparselt")
+      state["wall_s"] = _elapsed()
+      _write_json(opts.json, state)
+    del built
+  if untimed:
+    stop = stop or f"{_elapsed():.0f} s elapsed, the budget's cuSPARSELt pass ran out"
+    skipped += [(r["m"], r["k"], r["n"]) for r in untimed]
 
   body, summary, missing = _report(state, ks, ns, ms)
   state["summary"], state["wall_s"] = summary, _elapsed()
   state["skipped"], state["failed"] = [list(s) for s in skipped], [list(s) for s in failed]
   _write_json(opts.json, state)
-  mine = state["points"][len(state["points"]) - count:]  # this run's points
+  mine = pending  # this run's points
   first = {v: sum(r["first_s"].get(v, 0.0) for r in mine) for v in VARIANTS}
   bench_s = sum(sum(r["bench_s"].values()) for r in mine)
   head = (f"{'; '.join(state['runs'])}. One linear-layer training step (y, dx, dw through"
           f" `jax.vjp`), bf16 activations, a float32 kernel cast to bf16 in the step (as"
           f" `nn.Dense(dtype=bfloat16)`), masking and compression included; {opts.repeats}"
           f" rounds of `_common.bench(min_time={opts.min_time}, repeats=1)` over the variants,"
-          f" median per variant. Ratios are dense / variant (> 1: faster"
+          f" median per variant; dense and xla at every point first, then cuSPARSELt (a process"
+          f" that has run a cuSPARSELt product runs cuBLAS's GEMMs 2-7% slower from then on:"
+          f" benchmarks/NOTES.md, eighteenth session). Ratios are dense / variant (> 1: faster"
           f" than dense). `auto`: the backend `jsparse24.selected_implementation` names now, with"
           f" its measured ratio (xla: the plain-mask time). Rel err: cusparselt's (y, dx, dw)"
           f" against xla's with the same mask, max over the three, at the first M of each"
