@@ -646,7 +646,8 @@ def breakdown(cfg: dict, result: dict, sparse_parts: dict) -> dict:
   opt_dense, opt_sparse = result["dense"]["optimizer_ms"], result["sparse"]["optimizer_ms"]
   out["mask_update_ms"] = opt_sparse - opt_dense
   out["mask_update_pct"] = 100 * out["mask_update_ms"] / sparse_step
-  out["other_dense_ms"] = dense_step - out["linear_dense_ms"] - out["attention_dense_ms"] - opt_dense
+  out["other_dense_ms"] = (dense_step - out["linear_dense_ms"] - out["attention_dense_ms"]
+                           - opt_dense)
   out["other_sparse_ms"] = (sparse_step - out["linear_sparse_ms"] - out["attention_sparse_ms"]
                             - opt_sparse)
   # (a) y (every forward pass, the recomputed one too) and dx at half cost,

@@ -171,29 +171,35 @@ def main(argv=None):
   n = len(devs)
   models = [("dense", False, "dense")] + [
       ("2:4" if g == "dense" else "2:4 MVUE", True, g) for g in grads]
-  rows, out = [], []
-  for layout in args.layouts.split(","):
-    res = {}
-    for name, sparse, grad in models:
+  layouts = args.layouts.split(",")
+  # The dense model at every layout first: once a cuSPARSELt product has run
+  # in the process, its compute-bound kernels run 2-7% slower until it ends
+  # (benchmarks/NOTES.md, eighteenth session), which a dense run never pays.
+  res = {layout: {} for layout in layouts}
+  out = []
+  for name, sparse, grad in models:
+    for layout in layouts:
       one, _ = run(sparse, args.d, args.tokens, devs[:1], layout, args.implementation, grad)
       many, coll = run(sparse, args.d, args.tokens, devs, layout, args.implementation, grad)
-      res[name] = (one, many, coll)
+      res[layout][name] = (one, many, coll)
+      dense_many = res[layout]["dense"][1]
       print(f"{layout:5s} {name:8s}: 1 GPU {one:.2f} ms, {n} GPUs {many:.2f} ms,"
-            f" scaling {one / many:.2f}x, dense {n}-GPU / this {res['dense'][1] / many:.3f}x,"
+            f" scaling {one / many:.2f}x, dense {n}-GPU / this {dense_many / many:.3f}x,"
             f" collectives {coll}", flush=True)
       out.append({"layout": layout, "model": name, "ms_1": one, f"ms_{n}": many,
                   "scaling": one / many, "collectives": coll})
-    for name, _, _ in models:
-      one, many, coll = res[name]
-      rows.append([layout, name, one, many, one / many, res["dense"][1] / many,
-                   ", ".join(f"{v} {k}" for k, v in coll.items() if v) or "none"])
+  rows = [[layout, name, *res[layout][name][:2], res[layout][name][0] / res[layout][name][1],
+           res[layout]["dense"][1] / res[layout][name][1],
+           ", ".join(f"{v} {k}" for k, v in res[layout][name][2].items() if v) or "none"]
+          for layout in layouts for name, _, _ in models]
   body = (f"{_common.environment()}\n\nMLP block d_model {args.d}, hidden {4 * args.d},"
           f" {args.tokens} tokens per step, bf16 compute / f32 params; 2:4 ="
           f" SparseDense(transposable=True, implementation={args.implementation!r}) + mask_update"
           + ("; 2:4 MVUE = the same with weight_grad='mvue'" if "mvue" in grads else "") + ";"
           f" one jax.jit step over a mesh of {n} GPUs (`tp`: data x model = 1 x {n}, up"
           f" column-parallel, down row-parallel; otherwise 1-D)"
-          f" (`benchmarks/bench_sharded.py`).\n\n"
+          f" (`benchmarks/bench_sharded.py`); the dense model timed at every layout before"
+          f" any 2:4 step ran.\n\n"
           + _common.table(["layout", "model", "1 GPU ms", f"{n} GPUs ms", "scaling",
                            f"dense {n}-GPU ms / this", f"collectives ({n} GPUs)"], rows))
   print(body)
