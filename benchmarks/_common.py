@@ -15,6 +15,13 @@ import jax.numpy as jnp
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
+# Why the benchmarks time every dense baseline before their process's first
+# cuSPARSELt product (the sentence their written results carry).
+CUSPARSELT_TAX = ("once a cuSPARSELt matmul has run in a process (ours, or PyTorch's),"
+                  " that process's compute-bound kernels run 2-7% slower until it ends"
+                  " (benchmarks/NOTES.md, eighteenth session), which a dense run in its own"
+                  " process never pays")
+
 
 def gpu_name() -> str:
   return jax.devices()[0].device_kind

@@ -91,24 +91,21 @@ class DenseBaselines:
     self._seconds: dict[tuple, float] = {}
 
   def measure(self, sections) -> None:
-    need = set()
-    if {"forward", "fp16"} & set(sections):
-      need |= {("fwd", shape, dt) for shape in SHAPES
-               for dt in ([jnp.bfloat16] if "forward" in sections else [])
-               + ([jnp.float16] if "fp16" in sections else [])}
-    if {"step", "mvue", "fp16"} & set(sections):
-      need |= {("step", shape, dt) for shape in SHAPES
-               for dt in ([jnp.bfloat16] if {"step", "mvue"} & set(sections) else [])
-               + ([jnp.float16] if "fp16" in sections else [])}
+    sections = set(sections)
+    fp16 = [jnp.float16] if "fp16" in sections else []
+    fwd_dtypes = ([jnp.bfloat16] if "forward" in sections else []) + fp16
+    step_dtypes = ([jnp.bfloat16] if {"step", "mvue"} & sections else []) + fp16
+    need = ({("fwd", shape, dt) for shape in SHAPES for dt in fwd_dtypes}
+            | {("step", shape, dt) for shape in SHAPES for dt in step_dtypes})
     if "sweep" in sections:
       need |= {("step", (m, k, n), jnp.bfloat16) for _, k, n in SHAPES for m in SWEEP_MS}
     for kind, (m, k, n), dt in sorted(need, key=str):
       x, w, dy = _dense_inputs(m, k, n, dt)
       fn, args = ((jax.jit(lambda x, w: x @ w), (x, w)) if kind == "fwd"
                   else (_step("dense", None), (x, w, dy)))
-      self._seconds[(kind, (m, k, n), jnp.dtype(dt).name)] = _common.bench(fn, *args)
-      print(f"dense baseline {kind} {m}x{k}x{n} {jnp.dtype(dt).name}:"
-            f" {self._seconds[(kind, (m, k, n), jnp.dtype(dt).name)] * 1e3:.3f} ms", flush=True)
+      t = self._seconds[(kind, (m, k, n), jnp.dtype(dt).name)] = _common.bench(fn, *args)
+      print(f"dense baseline {kind} {m}x{k}x{n} {jnp.dtype(dt).name}: {t * 1e3:.3f} ms",
+            flush=True)
     if "mlp" in sections:
       self._seconds[("mlp",)] = _mlp_time(sparse=False)
 
@@ -483,8 +480,7 @@ def main(argv=None):
   head = (f"{_common.environment()}; cuSPARSELt {_cusparselt_build.version(lib)}; measured copy"
           f" bandwidth {ctx['bw'] / 1e12:.3f} TB/s, dense bf16 peak {ctx['peak'] / 1e12:.0f}"
           f" TFLOP/s. Every dense XLA baseline is timed before the run's first cuSPARSELt"
-          f" product: a process that has run one runs its compute-bound kernels 2-7% slower"
-          f" from then on (benchmarks/NOTES.md, eighteenth session).\n\n")
+          f" product: {_common.CUSPARSELT_TAX}.\n\n")
   print(head, flush=True)
   sections = {
       "compress": section_compress, "forward": section_forward, "step": section_step,

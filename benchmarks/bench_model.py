@@ -773,11 +773,8 @@ def notes(cfg: dict) -> str:
       f" over {cfg['rebuild_every']} steps). Whole steps are timed in runs of >= 1 s of"
       f" consecutive steps, dispatched asynchronously as in a training loop (median of 5"
       f" runs). Every width's dense model is timed before any 2:4 step runs in the"
-      f" process: once a cuSPARSELt matmul has run, the CUDA context's compute-bound"
-      f" kernels stay 2-7% slower until the process ends (the same with PyTorch's"
-      f" cuSPARSELt; benchmarks/NOTES.md, eighteenth session), which a dense model in its"
-      f" own process never pays. The dense step timed again after the 2:4 steps shows that"
-      f" tax; the ratios use the first timing."
+      f" process: {_common.CUSPARSELT_TAX}. The dense step timed again after the 2:4 steps"
+      f" shows that; the ratios use the first timing."
       + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
          f" batch split over them, params and optimizer state replicated (no breakdown)."
          if cfg["devices"] > 1 else "")

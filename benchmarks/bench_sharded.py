@@ -199,7 +199,7 @@ def main(argv=None):
           f" one jax.jit step over a mesh of {n} GPUs (`tp`: data x model = 1 x {n}, up"
           f" column-parallel, down row-parallel; otherwise 1-D)"
           f" (`benchmarks/bench_sharded.py`); the dense model timed at every layout before"
-          f" any 2:4 step ran.\n\n"
+          f" any 2:4 step ran ({_common.CUSPARSELT_TAX}).\n\n"
           + _common.table(["layout", "model", "1 GPU ms", f"{n} GPUs ms", "scaling",
                            f"dense {n}-GPU ms / this", f"collectives ({n} GPUs)"], rows))
   print(body)
