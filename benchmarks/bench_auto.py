@@ -209,8 +209,9 @@ def _measure(rec, w, masks, steps, opts, names, check):
   del outs
   rec["auto"] = {kind: jsparse24.selected_implementation(
       (m, k), (k, n), jnp.bfloat16, transposable=kind == "transposable") for kind in KINDS}
-  rec["seconds"] += time.perf_counter() - t_start
-  return time.perf_counter() - t_start
+  took = time.perf_counter() - t_start
+  rec["seconds"] += took
+  return took
 
 
 def _complete(rec) -> bool:
@@ -446,7 +447,7 @@ def main(argv=None):
         + (f"; budget {opts.budget:.0f} s" if opts.budget else ""), flush=True)
 
   skipped, failed, stop, count = [], [], None, 0
-  pair_s: dict[str, float] = {}  # the longest weight + masks build so far
+  mask_s = 0.0  # the longest weight + masks build so far
   point_s: dict[str, dict[int, float]] = {"clean": {}, "cslt": {}}  # longest point per M
 
   def estimate(which, m):
@@ -459,6 +460,7 @@ def main(argv=None):
   def inputs(k, n):
     """The float32 weight of (K, N) and its two masks (the same bits in both
     passes), or None where building them failed."""
+    nonlocal mask_s
     t0 = time.perf_counter()
     try:
       w = jax.random.normal(jax.random.key(k * 31 + n), (k, n), jnp.float32)
@@ -471,7 +473,7 @@ def main(argv=None):
             flush=True)
       return None
     state["masks_s"][f"{k}x{n}"] = time.perf_counter() - t0
-    pair_s["max"] = max(pair_s.get("max", 0.0), time.perf_counter() - t0)
+    mask_s = max(mask_s, time.perf_counter() - t0)
     return w, masks
 
   steps = {impl: _step(impl) for impl in ("dense", "xla", "cusparselt")}
@@ -484,7 +486,7 @@ def main(argv=None):
       pair_ms = [m for m in ms if (m, k, n) not in done_keys]
       if not pair_ms:
         continue
-      ahead = 1.5 * pair_s.get("max", 0.0) + estimate("clean", pair_ms[0])
+      ahead = 1.5 * mask_s + estimate("clean", pair_ms[0])
       if stop is None and clean_budget and _elapsed() + ahead > clean_budget:
         stop = (f"{_elapsed():.0f} s elapsed, the next masks and dense point estimated at"
                 f" {ahead:.0f} s past the clean pass's share of the budget")
@@ -515,12 +517,12 @@ def main(argv=None):
   untimed = []
   for (k, n), group in itertools.groupby(pending, key=lambda r: (r["k"], r["n"])):
     group = list(group)
-    ahead = 1.5 * pair_s.get("max", 0.0) + estimate("cslt", group[0]["m"])
+    ahead = 1.5 * mask_s + estimate("cslt", group[0]["m"])
     if opts.budget and _elapsed() + ahead > opts.budget:
       untimed += group
       continue
-    built = inputs(k, n) if opts.cslt_reason is None else (None, {"plain": None,
-                                                                  "transposable": None})
+    # Without cuSPARSELt, `_measure` marks its variants n/a before reading w.
+    built = inputs(k, n) if opts.cslt_reason is None else (None, None)
     if built is None:
       untimed += group
       continue
@@ -543,9 +545,8 @@ def main(argv=None):
   state["summary"], state["wall_s"] = summary, _elapsed()
   state["skipped"], state["failed"] = [list(s) for s in skipped], [list(s) for s in failed]
   _write_json(opts.json, state)
-  mine = pending  # this run's points
-  first = {v: sum(r["first_s"].get(v, 0.0) for r in mine) for v in VARIANTS}
-  bench_s = sum(sum(r["bench_s"].values()) for r in mine)
+  first = {v: sum(r["first_s"].get(v, 0.0) for r in pending) for v in VARIANTS}
+  bench_s = sum(sum(r["bench_s"].values()) for r in pending)
   head = (f"{'; '.join(state['runs'])}. One linear-layer training step (y, dx, dw through"
           f" `jax.vjp`), bf16 activations, a float32 kernel cast to bf16 in the step (as"
           f" `nn.Dense(dtype=bfloat16)`), masking and compression included; {opts.repeats}"
