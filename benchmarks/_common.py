@@ -17,10 +17,10 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 # Why the benchmarks time every dense baseline before their process's first
 # cuSPARSELt product (the sentence their written results carry).
-CUSPARSELT_TAX = ("once a cuSPARSELt matmul has run in a process (ours, or PyTorch's),"
-                  " that process's compute-bound kernels run 2-7% slower until it ends"
-                  " (benchmarks/NOTES.md, eighteenth session), which a dense run in its own"
-                  " process never pays")
+CUSPARSELT_TAX = ("once a cuSPARSELt matmul (ours, or PyTorch's), or any kernel issuing the"
+                  " sparse MMA instruction, has run in a process, that process's compute-bound"
+                  " kernels run 2-7% slower until it ends (benchmarks/NOTES.md, eighteenth and"
+                  " nineteenth sessions), which a dense run in its own process never pays")
 
 
 def gpu_name() -> str:
