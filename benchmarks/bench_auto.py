@@ -34,12 +34,12 @@ ones with the same mask (relative error by norm).
 Output: the table (section "Automatic backend choice: training-step sweep" of
 benchmarks/results/<gpu>.md unless --no-write), all raw numbers (--json, written
 after every point), and per mask kind a K x N table of the smallest M from
-which cuSPARSELt is >= 1% faster than dense at that M and every larger M.
+which cuSPARSELt is >= 5% faster than dense at that M and every larger M (WIN).
 
 The full grid is 125 points x 4 programs, mostly compile time and cuSPARSELt's
 algorithm search (first call of each shape). `--budget` stops before a point
 that it estimates would end past that many seconds (counted from the end of
-the imports; the dense pass may use 40% of them), writes what it has and
+the imports; the dense pass may use 60% of them), writes what it has and
 lists the points left (a point whose cuSPARSELt pass did not run counts as
 left); `--resume` a JSON
 of an earlier run on the same GPU model measures only the points it lacks and
@@ -76,7 +76,13 @@ KINDS = ("plain", "transposable")
 VARIANTS = {"dense": ("dense", None), "xla": ("xla", "plain"),
             "cusparselt plain": ("cusparselt", "plain"),
             "cusparselt transposable": ("cusparselt", "transposable")}
-WIN = 1.01  # "faster than dense": dense / cusparselt >= WIN
+# "Faster than dense": dense / cusparselt >= WIN. A 5% margin, not 1%: the
+# dense step's rounds spread by ~11% (median over the H200 sweep of
+# 2026-11-25), and a cuSPARSELt product anywhere in a model slows the rest of
+# its process by 2-7% (benchmarks/NOTES.md, eighteenth and nineteenth
+# sessions), which a layer that gains only a few percent does not pay back.
+WIN = 1.05
+XLA_SLOW = 0.99  # the fallback "more than 1% slower than dense": dense / xla < this
 TOL = 1e-2  # relative error (by norm) of cusparselt against xla, bf16
 TITLE = "Automatic backend choice: training-step sweep"
 
@@ -151,8 +157,11 @@ def _round_robin(calls: dict, opts) -> dict[str, list[float]]:
 CLEAN = ("dense", "xla")
 CSLT = ("cusparselt plain", "cusparselt transposable")
 # With --budget, the share of it the clean pass may use; the cuSPARSELt pass
-# (its first calls search for an algorithm) gets the rest.
-CLEAN_SHARE = 0.4
+# (its first calls search for an algorithm) gets the rest. On an H200
+# (2026-11-25, nineteenth session) the clean pass over 55 points took 207 s
+# (the process's start included) and the cuSPARSELt pass over the same points
+# 111 s: at 0.4 the run stopped with 40% of its budget unused.
+CLEAN_SHARE = 0.6
 
 
 def _new_rec(m, k, n):
@@ -207,11 +216,16 @@ def _measure(rec, w, masks, steps, opts, names, check):
         except Exception as e:  # pylint: disable=broad-except
           rec["errors"]["check"] = f"{type(e).__name__}: {e}"[:500]
   del outs
-  rec["auto"] = {kind: jsparse24.selected_implementation(
-      (m, k), (k, n), jnp.bfloat16, transposable=kind == "transposable") for kind in KINDS}
+  rec["auto"] = _auto(m, k, n)
   took = time.perf_counter() - t_start
   rec["seconds"] += took
   return took
+
+
+def _auto(m, k, n):
+  """Per mask kind, the backend `implementation=None` runs at (M, K, N) here."""
+  return {kind: jsparse24.selected_implementation(
+      (m, k), (k, n), jnp.bfloat16, transposable=kind == "transposable") for kind in KINDS}
 
 
 def _complete(rec) -> bool:
@@ -344,6 +358,8 @@ def _progress(rec, done, total, timed):
 # --- report ------------------------------------------------------------------------
 
 def _report(state, ks, ns, ms):
+  for r in state["points"]:  # the rule as it is now (a resumed point kept its run's)
+    r["auto"] = _auto(r["m"], r["k"], r["n"])
   by = {(r["m"], r["k"], r["n"]): r for r in state["points"]}
   recs = [by[(m, k, n)] for k in ks for n in ns for m in ms if (m, k, n) in by]
   headers = ["M", "K", "N", "dense ms", "xla ms (dense/xla)", "cusparselt plain ms (dense/it)",
@@ -354,9 +370,9 @@ def _report(state, ks, ns, ms):
   notes = []
   xla = [r for r in (_ratio(rec, "xla") for rec in recs) if r is not None]
   if xla:
-    slow = sum(r < 1 / WIN for r in xla)
+    slow = sum(r < XLA_SLOW for r in xla)
     notes.append(f"xla against dense: median {statistics.median(xla):.3f}x, min {min(xla):.3f}x;"
-                 f" {slow} of {len(xla)} points more than 1% slower than dense.")
+                 f" {slow} of {len(xla)} points more than {1 - XLA_SLOW:.0%} slower than dense.")
   spreads = [r["dense_spread"] for r in recs if "dense_spread" in r]
   if spreads:
     notes.append(f"Dense step at {len(spreads)} points, (max - min) /"
@@ -439,9 +455,10 @@ def main(argv=None):
     state["points"] = [r for r in prev["points"] if _complete(r)]
     state["masks_s"] = prev.get("masks_s", {})
     print(f"resumed {len(state['points'])} complete points from {opts.resume}", flush=True)
-  state["runs"].append(env)
   done_keys = {(r["m"], r["k"], r["n"]) for r in state["points"]}
   todo = [(m, k, n) for k in ks for n in ns for m in ms if (m, k, n) not in done_keys]
+  if todo:  # a run that only reports (everything resumed) measured nothing
+    state["runs"].append(env)
   total = len(todo)
   print(f"grid K {ks}, N {ns}, M {ms}: {total} points to measure, 4 programs each"
         + (f"; budget {opts.budget:.0f} s" if opts.budget else ""), flush=True)
