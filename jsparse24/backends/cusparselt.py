@@ -55,21 +55,25 @@ ALIGN_KN = 64
 # M is padded to a multiple of this inside each product.
 PAD_M = 16
 # implementation=None takes this backend where benchmarks/bench_auto.py measured
-# the linear-layer training step at least 2% faster than dense XLA (y, dx, dw; a
+# the linear-layer training step at least 5% faster than dense XLA (y, dx, dw; a
 # float32 kernel cast to bfloat16 in the step, as nn.Dense(dtype=bfloat16) does;
-# masking and compression included), on an H100, 2026-11-23
-# (benchmarks/results/nvidia-h100-80gb-hbm3.md; the K = 16384, N >= 2048 cells
-# from that day's first sweep, with bfloat16 kernels). Per mask kind (transposable
+# masking and compression included), on an H200, 2026-11-25, with every dense
+# step timed before the process ran a cuSPARSELt product
+# (benchmarks/results/nvidia-h200.md, raw numbers in
+# benchmarks/results/data/auto_sweep_h200.json). Per mask kind (transposable
 # or not), rows K and columns N of AUTO_GRID: the smallest M (rows of x) from
-# which it did at that M and every larger M of the sweep (M = 2048 ... 16384);
+# which it did at that M and every larger M of the sweep (M = 1024 ... 16384);
 # None: at none. A shape between grid points takes the grid point below it (a
-# smaller product gains less); K or N below the grid never. At M = 1024 it lost
-# everywhere (0.47-0.94x with a transposable mask). Without a transposable mask
-# dx is dense and the gains are small (at most 1.10x), so few cells qualify.
-# K = 1024 and N = 1024 are None although the layer alone measured up to 1.10x
-# at M = 16384: inside a model (blocks in nn.scan, d_model 1024) the same
-# products measured no faster than XLA's dense ones (profile in
-# benchmarks/NOTES.md), and the whole step 0.95-0.98x of dense.
+# smaller product gains less); K or N below the grid never. The margin is 5%,
+# not 1%: the dense step's timing rounds spread by ~11% (median), and once any
+# sparse MMA has run, the whole process's compute-bound kernels run 2-7%
+# slower (the GPU's, not cuSPARSELt's: benchmarks/NOTES.md, nineteenth
+# session), a cost a layer that gains a few percent does not pay back.
+# Without a transposable mask dx is dense and the step gained at most 1.06x,
+# so one cell qualifies. K = 1024 and N = 1024 are None although some cells
+# measured 1.05-1.11x at M = 16384: inside a model (blocks in nn.scan,
+# d_model 1024) those products measured no faster than XLA's dense ones
+# (profile in benchmarks/NOTES.md), and the whole step 0.95-0.98x of dense.
 # Only bfloat16: float16 picks its algorithm with configuration ids checked on
 # an H200 with cuSPARSELt 0.8.0 only (SEARCH), and a wrong id kills the
 # process, which an automatic choice must not risk; name it explicitly.
@@ -77,17 +81,17 @@ AUTO_GRID = (1024, 2048, 4096, 8192, 16384)
 AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
     True: (  # transposable masks: y and dx on the sparse tensor cores
         (None, None, None, None, None),
-        (None, 8192, 4096, 2048, 2048),
+        (None, 16384, 16384, 8192, 4096),
+        (None, 16384, 4096, 4096, 4096),
         (None, 4096, 4096, 2048, 2048),
-        (None, 4096, 2048, 2048, 2048),
-        (None, 4096, 4096, 4096, 4096),
+        (None, 16384, 2048, 4096, 2048),
     ),
     False: (  # plain masks: y sparse, dx dense
         (None, None, None, None, None),
-        (None, None, None, None, 8192),
-        (None, 16384, 8192, None, 4096),
-        (None, None, 16384, 8192, 4096),
-        (None, None, None, 8192, 8192),
+        (None, None, None, None, None),
+        (None, None, None, None, None),
+        (None, None, None, None, 16384),
+        (None, None, None, None, None),
     ),
 }
 
