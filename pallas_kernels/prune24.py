@@ -60,6 +60,9 @@ class PruneConfig:
     the tile of `transposable_mask`) on an H100 (benchmarks/NOTES.md)."""
     del k, n
     if kind == "prune_transposable":  # either layout; rows stored contiguously
+      # Still the fastest with the search as a dynamic program (H200,
+      # cuSPARSELt layout: 0.653 ms; 64x64/4, 32x128/4, 128x128/8, 32x64/2
+      # 0.87-0.90 ms, 64x128/8 1.28 ms, strided stores 1.00 ms).
       return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=False)
     if kind == "prune":  # either layout: strided row lanes, no transpose of the tile
       # (Sparse24 layout on an H100: 0.308 ms at 16384^2 against 0.426 ms
@@ -118,19 +121,78 @@ def _nibble(word: jax.Array, shift: int) -> jax.Array:
   return ((word >> shift) & 0xF).astype(jnp.int32)
 
 
+def _pair_counts(q: int) -> np.ndarray:
+  """Column indicator `int[4]` of pair `q`."""
+  return np.bincount(_tiles.PAIRS[q], minlength=4)
+
+
+def _row_bits(r: int, q: int, below: np.ndarray) -> int:
+  """The bits of `_pattern_word` that row `r` keeping pair `q` sets, given
+  the kept counts of each column in rows r+1..3 (`below`): its pair code,
+  and for each of its columns the row as that column's i1 (nothing kept
+  below) or its i0 (one kept below)."""
+  word = _tiles.PAIR_CODES[q] << (16 + 4 * r)
+  for c in _tiles.PAIRS[q]:
+    assert below[c] in (0, 1), (r, q, below)
+    word |= r << (4 * c + (2 if below[c] == 0 else 0))
+  return word
+
+
+def _search_tables():
+  """The static plan of `_best_pattern`'s dynamic program (rows 3, 2, then 1,
+  then 0). LOW: the column counts u of rows 2-3 (19 of them) -> their
+  (q2, q3) choices in lexicographic order with the word bits of rows 2-3;
+  ROW1[q0][q1]: (u that rows 2-3 must have, word bits of row 1);
+  ROW0[q0]: word bits of row 0."""
+  low = {}
+  for q2, q3 in itertools.product(range(6), repeat=2):
+    u = _pair_counts(q2) + _pair_counts(q3)
+    bits = _row_bits(3, q3, np.zeros(4, int)) | _row_bits(2, q2, _pair_counts(q3))
+    low.setdefault(tuple(u), []).append((q2, q3, bits))
+  row1 = [[None] * 6 for _ in range(6)]
+  for q0, q1 in itertools.product(range(6), repeat=2):
+    u = 2 - _pair_counts(q0) - _pair_counts(q1)
+    row1[q0][q1] = (tuple(u), _row_bits(1, q1, u))
+  row0 = [_row_bits(0, q0, 2 - _pair_counts(q0)) for q0 in range(6)]
+  built = 0  # the plan builds each of the 90 patterns once, with its word
+  for q0, q1, q2, q3 in itertools.product(range(6), repeat=4):
+    u, bits1 = row1[q0][q1]
+    match = [b for a2, a3, b in low.get(u, []) if (a2, a3) == (q2, q3)]
+    if match:
+      assert match[0] | bits1 | row0[q0] == _pattern_word((q0, q1, q2, q3))
+      built += 1
+  assert built == 90 and len(low) == 19 and sum(len(m) for m in low.values()) == 36
+  return low, row1, row0
+
+
+_LOW, _ROW1, _ROW0 = _search_tables()
+
+
 def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
                   with_total: bool = False):
-  """The exact best 4x4 pattern of every block -> its uint32 `_pattern_word`.
+  """The best 4x4 pattern of every block -> its uint32 `_pattern_word`.
 
-  lanes[r][c]: element (r, c) of every block. Same order and arithmetic as
-  jsparse24._prune._prune_transposable: most kept non-finite elements, then
-  the float32 per-row sum of kept finite magnitudes, then the first pattern
-  in lexicographic row-pair order. `count_nonfinite=False` leaves out the
-  first criterion: exact only for blocks without NaN or inf (every count
-  is 0 there), and half the work. `with_total` (with count_nonfinite=False)
-  also returns the float32 sum of each block's magnitudes (subnormals
-  flushed), from two of each row's pair sums: not finite where the block
-  holds a NaN or inf (or where finite magnitudes overflow the sum).
+  lanes[r][c]: element (r, c) of every block. The rule and the float32
+  arithmetic of jsparse24._prune._prune_transposable: most kept non-finite
+  elements, then the per-row sums of kept finite magnitudes added from row
+  3 up, ties to the first pattern in lexicographic row-pair order (with
+  float32 rounding: the first row 0 pair, then the first row 1 pair, ...
+  among those whose remaining rows sum the most). `count_nonfinite=False`
+  leaves out the first criterion: exact only for blocks without NaN or inf
+  (every count is 0 there), and about half the work. `with_total` (with
+  count_nonfinite=False) also returns the float32 sum of each block's
+  magnitudes (subnormals flushed), from two of each row's pair sums: not
+  finite where the block holds a NaN or inf (or where finite magnitudes
+  overflow the sum).
+
+  The search is a dynamic program over the rows, from row 3 up: the best
+  rows 2-3 for each of the 19 column counts they can have (36 choices),
+  then for each row 0 pair the best row 1 pair with its best rows 2-3
+  (36), then the best row 0 pair (6): 78 sums and 52 comparisons, where
+  scoring the 90 patterns one by one took 216 sums and 89 comparisons
+  (benchmarks/NOTES.md, twentieth session). Each comparison keeps the
+  earlier candidate on ties, and every candidate list is in lexicographic
+  order, which gives the tie rule above.
   """
   mag = [[None] * 4 for _ in range(4)]
   nonfinite = [[None] * 4 for _ in range(4)]
@@ -145,56 +207,62 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
   pair_sum = [[mag[r][i] + mag[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
   pair_cnt = ([[nonfinite[r][i] + nonfinite[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
               if count_nonfinite else None)
+  shape = pair_sum[0][0].shape
 
-  # Score the 90 patterns (same float32 order as the reference) and pick the
-  # best with a tournament that prefers the earlier pattern on ties. Any
-  # tree of merges of adjacent ranges (earlier range first) gives the first
-  # maximum; merging as soon as two equal-sized ranges are ready (a binary
-  # counter) keeps at most 7 candidates live, where scoring all 90 first
-  # and then merging kept 90 live (register spills).
-  def merge(a, b):
+  # A candidate: ((count,) sum, word); a word is a Python int until a
+  # comparison has to select it.
+  def word_array(w):
+    return jnp.full(shape, w, jnp.uint32) if isinstance(w, int) else w
+
+  def merge(a, b):  # the better of two candidates, `a` (the earlier) on ties
+    if a is None:
+      return b
     if count_nonfinite:
       take_b = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] > a[1]))
     else:
-      take_b = b[0] > a[0]
-    return tuple(jnp.where(take_b, vb, va) for va, vb in zip(a, b))
+      take_b = b[1] > a[1]
+    word = jnp.where(take_b, word_array(b[2]), word_array(a[2]))
+    return (jnp.where(take_b, b[0], a[0]) if count_nonfinite else None,
+            jnp.where(take_b, b[1], a[1]), word)
 
-  stack = []  # (size, candidate); sizes strictly decrease down the stack
-  total = 0
-  for q0, q1 in itertools.product(range(6), range(6)):
-    s01 = pair_sum[0][q0] + pair_sum[1][q1]
-    c01 = pair_cnt[0][q0] + pair_cnt[1][q1] if count_nonfinite else None
-    for q2 in range(6):
-      cols = [0, 0, 0, 0]
-      for q in (q0, q1, q2):
-        for col in _tiles.PAIRS[q]:
-          cols[col] += 1
-      need = tuple(col for col in range(4) if cols[col] == 1)
-      if max(cols) > 2 or len(need) != 2:
-        continue
-      q3 = _tiles.PAIRS.index(need)
-      score = (s01 + pair_sum[2][q2]) + pair_sum[3][q3]
-      code = jnp.full(score.shape, _pattern_word((q0, q1, q2, q3)), jnp.uint32)
-      if count_nonfinite:
-        cand = ((c01 + pair_cnt[2][q2]) + pair_cnt[3][q3], score, code)
-      else:
-        cand = (score, code)
-      total += 1
-      size = 1
-      while stack and stack[-1][0] == size:
-        cand = merge(stack.pop()[1], cand)
-        size *= 2
-      stack.append((size, cand))
-  assert total == 90
-  best = stack.pop()[1]
-  while stack:
-    best = merge(stack.pop()[1], best)
+  def extend(r, q, cand, bits):  # row r keeps pair q on top of `cand`
+    count = pair_cnt[r][q] + cand[0] if count_nonfinite else None
+    return count, pair_sum[r][q] + cand[1], cand[2] | bits
+
+  # Rows 2-3: computed when first needed, dropped after their last use, so
+  # that few of the 19 are live at once (the search is register-bound).
+  uses = {}
+  for q0, q1 in itertools.product(range(6), repeat=2):
+    uses[_ROW1[q0][q1][0]] = uses.get(_ROW1[q0][q1][0], 0) + 1
+  low = {}
+
+  def rows23(u):
+    if u not in low:
+      best = None
+      for q2, q3, bits in _LOW[u]:
+        start = (pair_cnt[3][q3] if count_nonfinite else None, pair_sum[3][q3], 0)
+        best = merge(best, extend(2, q2, start, bits))
+      low[u] = best
+    cand = low[u]
+    uses[u] -= 1
+    if not uses[u]:
+      del low[u]
+    return cand
+
+  best = None
+  for q0 in range(6):
+    best1 = None
+    for q1 in range(6):
+      u, bits = _ROW1[q0][q1]
+      best1 = merge(best1, extend(1, q1, rows23(u), bits))
+    best = merge(best, extend(0, q0, best1, _ROW0[q0]))
+  word = word_array(best[2])
   if with_total:
     assert not count_nonfinite
     whole = _tiles.PAIRS.index((0, 1)), _tiles.PAIRS.index((2, 3))
     block_sum = functools.reduce(jnp.add, [pair_sum[r][q] for r in range(4) for q in whole])
-    return best[-1], block_sum
-  return best[-1]
+    return word, block_sum
+  return word
 
 
 def _nonfinite(a: jax.Array) -> jax.Array:
@@ -205,12 +273,17 @@ def _nonfinite(a: jax.Array) -> jax.Array:
 
 
 def _best_pattern_of_tile(lanes: list[list[jax.Array]]) -> jax.Array:
-  """`_best_pattern`, counting non-finite elements only in tiles that hold
-  one (a branch per tile: the common tile takes the cheaper search)."""
-  finite = functools.reduce(jnp.logical_and, [
-      jnp.abs(x.astype(jnp.float32)) <= _FLOAT32_MAX for row in lanes for x in row])
-  return jax.lax.cond(jnp.min(finite.astype(jnp.int32)) == 0, lambda: _best_pattern(lanes, True),
-                      lambda: _best_pattern(lanes, False))
+  """`_best_pattern`, counting non-finite elements only in tiles that may
+  hold one: the search without the counts runs on every tile, and a tile
+  whose magnitudes do not sum to a finite float32 (a NaN or inf, or a
+  harmless false alarm where huge finite ones overflow) is searched again
+  with them (a branch per tile). The sum comes from pair sums the search
+  already has, where testing every element for NaN or inf before the
+  search took ~3 operations per element (benchmarks/NOTES.md, twentieth
+  session)."""
+  words, block_sum = _best_pattern(lanes, False, with_total=True)
+  suspect = jnp.logical_not(jnp.sum(block_sum) <= _FLOAT32_MAX)
+  return jax.lax.cond(suspect, lambda: _best_pattern(lanes, True), lambda: words)
 
 
 def _quadrants(code: jax.Array) -> list[list[jax.Array]]:

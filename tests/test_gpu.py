@@ -35,13 +35,19 @@ def test_prune_compress_matches_reference(shape, transposed, dtype):
 
 
 def _adversarial(shape, dtype, seed=0):
-  """Random weights with NaN, +-inf, zeros, equal values, subnormals and a
-  quarter of the rows rounded to quarters (tied pattern scores)."""
+  """Random weights with NaN, +-inf, zeros, equal values, subnormals, a
+  quarter of the rows rounded to quarters (tied pattern scores), 8 rows of
+  small integers beside 2^24 and 2^25 (patterns that tie only through
+  float32 rounding), and huge finite values whose sums overflow."""
   k, n = shape
   w = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
   w = w.at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf).at[9 % k, 2].set(-jnp.inf)
   w = w.at[3].set(0.0).at[k // 2:k // 2 + 4].set(1.0).at[k - 4:, :64].set(1e-40)
   w = w.at[k // 4:k // 2].set(jnp.round(w[k // 4:k // 2] * 4) / 4)
+  big = jnp.asarray([0.0, 1.0, 2.0, 3.0, 2.0**24, 1.5 * 2.0**24, 2.0**25])
+  rows = w[k // 2 + 4:k // 2 + 12].shape
+  w = w.at[k // 2 + 4:k // 2 + 12].set(jax.random.choice(jax.random.key(seed + 1), big, rows))
+  w = w.at[k // 2 + 12:k // 2 + 20, 64:192].set(3e38 * jnp.tanh(w[k // 2 + 12:k // 2 + 20, 64:192]))
   return w.astype(dtype)
 
 

@@ -78,13 +78,18 @@ def test_prune_compress_plain_is_bit_identical(shape, dtype, strided):
 def _adversarial(seed, shape, dtype):
   """`_weights`' NaN, inf, zero row and tie, plus rows of equal values,
   subnormals, and rows rounded to quarters (tied pattern scores), in the
-  first 8 rows of every 64; elsewhere plain random values (tiles with no
-  NaN or inf take the kernel's cheaper search)."""
+  first 8 rows of every 64, and in the next 8 small integers beside 2^24 and
+  2^25 (where float32 sums drop them: patterns tie only by rounding, which
+  the order of the additions decides); elsewhere plain random values (tiles
+  with no NaN or inf take the kernel's cheaper search)."""
   w = _weights(seed, shape, jnp.float32)
   k = shape[0]
+  big = jnp.asarray([0.0, 1.0, 2.0, 3.0, 2.0**24, 1.5 * 2.0**24, 2.0**25])
   for start in range(0, k, 64):
     w = w.at[start + 4:start + 6].set(1.0).at[start + 6, :4].set(1e-40)
     w = w.at[start:start + 8:3].set(jnp.round(w[start:start + 8:3] * 4) / 4)
+    rows = w[start + 8:start + 16].shape
+    w = w.at[start + 8:start + 16].set(jax.random.choice(jax.random.key(seed + start), big, rows))
   return w.astype(dtype)
 
 
