@@ -80,6 +80,14 @@ def pick(lanes: list[jax.Array], idx: jax.Array) -> jax.Array:
   return out
 
 
+def pick_pair(lanes: list[jax.Array], i0: jax.Array, i1: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(lanes[i0], lanes[i1]) for the kept pair i0 < i1 of 4 lanes: i0 is one
+  of 0-2 and i1 one of 1-3, so each takes two selects (`pick`: three)."""
+  first = jnp.where(i0 == 0, lanes[0], jnp.where(i0 == 1, lanes[1], lanes[2]))
+  second = jnp.where(i1 == 3, lanes[3], jnp.where(i1 == 2, lanes[2], lanes[1]))
+  return first, second
+
+
 def compress_lanes(lanes: list[jax.Array], keep: list[jax.Array] | None):
   """Compresses 8 lanes (two groups of 4: lanes 0-3, then 4-7), any tile shape.
 
@@ -93,6 +101,9 @@ def compress_lanes(lanes: list[jax.Array], keep: list[jax.Array] | None):
   slots, codes = [], []
   for g in (0, 4):
     i0, i1 = first_last(keep[g:g + 4])
+    # (Selecting the values by the keeps themselves, as `first_last` selects
+    # the indices, made the plain prune kernel 10% slower on an H200:
+    # benchmarks/NOTES.md, twentieth session.)
     slots += [pick(lanes[g:g + 4], i0), pick(lanes[g:g + 4], i1)]
     codes.append(i0 | (i1 << 2))
   return slots, (codes[0] | (codes[1] << 4)).astype(jnp.uint8)

@@ -299,13 +299,35 @@ def _quadrants(code: jax.Array) -> list[list[jax.Array]]:
 
 def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: bool,
                                strided_stores: bool, store_meta=None):
-  """Transposable prune + compress of a `[bk, bn]` tile in one kernel, the
-  search chosen per tile by `_best_pattern_of_tile` (`prune_compress` and
-  the rebuild kernel; `transposable_mask` runs the two passes below).
-  Arguments as `_write_transposable`'s."""
-  _write_transposable(w_ref, _best_pattern_of_tile(_block_lanes(w_ref, 4)), out_refs,
-                      k_major=k_major, with_values=with_values,
-                      strided_stores=strided_stores, store_meta=store_meta)
+  """Transposable prune + compress of a `[bk, bn]` tile in one kernel
+  (`prune_compress` and the rebuild kernel; `transposable_mask` runs the
+  two passes below). Arguments as `_write_transposable`'s.
+
+  With values (`prune_compress`), the search without the non-finite counts
+  runs on each of the four quadrants of the tile's 8x8 regions, from the
+  lanes that the outputs are written from, so its pattern words need no
+  transposes; a tile whose magnitudes do not sum to a finite float32 is
+  searched again whole with the counts (a branch, as
+  `_best_pattern_of_tile`). At 16384^2 bf16 on an H200 that took 0.516 ms
+  against 0.629 ms for one search of the tile (its words split into the
+  quadrants by register transposes), and 26 s to compile against 11 s
+  (benchmarks/NOTES.md, twentieth session). The mask alone (the rebuild
+  kernel, compiled into every training step, which rebuilds once in many
+  steps) keeps the one search."""
+  if not with_values:
+    _write_transposable(w_ref, _quadrants(_best_pattern_of_tile(_block_lanes(w_ref, 4))),
+                        out_refs, k_major=k_major, with_values=False,
+                        strided_stores=strided_stores, store_meta=store_meta)
+    return
+  lanes = [[_block_lanes(w_ref, 8, 4 * t, 4 * b) for b in range(2)] for t in range(2)]
+  found = [[_best_pattern(lanes[t][b], False, with_total=True) for b in range(2)]
+           for t in range(2)]
+  region_sum = functools.reduce(jnp.add, [found[t][b][1] for t in range(2) for b in range(2)])
+  suspect = jnp.logical_not(jnp.sum(region_sum) <= _FLOAT32_MAX)
+  quads = jax.lax.cond(suspect, lambda: _quadrants(_best_pattern(_block_lanes(w_ref, 4), True)),
+                       lambda: [[found[t][b][0] for b in range(2)] for t in range(2)])
+  _write_transposable(w_ref, quads, out_refs, k_major=k_major, with_values=True,
+                      strided_stores=strided_stores, store_meta=store_meta, lanes=lanes)
 
 
 def _transposable_common_pass(w_ref, *refs, **kw):
@@ -320,7 +342,7 @@ def _transposable_common_pass(w_ref, *refs, **kw):
   suspect = jnp.logical_not(jnp.sum(block_sum) <= _FLOAT32_MAX).astype(jnp.int32)
   first = jax.lax.broadcasted_iota(jnp.int32, suspect_ref.shape, 1) == 0
   suspect_ref[...] = jnp.where(first, suspect, 0)
-  _write_transposable(w_ref, words, out_refs, **kw)
+  _write_transposable(w_ref, _quadrants(words), out_refs, **kw)
 
 
 def _transposable_exact_pass(w_ref, suspect_ref, *refs, **kw):
@@ -331,16 +353,19 @@ def _transposable_exact_pass(w_ref, suspect_ref, *refs, **kw):
 
   @pl.when(jnp.max(suspect_ref[...]) != 0)
   def _():
-    _write_transposable(w_ref, _best_pattern(_block_lanes(w_ref, 4), True), out_refs, **kw)
+    _write_transposable(w_ref, _quadrants(_best_pattern(_block_lanes(w_ref, 4), True)), out_refs,
+                        **kw)
 
 
-def _write_transposable(w_ref, words: jax.Array, out_refs, *, k_major: bool,
-                        with_values: bool, strided_stores: bool, store_meta=None):
+def _write_transposable(w_ref, quads: list[list[jax.Array]], out_refs, *, k_major: bool,
+                        with_values: bool, strided_stores: bool, store_meta=None,
+                        lanes=None):
   """Writes transposable pruning's outputs for a `[bk, bn]` tile (bk, bn
-  multiples of 8) whose 4x4 blocks chose the patterns `words` (`[bk/4,
-  bn/4]`, `_pattern_word`s): both compressed copies and both metadata,
-  from the lanes of the four quadrants of the tile's 8x8 regions (loaded
-  with stride 8), so that every output row is made of whole lanes:
+  multiples of 8) whose 4x4 blocks chose the patterns `quads` (`_pattern_word`s,
+  as `_quadrants` splits them: quads[t][b] `[bk/8, bn/8]`): both compressed
+  copies and both metadata, from the lanes of the four quadrants of the
+  tile's 8x8 regions (`lanes[t][b]`, `_block_lanes(w_ref, 8, 4t, 4b)`;
+  loaded here if not given), so that every output row is made of whole lanes:
   `strided_stores` stores each lane with a strided store, else the lanes
   of a row are interleaved in registers (`join_lanes`) and stored
   contiguously.
@@ -354,18 +379,15 @@ def _write_transposable(w_ref, words: jax.Array, out_refs, *, k_major: bool,
     (meta_ref,) = out_refs
   bk, bn = w_ref.shape
   rows8, cols8 = bk // 8, bn // 8
-  # [t][b] [bk/8, bn/8]: the blocks' pattern words (`_pattern_word`).
-  quads = _quadrants(words)
-  lanes = ([[_block_lanes(w_ref, 8, 4 * t, 4 * b) for b in range(2)] for t in range(2)]
-           if with_values else None)
+  if with_values and lanes is None:
+    lanes = [[_block_lanes(w_ref, 8, 4 * t, 4 * b) for b in range(2)] for t in range(2)]
 
   if with_values:  # the N-compressed copy: row r keeps its pair's columns
     for t, r in itertools.product(range(2), range(4)):
       slots, nibbles = [], []
       for b in range(2):
         nibble = _nibble(quads[t][b], 16 + 4 * r)
-        i0, i1 = nibble & 3, nibble >> 2
-        slots += [_tiles.pick(lanes[t][b][r], i0), _tiles.pick(lanes[t][b][r], i1)]
+        slots += _tiles.pick_pair(lanes[t][b][r], nibble & 3, nibble >> 2)
         nibbles.append(nibble)
       rows = pl.ds(4 * t + r, rows8, stride=8)
       if strided_stores:
@@ -383,9 +405,8 @@ def _write_transposable(w_ref, words: jax.Array, out_refs, *, k_major: bool,
       nibble = _nibble(quads[t][b], 4 * c)
       nibbles.append(nibble)
       if with_values:
-        i0, i1 = nibble & 3, nibble >> 2
         col = [lanes[t][b][r][c] for r in range(4)]
-        slots += [_tiles.pick(col, i0), _tiles.pick(col, i1)]  # slot l = 2t + s
+        slots += _tiles.pick_pair(col, nibble & 3, nibble >> 2)  # slot l = 2t + s
     cols = pl.ds(4 * b + c, cols8, stride=8)
     meta_tile = (nibbles[0] | (nibbles[1] << 4)).T
     if store_meta is None:
