@@ -60,9 +60,10 @@ class PruneConfig:
     the tile of `transposable_mask`) on an H100 (benchmarks/NOTES.md)."""
     del k, n
     if kind == "prune_transposable":  # either layout; rows stored contiguously
-      # Still the fastest with the search as a dynamic program (H200,
-      # cuSPARSELt layout: 0.653 ms; 64x64/4, 32x128/4, 128x128/8, 32x64/2
-      # 0.87-0.90 ms, 64x128/8 1.28 ms, strided stores 1.00 ms).
+      # Still the fastest with the search as a dynamic program, one search
+      # per tile (H200, cuSPARSELt layout: 0.653 ms; 64x64/4, 32x128/4,
+      # 128x128/8, 32x64/2 0.87-0.90 ms, 64x128/8 1.28 ms, strided stores
+      # 1.00 ms); not swept again since prune_compress searches per quadrant.
       return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=False)
     if kind == "prune":  # either layout: strided row lanes, no transpose of the tile
       # (Sparse24 layout on an H100: 0.308 ms at 16384^2 against 0.426 ms
