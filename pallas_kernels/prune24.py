@@ -41,9 +41,10 @@ class PruneConfig:
   num_stages: int = 1
   # Load the lanes of the tile with strided loads (True) or separate them in
   # registers after one contiguous load (False): the 8 row lanes of the
-  # K-compressed values (plain pruning in either layout, and compression
-  # with a stored mask in layout="cusparselt"; the values are then stored
-  # with strided stores there, joined in registers in the Sparse24 layout).
+  # K-compressed values (plain pruning and compression with a stored mask,
+  # in either layout; the values are then stored with strided stores in
+  # the cuSPARSELt layout, their slots transposed and joined in registers in
+  # the Sparse24 layout).
   # With a stored mask's transposed copy (either layout), True also decodes
   # each row's keep from its code byte (`_tiles.keep_rows`) where False
   # joins the keep lanes and transposes the tile.
@@ -69,19 +70,24 @@ class PruneConfig:
       # (Sparse24 layout on an H100: 0.308 ms at 16384^2 against 0.426 ms
       # for the tile transposed in registers, the best of that way).
       return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
+    # Both layouts from the codes transposed by XLA and the row lanes
+    # (`_apply_kernel`); `tune_prune.py --layout cusparselt` on an H200,
+    # 16384^2, kernel alone (fifteenth session), and a sweep of the Sparse24
+    # layout (twentieth session).
+    if kind == "apply_transposed":  # row lanes forward, each row's keep decoded in place
+      # cuSPARSELt layout: 0.410 ms against 0.424 ms for 64x128, 8 warps
+      # (0.53 ms with the codes transposed in the kernel). Sparse24: 0.402
+      # ms (64x128/8 0.411, 128x64/8 0.447), where the weight tile
+      # transposed in registers took 0.433 ms at 128x64/8.
+      return cls(block_k=32, block_n=128, num_warps=4, strided_lanes=True)
     if layout == "cusparselt":
-      # Both from the codes transposed by XLA, so that nothing in the kernel
-      # transposes a tile (`_apply_kernel`); `tune_prune.py --layout
-      # cusparselt` on an H200, 16384^2, kernel alone (fifteenth session).
-      if kind == "apply_transposed":  # row lanes forward, each row's keep decoded in place
-        # 0.410 ms against 0.424 ms for 64x128, 8 warps (the default
-        # before, 0.53 ms with the codes transposed in the kernel).
-        return cls(block_k=32, block_n=128, num_warps=4, strided_lanes=True)
       # Strided row lanes, no transpose: 0.235 ms (the tile transposed in
       # registers, 128x64, 8 warps, the default before: 0.34-0.35 ms on an
       # H100, benchmarks/NOTES.md).
       return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=True)
-    return cls(block_k=128, block_n=64, num_warps=8)
+    # Sparse24, the four value slots transposed: 0.2375 ms (0.2457 ms with
+    # the weight tile transposed in registers at 128x64/8).
+    return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
 
 
 _TINY = float(np.finfo(np.float32).tiny)  # subnormal magnitudes score 0
@@ -462,19 +468,24 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: 
 
 def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
                   k_major: bool, strided_lanes: bool):
-  if k_major and strided_lanes:
+  if strided_lanes:
     # The codes arrive transposed (`[bk/8, bn]`, by XLA before the call):
     # transposed here, the code tile went through shared memory, and the
     # transposable kernel with its metadata passes took 0.533 ms at 16384^2
     # on an H200 against 0.447 ms with XLA's transpose (benchmarks/NOTES.md,
-    # fifteenth session). Nothing in this path transposes a tile.
+    # fifteenth session). The K-compressed copy comes from the row lanes, as
+    # plain pruning's does: in the cuSPARSELt layout nothing transposes a
+    # tile; in the Sparse24 layout only its four value slots are transposed
+    # (`_prune_kernel`), not the whole weight tile.
     meta_kn = meta_in_ref[...].astype(jnp.int32)
     keep_kn = _tiles.keep_from_meta(meta_kn)  # 8 x [bk/8, bn]
     slots, _ = _tiles.compress_lanes(_row_lanes(w_ref), keep_kn)
-    store_k_major(values_ref, slots)
+    if k_major:
+      store_k_major(values_ref, slots)
+    else:  # Sparse24: values [bn, bk/2], column 4r + s = slot s's row r
+      values_ref[...] = _tiles.join_lanes([slot.T for slot in slots])
   else:
     meta_in = meta_in_ref[...]  # [bn, bk/8]
-    meta_kn = meta_in.astype(jnp.int32).T if strided_lanes else None  # [bk/8, bn]
     values, _ = _tiles.compress_rows(w_ref[...].T, _tiles.keep_from_meta(meta_in))
     values_ref[...] = values.T if k_major else values
   if transposed:
@@ -946,7 +957,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
                constant_values=0x44)
   out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed,
                                   k_major=k_major)
-  if k_major and cfg.strided_lanes:  # the codes transposed for the kernel (`_apply_kernel`)
+  if cfg.strided_lanes:  # the codes transposed for the kernel (`_apply_kernel`)
     mp, codes_spec = mp.T, pl.BlockSpec((bk // 8, bn), lambda i, j: (i, j))
   else:
     codes_spec = pl.BlockSpec((bn, bk // 8), lambda i, j: (j, i))
