@@ -452,13 +452,20 @@ def store_k_major(values_ref, slots: list[jax.Array]) -> None:
     values_ref[pl.ds(s, rows, stride=4), :] = slot
 
 
+def _store_slots(values_ref, slots: list[jax.Array], k_major: bool) -> None:
+  """Stores 4 value slots `[bk/8, bn]` of row lanes in either layout:
+  cuSPARSELt's (`store_k_major`), or Sparse24's values `[bn, bk/2]`, whose
+  column 4r + s is slot s's row r (the slots transposed and joined)."""
+  if k_major:
+    store_k_major(values_ref, slots)
+  else:
+    values_ref[...] = _tiles.join_lanes([slot.T for slot in slots])
+
+
 def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: bool):
   if strided_lanes:  # row lanes by strided loads: compressed along K with no transpose
     slots, meta = _tiles.compress_lanes(_row_lanes(w_ref), None)  # meta [bk/8, bn]
-    if k_major:  # layout="cusparselt"
-      store_k_major(values_ref, slots)
-    else:  # Sparse24: values [bn, bk/2], column 4r + s = slot s's row r
-      values_ref[...] = _tiles.join_lanes([slot.T for slot in slots])
+    _store_slots(values_ref, slots, k_major)
     meta_ref[...] = meta.astype(jnp.int32).T.astype(jnp.uint8)
     return
   values, meta = _tiles.compress_rows(w_ref[...].T, None)
@@ -480,10 +487,7 @@ def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
     meta_kn = meta_in_ref[...].astype(jnp.int32)
     keep_kn = _tiles.keep_from_meta(meta_kn)  # 8 x [bk/8, bn]
     slots, _ = _tiles.compress_lanes(_row_lanes(w_ref), keep_kn)
-    if k_major:
-      store_k_major(values_ref, slots)
-    else:  # Sparse24: values [bn, bk/2], column 4r + s = slot s's row r
-      values_ref[...] = _tiles.join_lanes([slot.T for slot in slots])
+    _store_slots(values_ref, slots, k_major)
   else:
     meta_in = meta_in_ref[...]  # [bn, bk/8]
     values, _ = _tiles.compress_rows(w_ref[...].T, _tiles.keep_from_meta(meta_in))
