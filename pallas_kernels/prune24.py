@@ -273,9 +273,10 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
 
 
 def _nonfinite(a: jax.Array) -> jax.Array:
-  """NaN or +-inf, for magnitudes `a = |x|`: one comparison (NaN compares
-  false). The search is bound by the integer/logic pipe (benchmarks/NOTES.md),
-  so the per-element tests are kept to the fewest operations."""
+  """NaN or +-inf, for magnitudes `a = |x|` or sums of them: one comparison
+  (NaN compares false). The search is bound by the integer/logic pipe
+  (benchmarks/NOTES.md), so the per-element tests are kept to the fewest
+  operations."""
   return jnp.logical_not(a <= _FLOAT32_MAX)
 
 
@@ -289,7 +290,7 @@ def _best_pattern_of_tile(lanes: list[list[jax.Array]]) -> jax.Array:
   search took ~3 operations per element (benchmarks/NOTES.md, twentieth
   session)."""
   words, block_sum = _best_pattern(lanes, False, with_total=True)
-  suspect = jnp.logical_not(jnp.sum(block_sum) <= _FLOAT32_MAX)
+  suspect = _nonfinite(jnp.sum(block_sum))
   return jax.lax.cond(suspect, lambda: _best_pattern(lanes, True), lambda: words)
 
 
@@ -330,7 +331,7 @@ def _prune_transposable_kernel(w_ref, *out_refs, k_major: bool, with_values: boo
   found = [[_best_pattern(lanes[t][b], False, with_total=True) for b in range(2)]
            for t in range(2)]
   region_sum = functools.reduce(jnp.add, [found[t][b][1] for t in range(2) for b in range(2)])
-  suspect = jnp.logical_not(jnp.sum(region_sum) <= _FLOAT32_MAX)
+  suspect = _nonfinite(jnp.sum(region_sum))
   quads = jax.lax.cond(suspect, lambda: _quadrants(_best_pattern(_block_lanes(w_ref, 4), True)),
                        lambda: [[found[t][b][0] for b in range(2)] for t in range(2)])
   _write_transposable(w_ref, quads, out_refs, k_major=k_major, with_values=True,
@@ -346,7 +347,7 @@ def _transposable_common_pass(w_ref, *refs, **kw):
   where huge finite ones overflow), else 0."""
   *out_refs, suspect_ref = refs
   words, block_sum = _best_pattern(_block_lanes(w_ref, 4), False, with_total=True)
-  suspect = jnp.logical_not(jnp.sum(block_sum) <= _FLOAT32_MAX).astype(jnp.int32)
+  suspect = _nonfinite(jnp.sum(block_sum)).astype(jnp.int32)
   first = jax.lax.broadcasted_iota(jnp.int32, suspect_ref.shape, 1) == 0
   suspect_ref[...] = jnp.where(first, suspect, 0)
   _write_transposable(w_ref, _quadrants(words), out_refs, **kw)
