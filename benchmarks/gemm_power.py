@@ -52,6 +52,9 @@ class Sampler:
                            nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)))
       time.sleep(0.05)
 
+  def stop(self):
+    self._stop = True
+
   def between(self, t0, t1):
     s = [q for q in self.samples if t0 <= q[0] <= t1]
     return {"W": statistics.mean(q[1] for q in s), "MHz": statistics.mean(q[2] for q in s),
@@ -127,7 +130,7 @@ def main():
     w_t, x_t = operands.pop((m, k, n))
     keep = torch.tensor([1, 1, 0, 0], device="cuda", dtype=torch.bool).repeat(n, k // 4)
     packed = torch._cslt_compress(w_t * keep)  # pylint: disable=protected-access
-    # (deprecated in torch 2.11 for torch._C._cusparselt.mm_search, which works alike)
+    # (torch 2.11 warns that this is deprecated, for torch._C._cusparselt.mm_search)
     alg = torch._cslt_sparse_mm_search(packed, x_t)  # pylint: disable=protected-access
     alg = alg[0] if isinstance(alg, (tuple, list)) else int(alg)
     sparse = lambda packed=packed, x_t=x_t, alg=alg: torch._cslt_sparse_mm(  # noqa: E731  pylint: disable=protected-access
@@ -138,7 +141,7 @@ def main():
     row["sparse"]["paced_ms"] = paced(torch, sparse)
     print(f"{m}x{k}x{n} 2:4: {json.dumps(row['sparse'])}", flush=True)
     del packed, w_t, x_t
-  sampler._stop = True  # pylint: disable=protected-access
+  sampler.stop()
   print("\n| M x K x N | dense ms | W | MHz | J/GEMM | 2:4 ms | W | MHz | J/GEMM"
         " | speedup (sustained) | energy ratio | dense paced ms | 2:4 paced ms"
         " | speedup (paced) | power-capped (dense / 2:4) |")
