@@ -115,7 +115,7 @@ def main():
   sampler = Sampler()
   print(json.dumps(sampler.limits()), f"torch {torch.__version__}", flush=True)
   shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
-  operands, rows = {}, []
+  operands, rows = [], []
   for m, k, n in shapes:  # dense first: no cuSPARSELt product has run yet
     torch.manual_seed(0)
     w_t = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -124,23 +124,24 @@ def main():
     row = {"shape": [m, k, n], "dense": sustained(torch, sampler, dense, args.seconds)}
     row["dense"]["paced_ms"] = paced(torch, dense)
     print(f"{m}x{k}x{n} dense: {json.dumps(row['dense'])}", flush=True)
-    operands[(m, k, n)] = (w_t, x_t)
+    operands.append((w_t, x_t))
     rows.append(row)
   for row, (m, k, n) in zip(rows, shapes):
-    w_t, x_t = operands.pop((m, k, n))
+    w_t, x_t = operands.pop(0)
     keep = torch.tensor([1, 1, 0, 0], device="cuda", dtype=torch.bool).repeat(n, k // 4)
-    packed = torch._cslt_compress(w_t * keep)  # pylint: disable=protected-access
+    masked = w_t * keep
+    packed = torch._cslt_compress(masked)  # pylint: disable=protected-access
     # (torch 2.11 warns that this is deprecated, for torch._C._cusparselt.mm_search)
     alg = torch._cslt_sparse_mm_search(packed, x_t)  # pylint: disable=protected-access
     alg = alg[0] if isinstance(alg, (tuple, list)) else int(alg)
     sparse = lambda packed=packed, x_t=x_t, alg=alg: torch._cslt_sparse_mm(  # noqa: E731  pylint: disable=protected-access
         packed, x_t, alg_id=alg)
-    err = float((sparse().float() - (w_t * keep).float() @ x_t.float()).abs().max())
+    err = float((sparse().float() - masked.float() @ x_t.float()).abs().max())
     row["sparse"] = {"alg_id": alg, "max_abs_err": err,
                      **sustained(torch, sampler, sparse, args.seconds)}
     row["sparse"]["paced_ms"] = paced(torch, sparse)
     print(f"{m}x{k}x{n} 2:4: {json.dumps(row['sparse'])}", flush=True)
-    del packed, w_t, x_t
+    del packed, masked, w_t, x_t
   sampler.stop()
   print("\n| M x K x N | dense ms | W | MHz | J/GEMM | 2:4 ms | W | MHz | J/GEMM"
         " | speedup (sustained) | energy ratio | dense paced ms | 2:4 paced ms"
