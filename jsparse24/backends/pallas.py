@@ -26,10 +26,8 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import batching, mlir
-from jax.interpreters import partial_eval as pe
-# JAX's registry of primitives that need devices while lowering (below); no public name.
-from jax._src import dispatch as _jax_dispatch  # pylint: disable=protected-access
 
+from jsparse24 import _jax_internals
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._sharding import columns_parallel, partitioning_off, rows_parallel
 from jsparse24._sharding import unpartitioned as unpartitioned_scope
@@ -165,12 +163,11 @@ def _apply_columns(w, meta, *, layout: str, interpret: bool, transposed: bool, l
 # `nothing_saveable`) the forward pass throws the transposed copy away and
 # the backward pass compresses again; JAX's dead-code elimination then
 # leaves this primitive with only `values` used, and the rule swaps it for
-# the plain kernel (no transposed copy: 0.235 against 0.410 ms per 16384^2
-# bf16 weight in cuSPARSELt's layout on an H200, fifteenth session's sweep;
-# -0.9 ms per step of the d_model 4096 x 8 GPT of bench_model.py,
-# benchmarks/NOTES.md, "Seventeenth session"). A `pallas_call` cannot be
-# narrowed that way: its outputs are one kernel's, and JAX keeps the call
-# whole.
+# the plain kernel (0.26 against 0.44 ms for a 16384^2 bf16 weight in
+# cuSPARSELt's layout on an H200, benchmarks/results/nvidia-h200.md,
+# "prune+compress 16384x16384 bf16"; per step: `jsparse24._jax_internals`).
+# A `pallas_call` cannot be narrowed that way: its outputs are one kernel's,
+# and JAX keeps the call whole.
 _compress_with_mask_p = jax.extend.core.Primitive("jsparse24_compress_with_mask")
 _compress_with_mask_p.multiple_results = True
 _compress_with_mask_p.def_impl(_apply_columns)
@@ -204,14 +201,12 @@ def _compress_with_mask_batch(args, dims, *, lead, **params):
 
 
 _compress_with_mask_p.def_abstract_eval(_compress_with_mask_abstract_eval)
-pe.dce_rules[_compress_with_mask_p] = _compress_with_mask_dce
+_jax_internals.register_dce_rule(_compress_with_mask_p, _compress_with_mask_dce)
 batching.primitive_batchers[_compress_with_mask_p] = _compress_with_mask_batch
 mlir.register_lowering(_compress_with_mask_p,
                        mlir.lower_fun(_apply_columns, multiple_results=True))
-# Its lowering holds `columns_parallel`'s custom_partitioning, which needs the
-# devices while lowering: JAX registers such primitives here (no public name;
-# without it, lowering fails with an AssertionError in custom_partitioning).
-_jax_dispatch.prim_requires_devices_during_lowering.add(_compress_with_mask_p)
+# Its lowering holds `columns_parallel`'s custom_partitioning.
+_jax_internals.requires_devices_during_lowering(_compress_with_mask_p)
 
 
 def transposable_mask(w: jax.Array) -> Mask24:
