@@ -31,6 +31,8 @@ compute-bound kernels run 2-7% slower until it ends.
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import time
 import traceback
 
@@ -229,6 +231,9 @@ def section_forward(ctx):
       tws = to_sparse_semi_structured(_torch_tensor(torch, wm.T))
       t_torch = _common.torch_bench(lambda: torch.nn.functional.linear(tx, tws))
     flops = 2 * m * k * n
+    ctx["records"].append({"section": "forward", "m": m, "k": k, "n": n, "dense_ms": t_dense * 1e3,
+                           "ours_ms": t_mm * 1e3, "ours_with_compress_ms": t_all * 1e3,
+                           "rel_err": err})
     rows.append([m, k, n, t_dense * 1e3, t_mm * 1e3, t_dense / t_mm, t_all * 1e3,
                  t_dense / t_all, t_torch * 1e3, t_dense / t_torch,
                  flops / ctx["peak"] * 1e3, flops / 2 / ctx["peak"] * 1e3, err])
@@ -288,6 +293,9 @@ def section_step(ctx, shapes=SHAPES, sweep=False):
         t_torch = _common.torch_bench(_torch_step(torch, x, w, mask_t, dy))
       except Exception as e:  # pylint: disable=broad-except
         print(f"torch step failed: {e!r}")
+    ctx["records"].append({"section": "step", "m": m, "k": k, "n": n, "dense_ms": t_dense * 1e3,
+                           "ours_ms": t_t * 1e3, "ours_plain_ms": t_plain * 1e3,
+                           "ours_mask_none_ms": t_none * 1e3, "rel_err": err})
     flops = 3 * 2 * m * k * n
     rows.append([m, k, n, t_dense * 1e3, t_t * 1e3, t_dense / t_t, t_plain * 1e3,
                  t_dense / t_plain, t_none * 1e3, t_dense / t_none, t_torch * 1e3,
@@ -342,6 +350,9 @@ def section_mvue(ctx):
     got, ref = ours(x, w, dy, key), _mvue_step("xla", mask_t)(x, w, dy, key)
     err = [_rel_err(g, r) for g, r in zip(got, ref)]
     t_mvue = _common.bench(ours, x, w, dy, key)
+    ctx["records"].append({"section": "step", "m": m, "k": k, "n": n, "dense_ms": t_dense * 1e3,
+                           "ours_ms": t_t * 1e3, "ours_plain_ms": t_plain * 1e3,
+                           "ours_mask_none_ms": t_none * 1e3, "rel_err": err})
     flops = 3 * 2 * m * k * n
     rows.append([m, k, n, t_dense * 1e3, t_t * 1e3, t_dense / t_t, t_mvue * 1e3,
                  t_dense / t_mvue, flops / ctx["peak"] * 1e3, flops / 2 / ctx["peak"] * 1e3,
@@ -465,6 +476,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sections", default="compress,forward,step,mvue,mlp,sweep,fp16")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
+  p.add_argument("--json", default=None,
+                 help="also write the forward and step timings (ms per shape) to this JSON file")
   args = p.parse_args(argv)
   print(_common.environment(), flush=True)
   reason = jsparse24.available_implementations()["cusparselt"]
@@ -474,7 +487,7 @@ def main(argv=None):
   lib = _cusparselt_build.load()
   print(f"cuSPARSELt {_cusparselt_build.version(lib)}, shim {_cusparselt_build.build()}", flush=True)
   ctx = {"bw": _common.copy_bandwidth(), "peak": _common.dense_peak(), "torch": _torch_setup(),
-         "dense": DenseBaselines()}
+         "dense": DenseBaselines(), "records": []}
   # Every dense baseline first, before any cuSPARSELt product (DenseBaselines).
   ctx["dense"].measure(args.sections.split(","))
   head = (f"{_common.environment()}; cuSPARSELt {_cusparselt_build.version(lib)}; measured copy"
@@ -499,6 +512,10 @@ def main(argv=None):
     print(f"\n## {title}\n\n{body}\n({time.time() - t0:.0f} s)\n", flush=True)
     if not args.no_write:
       _common.write_section(title, head + body)
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(
+        {"cusparselt": _cusparselt_build.version(lib), "environment": _common.environment(),
+         "records": ctx["records"]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -154,10 +154,12 @@ _N, _T = 0, 1
 
 # cuSPARSELt versions (major.minor) on which jsparse24's own writing of the
 # compressed layout (byte-identical to cusparseLtSpMMACompress2) and the
-# float16 configuration ids (SEARCH) were checked on a GPU; pyproject.toml
-# pins 0.8.0. Another version may lay its buffers out differently, which
-# would give wrong products without any error, so it is refused.
-VERIFIED_VERSIONS = ("0.8",)
+# products in bfloat16 and float16 (SEARCH's configuration ids) passed the GPU
+# tests: benchmarks/results/nvidia-h100-80gb-hbm3.md, "cuSPARSELt versions"
+# (`benchmarks/cusparselt_versions.py`). Another version may lay its buffers
+# out differently, which would give wrong products without any error, so it
+# is refused; pyproject.toml's range matches.
+VERIFIED_VERSIONS = ("0.8", "0.9", "0.10")
 
 
 @functools.cache
@@ -172,8 +174,9 @@ def _load_or_reason() -> tuple[Any, str | None]:
         f"cuSPARSELt {loaded} is loaded, but jsparse24 writes cuSPARSELt's compressed"
         f" layout itself and checked it on cuSPARSELt"
         f" {', '.join(v + '.x' for v in VERIFIED_VERSIONS)} only (another layout would"
-        f" give wrong products silently); install nvidia-cusparselt-cu13==0.8.0 (the"
-        f" [cuda] extra) or point JSPARSE24_CUSPARSELT_HOME at a 0.8 install")
+        f" give wrong products silently); install one of those (`pip install"
+        f" 'nvidia-cusparselt-cu13>=0.8,<0.11'`, the [cuda] extra) or point"
+        f" JSPARSE24_CUSPARSELT_HOME at such an install")
   return lib, None
 
 
@@ -220,8 +223,8 @@ def _check_size(dtype, k: int, n: int) -> None:
     raise RuntimeError(
         f"cuSPARSELt {build.version(_library())} reports {size} compressed bytes for a"
         f" {k}x{n} {jnp.dtype(dtype).name} weight; jsparse24 writes the layout of"
-        f" cuSPARSELt 0.8 ({rows * cols * jnp.dtype(dtype).itemsize} bytes). Please"
-        f" report this, and use cuSPARSELt 0.8 meanwhile.")
+        f" cuSPARSELt {'/'.join(VERIFIED_VERSIONS)} ({rows * cols * jnp.dtype(dtype).itemsize}"
+        f" bytes). Please report this, and use cuSPARSELt 0.10 meanwhile.")
 
 
 def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
