@@ -3,10 +3,15 @@
 the FFI shim from pip-installed headers, the build's error messages, and the
 dispatch rules. The products themselves are tested in tests/test_gpu.py."""
 
+import dataclasses
 import functools
+import os
 import pathlib
 import platform
 import re
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -233,12 +238,13 @@ def test_shim_builds_from_pip_headers_and_loads(tmp_path):
   assert build.build(toolchain, tmp_path) == path and path.stat().st_mtime_ns == mtime
   import ctypes  # pylint: disable=g-import-not-at-top
   lib = ctypes.CDLL(str(path))
-  for symbol in list(build.TARGETS.values()) + ["jsp_cusparselt_compressed_size",
+  for symbol in list(build.TARGETS.values()) + ["jsp_cusparselt_open",
+                                                 "jsp_cusparselt_compressed_size",
                                                  "jsp_cusparselt_version",
                                                  "jsp_cusparselt_set_algorithm_cache",
                                                  "jsp_cusparselt_searches"]:
     assert hasattr(lib, symbol), symbol
-  lib.jsp_cusparselt_version.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
+  lib = build.open_shim(path, toolchain.cusparselt_library)
   assert build.version(lib).startswith("0.")
 
 
@@ -281,6 +287,233 @@ def test_compile_error_is_reported_with_the_command(monkeypatch, tmp_path):
   with pytest.raises(build.BuildError, match=r"compiling the cuSPARSELt shim failed \(exit \d+\)\.\ncommand: .*broken\.cc"):
     build.build(toolchain, tmp_path / "cache")
   assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written library left
+
+
+# ---------------------------------------------------------------------------
+# Which cuSPARSELt runs: the file find_toolchain() found, whatever else the
+# process loaded first. Each case runs in a fresh process (a process opens one
+# cuSPARSELt library), against stand-in libraries compiled here.
+# ---------------------------------------------------------------------------
+
+# The cuSPARSELt functions the shim calls (the types, `..._t`, left out).
+_ENTRY_POINTS = sorted({name for name in re.findall(r"\bcusparseLt\w+\b", build._SOURCE.read_text())
+                        if not name.endswith("_t")})
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+  if not _LINUX_X86:
+    pytest.skip("the test extra installs the CUDA header wheels on Linux x86-64 only")
+  try:
+    return build.find_toolchain()
+  except build.BuildError as e:
+    pytest.skip(f"no toolchain to build the shim here: {e}")
+
+
+@pytest.fixture(scope="module")
+def shim_cache(tmp_path_factory):
+  """One build directory for the module: every case compiles the same source
+  against the same header, so the shim is built once."""
+  return tmp_path_factory.mktemp("shim-cache")
+
+
+def _header_dir(toolchain) -> str:
+  return next(d for d in toolchain.include_dirs if pathlib.Path(d, "cusparseLt.h").is_file())
+
+
+def _header_version(toolchain) -> tuple[int, int, int]:
+  header = pathlib.Path(_header_dir(toolchain), "cusparseLt.h").read_text()
+  return tuple(int(re.search(rf"#define CUSPARSELT_VER_{part} (\d+)", header).group(1))
+               for part in ("MAJOR", "MINOR", "PATCH"))
+
+
+def _fake_cusparselt(directory: pathlib.Path, version, toolchain, *, leave_out=()) -> pathlib.Path:
+  """Compiles `directory/libcusparseLt.so.0` (soname libcusparseLt.so.0): every
+  entry point of `_ENTRY_POINTS` but `leave_out`, each returning
+  CUSPARSE_STATUS_NOT_SUPPORTED, except cusparseLtGetProperty, which reports
+  `version` (major, minor, patch). With cusparseLtMatmul present, the patch
+  level is what the library's own cusparseLtMatmul returns, called through its
+  PLT as the real libcusparseLt.so.0 calls its cusparseLtMatmul from
+  cusparseLtMatmulSearch: a copy loaded earlier into the global scope can
+  interpose on it."""
+  major, minor, patch = version
+  has_matmul = "cusparseLtMatmul" not in leave_out
+  lines = ['extern "C" {', "int cusparseLtMatmul(...);" if has_matmul else ""]
+  for name in _ENTRY_POINTS:
+    if name in leave_out:
+      continue
+    if name == "cusparseLtGetProperty":  # MAJOR_VERSION = 0, MINOR_VERSION = 1, PATCH_LEVEL = 2
+      lines.append(f"int {name}(int type, int* value) {{"
+                   f" if (type == 0) *value = {major}; else if (type == 1) *value = {minor};"
+                   f" else if (type == 2) *value = {'cusparseLtMatmul()' if has_matmul else patch};"
+                   f" else return 3; return 0; }}")
+    elif name in ("cusparseLtGetErrorName", "cusparseLtGetErrorString"):
+      lines.append(f'const char* {name}(int) {{ return "stand-in"; }}')
+    elif name == "cusparseLtMatmul":
+      lines.append(f"int {name}(...) {{ return {patch}; }}")
+    else:
+      lines.append(f"int {name}(...) {{ return 10; }}")
+  lines.append("}")
+  directory.mkdir(parents=True, exist_ok=True)
+  source = directory / "fake_cusparselt.cc"
+  source.write_text("\n".join(lines) + "\n")
+  library = directory / "libcusparseLt.so.0"
+  out = subprocess.run([toolchain.compiler, "-shared", "-fPIC", "-Wl,-soname,libcusparseLt.so.0",
+                        str(source), "-o", str(library)], capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  return library
+
+
+def _home_with(directory: pathlib.Path, library: pathlib.Path, toolchain) -> pathlib.Path:
+  """A JSPARSE24_CUSPARSELT_HOME: the real cuSPARSELt header (include/, linked)
+  and `library` in lib/."""
+  (directory / "lib").mkdir(parents=True)
+  (directory / "include").symlink_to(_header_dir(toolchain))
+  shutil.copy(library, directory / "lib" / "libcusparseLt.so.0")
+  return directory
+
+
+def _fresh_env(**variables) -> dict[str, str]:
+  """The environment of a fresh process that imports the jsparse24 under test,
+  with `variables` set and no JSPARSE24_CUSPARSELT_HOME unless given."""
+  checkout = str(pathlib.Path(jsparse24.__file__).resolve().parents[1])
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])}
+  env.pop("JSPARSE24_CUSPARSELT_HOME", None)
+  return {**env, **variables}
+
+
+_LOAD_SCRIPT = """
+import ctypes, sys
+if sys.argv[1]:
+  ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+from jsparse24.backends import _cusparselt_build as build
+try:
+  print("version", build.version(build.load()))
+except build.BuildError as e:
+  print("error", str(e).replace("\\n", " "))
+"""
+
+
+def _load_in_new_process(cache, *, preload="", home=None) -> str:
+  """`build.load()` then `build.version()` in a fresh process, after loading
+  `preload` with RTLD_GLOBAL (as torch loads its own libcusparseLt.so.0):
+  "version X.Y.Z", or "error <the BuildError's message>"."""
+  env = _fresh_env(JSPARSE24_CACHE_DIR=str(cache))
+  if home is not None:
+    env["JSPARSE24_CUSPARSELT_HOME"] = str(home)
+  out = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(preload)], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-4000:]
+  return out.stdout.strip().splitlines()[-1]
+
+
+def test_the_found_library_runs_when_another_was_loaded_first(tmp_path, toolchain, shim_cache):
+  """Another libcusparseLt.so.0 already in the process (torch imported first)
+  does not serve the shim's calls: the library `find_toolchain` found does."""
+  major, minor, _ = _header_version(toolchain)
+  other = _fake_cusparselt(tmp_path / "torch", (9, 9, 9), toolchain)
+  got = _load_in_new_process(shim_cache, preload=other)
+  assert got.startswith(f"version {major}.{minor}."), got
+
+
+def test_the_home_library_runs_and_calls_itself(tmp_path, toolchain, shim_cache):
+  """JSPARSE24_CUSPARSELT_HOME's library (another file, of the header's
+  major.minor) is the one that runs, also where it calls one of its own entry
+  points while another copy is loaded into the global scope."""
+  major, minor, _ = _header_version(toolchain)
+  chosen = _fake_cusparselt(tmp_path / "chosen", (major, minor, 77), toolchain)
+  home = _home_with(tmp_path / "home", chosen, toolchain)
+  assert _load_in_new_process(shim_cache, home=home) == f"version {major}.{minor}.77"
+  other = _fake_cusparselt(tmp_path / "torch", (major, minor, 9), toolchain)
+  assert _load_in_new_process(shim_cache, preload=other, home=home) == f"version {major}.{minor}.77"
+
+
+def test_the_build_depends_on_the_header_not_the_library(tmp_path, toolchain):
+  """The library is opened at load, not linked: another library file reuses
+  the build, and so does the same cusparseLt.h elsewhere; another header
+  (another cuSPARSELt install) gets its own build."""
+  header_dir = _header_dir(toolchain)
+  header = pathlib.Path(header_dir, "cusparseLt.h").read_text()
+
+  def with_header(name, text):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "cusparseLt.h").write_text(text)
+    dirs = tuple(str(tmp_path / name) if d == header_dir else d for d in toolchain.include_dirs)
+    return dataclasses.replace(toolchain, include_dirs=dirs)
+
+  digest = build._digest(toolchain)  # pylint: disable=protected-access
+  other_library = _fake_cusparselt(tmp_path / "lib", _header_version(toolchain), toolchain)
+  assert build._digest(dataclasses.replace(toolchain, cusparselt_library=str(other_library))) == digest  # pylint: disable=protected-access
+  assert build._digest(with_header("same", header)) == digest  # pylint: disable=protected-access
+  newer = re.sub(r"#define CUSPARSELT_VER_MINOR \d+", "#define CUSPARSELT_VER_MINOR 99", header)
+  assert newer != header
+  assert build._digest(with_header("newer", newer)) != digest  # pylint: disable=protected-access
+
+
+_OPEN_SCRIPT = """
+import ctypes, sys
+from jsparse24.backends import _cusparselt_build as build
+shim, real, other = sys.argv[1:]
+lib = ctypes.CDLL(shim)
+lib.jsp_cusparselt_compressed_size.argtypes = [
+    ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+    ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p,
+    ctypes.c_size_t]
+lib.jsp_cusparselt_version.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
+                                       ctypes.c_size_t]
+msg, size = ctypes.create_string_buffer(2048), ctypes.c_size_t()
+print(lib.jsp_cusparselt_compressed_size(0, 0, 64, 64, 1, ctypes.byref(size),
+                                         ctypes.byref(size), msg, len(msg)), msg.value.decode())
+try:
+  build.version(lib)
+except build.BuildError as e:
+  print("error", e)
+lib = build.open_shim(shim, real)
+assert build.open_shim(shim, real) is not None  # the same file again: already open
+try:
+  build.open_shim(shim, other)
+except build.BuildError as e:
+  print("error", e)
+print("version", build.version(lib))
+"""
+
+
+def test_shim_calls_nothing_before_opening_and_opens_one_library(tmp_path, toolchain, shim_cache):
+  """Before jsp_cusparselt_open, every helper returns an error saying so;
+  after it, opening the same file again is fine, another one is refused."""
+  major, minor, _ = _header_version(toolchain)
+  other = _fake_cusparselt(tmp_path / "other", (major, minor, 77), toolchain)
+  shim = build.build(toolchain, shim_cache)
+  out = subprocess.run([sys.executable, "-c", _OPEN_SCRIPT, str(shim), toolchain.cusparselt_library,
+                        str(other)], env=_fresh_env(),
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-4000:]
+  size, version, second, opened = out.stdout.strip().splitlines()
+  assert size.startswith("1 ") and "no cuSPARSELt library is open" in size, size
+  assert version.startswith("error ") and "no cuSPARSELt library is open" in version, version
+  assert second.startswith("error ") and toolchain.cusparselt_library in second, second
+  assert str(other) in second, second
+  assert opened.startswith(f"version {major}.{minor}.") and opened != f"version {major}.{minor}.77"
+
+
+def test_a_library_of_another_version_than_the_header_is_refused(tmp_path, toolchain, shim_cache):
+  major, minor, patch = _header_version(toolchain)
+  chosen = _fake_cusparselt(tmp_path / "chosen", (major, minor + 2, 0), toolchain)
+  home = _home_with(tmp_path / "home", chosen, toolchain)
+  got = _load_in_new_process(shim_cache, home=home)
+  assert got.startswith("error "), got
+  assert f"{major}.{minor + 2}.0" in got and f"{major}.{minor}.{patch}" in got, got
+  assert str(home / "lib" / "libcusparseLt.so.0") in got, got
+
+
+def test_a_library_without_a_function_the_shim_calls_is_refused(tmp_path, toolchain, shim_cache):
+  major, minor, _ = _header_version(toolchain)
+  chosen = _fake_cusparselt(tmp_path / "chosen", (major, minor, 0), toolchain,
+                            leave_out=("cusparseLtMatmul",))
+  home = _home_with(tmp_path / "home", chosen, toolchain)
+  got = _load_in_new_process(shim_cache, home=home)
+  assert got.startswith("error ") and "cusparseLtMatmul" in got, got
+  assert str(home / "lib" / "libcusparseLt.so.0") in got, got
 
 
 # ---------------------------------------------------------------------------

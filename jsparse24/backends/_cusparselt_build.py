@@ -5,8 +5,18 @@ Triton builds its launcher: against the cuSPARSELt and CUDA runtime headers
 (from the `nvidia-*` pip wheels that `pip install "jsparse24[cuda]"` brings,
 or from a CUDA toolkit) and XLA's FFI headers (`jax.ffi.include_dir()`). The
 library lands in `$JSPARSE24_CACHE_DIR` (default `~/.cache/jsparse24`) under
-a hash of the source, the compiler, the headers and the libraries, so a
-change to any of them rebuilds and nothing else does.
+a hash of what its bits depend on (the source, the compiler, the headers'
+contents, the CUDA runtime it links), so a change to any of them rebuilds and
+nothing else does.
+
+The shim links the CUDA runtime (XLA's, shared by the process) but not
+cuSPARSELt: `load()` has it `dlopen` the very file that `find_toolchain()`
+found, by its path, as a copy whose calls stay inside it (`jsp_cusparselt_open`;
+`cusparselt_ffi.cc` says how). Linked by soname, the shim would get any
+`libcusparseLt.so.0` already in the process instead -- torch loads its own at
+import -- and `$JSPARSE24_CUSPARSELT_HOME` would be ignored without a word.
+Opening checks that the library is the header's major.minor version. Another
+library file of the header's version needs no rebuild.
 
 Where things are looked for, first hit wins:
   1. `$JSPARSE24_CUSPARSELT_HOME` (a directory with `include/` and `lib/`),
@@ -37,6 +47,10 @@ import tempfile
 _SOURCE = pathlib.Path(__file__).with_name("cusparselt_ffi.cc")
 _LIBRARY_NAME = "libjsparse24_cusparselt.so"
 _FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared")
+# -ldl: dlopen (part of libc from glibc 2.34 on). -z defs: a direct cuSPARSELt
+# call (bound at load time by soname, to whichever copy the process has) fails
+# the link instead of slipping into the shim.
+_LINK_FLAGS = ("-ldl", "-Wl,-z,defs")
 TARGETS = {
     "jsparse24_cusparselt_compress": "JspCusparseltCompress",
     "jsparse24_cusparselt_matmul": "JspCusparseltMatmul",
@@ -59,18 +73,17 @@ class Toolchain:
 
   compiler: str
   include_dirs: tuple[str, ...]
-  cusparselt_library: str  # path of libcusparseLt.so*
-  cudart_library: str  # path of libcudart.so*
+  cusparselt_library: str  # path of libcusparseLt.so*, opened by the shim at load
+  cudart_library: str  # path of libcudart.so*, linked
   ffi_include_dir: str
 
   def command(self, source: str, output: str) -> list[str]:
     cmd = [self.compiler, *_FLAGS, source, "-o", output]
     for d in (self.ffi_include_dir, *self.include_dirs):
       cmd += ["-isystem", d]
-    for lib in (self.cusparselt_library, self.cudart_library):
-      directory, name = os.path.split(lib)
-      cmd += ["-L", directory, f"-l:{name}", f"-Wl,-rpath,{directory}"]
-    return cmd
+    directory, name = os.path.split(self.cudart_library)
+    cmd += ["-L", directory, f"-l:{name}", f"-Wl,-rpath,{directory}"]
+    return cmd + list(_LINK_FLAGS)
 
 
 def search_roots() -> list[pathlib.Path]:
@@ -177,23 +190,24 @@ def cache_dir() -> pathlib.Path:
 def _digest(toolchain: Toolchain) -> str:
   h = hashlib.sha256()
   h.update(_SOURCE.read_bytes())
-  h.update(repr(_FLAGS).encode())
+  h.update(repr((_FLAGS, _LINK_FLAGS)).encode())
   try:
     version = subprocess.run([toolchain.compiler, "--version"], capture_output=True,
                              text=True, timeout=60, check=False).stdout
   except OSError as e:
     raise BuildError(f"cannot run the C++ compiler {toolchain.compiler!r}: {e}") from e
   h.update(version.encode())
+  # The headers by content, not path: an install with the same cusparseLt.h
+  # elsewhere reuses the build. The cuSPARSELt library is not an input (it is
+  # opened at load, and checked against the header's version there).
   headers = [os.path.join(toolchain.ffi_include_dir, "xla", "ffi", "api", n)
              for n in ("ffi.h", "api.h", "c_api.h")]
   headers += [os.path.join(d, "cusparseLt.h") for d in toolchain.include_dirs]
   for path in headers:
     if os.path.isfile(path):
-      h.update(path.encode())
       h.update(pathlib.Path(path).read_bytes())
-  for lib in (toolchain.cusparselt_library, toolchain.cudart_library):
-    st = os.stat(lib)
-    h.update(f"{os.path.realpath(lib)}:{st.st_size}:{st.st_mtime_ns}".encode())
+  st = os.stat(toolchain.cudart_library)
+  h.update(f"{os.path.realpath(toolchain.cudart_library)}:{st.st_size}:{st.st_mtime_ns}".encode())
   return h.hexdigest()[:20]
 
 
@@ -232,18 +246,18 @@ def build(toolchain: Toolchain | None = None, directory: os.PathLike | None = No
   return library
 
 
-@functools.cache
-def load() -> ctypes.CDLL:
-  """Builds (once) and loads the shim, and registers its FFI targets with
-  JAX for CUDA. Raises BuildError."""
-  path = build()
+def open_shim(path: os.PathLike, cusparselt_library: str) -> ctypes.CDLL:
+  """Loads the shim at `path` and has it open `cusparselt_library` (by that
+  path) before anything else is called; returns it with its helpers' argument
+  types set. Raises BuildError."""
   try:
     lib = ctypes.CDLL(str(path))
   except OSError as e:
     raise BuildError(f"cannot load the cuSPARSELt shim {path}: {e}") from e
-  import jax  # pylint: disable=g-import-not-at-top
-  for target, symbol in TARGETS.items():
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+  lib.jsp_cusparselt_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+  msg = ctypes.create_string_buffer(2048)
+  if lib.jsp_cusparselt_open(os.fsencode(os.path.abspath(cusparselt_library)), msg, len(msg)):
+    raise BuildError(msg.value.decode(errors="replace"))
   lib.jsp_cusparselt_compressed_size.argtypes = [
       ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
       ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p,
@@ -251,6 +265,20 @@ def load() -> ctypes.CDLL:
   lib.jsp_cusparselt_version.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
   lib.jsp_cusparselt_set_algorithm_cache.argtypes = [ctypes.c_char_p]
   lib.jsp_cusparselt_searches.restype = ctypes.c_int64
+  return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+  """Builds (once) and loads the shim, opens in it the cuSPARSELt library that
+  `find_toolchain` found, and registers its FFI targets with JAX for CUDA.
+  Raises BuildError. Cached: a process uses one cuSPARSELt library (the shim
+  refuses to open a second)."""
+  toolchain = find_toolchain()
+  lib = open_shim(build(toolchain), toolchain.cusparselt_library)
+  import jax  # pylint: disable=g-import-not-at-top
+  for target, symbol in TARGETS.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
   lib.jsp_cusparselt_set_algorithm_cache(str(algorithm_cache()).encode())
   return lib
 
@@ -264,7 +292,7 @@ def algorithm_cache() -> pathlib.Path:
 
 
 def version(lib: ctypes.CDLL) -> str:
-  """cuSPARSELt's version string, from the loaded library."""
+  """The version string of the cuSPARSELt library the shim opened."""
   v = ctypes.c_int()
   msg = ctypes.create_string_buffer(512)
   if lib.jsp_cusparselt_version(ctypes.byref(v), msg, len(msg)):

@@ -4,6 +4,19 @@
 // Built on first use by jsparse24/backends/_cusparselt_build.py (g++, the
 // cuSPARSELt and CUDA headers, XLA's FFI headers from jax.ffi.include_dir()).
 //
+// The shim does not link libcusparseLt. jsp_cusparselt_open, which Python
+// calls first, dlopens the file that jsparse24 found (JSPARSE24_CUSPARSELT_HOME,
+// the pip wheels, ...) by its path and takes every cuSPARSELt function from
+// that handle into one table (CusparseLt); everything else calls through the
+// table. Linked by soname instead, the shim would get whichever
+// libcusparseLt.so.0 the process loaded first: torch loads its own at import,
+// and the user's choice was then silently ignored. A path that is not an
+// already-loaded object's path loads a second copy, private to the shim. The
+// library must be the version of the header the shim was compiled with
+// (major.minor; checked on opening), or types and structure sizes could
+// disagree without any error. libcudart stays linked: XLA's CUDA runtime is
+// the one to share.
+//
 // Everything that costs host time is cached per device for the life of the
 // process: the cuSPARSELt handle, the structured-matrix descriptors used by
 // compression, and the matmul plans (descriptors, algorithm selection, plan).
@@ -37,11 +50,14 @@
 
 #include <cuda_runtime_api.h>
 #include <cusparseLt.h>
+#include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,9 +72,60 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Every cuSPARSELt function the shim calls.
+#define JSP_CUSPARSELT_FUNCTIONS(X)                                         \
+  X(cusparseLtDenseDescriptorInit)                                          \
+  X(cusparseLtGetErrorName)                                                 \
+  X(cusparseLtGetErrorString)                                               \
+  X(cusparseLtGetProperty)                                                  \
+  X(cusparseLtInit)                                                         \
+  X(cusparseLtMatDescriptorDestroy)                                         \
+  X(cusparseLtMatmul)                                                       \
+  X(cusparseLtMatmulAlgGetAttribute)                                        \
+  X(cusparseLtMatmulAlgSelectionDestroy)                                    \
+  X(cusparseLtMatmulAlgSelectionInit)                                       \
+  X(cusparseLtMatmulAlgSetAttribute)                                        \
+  X(cusparseLtMatmulDescriptorInit)                                         \
+  X(cusparseLtMatmulGetWorkspace)                                           \
+  X(cusparseLtMatmulPlanDestroy)                                            \
+  X(cusparseLtMatmulPlanInit)                                               \
+  X(cusparseLtMatmulSearch)                                                 \
+  X(cusparseLtSpMMACompress2)                                               \
+  X(cusparseLtSpMMACompressedSize2)                                         \
+  X(cusparseLtStructuredDescriptorInit)
+
+// The opened library's functions, typed by the header's declarations, so that
+// every call is checked against them. Members keep the functions' names, which
+// the JSP_CSLT macros print when a call fails.
+struct CusparseLt {
+#define JSP_MEMBER(name) decltype(&::name) name = nullptr;
+  JSP_CUSPARSELT_FUNCTIONS(JSP_MEMBER)
+#undef JSP_MEMBER
+};
+
+// The library is opened once per process and never closed (cached objects
+// live as long as the CUDA context; see above). g_lt is written once, under
+// g_lt_mu, before g_lt_opened is set; readers check g_lt_opened (acquire)
+// at every entry point, so a pointer of g_lt is never used before it is set,
+// and open checked that none is null.
+std::mutex g_lt_mu;
+CusparseLt g_lt;
+std::string g_lt_path;  // as given to jsp_cusparselt_open
+std::string g_lt_real_path;  // realpath() of it
+std::atomic<bool> g_lt_opened{false};
+
+bool Opened() { return g_lt_opened.load(std::memory_order_acquire); }
+
+const CusparseLt& Lt() { return g_lt; }
+
+std::string NotOpenedMessage() {
+  return "jsparse24's cuSPARSELt shim: no cuSPARSELt library is open"
+         " (jsp_cusparselt_open must succeed first; _cusparselt_build.load() calls it)";
+}
+
 std::string CsltMessage(const char* call, cusparseStatus_t status) {
-  const char* name = cusparseLtGetErrorName(status);
-  const char* text = cusparseLtGetErrorString(status);
+  const char* name = Lt().cusparseLtGetErrorName(status);
+  const char* text = Lt().cusparseLtGetErrorString(status);
   return std::string(call) + " failed: " + (name ? name : "?") + " (" +
          (text ? text : "") + ")";
 }
@@ -73,14 +140,14 @@ std::string CudaMessage(const char* call, cudaError_t status) {
 // the helpers that return std::string errors).
 #define JSP_CSLT(fn, args)                                          \
   do {                                                              \
-    cusparseStatus_t jsp_status_ = fn args;                         \
+    cusparseStatus_t jsp_status_ = Lt().fn args;                   \
     if (jsp_status_ != CUSPARSE_STATUS_SUCCESS)                     \
       return ffi::Error::Internal(CsltMessage(#fn, jsp_status_));   \
   } while (0)
 
 #define JSP_CSLT_MSG(fn, args)                                      \
   do {                                                              \
-    cusparseStatus_t jsp_status_ = fn args;                         \
+    cusparseStatus_t jsp_status_ = Lt().fn args;                   \
     if (jsp_status_ != CUSPARSE_STATUS_SUCCESS)                     \
       return CsltMessage(#fn, jsp_status_);                         \
   } while (0)
@@ -231,10 +298,11 @@ class PlanGuard {
   void Release() { p_ = nullptr; }
   ~PlanGuard() {
     if (p_ == nullptr) return;
-    if (p_->made_plan) cusparseLtMatmulPlanDestroy(&p_->plan);
-    if (p_->made_alg) cusparseLtMatmulAlgSelectionDestroy(&p_->alg);
+    if (p_->made_plan) Lt().cusparseLtMatmulPlanDestroy(&p_->plan);
+    if (p_->made_alg) Lt().cusparseLtMatmulAlgSelectionDestroy(&p_->alg);
     cusparseLtMatDescriptor_t* matrices[3] = {&p_->a, &p_->b, &p_->d};
-    for (int i = 0; i < p_->made_matrices; ++i) cusparseLtMatDescriptorDestroy(matrices[i]);
+    for (int i = 0; i < p_->made_matrices; ++i)
+      Lt().cusparseLtMatDescriptorDestroy(matrices[i]);
   }
 
  private:
@@ -278,12 +346,79 @@ bool g_cache_read = false;
 std::map<std::string, Choice> g_cache;
 int64_t g_searches = 0;  // searches run by this process (read by the tests)
 
-// cuSPARSELt's version (no device needed).
-cusparseStatus_t LibraryVersion(int* major, int* minor, int* patch) {
-  cusparseStatus_t s = cusparseLtGetProperty(MAJOR_VERSION, major);
-  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(MINOR_VERSION, minor);
-  if (s == CUSPARSE_STATUS_SUCCESS) s = cusparseLtGetProperty(PATCH_LEVEL, patch);
+// The version of the library whose table `lt` is (no device needed).
+cusparseStatus_t LibraryVersion(const CusparseLt& lt, int* major, int* minor, int* patch) {
+  cusparseStatus_t s = lt.cusparseLtGetProperty(MAJOR_VERSION, major);
+  if (s == CUSPARSE_STATUS_SUCCESS) s = lt.cusparseLtGetProperty(MINOR_VERSION, minor);
+  if (s == CUSPARSE_STATUS_SUCCESS) s = lt.cusparseLtGetProperty(PATCH_LEVEL, patch);
   return s;
+}
+
+std::string VersionText(int major, int minor, int patch) {
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
+}
+
+// Opens the cuSPARSELt library at `path` and fills g_lt from it; "" or why not.
+std::string OpenLibrary(const char* path) {
+  // A name without a slash would be looked up by soname, and could give the
+  // copy that another library loaded.
+  if (path == nullptr || std::string(path).find('/') == std::string::npos)
+    return std::string("jsp_cusparselt_open needs the path of a cuSPARSELt library, got ") +
+           (path == nullptr ? "none" : "\"" + std::string(path) + "\"");
+  std::string file = path;
+  char* real = realpath(path, nullptr);
+  std::string real_path = real != nullptr ? real : file;
+  std::free(real);
+  std::lock_guard<std::mutex> lock(g_lt_mu);
+  if (g_lt_opened.load(std::memory_order_relaxed)) {
+    // Objects made by one library must never reach another's functions, so
+    // a process keeps the library it opened first (Python's load() is
+    // cached per process too; this refuses any other caller).
+    if (real_path == g_lt_real_path) return "";
+    return "this process already uses the cuSPARSELt library " + g_lt_path +
+           " and cannot also open " + file + " (one cuSPARSELt library per process)";
+  }
+  // RTLD_LOCAL keeps the copy's symbols out of the global scope, where they
+  // would interpose on another copy's users. RTLD_DEEPBIND makes the copy's
+  // own references bind within it first: libcusparseLt.so.0 (0.8.0) calls
+  // its exported cusparseLtMatmul through its PLT (from
+  // cusparseLtMatmulSearch), and without it that call would go to a copy
+  // that torch had put into the global scope.
+  void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+  if (handle == nullptr) {
+    const char* why = dlerror();
+    return "cannot open the cuSPARSELt library " + file + ": " + (why ? why : "dlopen failed");
+  }
+  // A library that fails a check below stays loaded, unused: unloading one
+  // that may have started CUDA is not safe.
+  CusparseLt lt;
+  std::string missing;
+#define JSP_LOOK_UP(name)                                                 \
+  lt.name = reinterpret_cast<decltype(lt.name)>(dlsym(handle, #name));    \
+  if (lt.name == nullptr) missing += std::string(missing.empty() ? "" : ", ") + #name;
+  JSP_CUSPARSELT_FUNCTIONS(JSP_LOOK_UP)
+#undef JSP_LOOK_UP
+  if (!missing.empty())
+    return "the cuSPARSELt library " + file + " lacks " + missing +
+           ", which jsparse24's shim calls (is it cuSPARSELt " +
+           VersionText(CUSPARSELT_VER_MAJOR, CUSPARSELT_VER_MINOR, CUSPARSELT_VER_PATCH) + "?)";
+  int major = -1, minor = -1, patch = -1;
+  cusparseStatus_t s = LibraryVersion(lt, &major, &minor, &patch);
+  if (s != CUSPARSE_STATUS_SUCCESS)
+    return "the cuSPARSELt library " + file + ": cusparseLtGetProperty failed (status " +
+           std::to_string(static_cast<int>(s)) + ")";
+  if (major != CUSPARSELT_VER_MAJOR || minor != CUSPARSELT_VER_MINOR)
+    return "the cuSPARSELt library " + file + " is version " + VersionText(major, minor, patch) +
+           ", but jsparse24's shim was compiled with the header of cuSPARSELt " +
+           VersionText(CUSPARSELT_VER_MAJOR, CUSPARSELT_VER_MINOR, CUSPARSELT_VER_PATCH) +
+           " (a header and a library of different major.minor versions may disagree on"
+           " types and structure sizes); use the include/ and lib/ of one cuSPARSELt install"
+           " (JSPARSE24_CUSPARSELT_HOME)";
+  g_lt = lt;
+  g_lt_path = file;
+  g_lt_real_path = real_path;
+  g_lt_opened.store(true, std::memory_order_release);
+  return "";
 }
 
 std::map<std::string, Choice>& CachedChoices() {  // g_cache_mu held
@@ -311,7 +446,7 @@ std::string CacheKey(const PlanKey& key) {
   cudaDeviceProp prop;
   if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "";
   int major = 0, minor = 0, patch = 0;
-  if (LibraryVersion(&major, &minor, &patch) != CUSPARSE_STATUS_SUCCESS) return "";
+  if (LibraryVersion(Lt(), &major, &minor, &patch) != CUSPARSE_STATUS_SUCCESS) return "";
   char text[1024];
   std::snprintf(text, sizeof(text),
                 "%s/sm%d%d/cusparselt%d.%d.%d/%d,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,"
@@ -481,6 +616,7 @@ ffi::Error CompressImpl(cudaStream_t stream, int32_t device,
                         ffi::Result<ffi::AnyBuffer> out, int64_t rows,
                         int64_t cols, int64_t order, int64_t op,
                         int64_t sparse_a) {
+  if (!Opened()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, NotOpenedMessage());
   int dtype_code = DtypeCode(dense.element_type());
   if (dtype_code < 0)
     return ffi::Error::InvalidArgument(
@@ -525,6 +661,7 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
                       int64_t op_b, int64_t sparse_a, int64_t order_a,
                       int64_t order_b, int64_t order_d, int64_t search,
                       int64_t alg) {
+  if (!Opened()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, NotOpenedMessage());
   int dtype_code = DtypeCode(d->element_type());
   if (dtype_code < 0)
     return ffi::Error::InvalidArgument(
@@ -714,6 +851,15 @@ int Report(const std::string& err, char* msg, size_t msg_len) {
 
 extern "C" {
 
+// Opens the cuSPARSELt library at `path` (a path, not a bare name: the file
+// that _cusparselt_build.find_toolchain found) for every other entry point. Returns
+// 0, or 1 with `msg` set: the file cannot be opened, lacks a function the shim
+// calls, or is not the header's major.minor version; or another library is
+// open already. Opening the same file again returns 0.
+int jsp_cusparselt_open(const char* path, char* msg, size_t msg_len) {
+  return Report(OpenLibrary(path), msg, msg_len);
+}
+
 // The bytes of a compressed [rows, cols] matrix (`order` 0 = row-major,
 // 1 = column-major; dtype_code 0 = bfloat16, 1 = float16) and of the
 // temporary buffer its compression needs. Returns 0, or 1 with `msg` set.
@@ -721,6 +867,7 @@ int jsp_cusparselt_compressed_size(int device, int dtype_code, int64_t rows,
                                    int64_t cols, int64_t order, size_t* size,
                                    size_t* buffer_size, char* msg,
                                    size_t msg_len) {
+  if (!Opened()) return Report(NotOpenedMessage(), msg, msg_len);
   const SparseDesc* sd;
   std::string err = GetSparseDesc(device, dtype_code, rows, cols, order, &sd);
   if (err.empty()) {
@@ -730,11 +877,12 @@ int jsp_cusparselt_compressed_size(int device, int dtype_code, int64_t rows,
   return Report(err, msg, msg_len);
 }
 
-// cuSPARSELt's version as major * 1000000 + minor * 100 + patch (the encoding
-// of CUSPARSELT_VERSION since 0.10; no device needed).
+// The opened cuSPARSELt library's version as major * 1000000 + minor * 100 +
+// patch (the encoding of CUSPARSELT_VERSION since 0.10; no device needed).
 int jsp_cusparselt_version(int* version, char* msg, size_t msg_len) {
+  if (!Opened()) return Report(NotOpenedMessage(), msg, msg_len);
   int major = 0, minor = 0, patch = 0;
-  cusparseStatus_t s = LibraryVersion(&major, &minor, &patch);
+  cusparseStatus_t s = LibraryVersion(Lt(), &major, &minor, &patch);
   if (s != CUSPARSE_STATUS_SUCCESS)
     return Report(CsltMessage("cusparseLtGetProperty", s), msg, msg_len);
   *version = major * 1000000 + minor * 100 + patch;
