@@ -274,6 +274,19 @@ def test_build_error_without_library(monkeypatch, tmp_path):
     build.find_toolchain()
 
 
+def test_build_error_for_an_old_cusparselt_without_the_cusparse_header(monkeypatch, tmp_path):
+  # cuSPARSELt 0.8 and 0.9 include cusparse.h, which the [cuda] extra no
+  # longer brings (0.10 does not need it): the error says what to install.
+  (tmp_path / "include" / "crt").mkdir(parents=True)
+  (tmp_path / "include" / "cusparseLt.h").write_text("#include <cusparse.h>\n")
+  for name in ("cuda_runtime_api.h", "crt/host_defines.h"):
+    (tmp_path / "include" / name).write_text("\n")
+  monkeypatch.setattr(build, "search_roots", lambda: [tmp_path])
+  with pytest.raises(build.BuildError, match=r"cuSPARSELt before 0\.10 .* needs the cuSPARSE header"
+                     r" cusparse\.h not found .*pip install nvidia-cusparse nvidia-cuda-cccl"):
+    build.find_toolchain()
+
+
 def test_compile_error_is_reported_with_the_command(monkeypatch, tmp_path):
   bad = tmp_path / "broken.cc"
   bad.write_text("this is not C++\n")

@@ -153,10 +153,10 @@ def find_toolchain() -> Toolchain:
   where = ", ".join(str(r) for r in roots) or "(no candidate directory exists)"
   include_dirs: list[str] = []
 
-  def need_header(name: str, what: str) -> pathlib.Path:
+  def need_header(name: str, what: str, hint: str = _INSTALL_HINT) -> pathlib.Path:
     d = _find_header(name, roots)
     if d is None:
-      raise BuildError(f"{what} header {name} not found (searched {where}); {_INSTALL_HINT}.")
+      raise BuildError(f"{what} header {name} not found (searched {where}); {hint}.")
     if str(d) not in include_dirs:
       include_dirs.append(str(d))
     return d
@@ -166,8 +166,11 @@ def find_toolchain() -> Toolchain:
   need_header("crt/host_defines.h", "the CUDA runtime's")
   lt_header = (lt_dir / "cusparseLt.h").read_text(errors="replace")
   if "cusparseLt_cusparse_stub.h" not in lt_header:
-    # cuSPARSELt before 0.10 includes the toolkit's cusparse.h.
-    need_header("cusparse.h", "the cuSPARSE (needed by this cuSPARSELt version)")
+    # cuSPARSELt before 0.10 includes the toolkit's cusparse.h (and, through
+    # it, CCCL's <nv/target>); the [cuda] extra's newest cuSPARSELt does not.
+    need_header("cusparse.h", f"cuSPARSELt before 0.10 ({lt_dir}) needs the cuSPARSE",
+                hint="pip install nvidia-cusparse nvidia-cuda-cccl, or cuSPARSELt 0.10"
+                     " (pip install 'nvidia-cusparselt-cu13>=0.10,<0.11')")
   # The library next to the header first, so header and library match.
   lt_lib = _find_library("libcusparseLt", [lt_dir.parent] + roots)
   if lt_lib is None:
