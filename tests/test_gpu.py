@@ -647,3 +647,51 @@ def test_cusparselt_products_saved_by_jsparse24_dot_policies_under_remat():
   assert _cusparselt_products_in_scanned_gradient(cp.dots_with_no_batch_dims_saveable) == 5
   assert _cusparselt_products_in_scanned_gradient(
       jsparse24.checkpoint_policies.dots_with_no_batch_dims_saveable) == 4
+
+
+# --- the cuSPARSELt library the user chose is the one that runs ---------------------
+
+_TORCH_FIRST_SCRIPT = r"""
+import json, re
+import torch  # torch loads its own libcusparseLt.so.0 at import
+torch.zeros(1, device="cuda")
+import jax, jax.numpy as jnp, numpy as np
+import jsparse24
+from jsparse24.backends import _cusparselt_build as build
+lib = build.load()
+w = jax.random.normal(jax.random.key(0), (256, 192), jnp.bfloat16)
+x = jax.random.normal(jax.random.key(1), (64, 256), jnp.bfloat16)
+mask = jsparse24.Mask24.from_weights(w, transposable=True)
+got = jsparse24.sparse_dot(x, w, mask, implementation="cusparselt")
+ref = jsparse24.sparse_dot(x, w, mask, implementation="xla")
+err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+files = sorted({l.split()[-1] for l in open("/proc/self/maps") if "libcusparseLt.so" in l})
+print(json.dumps({"version": build.version(lib), "err": err, "files": files}))
+"""
+
+
+def _header_version(home) -> str:
+  text = (home / "include" / "cusparseLt.h").read_text()
+  part = lambda name: re.search(rf"#define CUSPARSELT_VER_{name}\s+(\d+)", text).group(1)  # noqa: E731
+  return f"{part('MAJOR')}.{part('MINOR')}.{part('PATCH')}"
+
+
+def test_the_chosen_cusparselt_runs_beside_torchs(tmp_path):
+  """A process that imports torch first (which loads its own
+  libcusparseLt.so.0) and points JSPARSE24_CUSPARSELT_HOME at another
+  cuSPARSELt install computes with that install: both files are mapped, the
+  shim reports the chosen one's version, and its products are right. Needs
+  JSPARSE24_TEST_CUSPARSELT_HOME: an install (include/, lib/) of a version
+  other than torch's."""
+  import json, os, pathlib, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  other = os.environ.get("JSPARSE24_TEST_CUSPARSELT_HOME")
+  if not other:
+    pytest.skip("set JSPARSE24_TEST_CUSPARSELT_HOME to a cuSPARSELt install other than torch's")
+  want = _header_version(pathlib.Path(other))
+  env = {**os.environ, "JSPARSE24_CUSPARSELT_HOME": other, "JSPARSE24_CACHE_DIR": str(tmp_path)}
+  out = subprocess.run([sys.executable, "-c", _TORCH_FIRST_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=600, check=True).stdout
+  got = json.loads(out.strip().splitlines()[-1])
+  assert got["version"] == want, got
+  assert len(got["files"]) == 2 and any(f.startswith(other) for f in got["files"]), got
+  assert got["err"] < 1e-2, got
