@@ -8,5 +8,9 @@
   `mvue_rule`, shared with jsparse24's reference `mvue_24`).
 
 Each kernel has a plain-`jnp` `*_reference` beside it and runs on CPU with
-`interpret=True` for tests.
+`interpret=True` for tests. The kernels are written for Pallas's Triton
+lowering and import it; `mvue_rule` and `cusparselt_layout` (cuSPARSELt's
+metadata layout) import no Pallas, so that the XLA code which replaces the
+kernels where that lowering cannot run (in jsparse24's cuSPARSELt backend)
+can use them.
 """

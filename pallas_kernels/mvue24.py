@@ -13,8 +13,8 @@ caller writes the buffer's metadata rows
 numbers come from a counter-based hash of `seed` and the group's number
 `first_group + (m // 4) * N + n` (group rows 2t and 2t + 1 taking the two
 halves of one hash, `mvue_rule.uniform_of_group`), so the result equals
-`mvue_compress_reference` (the same rule applied by XLA ops) for the same
-seed.
+`mvue_rule.mvue_compress_reference` (the same rule applied by XLA ops) for
+the same seed.
 """
 
 from __future__ import annotations
@@ -70,20 +70,6 @@ def _seed_words(seed: jax.Array, first_group) -> jax.Array:
   return jnp.concatenate([seed, first, jnp.zeros((1,), jnp.uint32)])
 
 
-def _check(fn: str, g: jax.Array, seed: jax.Array) -> None:
-  if g.ndim != 2:
-    raise ValueError(f"{fn}: `g` must be 2-D [M, N], got shape {g.shape}.")
-  if g.dtype not in (jnp.bfloat16, jnp.float16):
-    raise TypeError(f"{fn}: `g` must be bfloat16 or float16 (cuSPARSELt's 2:4"
-                    f" formats), got {g.dtype}.")
-  m, n = g.shape
-  a = prune24.CUSPARSELT_ALIGN
-  if m % a or n % a:
-    raise ValueError(f"{fn}: M and N must be multiples of {a}, got g of shape {g.shape}.")
-  if seed.shape != (2,) or seed.dtype != jnp.uint32:
-    raise ValueError(f"{fn}: `seed` must be uint32[2], got {seed.dtype}{list(seed.shape)}.")
-
-
 @functools.partial(jax.jit, static_argnames=("row_stride", "config", "interpret"))
 def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: int | None = None,
                   config: prune24.PruneConfig | None = None, interpret: bool = False):
@@ -97,7 +83,7 @@ def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: i
   wider gradient (`row_stride` = its N, `first_group` = `r // 4 * N` plus the
   block's first column) draws what the whole would too. The buffer's last
   M/16 rows are left unwritten for the caller's metadata."""
-  _check("mvue_compress", g, seed)
+  mvue_rule.check_gradient("mvue_compress", g, seed)
   m, n = g.shape
   cfg = prune24.fit_config(config or DEFAULT_CONFIG, m, n, exact=True)
   bm, bn = cfg.block_k, cfg.block_n
@@ -115,21 +101,3 @@ def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: i
       interpret=interpret,
       name="jsparse24_mvue_compress",
   )(_seed_words(seed, first_group), g)
-
-
-def mvue_compress_reference(g: jax.Array, seed: jax.Array, first_group=0,
-                            row_stride: int | None = None):
-  """What `mvue_compress` computes, with XLA ops: `(values [M/2, N], meta
-  uint8[M/8, N])` (the buffer's value rows, and the packed codes)."""
-  _check("mvue_compress_reference", g, seed)
-  m, n = g.shape
-  stride = n if row_stride is None else row_stride
-  groups = g.reshape(m // 4, 4, n).astype(jnp.float32)
-  rows = jnp.arange(m // 4, dtype=jnp.uint32)[:, None]
-  index = (rows * jnp.uint32(stride) + jnp.arange(n, dtype=jnp.uint32)[None, :]
-           + jnp.asarray(first_group).astype(jnp.uint32))
-  u = mvue_rule.uniform_of_group(seed[0], seed[1], index, rows % 2 == 1, stride)
-  i0, i1, v0, v1 = mvue_rule.sample([groups[:, l] for l in range(4)], u)
-  values = jnp.stack([v0, v1], axis=1).reshape(m // 2, n).astype(g.dtype)
-  codes = i0 | (i1 << 2)  # [M/4, N]
-  return values, (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)

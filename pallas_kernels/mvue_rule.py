@@ -41,12 +41,19 @@ earlier one, with 10% fewer instructions in the kernel: benchmarks/NOTES.md.)
   a kept value's expectation is within `2^-15 |a_i / p_i|` of `a_i`: 64
   times below the rounding of the kept value to bfloat16 (2^-9 relative),
   which the estimate carries anyway.
+
+`mvue_compress_reference` applies the rule to a whole gradient, its groups
+numbered and its output laid out as the kernel's: the kernel's reference,
+and the code that jsparse24's cuSPARSELt backend runs in the kernel's place
+where Pallas's Triton lowering cannot run (hence no Pallas import here).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.cusparselt_layout import CUSPARSELT_ALIGN
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -188,3 +195,39 @@ def sample(a: list[jax.Array], u: jax.Array):
   i0 = p0.astype(jnp.int32) + p1.astype(jnp.int32)
   i1 = 1 + r1.astype(jnp.int32) + r2.astype(jnp.int32)
   return i0, i1, out[0], out[1]
+
+
+def check_gradient(fn: str, g: jax.Array, seed: jax.Array) -> None:
+  """The arguments of `mvue24.mvue_compress` and its reference, checked
+  (`fn` names the caller in the errors)."""
+  if g.ndim != 2:
+    raise ValueError(f"{fn}: `g` must be 2-D [M, N], got shape {g.shape}.")
+  if g.dtype not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"{fn}: `g` must be bfloat16 or float16 (cuSPARSELt's 2:4"
+                    f" formats), got {g.dtype}.")
+  m, n = g.shape
+  a = CUSPARSELT_ALIGN
+  if m % a or n % a:
+    raise ValueError(f"{fn}: M and N must be multiples of {a}, got g of shape {g.shape}.")
+  if seed.shape != (2,) or seed.dtype != jnp.uint32:
+    raise ValueError(f"{fn}: `seed` must be uint32[2], got {seed.dtype}{list(seed.shape)}.")
+
+
+def mvue_compress_reference(g: jax.Array, seed: jax.Array, first_group=0,
+                            row_stride: int | None = None):
+  """What `mvue24.mvue_compress` computes, with XLA ops: `(values [M/2, N],
+  meta uint8[M/8, N])` (the buffer's value rows, and the packed codes),
+  the groups numbered as the kernel numbers them (`first_group`,
+  `row_stride`: a block of a larger gradient draws what the whole would)."""
+  check_gradient("mvue_compress_reference", g, seed)
+  m, n = g.shape
+  stride = n if row_stride is None else row_stride
+  groups = g.reshape(m // 4, 4, n).astype(jnp.float32)
+  rows = jnp.arange(m // 4, dtype=jnp.uint32)[:, None]
+  index = (rows * jnp.uint32(stride) + jnp.arange(n, dtype=jnp.uint32)[None, :]
+           + jnp.asarray(first_group).astype(jnp.uint32))
+  u = uniform_of_group(seed[0], seed[1], index, rows % 2 == 1, stride)
+  i0, i1, v0, v1 = sample([groups[:, l] for l in range(4)], u)
+  values = jnp.stack([v0, v1], axis=1).reshape(m // 2, n).astype(g.dtype)
+  codes = i0 | (i1 << 2)  # [M/4, N]
+  return values, (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)

@@ -28,7 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _tiles
+from pallas_kernels import _tiles, cusparselt_layout
+from pallas_kernels.cusparselt_layout import CUSPARSELT_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,11 +523,7 @@ def _check_weight(fn: str, w: jax.Array, need_n4: bool) -> None:
         f" a transposable mask / transposed copy.")
 
 
-LAYOUTS = ("sparse24", "cusparselt")
-# layout="cusparselt": K and N must be multiples of this (cuSPARSELt's own
-# minimum for 16-bit structured operands, and whole 64 x 8-group metadata
-# blocks both ways).
-CUSPARSELT_ALIGN = 64
+LAYOUTS = ("sparse24", "cusparselt")  # layout="cusparselt": K, N multiples of CUSPARSELT_ALIGN
 
 
 def _check_layout(fn: str, w: jax.Array, layout: str) -> bool:
@@ -988,41 +985,15 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
 
 # --- cuSPARSELt's metadata, written into the compressed buffer in place -------
 #
-# cuSPARSELt (0.8) keeps the 4-bit codes of an R x G matrix of groups after
-# the values, in 256-byte blocks of 64 rows x 8 groups (the byte-wise
-# definition, checked against recorded bytes, is
-# jsparse24.backends.cusparselt.metadata_layout). On 32-bit words: four bytes
-# of a row of the packed mask are the codes of one 8-group block (nibble j:
-# group 8*gb + j), and output word 16a + 2b + d1 of a block holds groups
-# 4c + 2*d1 + d0 of rows 16a + b (low nibbles) and 16a + 8 + b (high) at
-# byte 2*d0 + c: shifts and masks of two input words.
-
-
-def _spread_nibbles(t: jax.Array) -> jax.Array:
-  """Nibbles 0, 1, 4, 5 of uint32 `t` to bits 0, 16, 8, 24 (the rest dropped)."""
-  return (t & 0xF) | ((t & 0xF0) << 12) | ((t & 0xF0000) >> 8) | ((t & 0xF00000) << 4)
-
-
-def metadata_words_reference(words: jax.Array) -> jax.Array:
-  """Plain-`jnp` reference of the metadata kernel: uint32 words `[R, G/8]`
-  (row r, 8-group block gb; R % 64 == 0) -> the blocks' output words
-  `[R/64 * G/8, 64]`, row-block major."""
-  r, gb = words.shape
-  w = words.reshape(r // 64, 4, 2, 8, gb).transpose(0, 4, 1, 3, 2)  # [rb, gb, a, b, h]
-  # d1 (the half of the output word) as a broadcast axis: XLA makes a
-  # transpose fusion per h and one elementwise fusion of this. An iota, not
-  # an array constant: jsparse24 traces this inside custom_partitioning,
-  # which refuses constants.
-  shift = jax.lax.iota(jnp.uint32, 2) * jnp.uint32(8)  # [d1]: 0, 8
-  out = (_spread_nibbles(w[..., 0, None] >> shift)
-         | (_spread_nibbles(w[..., 1, None] >> shift) << 4))  # [rb, gb, a, b, d1]
-  return out.reshape(-1, 64)
+# The word arithmetic of a 64-row x 8-group block and its plain-`jnp`
+# reference are in `cusparselt_layout` (used without Pallas too).
 
 
 def _metadata_halves(lo: jax.Array, hi: jax.Array) -> list[jax.Array]:
   """The output words d1 = 0, 1 of a block from the mask's words of rows
   16a + b (`lo`) and 16a + 8 + b (`hi`), in their layout."""
-  return [_spread_nibbles(lo >> (8 * d1)) | (_spread_nibbles(hi >> (8 * d1)) << 4)
+  spread = cusparselt_layout.spread_nibbles
+  return [spread(lo >> (8 * d1)) | (spread(hi >> (8 * d1)) << 4)
           for d1 in range(2)]
 
 
@@ -1068,7 +1039,8 @@ def write_cusparselt_metadata(buf: jax.Array, meta: jax.Array, *, row: int,
 
   One pass: each program reads a 64-row block of the mask and writes its
   256-byte metadata blocks. (XLA's fusions of the same word arithmetic,
-  `metadata_words_reference`, made three passes and an in-place update.)
+  `cusparselt_layout.metadata_words_reference`, made three passes and an
+  in-place update.)
   """
   fn = "write_cusparselt_metadata"
   t, c = buf.shape

@@ -442,6 +442,30 @@ def test_cusparselt_algorithm_choice_survives_a_restart(tmp_path, dtype):
   assert second["digest"] == first["digest"]
 
 
+def test_cusparselt_training_is_the_same_without_pallas_triton():
+  """Three training steps of a bfloat16 SparseDense model on the
+  "cusparselt" backend (stored transposable and plain masks, a mask pruned
+  per call, mask rebuilds; `tests/triton_removal.py`) in a process with
+  `JSPARSE24_DISABLE_PALLAS_TRITON=1`, where XLA code writes cuSPARSELt's
+  buffers, and in one without: the buffers' bits are the same, so the
+  losses and parameters are, bit for bit. Both processes take cuSPARSELt's
+  default algorithm (`triton_removal.main`) and XLA's untimed GEMM choices
+  (`--xla_gpu_autotune_level=0`): a timed choice may differ between two
+  processes. Dense weight gradients: the MVUE kernel's float32 arithmetic
+  on the GPU may move a draw (`test_mvue_compress_kernel_on_gpu`)."""
+  import os  # pylint: disable=g-import-not-at-top
+  from tests import triton_removal  # pylint: disable=g-import-not-at-top
+  env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"}
+  kernels = triton_removal.run("--steps", "3", switch=False, env=env)
+  fallback = triton_removal.run("--steps", "3", switch=True, env=env)
+  assert kernels["reason"] is None and kernels["fallback_warnings"] == [], kernels
+  assert fallback["reason"] and len(fallback["fallback_warnings"]) == 1, fallback
+  assert fallback["kernel_modules"] == [] and fallback["triton_modules"] == [], fallback
+  assert np.isfinite(kernels["losses"]).all(), kernels["losses"]
+  assert fallback["losses"] == kernels["losses"], (fallback["losses"], kernels["losses"])
+  assert fallback["digest"] == kernels["digest"]
+
+
 # --- weight_grad="mvue": the pruning kernel and the weight-gradient product --------------
 
 
@@ -453,12 +477,12 @@ def test_mvue_compress_kernel_on_gpu(shape, dtype):
   probability by an ulp, which can flip a draw whose uniform number lies
   within that ulp of a boundary (about 1e-7 per group), and move a kept
   value by an ulp of float32 before rounding to `dtype`."""
-  from pallas_kernels import mvue24  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import mvue24, mvue_rule  # pylint: disable=g-import-not-at-top
   g = jax.random.normal(jax.random.key(shape[0]), shape, dtype)
   g = g.at[:8].set(0).at[8:12, :5].set(jnp.array([0, 1, 0, 0], dtype)[:, None])
   seed = jsparse24._mvue.mvue_seeds(jax.random.key(11))
   buf, meta = mvue24.mvue_compress(g, seed, 64)
-  values, meta_ref = jax.jit(mvue24.mvue_compress_reference)(g, seed, 64)
+  values, meta_ref = jax.jit(mvue_rule.mvue_compress_reference)(g, seed, 64)
   codes = lambda m: np.stack([np.asarray(m) & 0xF, np.asarray(m) >> 4], -1)  # noqa: E731
   same = codes(meta) == codes(meta_ref)
   assert 1.0 - same.mean() <= 1e-5, 1.0 - same.mean()

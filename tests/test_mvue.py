@@ -392,7 +392,7 @@ def test_mvue_layer_computes_what_the_dense_grad_layer_computes():
 @pytest.mark.parametrize("shape,dtype", [((128, 192), jnp.bfloat16), ((64, 320), jnp.float16),
                                          ((192, 64), jnp.bfloat16)])
 def test_mvue_compress_kernel_equals_the_reference(shape, dtype):
-  from pallas_kernels import mvue24
+  from pallas_kernels import mvue24, mvue_rule
   g = jax.random.normal(jax.random.key(shape[0]), shape, dtype)
   # Zero groups, single non-zeros, a dominant entry, ties.
   g = g.at[:8].set(0).at[8:12, :5].set(jnp.array([0, 1, 0, 0], dtype)[:, None])
@@ -401,14 +401,14 @@ def test_mvue_compress_kernel_equals_the_reference(shape, dtype):
   key = jax.random.key(7)
   seed = jsparse24._mvue.mvue_seeds(key)
   buf, meta = mvue24.mvue_compress(g, seed, 12, interpret=True)
-  values, meta_ref = mvue24.mvue_compress_reference(g, seed, 12)
+  values, meta_ref = mvue_rule.mvue_compress_reference(g, seed, 12)
   m = shape[0]
   assert buf.shape == (m // 2 + m // 16, shape[1]) and meta.shape == (m // 8, shape[1])
   np.testing.assert_array_equal(np.asarray(buf[:m // 2]).view(np.uint16),
                                 np.asarray(values).view(np.uint16))
   np.testing.assert_array_equal(meta, meta_ref)
   # With the first group numbered 0 it is mvue_24 itself, compressed.
-  values, meta = mvue24.mvue_compress_reference(g, seed)
+  values, meta = mvue_rule.mvue_compress_reference(g, seed)
   dense = jsparse24.decompress(jsparse24.Sparse24(values.T, meta.T))  # codes: Mask24's, transposed
   np.testing.assert_array_equal(np.asarray(dense, np.float32),
                                 np.asarray(jsparse24.mvue_24(g, key, axis=0), np.float32))
@@ -416,10 +416,10 @@ def test_mvue_compress_kernel_equals_the_reference(shape, dtype):
 
 def test_mvue_compress_of_row_blocks_draws_what_the_whole_does():
   # How each device of a data-parallel mesh prunes its own rows.
-  from pallas_kernels import mvue24
+  from pallas_kernels import mvue24, mvue_rule
   g = jax.random.normal(jax.random.key(0), (256, 128), jnp.bfloat16)
   seed = jsparse24._mvue.mvue_seeds(jax.random.key(1))
-  whole, whole_meta = mvue24.mvue_compress_reference(g, seed)
+  whole, whole_meta = mvue_rule.mvue_compress_reference(g, seed)
   parts = [mvue24.mvue_compress(g[r:r + 64], seed, r // 4 * 128, interpret=True)
            for r in range(0, 256, 64)]
   np.testing.assert_array_equal(jnp.concatenate([b[:32] for b, _ in parts]), whole)
@@ -429,10 +429,10 @@ def test_mvue_compress_of_row_blocks_draws_what_the_whole_does():
 def test_mvue_compress_of_blocks_draws_what_the_whole_does():
   # How each device of a data x model mesh prunes its block (tensor
   # parallelism: dy split on N too): `row_stride` is the whole gradient's N.
-  from pallas_kernels import mvue24
+  from pallas_kernels import mvue24, mvue_rule
   g = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
   seed = jsparse24._mvue.mvue_seeds(jax.random.key(1))
-  whole, whole_meta = mvue24.mvue_compress_reference(g, seed)
+  whole, whole_meta = mvue_rule.mvue_compress_reference(g, seed)
   for r in (0, 64):
     for c in (0, 64, 128, 192):
       block = g[r:r + 64, c:c + 64]
@@ -440,7 +440,7 @@ def test_mvue_compress_of_blocks_draws_what_the_whole_does():
                                        interpret=True)
       np.testing.assert_array_equal(buf[:32], whole[r // 2:r // 2 + 32, c:c + 64])
       np.testing.assert_array_equal(meta, whole_meta[r // 8:r // 8 + 8, c:c + 64])
-      ref, _ = mvue24.mvue_compress_reference(block, seed, r // 4 * 256 + c, row_stride=256)
+      ref, _ = mvue_rule.mvue_compress_reference(block, seed, r // 4 * 256 + c, row_stride=256)
       np.testing.assert_array_equal(ref, buf[:32])
 
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jsparse24 import _format
 from jsparse24._format import Mask24
 from jsparse24.backends import pallas as _pallas
-from jsparse24.backends.base import Backend, BackendUnavailableError, DotConfig, Problem
+from jsparse24.backends.base import (Backend, BackendUnavailableError, DotConfig, Problem,
+                                     XlaFallbackWarning)
 from jsparse24.backends.cusparselt import CusparseltBackend
 from jsparse24.backends.pallas import PallasBackend
 from jsparse24.backends.xla import XlaBackend
@@ -62,7 +63,8 @@ def select(implementation: str | None, problem: Problem) -> Backend:
 
 
 def _pallas_native() -> bool:
-  """Whether the Pallas kernels run natively here (a GPU), not interpreted."""
+  """Whether the Pallas kernels run natively here (a GPU, and Pallas's Triton
+  lowering: `pallas.triton_unavailable_reason`), not interpreted."""
   pallas = BACKENDS["pallas"]
   return not pallas.interpreting() and pallas.unavailable_reason() is None
 
@@ -92,8 +94,8 @@ def select_compress(implementation: str | None, w) -> Backend:
   return backend
 
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem", "rebuild_where",
-           "select", "select_compress"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem",
+           "XlaFallbackWarning", "rebuild_where", "select", "select_compress"]
 
 
 def _fast_mask(w, transposable: bool) -> Mask24 | None:

@@ -76,6 +76,12 @@ class BackendUnavailableError(ValueError):
   """An explicitly requested backend cannot run here (the message says why)."""
 
 
+class XlaFallbackWarning(UserWarning):
+  """XLA code with the same bits replaces kernels that cannot run here
+  (slower, still correct; the message says which and why). Issued once per
+  process."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """The static facts a backend needs to decide whether it can run a call."""

@@ -12,6 +12,14 @@ run on the sparse tensor cores; `dw = x^T @ dy` is dense (XLA), or, with
 pruned and compressed by one Pallas pass, `mvue_weight_grad`). Without a
 transposable mask, `dx` is a dense XLA product with the decompressed weight.
 
+Where the Pallas kernels cannot run (Pallas's Triton lowering missing, or
+`JSPARSE24_DISABLE_PALLAS_TRITON=1`: `pallas.triton_unavailable_reason`),
+XLA code writes the same bytes, slower (`compress_for_products_xla`: the
+reference compress laid out by `from_sparse24`;
+`mvue_compress_for_product_xla`: the MVUE kernel's reference), chosen in
+Python at trace time, with one `XlaFallbackWarning` per process; it imports
+only Triton-free modules of `pallas_kernels`.
+
 The weight buffer `w[K, N]` (row-major, N contiguous) is cuSPARSELt's
 structured operand A, described as the column-major `N x K` matrix it already
 is: forward `y^T = op_N(A) x^T`, backward `dx^T = op_T(A) dy^T`, activations
@@ -38,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse24._format import Mask24, Sparse24, decompress
+from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._mvue import mvue_seeds
 from jsparse24._sharding import (partitioning_off, rows_contracted, rows_parallel,
                                  weight_grad_sharding, whole_on_each_device)
@@ -47,6 +55,8 @@ from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends.pallas import PallasBackend, compress_arrays
 from jsparse24.backends.base import matmul as xla_matmul
+# Triton-free: the XLA code that replaces the Pallas kernels uses them.
+from pallas_kernels import cusparselt_layout, mvue_rule
 
 _DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
 # K and N must be multiples of this (cuSPARSELt's structured-matrix minimum
@@ -278,16 +288,15 @@ def metadata_layout(codes: jax.Array) -> jax.Array:
 def _metadata_rows(meta: jax.Array, groups: int, cols: int, dtype) -> jax.Array:
   """The metadata of packed `meta` (`[R, G/2]`) as `[R*G/(4*cols), cols]`
   elements of `dtype` (16-bit): `metadata_layout` of its codes, computed by
-  XLA on 32-bit words (`prune24.metadata_words_reference`: four bytes of a
-  mask row are one 8-group block's codes, and each output word is shifts
-  and masks of two of them). The reference of the Pallas pass that
-  `_with_metadata` runs; used where the metadata goes into a new buffer
-  (`from_sparse24`)."""
-  prune24, _ = pallas_backend._kernels()  # pylint: disable=protected-access
+  XLA on 32-bit words (`cusparselt_layout.metadata_words_reference`: four
+  bytes of a mask row are one 8-group block's codes, and each output word
+  is shifts and masks of two of them). The reference of the Pallas pass
+  that `_with_metadata` runs; used where the metadata goes into a new buffer
+  (`from_sparse24`, and the XLA code that replaces the Pallas kernels)."""
   r = meta.shape[0]
   words = jax.lax.bitcast_convert_type(meta[:, :groups // 2].reshape(r, groups // 8, 4),
                                        jnp.uint32)  # [R, G/8]: row r, block gb
-  out = prune24.metadata_words_reference(words)
+  out = cusparselt_layout.metadata_words_reference(words)
   return jax.lax.bitcast_convert_type(out, dtype).reshape(-1, cols)
 
 
@@ -328,13 +337,38 @@ def from_sparse24(sp: Sparse24) -> tuple[jax.Array, jax.Array | None]:
   return fwd, bwd
 
 
+def _xla_fallback() -> bool:
+  """Whether XLA code replaces the Pallas kernels here (they cannot run:
+  `pallas.triton_unavailable_reason`); warns once per process when it does.
+  Decided in Python at trace time, so a traced step holds one path only."""
+  if pallas_backend.triton_unavailable_reason() is None:
+    return False
+  pallas_backend.warn_xla_fallback()
+  return True
+
+
+def compress_for_products_xla(w: jax.Array, mask, transposable: bool):
+  """`compress_for_products` by XLA code, byte for byte (for the Pallas
+  kernels' place where they cannot run): the reference compress, laid out
+  by `from_sparse24`. Several passes over `w` and the compressed arrays
+  where the kernels make one and a small one."""
+  if mask is not None and not isinstance(mask, Mask24):
+    mask = Mask24.pack(mask)  # a bool mask read as the kernels read it
+  sp = compress_reference(w, mask, transposable)
+  fwd, bwd = from_sparse24(sp)
+  return fwd, bwd, sp.meta
+
+
 def compress_for_products(w: jax.Array, mask, transposable: bool):
   """Masks (or prunes, `mask=None`) and compresses `w[K, N]` for cuSPARSELt
   with jsparse24's Pallas kernel: `(fwd, bwd, meta)`, the buffers of
   `buffer_shape` (bwd None unless `transposable`) and the mask's packed
-  codes (`Mask24` layout) -- one pass over `w`, then the metadata writes."""
+  codes (`Mask24` layout) -- one pass over `w`, then the metadata writes
+  (where the kernels cannot run, `compress_for_products_xla`)."""
   k, n = w.shape
   _check_aligned(k, n)
+  if _xla_fallback():
+    return compress_for_products_xla(w, mask, transposable)
   fwd, meta, bwd, meta_t = compress_arrays(w, mask, transposable, layout="cusparselt")
   fwd = _with_metadata(fwd, k // 2, meta, k // 4)
   if bwd is not None:
@@ -452,14 +486,29 @@ def _mvue_kernel():
   return mvue24
 
 
+def mvue_compress_for_product_xla(dy: jax.Array, seed: jax.Array, first_group=0,
+                                  row_stride: int | None = None) -> jax.Array:
+  """`mvue_compress_for_product` by XLA code, byte for byte (for the Pallas
+  kernel's place where it cannot run): the kernel's reference, drawing what
+  the kernel draws for the same `first_group` and `row_stride`, then the
+  metadata rows (`_metadata_rows` of the codes transposed to the `Mask24`
+  layout)."""
+  m, n = dy.shape
+  values, codes = mvue_rule.mvue_compress_reference(dy, seed, first_group, row_stride)
+  return jnp.concatenate([values, _metadata_rows(codes.T, m // 4, n, dy.dtype)])
+
+
 def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0,
                               row_stride: int | None = None) -> jax.Array:
   """`mvue_24` of `dy[M, N]` (M, N multiples of 64) along M, compressed for
   cuSPARSELt (`buffer_shape(M, N, transpose=False)`), by one Pallas pass then
-  the metadata write. `seed`: `mvue_seeds(key)`; `first_group`, `row_stride`
-  as in `pallas_kernels.mvue24.mvue_compress`."""
+  the metadata write (where the kernels cannot run,
+  `mvue_compress_for_product_xla`). `seed`: `mvue_seeds(key)`;
+  `first_group`, `row_stride` as in `pallas_kernels.mvue24.mvue_compress`."""
   m, n = dy.shape
   _check_aligned(m, n)
+  if _xla_fallback():
+    return mvue_compress_for_product_xla(dy, seed, first_group, row_stride)
   buf, codes = _mvue_kernel().mvue_compress(dy, seed, first_group, row_stride=row_stride,
                                             interpret=pallas_backend.interpreting())
   return _with_metadata(buf, m // 2, codes, m // 4, by_groups=True)
@@ -568,9 +617,11 @@ class CusparseltBackend(Backend):
     w = jax.lax.stop_gradient(w)
     if COMPRESSOR == "cusparselt":
       # cusparseLtSpMMACompress2 on the masked weight (for the benchmarks'
-      # comparison): the Pallas kernel finds or applies the mask, XLA
-      # decompresses, cuSPARSELt compresses each direction.
-      sp = _PALLAS.compress(w, mask, transposable)
+      # comparison): the Pallas kernel (where it cannot run, the reference)
+      # finds or applies the mask, XLA decompresses, cuSPARSELt compresses
+      # each direction.
+      sp = (compress_reference(w, mask, transposable) if _xla_fallback()
+            else _PALLAS.compress(w, mask, transposable))
       masked = decompress(sp)
       fwd = compress(masked, transpose=False)
       bwd = compress(masked, transpose=True) if transposable else None

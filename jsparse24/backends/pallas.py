@@ -15,12 +15,25 @@ The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
 they save bytes, not FLOPs, so `implementation=None` picks this backend only
 for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`, see
 benchmarks/NOTES.md).
+
+The kernels are written for Pallas's Triton lowering
+(`jax.experimental.pallas.triton`, deprecated since JAX 0.11), which their
+modules import. Where it cannot be imported, or where the environment sets
+`JSPARSE24_DISABLE_PALLAS_TRITON=1` (`DISABLE_ENV`: simulates its removal,
+or steps around a Triton bug; read once per process),
+`triton_unavailable_reason()` says why, and: this backend is unavailable (in
+interpret mode too), so naming it raises `BackendUnavailableError`;
+`implementation=None` and the mask builders take the XLA reference; and the
+cuSPARSELt backend writes its buffers with XLA code of the same bits, slower
+(one `XlaFallbackWarning` per process, `warn_xla_fallback`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
 
 import jax
 import jax.extend
@@ -31,7 +44,8 @@ from jsparse24 import _jax_internals
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._sharding import columns_parallel, partitioning_off, rows_parallel
 from jsparse24._sharding import unpartitioned as unpartitioned_scope
-from jsparse24.backends.base import Backend, Problem, sparse24_roles
+from jsparse24.backends.base import (Backend, BackendUnavailableError, Problem,
+                                     XlaFallbackWarning, sparse24_roles)
 from jsparse24.backends.base import matmul
 
 _INTERPRET = [False]
@@ -43,6 +57,46 @@ AUTO_MAX_M = 0
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
+# The environment variable that, set to 1, makes the Pallas kernels count as
+# unable to run, as they will be once JAX removes Pallas's Triton lowering.
+DISABLE_ENV = "JSPARSE24_DISABLE_PALLAS_TRITON"
+
+
+@functools.cache
+def triton_unavailable_reason() -> str | None:
+  """None where the Pallas kernels can run (Pallas's Triton lowering and the
+  kernel modules import), else why they cannot. Decided on the first call,
+  once per process: a choice that changed while traced functions are cached
+  would leave some of them with the other one."""
+  switch = os.environ.get(DISABLE_ENV, "")
+  if switch not in ("", "0"):
+    return (f"the Pallas kernels need Pallas's Triton lowering, and the environment sets"
+            f" {DISABLE_ENV}={switch} (unset it, or set it to 0, to use them)")
+  try:
+    # pylint: disable=g-import-not-at-top,unused-import
+    from jax.experimental.pallas import triton  # noqa: F401
+    from pallas_kernels import prune24  # noqa: F401
+  except ImportError as e:
+    return (f"the Pallas kernels need Pallas's Triton lowering"
+            f" (jax.experimental.pallas.triton), which cannot be imported with jax"
+            f" {jax.__version__} ({type(e).__name__}: {e}); use a jax release that still"
+            f" ships it")
+  return None
+
+
+@functools.cache
+def warn_xla_fallback() -> None:
+  """Warns, once per process, that the cuSPARSELt backend's compression runs
+  as XLA code because the Pallas kernels cannot (`triton_unavailable_reason`)."""
+  warnings.warn(
+      f"jsparse24: {triton_unavailable_reason()}. XLA code with the same bits replaces"
+      f" them in the 'cusparselt' backend: pruning and compressing the weights"
+      f" (prune24.prune_compress, prune24.compress_with_meta), writing cuSPARSELt's"
+      f" metadata (prune24.write_cusparselt_metadata) and, with weight_grad='mvue',"
+      f" pruning the output gradient (mvue24.mvue_compress). Training is correct but"
+      f" slower.", XlaFallbackWarning, stacklevel=3)
+
+
 def interpreting() -> bool:
   """Whether the Pallas kernels run in interpret mode (`interpret_mode`)."""
   return _INTERPRET[0]
@@ -50,7 +104,9 @@ def interpreting() -> bool:
 
 @contextlib.contextmanager
 def interpret_mode(enabled: bool = True):
-  """Runs the Pallas kernels in interpret mode (any platform; slow) within."""
+  """Runs the Pallas kernels in interpret mode (any platform; slow) within
+  (they still need Pallas's Triton lowering to import:
+  `triton_unavailable_reason`)."""
   old = _INTERPRET[0]
   _INTERPRET[0] = enabled
   try:
@@ -61,6 +117,9 @@ def interpret_mode(enabled: bool = True):
 
 def _kernels():
   # Imported lazily: jax.experimental.pallas is only needed when used.
+  reason = triton_unavailable_reason()
+  if reason is not None:
+    raise BackendUnavailableError(f"jsparse24.backends.pallas: {reason}.")
   from pallas_kernels import prune24, spmm24  # pylint: disable=g-import-not-at-top
   return prune24, spmm24
 
@@ -256,6 +315,11 @@ class PallasBackend(Backend):
   name = "pallas"
 
   def unavailable_reason(self) -> str | None:
+    # Checked first, in interpret mode too: without the Triton lowering the
+    # kernel modules cannot even be imported.
+    reason = triton_unavailable_reason()
+    if reason is not None:
+      return reason
     if _INTERPRET[0]:
       return None
     if jax.default_backend() != "gpu":
