@@ -94,7 +94,7 @@ def main(argv=None):
       if state:
         state.write_text(json.dumps(results, indent=1))
   shapes = sorted({(r["m"], r["k"], r["n"]) for res in results for r in res["records"]})
-  headers = ["cuSPARSELt", "GPU tests (cusparselt or mvue)"]
+  headers = ["cuSPARSELt", "GPU tests (`TESTS`)"]
   headers += [f"forward {m}x{k}x{n}" for m, k, n in shapes]
   headers += [f"step {m}x{k}x{n}" for m, k, n in shapes]
   rows = []

@@ -49,3 +49,7 @@ def test_cusparselt_range_is_the_verified_versions(group):
   assert not spec.contains(f"{newest.major}.{newest.minor + 1}.0")
   oldest = min(verified)
   assert not spec.contains(f"{oldest.major}.{oldest.minor - 1}.9")
+  # A minor version between them that was not verified is excluded too.
+  for minor in range(oldest.minor + 1, newest.minor):
+    if Version(f"{oldest.major}.{minor}") not in verified:
+      assert not spec.contains(f"{oldest.major}.{minor}.0"), (minor, spec)
