@@ -133,6 +133,22 @@ def _explicit_mesh(*arrays: jax.Array) -> Any:
   return None
 
 
+def _weight_side_explicit_mesh(*arrays: jax.Array) -> Any:
+  """`_explicit_mesh(*arrays)`, or, where none of them is typed with a mesh
+  but the context mesh (`jax.set_mesh`) has Explicit axes, that mesh: a
+  weight closed over as a constant (frozen) is untyped there. Such arrays
+  take the Explicit path too (`whole_on_each_device`): lowered inside
+  `custom_partitioning` under an Explicit context mesh, jax 0.12 annotates
+  the kernel's own ops with sharding custom calls that the CPU backend
+  cannot run (tests/test_sharding.py, the frozen weights of
+  `test_explicit_axes_gradient_through_a_computed_activation`)."""
+  mesh = _explicit_mesh(*arrays)
+  if mesh is not None:
+    return mesh
+  context = jax.sharding.get_abstract_mesh()
+  return context if is_explicit(context) else None
+
+
 # Set while a primitive's lowering traces the products (`unpartitioned`).
 _UNPARTITIONED = [False]
 
@@ -220,7 +236,7 @@ def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
   With Auto axes XLA gathers a sharded weight for such a call by itself;
   with Explicit axes the call runs in a `shard_map` over replicated specs
   (Pallas calls only accept per-device arrays there)."""
-  mesh = _explicit_mesh(*args)
+  mesh = _weight_side_explicit_mesh(*args)
   if mesh is None or _UNPARTITIONED[0]:
     return fn(*args)
   args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args)
@@ -466,7 +482,7 @@ def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.A
   (Auto mesh axes; with Explicit ones see `whole_on_each_device`.)"""
   if _UNPARTITIONED[0]:
     return _vmapped(fn, lead)(w, *extras)
-  if _explicit_mesh(w, *extras) is not None:
+  if _weight_side_explicit_mesh(w, *extras) is not None:
     return whole_on_each_device(_vmapped(fn, lead), w, *extras)
   return _wrap_columns(fn, tuple(n_dims), align, tuple(e.ndim - lead for e in extras),
                        lead, k_dims, extra_k_dims)(w, *extras)
