@@ -85,8 +85,9 @@ PAD_M = 16
 # d_model 1024) those products measured no faster than XLA's dense ones
 # (profile in benchmarks/NOTES.md), and the whole step 0.95-0.98x of dense.
 # Only bfloat16: float16 picks its algorithm with configuration ids checked on
-# an H200 with cuSPARSELt 0.8.0 only (SEARCH), and a wrong id kills the
-# process, which an automatic choice must not risk; name it explicitly.
+# an H200 (cuSPARSELt 0.8.0) and an H100 (0.8.0, 0.10.0) only (SEARCH), and a
+# wrong id kills the process, which an automatic choice must not risk; name
+# it explicitly.
 AUTO_GRID = (1024, 2048, 4096, 8192, 16384)
 AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
     True: (  # transposable masks: y and dx on the sparse tensor cores
