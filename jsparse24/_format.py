@@ -9,6 +9,8 @@ convention: two 2-bit indices, the first in the low bits). Two groups share a
 byte, the lower group in the low nibble. The array is `uint8[..., N, ceil(K/8)]`
 (K contiguous); when K/4 is odd the last high nibble is padding, set to the
 valid code `0x4` (indices 0 and 1) so that decoders need no special case.
+(The codes' one definition, shared with the Pallas kernels:
+`pallas_kernels.prune_rule`.)
 4 bits per 4 elements is 1 bit per weight element.
 
 `Sparse24.values` holds the kept values in K order, `[..., N, K/2]`: with the
@@ -34,8 +36,7 @@ from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks
 from jsparse24._prune import prune_24
-
-PAD_CODE = 0x4  # indices (0, 1): a valid code for the padding nibble
+from pallas_kernels import prune_rule as rule
 
 
 def _group_indices(mask_t: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -57,17 +58,17 @@ def _pack_codes(codes: jax.Array) -> jax.Array:
   """codes: [..., G] in [0, 16) -> uint8 [..., ceil(G/2)]."""
   groups = codes.shape[-1]
   if groups % 2:
-    pad = jnp.full(codes.shape[:-1] + (1,), PAD_CODE, codes.dtype)
+    pad = jnp.full(codes.shape[:-1] + (1,), rule.PAD_CODE, codes.dtype)
     codes = jnp.concatenate([codes, pad], axis=-1)
   pairs = codes.reshape(codes.shape[:-1] + (-1, 2)).astype(jnp.uint8)
-  return pairs[..., 0] | (pairs[..., 1] << 4)
+  return rule.byte_of(pairs[..., 0], pairs[..., 1])
 
 
 def _unpack_codes(meta: jax.Array, groups: int) -> tuple[jax.Array, jax.Array]:
   """uint8 [..., ceil(G/2)] -> (i0, i1) int32 [..., G]."""
-  codes = jnp.stack([meta & 0xF, meta >> 4], axis=-1)
+  codes = jnp.stack(rule.byte_codes(meta), axis=-1)
   codes = codes.reshape(meta.shape[:-1] + (-1,))[..., :groups].astype(jnp.int32)
-  return codes & 3, (codes >> 2) & 3
+  return rule.code_indices(codes)
 
 
 def _compress_last(w_t: jax.Array, mask_t: jax.Array):
@@ -78,7 +79,7 @@ def _compress_last(w_t: jax.Array, mask_t: jax.Array):
   i0, i1 = _group_indices(m)
   idx = jnp.stack([i0, i1], axis=-1)
   values = jnp.take_along_axis(g, idx, axis=-1).reshape(w_t.shape[:-1] + (k // 2,))
-  return values, _pack_codes(i0 | (i1 << 2))
+  return values, _pack_codes(rule.group_code(i0, i1))
 
 
 def _decompress_last(values: jax.Array, meta: jax.Array, k: int) -> jax.Array:
@@ -115,7 +116,8 @@ def _mask_kn(meta: jax.Array, k: int) -> jax.Array:
   *lead, rows, n = meta_t.shape
   byte = meta_t[..., :, None, :]  # [..., ceil(K/8), 1, N]: row k's byte is k // 8
   code = (byte >> _ROW_SHIFT) & 0xF  # [..., ceil(K/8), 8, N]: the nibble of group k // 4
-  kept = ((code & 3) == _ROW_LANE) | ((code >> 2) == _ROW_LANE)
+  i0, i1 = rule.code_indices(code)
+  kept = (i0 == _ROW_LANE) | (i1 == _ROW_LANE)
   return kept.reshape(*lead, rows * 8, n)[..., :k, :]
 
 
@@ -249,7 +251,7 @@ class Mask24:
     i0, i1 = _group_indices(
         jnp.swapaxes(mask, -1, -2).reshape(
             mask.shape[:-2] + (mask.shape[-1], mask.shape[-2] // 4, 4)))
-    return cls._from_codes(i0 | (i1 << 2), tuple(mask.shape), transposable)
+    return cls._from_codes(rule.group_code(i0, i1), tuple(mask.shape), transposable)
 
   @classmethod
   def _from_codes(cls, codes: jax.Array, shape, transposable: bool) -> "Mask24":
@@ -262,7 +264,7 @@ class Mask24:
   def from_meta(cls, meta: jax.Array, shape: tuple[int, ...], transposable: bool = False) -> "Mask24":
     """The mask of `Sparse24` metadata `meta` (`uint8[..., N, ceil(K/8)]`)."""
     i0, i1 = _unpack_codes(meta, shape[-2] // 4)
-    return cls._from_codes(i0 | (i1 << 2), tuple(shape), transposable)
+    return cls._from_codes(rule.group_code(i0, i1), tuple(shape), transposable)
 
   @classmethod
   def from_weights(cls, w: Float[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
@@ -282,7 +284,7 @@ class Mask24:
     if (k // 4) % 2 == 0:
       return self.packed
     i0, i1 = _unpack_codes(self.packed, n * (k // 4))
-    codes = (i0 | (i1 << 2)).reshape(self.packed.shape[:-1] + (n, k // 4))
+    codes = rule.group_code(i0, i1).reshape(self.packed.shape[:-1] + (n, k // 4))
     return _pack_codes(codes)
 
   def unpack(self) -> Bool[Array, "... K N"]:

@@ -21,20 +21,23 @@ pattern maximises, in this order: (1) the number of kept non-finite elements
 two added first and the rows added from the last up, row0 + (row1 + (row2 +
 row3)) (magnitudes below the smallest normal float32, 1.2e-38, count as 0; a
 sum that overflows is +inf and ties); (3) ties go to the first pattern in
-`PATTERNS_4x4` (lexicographic in the row pairs, pairs ordered (0,1) (0,2)
-(0,3) (1,2) (1,3) (2,3)), which prefers lower indices in earlier rows. Where
-only float32 rounding makes patterns tie, the rule is applied row by row:
+`prune_rule.TRANSPOSABLE_PATTERNS` (lexicographic in the row pairs, pairs
+ordered (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)), which prefers lower indices in
+earlier rows.
+Where only float32 rounding makes patterns tie, the rule is applied row by row:
 the first row 0 pair among the best patterns, then, among its patterns, the
 first row 1 pair whose rows 1-3 sum the most, then the first rows 2-3 pairs
 whose sum is the largest. (That is the order in which a search over the rows
 from the last up, a dynamic program over the column counts, decides; it does
 a third of the work of scoring the 90 patterns one by one.)
+
+The tables and bit codes of both rules are `pallas_kernels.prune_rule`'s,
+which the Pallas kernels import too.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -43,66 +46,7 @@ from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks
 from jsparse24._sharding import typed_like
-
-# The 6 ways to keep 2 of 4, in lexicographic order.
-PAIRS: tuple[tuple[int, int], ...] = tuple(itertools.combinations(range(4), 2))
-
-
-def _transposable_patterns() -> np.ndarray:
-  """Row-pair indices [90, 4] of the 4x4 patterns with 2 per row and column."""
-  out = []
-  for rows in itertools.product(range(len(PAIRS)), repeat=4):
-    cols = np.zeros(4, np.int32)
-    for q in rows:
-      cols[list(PAIRS[q])] += 1
-    if (cols == 2).all():
-      out.append(rows)
-  return np.asarray(out, np.int32)
-
-
-PATTERN_PAIRS = _transposable_patterns()
-assert PATTERN_PAIRS.shape == (90, 4)
-
-
-def _pattern_masks() -> np.ndarray:
-  """The 90 patterns as dense [90, 4, 4] bool masks, same order."""
-  masks = np.zeros((len(PATTERN_PAIRS), 4, 4), bool)
-  for p, rows in enumerate(PATTERN_PAIRS):
-    for r, q in enumerate(rows):
-      masks[p, r, list(PAIRS[q])] = True
-  return masks
-
-
-PATTERNS_4x4 = _pattern_masks()
-
-_UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def magnitude_key(w: jax.Array) -> jax.Array:
-  """An unsigned-integer key whose order is the ranking order of `|w|`.
-
-  The IEEE bit pattern of a non-negative float, read as an unsigned integer,
-  grows with its value; NaNs (all exponent bits set, non-zero mantissa) sit
-  above +inf. All NaNs are mapped to one key so that they tie.
-  """
-  itemsize = jnp.dtype(w.dtype).itemsize
-  utype = _UINT_OF_WIDTH[itemsize]
-  bits = jax.lax.bitcast_convert_type(w, utype)
-  no_sign = jnp.asarray(np.iinfo(np.dtype(utype)).max >> 1, utype)
-  return jnp.where(jnp.isnan(w), no_sign, bits & no_sign)
-
-
-def _keep_two_of_four(key: jax.Array) -> jax.Array:
-  """key: [..., 4] unsigned. Exactly 2 True per row: largest, ties to low index."""
-  k = [key[..., i] for i in range(4)]
-  keep = []
-  for i in range(4):
-    beaten = sum(
-        (k[j] >= k[i]).astype(jnp.int32) if j < i
-        else (k[j] > k[i]).astype(jnp.int32)
-        for j in range(4) if j != i)
-    keep.append(beaten < 2)
-  return jnp.stack(keep, axis=-1)
+from pallas_kernels import prune_rule as rule
 
 
 # The implementations are jitted so that eager calls (model init, mask
@@ -111,33 +55,25 @@ def _keep_two_of_four(key: jax.Array) -> jax.Array:
 def _prune_plain(w: jax.Array, axis: int) -> jax.Array:
   wt = jnp.moveaxis(w, axis, -1)
   groups = wt.reshape(wt.shape[:-1] + (wt.shape[-1] // 4, 4))
-  keep = _keep_two_of_four(magnitude_key(groups))
+  key = rule.magnitude_key(groups)
+  keep = jnp.stack(rule.keep_two_of_four([key[..., i] for i in range(4)]), axis=-1)
   return jnp.moveaxis(keep.reshape(wt.shape), -1, axis)
 
 
 def _search_tables() -> tuple[np.ndarray, np.ndarray]:
-  """The dynamic program's tables. LOW: for each of the 19 column counts
-  that rows 2-3 can have, their choices (q2, q3) as indices 6 q2 + q3 in
-  lexicographic order, padded to 6 with 36 (a slot that never wins);
-  ROW1[q0, q1]: which of the 19 rows 2-3 must have under rows 0-1 (q0, q1)."""
-  counts = np.zeros((6, 4), np.int32)
-  for q, pair in enumerate(PAIRS):
-    counts[q, list(pair)] = 1
-  states: dict[tuple[int, ...], list[int]] = {}
-  for q2, q3 in itertools.product(range(6), repeat=2):
-    states.setdefault(tuple(counts[q2] + counts[q3]), []).append(6 * q2 + q3)
-  order = list(states)
-  low = np.full((len(order), 6), 36, np.int32)
-  for i, u in enumerate(order):
-    low[i, :len(states[u])] = states[u]
-  row1 = np.zeros((6, 6), np.int32)
-  for q0, q1 in itertools.product(range(6), repeat=2):
-    row1[q0, q1] = order.index(tuple(2 - counts[q0] - counts[q1]))
-  return low, row1
+  """The dynamic program's tables (`prune_rule`'s plan) as index arrays. LOW:
+  for each of the 19 column counts that rows 2-3 can have, their choices
+  (q2, q3) as indices 6 q2 + q3 in lexicographic order, padded to 6 with 36
+  (a slot that never wins); ROW1[q0, q1]: which of the 19 rows 2-3 must have
+  under rows 0-1 (q0, q1)."""
+  low = np.full((len(rule.LOW_CHOICES), 6), 36, np.int32)
+  for i, choices in enumerate(rule.LOW_CHOICES):
+    low[i, :len(choices)] = [6 * q2 + q3 for q2, q3 in choices]
+  return low, np.asarray(rule.ROW1_LOW, np.int32)
 
 
 _LOW, _ROW1 = _search_tables()
-assert _LOW.shape == (19, 6) and (_LOW < 36).sum() == 36
+_PAIRS = np.asarray(rule.PAIRS)
 
 
 def _first_best(count: jax.Array, score: jax.Array) -> jax.Array:
@@ -164,8 +100,7 @@ def _prune_transposable(w: jax.Array) -> jax.Array:
   # identical everywhere.
   mag = jnp.where(mag < np.finfo(np.float32).tiny, 0.0, mag)
   nonfinite = (~finite).astype(jnp.int32)
-  i_idx = np.asarray([p[0] for p in PAIRS])
-  j_idx = np.asarray([p[1] for p in PAIRS])
+  i_idx, j_idx = _PAIRS[:, 0], _PAIRS[:, 1]
   ps = mag[..., i_idx] + mag[..., j_idx]  # [..., 4 rows, 6 pairs]
   pc = nonfinite[..., i_idx] + nonfinite[..., j_idx]
   # Rows 2-3: the best of each of the 19 column counts (slot 36 never wins).
@@ -185,9 +120,7 @@ def _prune_transposable(w: jax.Array) -> jax.Array:
   q1 = _take(q1, q0)
   low = _take(low, jnp.asarray(_ROW1)[q0, q1])
   row_pairs = jnp.stack([q0, q1, low // 6, low % 6], axis=-1)  # [..., 4]
-  pair_masks = np.zeros((6, 4), bool)
-  for q, (i, j) in enumerate(PAIRS):
-    pair_masks[q, [i, j]] = True
+  pair_masks = np.asarray([rule.column_counts(q) for q in range(6)], bool)
   keep = jnp.asarray(pair_masks)[row_pairs]  # [..., R/4, C/4, 4, 4]
   keep = jnp.moveaxis(keep, -2, -3)
   return keep.reshape(w.shape)

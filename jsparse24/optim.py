@@ -43,6 +43,7 @@ from jsparse24._format import Mask24
 from jsparse24._sharding import explicit_sharding, typed_like
 from jsparse24.linen import (_map_layers, dense_kernel, layers_by_path, map_sparse_kernels,
                              masks_like_kernels as _masks_like_kernels, rebuild_masks)
+from pallas_kernels import prune_rule
 
 DENSITY = 0.5  # 2 of 4 kept
 
@@ -309,9 +310,7 @@ def flip_fraction(old: Mask24, new: Mask24) -> jax.Array:
   mask of a stack (float32, the stack's axes), from the packed codes: no
   dense bool mask is made (one pass over 1/8 byte per weight each)."""
   def kept(packed):  # a byte's two codes -> the kept positions of its 8 weights
-    b = packed.astype(jnp.uint32)
-    return ((1 << (b & 3)) | (1 << ((b >> 2) & 3))
-            | (16 << ((b >> 4) & 3)) | (16 << ((b >> 6) & 3)))
+    return prune_rule.kept_bits(packed.astype(jnp.uint32))
 
   # Both are packed alike (the same dims), padding nibbles included.
   changed = jax.lax.population_count(kept(old.packed) ^ kept(new.packed))

@@ -6,11 +6,13 @@
 * `mvue24`: a gradient pruned 2:4 by the minimum-variance unbiased rule and
   compressed for cuSPARSELt in one pass (the rule itself, plain `jnp`, in
   `mvue_rule`, shared with jsparse24's reference `mvue_24`).
+* `prune_rule`: the magnitude rule's tables and the 2:4 codes (plain Python
+  and `jnp`), shared with jsparse24's reference pruning and formats.
 
 Each kernel has a plain-`jnp` `*_reference` beside it and runs on CPU with
 `interpret=True` for tests. The kernels are written for Pallas's Triton
-lowering and import it; `mvue_rule` and `cusparselt_layout` (cuSPARSELt's
-metadata layout) import no Pallas, so that the XLA code which replaces the
-kernels where that lowering cannot run (in jsparse24's cuSPARSELt backend)
-can use them.
+lowering and import it; `prune_rule`, `mvue_rule` and `cusparselt_layout`
+(cuSPARSELt's metadata layout) import no Pallas, so that jsparse24's
+reference and the XLA code which replaces the kernels where that lowering
+cannot run (in jsparse24's cuSPARSELt backend) can use them.
 """

@@ -9,14 +9,10 @@ lanes is the `[R, C/n]` tile of columns `l, l+n, l+2n, ...`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-# The 6 ways to keep 2 of 4, in lexicographic order; code = i0 | i1 << 2.
-PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
-PAIR_CODES = tuple(a | (b << 2) for a, b in PAIRS)
+from pallas_kernels import prune_rule as rule
 
 
 def split_lanes(t: jax.Array, n: int) -> list[jax.Array]:
@@ -39,31 +35,6 @@ def join_lanes(lanes: list[jax.Array]) -> jax.Array:
   even, odd = join_lanes(lanes[0::2]), join_lanes(lanes[1::2])
   rows, cols = even.shape
   return jnp.stack([even, odd], axis=-1).reshape(rows, 2 * cols)
-
-
-def magnitude_key(w: jax.Array) -> jax.Array:
-  """int32 key ordered like |w|, NaN above inf, all NaNs equal (see
-  jsparse24._prune.magnitude_key; fits int32 for 16- and 32-bit floats)."""
-  bits = 8 * jnp.dtype(w.dtype).itemsize
-  itype = jnp.int16 if bits == 16 else jnp.int32
-  top = (1 << (bits - 1)) - 1
-  key = jax.lax.bitcast_convert_type(w, itype).astype(jnp.int32) & top
-  return jnp.where(w != w, top, key)
-
-
-def keep_two_of_four(keys: list[jax.Array]) -> list[jax.Array]:
-  """Exactly 2 True of 4 lanes: largest key, ties to the lower lane.
-
-  Lane i is beaten by lane j when key_j > key_i, or key_j == key_i and j < i;
-  for j < i that is `key_j >= key_i`, so 6 comparisons decide all 12 pairs.
-  """
-  ge = {(j, i): keys[j] >= keys[i] for i in range(4) for j in range(i)}
-  keep = []
-  for i in range(4):
-    beaten = [ge[(j, i)] for j in range(i)] + [~ge[(i, j)] for j in range(i + 1, 4)]
-    count = functools.reduce(jnp.add, [b.astype(jnp.int32) for b in beaten])
-    keep.append(count < 2)
-  return keep
 
 
 def first_last(keep: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -96,8 +67,8 @@ def compress_lanes(lanes: list[jax.Array], keep: list[jax.Array] | None):
   meta uint8 = code0 | code1 << 4).
   """
   if keep is None:
-    keys = [magnitude_key(x) for x in lanes]
-    keep = keep_two_of_four(keys[:4]) + keep_two_of_four(keys[4:])
+    keys = [rule.magnitude_key(x) for x in lanes]
+    keep = rule.keep_two_of_four(keys[:4]) + rule.keep_two_of_four(keys[4:])
   slots, codes = [], []
   for g in (0, 4):
     i0, i1 = first_last(keep[g:g + 4])
@@ -105,8 +76,8 @@ def compress_lanes(lanes: list[jax.Array], keep: list[jax.Array] | None):
     # the indices, made the plain prune kernel 10% slower on an H200:
     # benchmarks/NOTES.md, twentieth session.)
     slots += [pick(lanes[g:g + 4], i0), pick(lanes[g:g + 4], i1)]
-    codes.append(i0 | (i1 << 2))
-  return slots, (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
+    codes.append(rule.group_code(i0, i1))
+  return slots, rule.byte_of(codes[0], codes[1]).astype(jnp.uint8)
 
 
 def compress_rows(w: jax.Array, keep: list[jax.Array] | None):
@@ -125,8 +96,8 @@ def expand_rows(values: jax.Array, meta: jax.Array) -> jax.Array:
   codes = meta.astype(jnp.int32)
   zero = jnp.zeros((), values.dtype)
   dense = []
-  for g, code in enumerate((codes & 0xF, codes >> 4)):
-    i0, i1 = code & 3, (code >> 2) & 3
+  for g, code in enumerate(rule.byte_codes(codes)):
+    i0, i1 = rule.code_indices(code)
     first, second = slots[2 * g], slots[2 * g + 1]
     for l in range(4):
       dense.append(jnp.where(i0 == l, first, jnp.where(i1 == l, second, zero)))
@@ -142,16 +113,16 @@ def keep_rows(codes: jax.Array) -> jax.Array:
   rows, cols = codes.shape
   codes = jnp.broadcast_to(codes[:, None, :], (rows, 8, cols)).reshape(8 * rows, cols)
   r = jax.lax.broadcasted_iota(jnp.int32, (8 * rows, cols), 0) % 8
-  nibble = jnp.where(r >= 4, codes >> 4, codes) & 0xF
+  i0, i1 = rule.code_indices(jnp.where(r >= 4, codes >> 4, codes) & 0xF)
   pos = r % 4
-  return ((nibble & 3) == pos) | ((nibble >> 2) == pos)
+  return (i0 == pos) | (i1 == pos)
 
 
 def keep_from_meta(meta: jax.Array) -> list[jax.Array]:
   """meta `[R, C/8]` -> 8 bool lanes `[R, C/8]` of the kept positions."""
   codes = meta.astype(jnp.int32)
   keep = []
-  for code in (codes & 0xF, codes >> 4):
-    i0, i1 = code & 3, (code >> 2) & 3
+  for code in rule.byte_codes(codes):
+    i0, i1 = rule.code_indices(code)
     keep += [(i0 == l) | (i1 == l) for l in range(4)]
   return keep

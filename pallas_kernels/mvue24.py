@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import mvue_rule, prune24
+from pallas_kernels import prune_rule as rule
 
 
 def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
@@ -47,14 +48,14 @@ def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
   for h in (0, 1):
     i0, i1, v0, v1 = mvue_rule.sample(lanes[4 * h:4 * h + 4], uniforms[h])
     slots += [v0.astype(g_ref.dtype), v1.astype(g_ref.dtype)]
-    codes.append(i0 | (i1 << 2))
+    codes.append(rule.group_code(i0, i1))
   prune24.store_k_major(values_ref, slots)
   # The codes as the tile holds them, [M/8, N]: a transpose to the Mask24
   # layout [N, M/8] here (through shared memory) was about a fifth of the
   # kernel's time on an H200 (benchmarks/NOTES.md, fifteenth session); the
   # metadata pass reads this layout as it is
   # (`write_cusparselt_metadata(by_groups=True)`).
-  meta_ref[...] = (codes[0] | (codes[1] << 4)).astype(jnp.uint8)
+  meta_ref[...] = rule.byte_of(codes[0], codes[1]).astype(jnp.uint8)
 
 
 # The fastest tile of `benchmarks/tune_prune.py --which mvue` on an H200

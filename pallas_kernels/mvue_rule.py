@@ -53,6 +53,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import prune_rule
 from pallas_kernels.cusparselt_layout import CUSPARSELT_ALIGN
 
 
@@ -229,5 +230,5 @@ def mvue_compress_reference(g: jax.Array, seed: jax.Array, first_group=0,
   u = uniform_of_group(seed[0], seed[1], index, rows % 2 == 1, stride)
   i0, i1, v0, v1 = sample([groups[:, l] for l in range(4)], u)
   values = jnp.stack([v0, v1], axis=1).reshape(m // 2, n).astype(g.dtype)
-  codes = i0 | (i1 << 2)  # [M/4, N]
-  return values, (codes[0::2] | (codes[1::2] << 4)).astype(jnp.uint8)
+  codes = prune_rule.group_code(i0, i1)  # [M/4, N]
+  return values, prune_rule.byte_of(codes[0::2], codes[1::2]).astype(jnp.uint8)

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _tiles, cusparselt_layout
+from pallas_kernels import prune_rule as rule
 from pallas_kernels.cusparselt_layout import CUSPARSELT_ALIGN
 
 
@@ -109,18 +110,18 @@ def _block_lanes(w_ref, stride: int, row0: int = 0, col0: int = 0) -> list[list[
 
 
 def _pattern_word(rows: tuple[int, int, int, int]) -> int:
-  """A 4x4 pattern (row r keeps the pair `_tiles.PAIRS[rows[r]]`) as the
+  """A 4x4 pattern (row r keeps the pair `rule.PAIRS[rows[r]]`) as the
   metadata codes it writes: bits `4c..4c+3` hold column c's code (its two
   kept rows i0 < i1 as `i0 | i1 << 2`, the K-compressed copy's nibble), bits
-  `16 + 4r..` row r's (`_tiles.PAIR_CODES`, the N-compressed copy's). The
+  `16 + 4r..` row r's (`rule.PAIR_CODES`, the N-compressed copy's). The
   search selects these constants, so the outputs need no decoding of the
   pattern (a shift and a mask per nibble)."""
   word = 0
   for r, q in enumerate(rows):
-    word |= _tiles.PAIR_CODES[q] << (16 + 4 * r)
+    word |= rule.PAIR_CODES[q] << (16 + 4 * r)
   for c in range(4):
-    i0, i1 = (r for r, q in enumerate(rows) if c in _tiles.PAIRS[q])
-    word |= (i0 | i1 << 2) << (4 * c)
+    i0, i1 = (r for r, q in enumerate(rows) if c in rule.PAIRS[q])
+    word |= rule.group_code(i0, i1) << (4 * c)
   return word
 
 
@@ -129,47 +130,37 @@ def _nibble(word: jax.Array, shift: int) -> jax.Array:
   return ((word >> shift) & 0xF).astype(jnp.int32)
 
 
-def _pair_counts(q: int) -> np.ndarray:
-  """Column indicator `int[4]` of pair `q`."""
-  return np.bincount(_tiles.PAIRS[q], minlength=4)
-
-
-def _row_bits(r: int, q: int, below: np.ndarray) -> int:
+def _row_bits(r: int, q: int, below) -> int:
   """The bits of `_pattern_word` that row `r` keeping pair `q` sets, given
   the kept counts of each column in rows r+1..3 (`below`): its pair code,
   and for each of its columns the row as that column's i1 (nothing kept
   below) or its i0 (one kept below)."""
-  word = _tiles.PAIR_CODES[q] << (16 + 4 * r)
-  for c in _tiles.PAIRS[q]:
+  word = rule.PAIR_CODES[q] << (16 + 4 * r)
+  for c in rule.PAIRS[q]:
     assert below[c] in (0, 1), (r, q, below)
     word |= r << (4 * c + (2 if below[c] == 0 else 0))
   return word
 
 
 def _search_tables():
-  """The static plan of `_best_pattern`'s dynamic program (rows 3, 2, then 1,
-  then 0). LOW: the column counts u of rows 2-3 (19 of them) -> their
-  (q2, q3) choices in lexicographic order with the word bits of rows 2-3;
-  ROW1[q0][q1]: (u that rows 2-3 must have, word bits of row 1);
-  ROW0[q0]: word bits of row 0."""
-  low = {}
-  for q2, q3 in itertools.product(range(6), repeat=2):
-    u = _pair_counts(q2) + _pair_counts(q3)
-    bits = _row_bits(3, q3, np.zeros(4, int)) | _row_bits(2, q2, _pair_counts(q3))
-    low.setdefault(tuple(u), []).append((q2, q3, bits))
-  row1 = [[None] * 6 for _ in range(6)]
-  for q0, q1 in itertools.product(range(6), repeat=2):
-    u = 2 - _pair_counts(q0) - _pair_counts(q1)
-    row1[q0][q1] = (tuple(u), _row_bits(1, q1, u))
-  row0 = [_row_bits(0, q0, 2 - _pair_counts(q0)) for q0 in range(6)]
+  """`prune_rule`'s plan of `_best_pattern`'s dynamic program (rows 3, 2,
+  then 1, then 0) with the pattern word bits each choice sets. LOW[i]: the
+  (q2, q3) choices of rows 2-3 with column counts `LOW_COUNTS[i]`, with the
+  word bits of rows 2-3; ROW1[q0][q1]: (the index i that rows 2-3 must have,
+  word bits of row 1); ROW0[q0]: word bits of row 0."""
+  low = [[(q2, q3, _row_bits(3, q3, (0,) * 4) | _row_bits(2, q2, rule.column_counts(q3)))
+          for q2, q3 in choices] for choices in rule.LOW_CHOICES]
+  row1 = [[(i, _row_bits(1, q1, rule.LOW_COUNTS[i])) for q1, i in enumerate(row)]
+          for row in rule.ROW1_LOW]
+  row0 = [_row_bits(0, q0, [2 - c for c in rule.column_counts(q0)]) for q0 in range(6)]
   built = 0  # the plan builds each of the 90 patterns once, with its word
   for q0, q1, q2, q3 in itertools.product(range(6), repeat=4):
-    u, bits1 = row1[q0][q1]
-    match = [b for a2, a3, b in low.get(u, []) if (a2, a3) == (q2, q3)]
+    i, bits1 = row1[q0][q1]
+    match = [b for a2, a3, b in low[i] if (a2, a3) == (q2, q3)]
     if match:
       assert match[0] | bits1 | row0[q0] == _pattern_word((q0, q1, q2, q3))
       built += 1
-  assert built == 90 and len(low) == 19 and sum(len(m) for m in low.values()) == 36
+  assert built == len(rule.TRANSPOSABLE_PATTERNS)
   return low, row1, row0
 
 
@@ -212,8 +203,8 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
       nonfinite[r][c] = bad.astype(jnp.int32)
     else:  # no NaN or inf here: only the subnormals to flush (2 operations, not 6)
       mag[r][c] = jnp.where(a < _TINY, 0.0, a)
-  pair_sum = [[mag[r][i] + mag[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
-  pair_cnt = ([[nonfinite[r][i] + nonfinite[r][j] for i, j in _tiles.PAIRS] for r in range(4)]
+  pair_sum = [[mag[r][i] + mag[r][j] for i, j in rule.PAIRS] for r in range(4)]
+  pair_cnt = ([[nonfinite[r][i] + nonfinite[r][j] for i, j in rule.PAIRS] for r in range(4)]
               if count_nonfinite else None)
   shape = pair_sum[0][0].shape
 
@@ -267,7 +258,7 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
   word = word_array(best[2])
   if with_total:
     assert not count_nonfinite
-    whole = _tiles.PAIRS.index((0, 1)), _tiles.PAIRS.index((2, 3))
+    whole = rule.PAIRS.index((0, 1)), rule.PAIRS.index((2, 3))
     block_sum = functools.reduce(jnp.add, [pair_sum[r][q] for r in range(4) for q in whole])
     return word, block_sum
   return word
@@ -396,7 +387,7 @@ def _write_transposable(w_ref, quads: list[list[jax.Array]], out_refs, *, k_majo
       slots, nibbles = [], []
       for b in range(2):
         nibble = _nibble(quads[t][b], 16 + 4 * r)
-        slots += _tiles.pick_pair(lanes[t][b][r], nibble & 3, nibble >> 2)
+        slots += _tiles.pick_pair(lanes[t][b][r], *rule.code_indices(nibble))
         nibbles.append(nibble)
       rows = pl.ds(4 * t + r, rows8, stride=8)
       if strided_stores:
@@ -404,7 +395,7 @@ def _write_transposable(w_ref, quads: list[list[jax.Array]], out_refs, *, k_majo
           values_t_ref[rows, pl.ds(l, cols8, stride=4)] = slot
       else:
         values_t_ref[rows, :] = _tiles.join_lanes(slots)
-      meta_t_ref[rows, :] = (nibbles[0] | (nibbles[1] << 4)).astype(jnp.uint8)
+      meta_t_ref[rows, :] = rule.byte_of(nibbles[0], nibbles[1]).astype(jnp.uint8)
 
   # The K-compressed copy: column c keeps the rows whose pair holds c.
   k_slots = [[None] * 8 for _ in range(4)]  # [2t + s][4b + c] (k_major, joined)
@@ -415,9 +406,9 @@ def _write_transposable(w_ref, quads: list[list[jax.Array]], out_refs, *, k_majo
       nibbles.append(nibble)
       if with_values:
         col = [lanes[t][b][r][c] for r in range(4)]
-        slots += _tiles.pick_pair(col, nibble & 3, nibble >> 2)  # slot l = 2t + s
+        slots += _tiles.pick_pair(col, *rule.code_indices(nibble))  # slot l = 2t + s
     cols = pl.ds(4 * b + c, cols8, stride=8)
-    meta_tile = (nibbles[0] | (nibbles[1] << 4)).T
+    meta_tile = rule.byte_of(nibbles[0], nibbles[1]).T
     if store_meta is None:
       meta_ref[cols, :] = meta_tile.astype(jnp.uint8)
     else:
@@ -556,7 +547,7 @@ def _with_pad_code(meta: jax.Array, length: int) -> jax.Array:
   padding code 0x4; tiles padded with zeros may hold another valid code."""
   if (length // 4) % 2 == 0:
     return meta
-  return meta.at[:, -1].set((meta[:, -1] & 0xF) | 0x40)
+  return meta.at[:, -1].set(rule.byte_of(meta[:, -1] & 0xF, rule.PAD_CODE))
 
 
 def _outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
@@ -730,14 +721,6 @@ def _plain_mask_kernel(w_ref, meta_ref, store_meta=None):
     store_meta(slice(None), meta)
 
 
-def _kept_bits(meta: jax.Array) -> jax.Array:
-  """int32 metadata bytes -> the kept positions of each byte's 8 weights
-  (two groups of 4) as 8 bits (the decoding `jsparse24.optim.flip_fraction`
-  does with XLA ops for the masks that no kernel rebuilds)."""
-  return ((1 << (meta & 3)) | (1 << ((meta >> 2) & 3))
-          | (16 << ((meta >> 4) & 3)) | (16 << ((meta >> 6) & 3)))
-
-
 def _popcount8(x: jax.Array) -> jax.Array:
   """The number of set bits of int32 values below 256."""
   x = x - ((x >> 1) & 0x55)
@@ -791,7 +774,7 @@ def _rebuild_tile(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_ref, *,
     meta_ref[rows, :] = meta.astype(jnp.uint8)
     valid = (jnp.where(flag_ref[rows] != 0, 0xFF, 0)[:, None]
              & valid_ref[...][None, :])
-    changed = (_kept_bits(old_ref[rows, :].astype(jnp.int32)) ^ _kept_bits(meta)) & valid
+    changed = (rule.kept_bits(old_ref[rows, :].astype(jnp.int32)) ^ rule.kept_bits(meta)) & valid
     counts.append(jnp.sum(_popcount8(changed)))
 
   if transposable:
@@ -956,7 +939,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   kp, np_ = wp.shape
   # Padding groups get the padding code 0x4 (indices 0, 1) on zero weights.
   mp = jnp.pad(meta, ((0, np_ - n), (0, kp // 8 - meta.shape[1])),
-               constant_values=0x44)
+               constant_values=rule.PAD_BYTE)
   out_shape, out_specs = _outputs(wp, cfg, meta=False, transposed=transposed,
                                   k_major=k_major)
   if cfg.strided_lanes:  # the codes transposed for the kernel (`_apply_kernel`)

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _tiles
+from pallas_kernels import prune_rule as rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +62,8 @@ def _spmm_kernel(x_ref, values_ref, meta_ref, o_ref, *, k_steps: int, block_k: i
     meta = meta_ref[:, pl.ds(pl.multiple_of(step * (block_k // 8), block_k // 8), block_k // 8)]
     codes = meta.astype(jnp.int32)
     zero = jnp.zeros((), values_ref.dtype)
-    for g, code in enumerate((codes & 0xF, codes >> 4)):
-      i0, i1 = code & 3, (code >> 2) & 3
+    for g, code in enumerate(rule.byte_codes(codes)):
+      i0, i1 = rule.code_indices(code)
       first = values_ref[:, pl.ds(v0 + 2 * g, block_k // 8, stride=4)]
       second = values_ref[:, pl.ds(v0 + 2 * g + 1, block_k // 8, stride=4)]
       for l in range(4):
@@ -121,15 +122,15 @@ def sparse_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   cfg = _fit(config or MatmulConfig.default(m, k, n), m, k, n)
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   mp, np_, kp = -m % bm + m, -n % bn + n, -k % bk + k
-  if kp != k:  # zero weights in the padded K: code 0x44 keeps (0, 1) of zeros
+  if kp != k:  # zero weights in the padded K: the padding codes keep (0, 1) of zeros
     x = jnp.pad(x, ((0, 0), (0, kp - k)))
     values = jnp.pad(values, ((0, 0), (0, (kp - k) // 2)))
-    meta = jnp.pad(meta, ((0, 0), (0, kp // 8 - meta.shape[1])), constant_values=0x44)
+    meta = jnp.pad(meta, ((0, 0), (0, kp // 8 - meta.shape[1])), constant_values=rule.PAD_BYTE)
   if mp != m:
     x = jnp.pad(x, ((0, mp - m), (0, 0)))
   if np_ != n:
     values = jnp.pad(values, ((0, np_ - n), (0, 0)))
-    meta = jnp.pad(meta, ((0, np_ - n), (0, 0)), constant_values=0x44)
+    meta = jnp.pad(meta, ((0, np_ - n), (0, 0)), constant_values=rule.PAD_BYTE)
   out = pl.pallas_call(
       functools.partial(_spmm_kernel, k_steps=kp // bk, block_k=bk, lane_dots=cfg.lane_dots),
       out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
