@@ -5,8 +5,8 @@ calls `pallas_kernels` directly) and reports compile and run times.
         [--layout sparse24|cusparselt] [--check] [--index I]
 
 apply = compress with a stored mask; apply_t also writes the transposed copy;
-mask = the transposable mask alone (prune24.transposable_mask, on a float32
-weight, as the mask rebuilds read the master weights);
+mask = the transposable mask alone (transposable24.transposable_mask, on a
+float32 weight, as the mask rebuilds read the master weights);
 mvue = the MVUE pruning + compression of a gradient (pallas_kernels.mvue24,
 always in cuSPARSELt's layout).
 With --layout cusparselt the values are written as cuSPARSELt holds them
@@ -26,12 +26,15 @@ import numpy as np
 
 import jsparse24
 from benchmarks import _common
-from pallas_kernels import mvue24, prune24
+from pallas_kernels import mvue24, prune24, transposable24
+from pallas_kernels.masked_compress import compress_with_meta
+from pallas_kernels._compress_io import LAYOUTS
+from pallas_kernels.prune_config import PruneConfig
 
 
-def _candidates(which: str) -> list[prune24.PruneConfig]:
+def _candidates(which: str) -> list[PruneConfig]:
   if which == "mvue":
-    return [prune24.PruneConfig(bk, bn, warps, 1)
+    return [PruneConfig(bk, bn, warps, 1)
             for (bk, bn), warps in itertools.product(
                 [(64, 128), (128, 64), (64, 64), (32, 256), (32, 128), (128, 32)], [8, 4])]
   # The transposable search used 255 registers per thread at 64x128/4 warps
@@ -42,21 +45,21 @@ def _candidates(which: str) -> list[prune24.PruneConfig]:
   searched = [((64, 128), 4), ((64, 64), 4), ((128, 128), 8), ((64, 64), 8), ((32, 64), 4),
               ((64, 128), 8), ((32, 128), 4), ((32, 64), 2)]
   if which == "mask":
-    return [prune24.PruneConfig(bk, bn, warps, 1) for (bk, bn), warps in searched]
+    return [PruneConfig(bk, bn, warps, 1) for (bk, bn), warps in searched]
   if which == "transposable":
     # strided_lanes: each output lane stored with a strided store (True) or
     # a row's lanes interleaved in registers and stored contiguously.
-    return [prune24.PruneConfig(bk, bn, warps, 1, strided)
+    return [PruneConfig(bk, bn, warps, 1, strided)
             for strided, ((bk, bn), warps) in itertools.product([False, True], searched)]
   if which == "apply_t":  # strided: each row's keep decoded in place, or the keep tile transposed
-    return [prune24.PruneConfig(bk, bn, warps, 1, strided)
+    return [PruneConfig(bk, bn, warps, 1, strided)
             for strided, (bk, bn), warps in itertools.product(
                 [False, True], [(64, 64), (128, 64), (64, 128), (32, 128)], [8, 4])]
   if which == "plain":  # strided row lanes (no transpose), or the tile transposed
-    return [prune24.PruneConfig(bk, bn, warps, 1, strided)
+    return [PruneConfig(bk, bn, warps, 1, strided)
             for strided, (bk, bn), warps in itertools.product(
                 [False, True], [(128, 64), (64, 128), (256, 32), (128, 32)], [4, 8])]
-  return [prune24.PruneConfig(bk, bn, warps, 1)
+  return [PruneConfig(bk, bn, warps, 1)
           for (bk, bn), warps in itertools.product([(128, 64), (64, 128), (256, 32), (128, 32)], [4, 8])]
 
 
@@ -91,7 +94,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--size", type=int, default=16384)
   p.add_argument("--which", default="plain,transposable,apply,apply_t")
-  p.add_argument("--layout", default="sparse24", choices=prune24.LAYOUTS)
+  p.add_argument("--layout", default="sparse24", choices=LAYOUTS)
   p.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
   p.add_argument("--index", type=int, default=None, help="run only this candidate")
   p.add_argument("--check", action="store_true",
@@ -139,11 +142,11 @@ def main(argv=None):
         f = jax.jit(lambda w, cfg=cfg: mvue24.mvue_compress(w, seed, config=cfg, **ip))
         call_args = (w,)
       elif which in ("apply", "apply_t"):
-        f = jax.jit(lambda w, m, cfg=cfg, t=which == "apply_t": prune24.compress_with_meta(
+        f = jax.jit(lambda w, m, cfg=cfg, t=which == "apply_t": compress_with_meta(
             w, m, transposed=t, config=cfg, layout=args.layout, **ip))
         call_args = (w, meta_t if which == "apply_t" else meta)
       elif which == "mask":
-        f = jax.jit(lambda w, cfg=cfg: (prune24.transposable_mask(w, config=cfg, **ip),))
+        f = jax.jit(lambda w, cfg=cfg: (transposable24.transposable_mask(w, config=cfg, **ip),))
         call_args = (w_in,)
       else:
         f = jax.jit(lambda w, cfg=cfg: prune24.prune_compress(

@@ -1,7 +1,11 @@
 """Pallas GPU kernels for 2:4 sparsity (no Flax, no optax here).
 
-* `prune24`: fused prune + compress (plain and transposable) and
-  compress-with-a-stored-mask, one pass over the dense weight.
+* `prune24`: fused prune + compress (plain and transposable), one pass over
+  the dense weight; `transposable24`: the transposable search, and the mask
+  alone (`transposable_mask`); `masked_compress`: compression with a stored
+  mask; `mask_rebuild`: a mask rebuilt only where a run-time flag asks;
+  `cusparselt_metadata`: cuSPARSELt's metadata written into a compressed
+  buffer. Their tiles: `prune_config.PruneConfig`.
 * `spmm24`: `x @ W` reading the compressed operand and expanding it on chip.
 * `mvue24`: a gradient pruned 2:4 by the minimum-variance unbiased rule and
   compressed for cuSPARSELt in one pass (the rule itself, plain `jnp`, in

@@ -33,7 +33,7 @@ def spread_nibbles(t: jax.Array) -> jax.Array:
 
 def metadata_words_reference(words: jax.Array) -> jax.Array:
   """Plain-`jnp` reference of the metadata kernel
-  (`prune24.write_cusparselt_metadata`): uint32 words `[R, G/8]` (row r,
+  (`cusparselt_metadata.write_cusparselt_metadata`): uint32 words `[R, G/8]` (row r,
   8-group block gb; R % 64 == 0) -> the blocks' output words
   `[R/64 * G/8, 64]`, row-block major."""
   r, gb = words.shape

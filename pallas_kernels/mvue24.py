@@ -9,7 +9,7 @@ compressed along K): values `[M/2, N]` in the leading rows of a
 `[M/2 + M/16, N]` buffer, and the packed codes `uint8[M/8, N]` (the
 `Mask24` layout transposed: a byte per two groups along M) from which the
 caller writes the buffer's metadata rows
-(`prune24.write_cusparselt_metadata(..., by_groups=True)`). The random
+(`cusparselt_metadata.write_cusparselt_metadata(..., by_groups=True)`). The random
 numbers come from a counter-based hash of `seed` and the group's number
 `first_group + (m // 4) * N + n` (group rows 2t and 2t + 1 taking the two
 halves of one hash, `mvue_rule.uniform_of_group`), so the result equals
@@ -26,8 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import mvue_rule, prune24
+from pallas_kernels import mvue_rule
 from pallas_kernels import prune_rule as rule
+from pallas_kernels._compress_io import store_k_major
+from pallas_kernels.prune_config import PruneConfig, fit_config
 
 
 def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
@@ -49,7 +51,7 @@ def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
     i0, i1, v0, v1 = mvue_rule.sample(lanes[4 * h:4 * h + 4], uniforms[h])
     slots += [v0.astype(g_ref.dtype), v1.astype(g_ref.dtype)]
     codes.append(rule.group_code(i0, i1))
-  prune24.store_k_major(values_ref, slots)
+  store_k_major(values_ref, slots)
   # The codes as the tile holds them, [M/8, N]: a transpose to the Mask24
   # layout [N, M/8] here (through shared memory) was about a fifth of the
   # kernel's time on an H200 (benchmarks/NOTES.md, fifteenth session); the
@@ -63,7 +65,7 @@ def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
 # (fifteenth session): 0.338 ms at 16384^2, kernel alone, against 0.343-0.349
 # ms for 64 x 64 and 128 x 64, 4 warps. The kernel is bound by integer-pipe
 # operations (benchmarks/NOTES.md).
-DEFAULT_CONFIG = prune24.PruneConfig(block_k=32, block_n=128, num_warps=4)
+DEFAULT_CONFIG = PruneConfig(block_k=32, block_n=128, num_warps=4)
 
 
 def _seed_words(seed: jax.Array, first_group) -> jax.Array:
@@ -73,7 +75,7 @@ def _seed_words(seed: jax.Array, first_group) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("row_stride", "config", "interpret"))
 def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: int | None = None,
-                  config: prune24.PruneConfig | None = None, interpret: bool = False):
+                  config: PruneConfig | None = None, interpret: bool = False):
   """`(buffer [M/2 + M/16, N], codes uint8[M/8, N])` for `g[M, N]` (module
   docstring); M and N multiples of 64, `seed` uint32[2], `first_group` the
   number (a uint32 scalar, may be traced) of g's first group: a shard of a
@@ -86,7 +88,7 @@ def mvue_compress(g: jax.Array, seed: jax.Array, first_group=0, *, row_stride: i
   M/16 rows are left unwritten for the caller's metadata."""
   mvue_rule.check_gradient("mvue_compress", g, seed)
   m, n = g.shape
-  cfg = prune24.fit_config(config or DEFAULT_CONFIG, m, n, exact=True)
+  cfg = fit_config(config or DEFAULT_CONFIG, m, n, exact=True)
   bm, bn = cfg.block_k, cfg.block_n
   return pl.pallas_call(
       functools.partial(_kernel, n=n if row_stride is None else row_stride),

@@ -23,7 +23,7 @@ from jsparse24 import backends
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends import cusparselt
 from jsparse24.backends.pallas import interpret_mode
-from pallas_kernels import prune24
+from pallas_kernels import cusparselt_metadata
 
 DATA = pathlib.Path(__file__).parent / "data" / "cusparselt_layout.npz"
 
@@ -177,13 +177,13 @@ def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dt
 def test_metadata_kernel_rejects_bad_shapes():
   buf = jnp.zeros((36, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="write_cusparselt_metadata: `meta` must be"):
-    prune24.write_cusparselt_metadata(buf, jnp.zeros((48, 8), jnp.uint8), row=32,
+    cusparselt_metadata.write_cusparselt_metadata(buf, jnp.zeros((48, 8), jnp.uint8), row=32,
                                       interpret=True)
   with pytest.raises(ValueError, match="write_cusparselt_metadata: 16 metadata blocks"):
-    prune24.write_cusparselt_metadata(buf, jnp.zeros((64, 64), jnp.uint8), row=32,
+    cusparselt_metadata.write_cusparselt_metadata(buf, jnp.zeros((64, 64), jnp.uint8), row=32,
                                       interpret=True)
   with pytest.raises(ValueError, match=r"write_cusparselt_metadata: `meta` must be \[G/2, R\]"):
-    prune24.write_cusparselt_metadata(buf, jnp.zeros((8, 48), jnp.uint8), row=32,
+    cusparselt_metadata.write_cusparselt_metadata(buf, jnp.zeros((8, 48), jnp.uint8), row=32,
                                       by_groups=True, interpret=True)
 
 

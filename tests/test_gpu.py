@@ -86,7 +86,7 @@ def test_rebuild_mask_several_tiles_per_program_on_gpu(transposable):
   the automatic choice: 8 at this shape): tiles of flagged columns rebuilt
   with the XLA reference's bits, the others keep `old`; flips counted on
   the flagged columns only. Adversarial float32 weights."""
-  from pallas_kernels import prune24
+  from pallas_kernels import mask_rebuild
   shape = (4096, 8192)
   w = _adversarial(shape, jnp.float32, seed=21)
   reference = lambda w: jsparse24.Mask24.pack(  # noqa: E731
@@ -97,7 +97,7 @@ def test_rebuild_mask_several_tiles_per_program_on_gpu(transposable):
   want = np.where(cols[:, None], np.asarray(new.meta()), np.asarray(old.meta()))
   changed = int(np.sum((np.asarray(old.unpack()) != np.asarray(new.unpack()))[:, cols]))
   for per in (1, 2, 8, None):
-    got, counts = prune24.rebuild_mask(w, old.meta(), jnp.asarray(cols, jnp.int32),
+    got, counts = mask_rebuild.rebuild_mask(w, old.meta(), jnp.asarray(cols, jnp.int32),
                                        transposable=transposable, tiles_per_program=per)
     assert _same_bits(got, want), per
     assert int(np.sum(counts)) == changed, per

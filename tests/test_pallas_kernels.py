@@ -11,7 +11,8 @@ import pytest
 import jsparse24
 from jsparse24 import optim
 from jsparse24.backends.pallas import interpret_mode
-from pallas_kernels import prune24, spmm24
+from pallas_kernels import mask_rebuild, masked_compress, prune24, spmm24, transposable24
+from pallas_kernels.prune_config import PruneConfig
 
 # References: the kernels' contract, through jsparse24's plain-jnp format
 # (kept here, not in pallas_kernels, which imports nothing from jsparse24).
@@ -26,7 +27,7 @@ def prune_compress_reference(w, *, transposable=False):
 
 
 def compress_with_meta_reference(w, meta, *, transposed=False):
-  """Plain-jnp definition of `prune24.compress_with_meta`."""
+  """Plain-jnp definition of `masked_compress.compress_with_meta`."""
   from jsparse24 import _format
   mask = _format.Mask24.from_meta(meta, tuple(w.shape), transposed)
   sp = _format.compress_reference(w, mask, transposed)
@@ -65,7 +66,7 @@ def test_prune_compress_plain_is_bit_identical(shape, dtype, strided):
   """The default tile (the tile transposed in registers), and strided row
   lanes compressed along K with the slots transposed (`strided_lanes`)."""
   w = _weights(sum(shape), shape, dtype)
-  cfg = None if strided is None else prune24.PruneConfig(block_k=64, block_n=32,
+  cfg = None if strided is None else PruneConfig(block_k=64, block_n=32,
                                                         strided_lanes=strided)
   got = prune24.prune_compress(w, config=cfg, interpret=True)
   ref = prune_compress_reference(w)
@@ -99,7 +100,7 @@ def _adversarial(seed, shape, dtype):
     ((4, 4), jnp.bfloat16, False)])
 def test_prune_compress_transposable_is_bit_identical(shape, dtype, strided):
   w = _adversarial(sum(shape) + 1, shape, dtype)
-  cfg = prune24.PruneConfig(block_k=64, block_n=64, strided_lanes=strided)
+  cfg = PruneConfig(block_k=64, block_n=64, strided_lanes=strided)
   got = prune24.prune_compress(w, transposable=True, config=cfg, interpret=True)
   ref = prune_compress_reference(w, transposable=True)
   for a, b in zip(got, ref):
@@ -121,7 +122,7 @@ def test_transposable_mask_is_bit_identical(shape, dtype, huge):
     t = w[64:72, 64:80].astype(jnp.float32)
     w = w.at[64:72, 64:80].set((t / (1 + jnp.abs(t)) * 3e38).astype(dtype))  # |t| < 3e38
     assert bool(jnp.all(jnp.isfinite(w[64:72, 64:80].astype(jnp.float32))))
-  got = prune24.transposable_mask(w, interpret=True)
+  got = transposable24.transposable_mask(w, interpret=True)
   want = jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=True), transposable=True)
   assert got.shape == want.meta().shape and got.dtype == jnp.uint8
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want.meta()))
@@ -131,7 +132,7 @@ def test_transposable_mask_is_bit_identical(shape, dtype, huge):
 @pytest.mark.parametrize("shape,config", [
     ((72, 136), None),                                       # padded tiles
     ((20, 12), None),                                        # K/4 odd: a padding nibble
-    ((64, 256), prune24.PruneConfig(block_k=32, block_n=64)),  # several programs each way
+    ((64, 256), PruneConfig(block_k=32, block_n=64)),  # several programs each way
 ])
 def test_rebuild_mask_only_when_flagged(shape, config, transposable):
   """The flag on: the mask of `w` (bit-identical to the reference's
@@ -147,7 +148,7 @@ def test_rebuild_mask_only_when_flagged(shape, config, transposable):
                        != jsparse24.Mask24.from_meta(new, shape).unpack()))
   assert changed
   for flag, want, flips in ((1, new, changed), (0, old, 0)):
-    got, counts = prune24.rebuild_mask(w, old, jnp.full((n,), flag, jnp.int32),
+    got, counts = mask_rebuild.rebuild_mask(w, old, jnp.full((n,), flag, jnp.int32),
                                        transposable=transposable, config=config, interpret=True)
     assert got.shape == want.shape and got.dtype == jnp.uint8
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -155,10 +156,10 @@ def test_rebuild_mask_only_when_flagged(shape, config, transposable):
     assert int(np.sum(counts)) == flips  # padding (rows, columns, nibble) not counted
   groups = -(-k // 8)
   with pytest.raises(ValueError, match=rf"rebuild_mask: `old` must be uint8\[{n}, {groups}\]"):
-    prune24.rebuild_mask(w, old[:, :1], jnp.ones((n,), jnp.int32), transposable=transposable,
+    mask_rebuild.rebuild_mask(w, old[:, :1], jnp.ones((n,), jnp.int32), transposable=transposable,
                          interpret=True)
   with pytest.raises(ValueError, match=rf"rebuild_mask: `rebuild` must be \[{n}\]"):
-    prune24.rebuild_mask(w, old, jnp.ones((), jnp.int32), transposable=transposable,
+    mask_rebuild.rebuild_mask(w, old, jnp.ones((), jnp.int32), transposable=transposable,
                          interpret=True)
 
 
@@ -169,7 +170,7 @@ def test_rebuild_mask_several_tiles_per_program(per, transposable):
   columns are rebuilt (every tile along K), the others keep `old`, and
   only the flagged columns' flips are counted. The same as one tile per
   program."""
-  shape, config = (256, 192), prune24.PruneConfig(block_k=32, block_n=64)
+  shape, config = (256, 192), PruneConfig(block_k=32, block_n=64)
   k, n = shape
   w = _adversarial(11 * k + n, shape, jnp.float32)
   old = jsparse24.Mask24.from_weights(_adversarial(k + 3 * n, shape, jnp.float32),
@@ -181,7 +182,7 @@ def test_rebuild_mask_several_tiles_per_program(per, transposable):
                         != jsparse24.Mask24.from_meta(new, shape).unpack())[:, cols]))
   assert changed
   for p in (per, 1):
-    got, counts = prune24.rebuild_mask(w, old, jnp.asarray(cols, jnp.int32),
+    got, counts = mask_rebuild.rebuild_mask(w, old, jnp.asarray(cols, jnp.int32),
                                        transposable=transposable, config=config,
                                        tiles_per_program=p, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), want)
@@ -189,7 +190,7 @@ def test_rebuild_mask_several_tiles_per_program(per, transposable):
     assert int(np.sum(counts)) == changed
   with pytest.raises(ValueError, match=r"rebuild_mask: `tiles_per_program` must be a power"
                                        r" of two dividing the 8 tiles along K, got 3"):
-    prune24.rebuild_mask(w, old, jnp.asarray(cols, jnp.int32), transposable=transposable,
+    mask_rebuild.rebuild_mask(w, old, jnp.asarray(cols, jnp.int32), transposable=transposable,
                          config=config, tiles_per_program=3, interpret=True)
 
 
@@ -197,7 +198,7 @@ def test_plain_rebuild_mask_takes_any_n():
   """A plain mask needs only K in groups of 4: N = 10 (padded tiles)."""
   w = _adversarial(3, (24, 10), jnp.bfloat16)
   old = jsparse24.Mask24.from_weights(-w).meta()
-  got, counts = prune24.rebuild_mask(w, old, jnp.ones((10,), jnp.int32), transposable=False,
+  got, counts = mask_rebuild.rebuild_mask(w, old, jnp.ones((10,), jnp.int32), transposable=False,
                                      interpret=True)
   want = jsparse24.Mask24.from_weights(w)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want.meta()))
@@ -261,8 +262,8 @@ def test_compress_with_stored_mask_is_bit_identical(shape, transposed, strided):
   # A mask that is NOT the magnitude mask of w: the kernel must follow it.
   other = jax.random.normal(jax.random.key(3), shape)
   mask = jsparse24.Mask24.from_weights(other, transposable=transposed)
-  cfg = prune24.PruneConfig(block_k=128, block_n=64, num_warps=8, strided_lanes=strided)
-  got = prune24.compress_with_meta(w, mask.meta(), transposed=transposed, config=cfg,
+  cfg = PruneConfig(block_k=128, block_n=64, num_warps=8, strided_lanes=strided)
+  got = masked_compress.compress_with_meta(w, mask.meta(), transposed=transposed, config=cfg,
                                    interpret=True)
   ref = compress_with_meta_reference(w, mask.meta(), transposed=transposed)
   for a, b in zip(got, ref):
@@ -321,7 +322,7 @@ def test_cusparselt_layout_is_bit_identical(shape, dtype, strided):
   # and [K, N/2]) in the leading rows of buffers with room for the metadata.
   k, n = shape
   w = _weights(k + n, shape, dtype, specials=False)
-  cfg = prune24.PruneConfig(block_k=128, block_n=64, strided_lanes=strided)
+  cfg = PruneConfig(block_k=128, block_n=64, strided_lanes=strided)
   values, meta, none_v, none_m = prune24.prune_compress(w, layout="cusparselt", config=cfg,
                                                         interpret=True)
   ref_values, ref_meta, _, _ = prune_compress_reference(w)
@@ -340,7 +341,7 @@ def test_cusparselt_layout_is_bit_identical(shape, dtype, strided):
   mask = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(4), shape),
                                        transposable=True)
   for transposed in (False, True):
-    values, values_t, meta_t = prune24.compress_with_meta(
+    values, values_t, meta_t = masked_compress.compress_with_meta(
         w, mask.meta(), transposed=transposed, layout="cusparselt", config=cfg, interpret=True)
     ref = compress_with_meta_reference(w, mask.meta(), transposed=transposed)
     np.testing.assert_array_equal(_bits(values[:k // 2]), _bits(ref[0].T))
@@ -359,10 +360,10 @@ def test_cusparselt_layout_rejects_what_it_cannot_write():
   with pytest.raises(TypeError, match="bfloat16 or float16"):
     prune24.prune_compress(w.astype(jnp.float32), layout="cusparselt", interpret=True)
   with pytest.raises(ValueError, match="multiples of 64"):
-    prune24.compress_with_meta(w[:96], jnp.zeros((64, 12), jnp.uint8), layout="cusparselt",
+    masked_compress.compress_with_meta(w[:96], jnp.zeros((64, 12), jnp.uint8), layout="cusparselt",
                                interpret=True)
   with pytest.raises(ValueError, match="transposable_mask: N = w.shape.1. = 66 is not a"):
-    prune24.transposable_mask(jnp.ones((8, 66)), interpret=True)
+    transposable24.transposable_mask(jnp.ones((8, 66)), interpret=True)
 
 
 @pytest.mark.parametrize("m,k,n,dtype,tol", [

@@ -45,7 +45,10 @@ from jsparse24.backends import XlaFallbackWarning, cusparselt, pallas
 ROOT = pathlib.Path(__file__).parents[1]
 DATA = ROOT / "tests" / "data" / "cusparselt_layout.npz"
 # The modules a process must not import where the Pallas kernels cannot run.
-KERNEL_MODULES = ("pallas_kernels.prune24", "pallas_kernels.mvue24", "pallas_kernels.spmm24")
+KERNEL_MODULES = ("pallas_kernels.prune24", "pallas_kernels.transposable24",
+                  "pallas_kernels.masked_compress", "pallas_kernels.mask_rebuild",
+                  "pallas_kernels.cusparselt_metadata", "pallas_kernels.mvue24",
+                  "pallas_kernels.spmm24")
 
 
 def _packed_codes(meta_rows: jax.Array, rows: int, groups: int) -> jax.Array:

@@ -306,12 +306,12 @@ def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int,
                    by_groups: bool = False) -> jax.Array:
   """`buf` with the metadata of `meta` written from row `rows` on, in place
   (`buf` is the compress kernel's output, used nowhere else), by one Pallas
-  pass (`prune24.write_cusparselt_metadata`; the bytes of `_metadata_rows`,
-  for which XLA made three passes and an in-place update:
+  pass (`cusparselt_metadata.write_cusparselt_metadata`; the bytes of
+  `_metadata_rows`, for which XLA made three passes and an in-place update:
   benchmarks/NOTES.md, "Tenth session"). `by_groups`: `meta` is the packed
   mask transposed (`uint8[groups/2, R]`)."""
-  prune24, _ = pallas_backend._kernels()  # pylint: disable=protected-access
-  write = functools.partial(prune24.write_cusparselt_metadata, row=rows, by_groups=by_groups,
+  kernel = pallas_backend.kernels().cusparselt_metadata.write_cusparselt_metadata
+  write = functools.partial(kernel, row=rows, by_groups=by_groups,
                             interpret=pallas_backend.interpreting())
   # The pass needs the whole buffer and mask: with Auto mesh axes XLA gathers
   # sharded ones itself (the compressed arrays, never the weight); with
@@ -483,11 +483,6 @@ def matmul(x: jax.Array, c: jax.Array, *, k: int, n: int, transpose: bool = Fals
 # dtype.
 
 
-def _mvue_kernel():
-  from pallas_kernels import mvue24  # pylint: disable=g-import-not-at-top
-  return mvue24
-
-
 def mvue_compress_for_product_xla(dy: jax.Array, seed: jax.Array, first_group=0,
                                   row_stride: int | None = None) -> jax.Array:
   """`mvue_compress_for_product` by XLA code, byte for byte (for the Pallas
@@ -511,8 +506,8 @@ def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0,
   _check_aligned(m, n)
   if _xla_fallback():
     return mvue_compress_for_product_xla(dy, seed, first_group, row_stride)
-  buf, codes = _mvue_kernel().mvue_compress(dy, seed, first_group, row_stride=row_stride,
-                                            interpret=pallas_backend.interpreting())
+  buf, codes = pallas_backend.kernels().mvue24.mvue_compress(
+      dy, seed, first_group, row_stride=row_stride, interpret=pallas_backend.interpreting())
   return _with_metadata(buf, m // 2, codes, m // 4, by_groups=True)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import types
 import warnings
 
 import jax
@@ -91,9 +92,10 @@ def warn_xla_fallback() -> None:
   warnings.warn(
       f"jsparse24: {triton_unavailable_reason()}. XLA code with the same bits replaces"
       f" them in the 'cusparselt' backend: pruning and compressing the weights"
-      f" (prune24.prune_compress, prune24.compress_with_meta), writing cuSPARSELt's"
-      f" metadata (prune24.write_cusparselt_metadata) and, with weight_grad='mvue',"
-      f" pruning the output gradient (mvue24.mvue_compress). Training is correct but"
+      f" (prune24.prune_compress, masked_compress.compress_with_meta), writing"
+      f" cuSPARSELt's metadata (cusparselt_metadata.write_cusparselt_metadata) and,"
+      f" with weight_grad='mvue', pruning the output gradient (mvue24.mvue_compress)."
+      f" Training is correct but"
       f" slower.", XlaFallbackWarning, stacklevel=3)
 
 
@@ -115,21 +117,31 @@ def interpret_mode(enabled: bool = True):
     _INTERPRET[0] = old
 
 
-def _kernels():
-  # Imported lazily: jax.experimental.pallas is only needed when used.
+def kernels() -> types.ModuleType:
+  """The `pallas_kernels` package with its kernel modules imported, or
+  `BackendUnavailableError` where they cannot run (`triton_unavailable_reason`).
+  Imported when first used: they import Pallas's Triton lowering, which the
+  XLA fallback must never import."""
   reason = triton_unavailable_reason()
   if reason is not None:
     raise BackendUnavailableError(f"jsparse24.backends.pallas: {reason}.")
-  from pallas_kernels import prune24, spmm24  # pylint: disable=g-import-not-at-top
-  return prune24, spmm24
+  # pylint: disable=g-import-not-at-top,unused-import
+  import pallas_kernels.cusparselt_metadata
+  import pallas_kernels.mask_rebuild
+  import pallas_kernels.masked_compress
+  import pallas_kernels.mvue24
+  import pallas_kernels.prune24
+  import pallas_kernels.spmm24
+  import pallas_kernels.transposable24
+  return pallas_kernels
 
 
 @functools.cache
 def _prune_fn(transposable: bool, interpret: bool, layout: str):
-  prune24, _ = _kernels()
+  prune_compress = kernels().prune24.prune_compress
 
   def run(w):
-    outs = prune24.prune_compress(w, transposable=transposable, interpret=interpret,
+    outs = prune_compress(w, transposable=transposable, interpret=interpret,
                                   layout=layout)
     return outs if transposable else outs[:2]  # the transposed pair is None
   return run
@@ -137,15 +149,16 @@ def _prune_fn(transposable: bool, interpret: bool, layout: str):
 
 @functools.cache
 def _mask_fn(interpret: bool):
-  prune24, _ = _kernels()
-  return lambda w: (prune24.transposable_mask(w, interpret=interpret),)
+  transposable_mask = kernels().transposable24.transposable_mask
+  return lambda w: (transposable_mask(w, interpret=interpret),)
 
 
 @functools.cache
 def _rebuild_fn(transposable: bool, interpret: bool):
-  prune24, _ = _kernels()
+  rebuild = kernels().mask_rebuild.rebuild_mask
+
   def run(w, old, flags):
-    meta, counts = prune24.rebuild_mask(w, old, flags, transposable=transposable,
+    meta, counts = rebuild(w, old, flags, transposable=transposable,
                                         interpret=interpret)
     # One row of counts (the kernel's row tiles summed), so that a weight
     # split on K (`columns_parallel`'s k_dims) sums them over its devices.
@@ -155,10 +168,10 @@ def _rebuild_fn(transposable: bool, interpret: bool):
 
 @functools.cache
 def _apply_fn(transposed: bool, interpret: bool, layout: str):
-  prune24, _ = _kernels()
+  compress_with_meta = kernels().masked_compress.compress_with_meta
 
   def run(w, meta):
-    values, values_t, meta_t = prune24.compress_with_meta(
+    values, values_t, meta_t = compress_with_meta(
         w, meta, transposed=transposed, interpret=interpret, layout=layout)
     return (values, values_t, meta_t) if transposed else (values,)
   return run
@@ -167,7 +180,7 @@ def _apply_fn(transposed: bool, interpret: bool, layout: str):
 def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
   """The compress kernels on `w` with `mask` (None: prune by magnitude; a
   bool array or a Mask24): `(values, meta, values_t, meta_t)` in `layout`
-  (see pallas_kernels.prune24), the transposed pair None unless `transposed`.
+  (see `pallas_kernels.prune24`), the transposed pair None unless `transposed`.
   Under `jit` with `w` sharded on N (FSDP at rest), each device compresses
   its own columns (`_sharding.columns_parallel`): the compressed arrays are
   what gets gathered for the products, not `w`."""
@@ -282,7 +295,7 @@ def transposable_mask(w: jax.Array) -> Mask24:
 def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> tuple[Mask24, jax.Array]:
   """`(mask, flips)`: `Mask24.from_weights(w, transposable=old.transposable)`
   if `rebuild` (a bool scalar, traced or not), else `old`, by one kernel call
-  without a conditional (`prune24.rebuild_mask`: a program not asked to
+  without a conditional (`mask_rebuild.rebuild_mask`: a program not asked to
   rebuild copies its block of `old`); `flips`, float32 of the stack's shape,
   the fraction of weights whose kept/pruned state the rebuild changed
   (`optim.flip_fraction(old, mask)`; 0 where nothing is rebuilt), counted
@@ -307,8 +320,7 @@ def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> tuple[Mask24,
 @functools.cache
 def _spmm(k: int, interpret: bool):
   """The per-device product `x[M, K] @ W` from `W`'s values and metadata."""
-  _, spmm24 = _kernels()
-  return functools.partial(spmm24.sparse_matmul, k=k, interpret=interpret)
+  return functools.partial(kernels().spmm24.sparse_matmul, k=k, interpret=interpret)
 
 
 class PallasBackend(Backend):
