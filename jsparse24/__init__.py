@@ -27,7 +27,7 @@ from jsparse24._ops import compress, selected_implementation, sparse_dot
 from jsparse24._prune import is_24, prune_24
 from jsparse24.backends import BACKENDS as _BACKENDS
 from jsparse24.backends import BackendUnavailableError
-from jsparse24.backends.base import COMPRESSED as CHECKPOINT_NAME
+from jsparse24.backends._autodiff import COMPRESSED as CHECKPOINT_NAME
 from jsparse24.linen import (SparseDense, compress_params, masks_like_kernels, rebuild_masks,
                              sparsify)
 

@@ -1,6 +1,6 @@
 """Every use of a JAX internal that has no public equivalent, in one place.
 
-jsparse24 defines two custom primitives (`backends.base` for forward mode,
+jsparse24 defines two custom primitives (`backends._autodiff` for forward mode,
 `backends.pallas` for the compression with a stored mask) through JAX's
 primitive-extension modules (`jax.extend.core.Primitive`, `jax.interpreters`).
 Two hooks they need are not public and have changed between releases; each

@@ -39,7 +39,7 @@ def sparse_dot(
   (`"xla"`) is plain JAX ops; the GPU backends are a `jax.custom_jvp` whose
   tangent is one linear primitive: reverse mode transposes it into their
   backward pass (the sparse `dx` product, `dw` by XLA), forward mode
-  evaluates it on their kernels (`backends.base`). In `w` the tangent is
+  evaluates it on their kernels (`backends._autodiff`). In `w` the tangent is
   `x @ w_dot` with the straight-through gradient (the adjoint of its dense
   `dw`), `x @ (w_dot * mask)` with `"masked"`.
 
@@ -131,7 +131,7 @@ def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implement
 def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, precision,
          dtype=None, weight_grad="dense", key=None, key_required=True, weight_sharding=None):
   """`key_required=False` (the layers): without a key the product runs, and
-  only taking its gradient raises (backends.base.weight_grad), so that a
+  only taking its gradient raises (backends._products.weight_grad), so that a
   model with MVUE layers runs inference without an rng."""
   if gradient not in GRADIENT_MODES:
     raise ValueError(f"{fn}: unknown gradient={gradient!r}; expected one of {GRADIENT_MODES}.")

@@ -157,7 +157,7 @@ _UNPARTITIONED = [False]
 def unpartitioned():
   """Inside, `rows_parallel` calls its function directly, with no sharding
   rule: for code traced inside another primitive's lowering rule (the
-  forward-mode tangent of `backends.base`), where JAX lowers out of line,
+  forward-mode tangent of `backends._autodiff`), where JAX lowers out of line,
   without the device assignment that `custom_partitioning` needs. XLA
   partitions the plain kernels there as it does any custom call: it gathers
   their operands."""

@@ -30,7 +30,7 @@ from typing import Callable
 
 import jax
 
-from jsparse24.backends.base import PRODUCT as PRODUCT_NAME
+from jsparse24.backends._autodiff import PRODUCT as PRODUCT_NAME
 
 
 def saving_products(policy: Callable[..., bool]) -> Callable[..., bool]:

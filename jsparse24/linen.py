@@ -111,7 +111,7 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
   inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
   # Without the stream (inference) the product runs; taking its gradient
-  # then raises, naming the stream (backends.base.weight_grad).
+  # then raises, naming the stream (backends._products.weight_grad).
   key = (module.make_rng(MVUE_RNG)
          if opts.weight_grad == "mvue" and module.has_rng(MVUE_RNG) else None)
   return sparse_dense_forward(inputs, kernel, bias, mask, active, gradient=opts.gradient,

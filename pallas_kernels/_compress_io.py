@@ -65,7 +65,7 @@ def with_pad_code(meta: jax.Array, length: int) -> jax.Array:
 
 
 def outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
-             k_major: bool = False):
+            k_major: bool = False):
   """Output shapes and block specs on the padded `wp[Kp, Np]` (grid (i over
   K tiles, j over N tiles)): values `[Np, Kp/2]`, then meta `[Np, Kp/8]` if
   `meta`, then values_t `[Kp, Np/2]` and meta_t `[Kp, Np/8]` if `transposed`.

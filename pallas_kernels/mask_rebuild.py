@@ -93,7 +93,7 @@ def _rebuild_tile(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_ref, *,
 
   if transposable:
     prune_transposable_tile(w_ref, meta_ref, k_major=False, with_values=False,
-                               strided_stores=True, store_meta=store)
+                            strided_stores=True, store_meta=store)
   else:
     _plain_mask_kernel(w_ref, meta_ref, store_meta=store)
   first = jax.lax.broadcasted_iota(jnp.int32, flips_ref.shape, 1) == 0

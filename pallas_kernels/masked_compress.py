@@ -86,7 +86,7 @@ def compress_with_meta(w: jax.Array, meta: jax.Array, *, transposed: bool = Fals
   mp = jnp.pad(meta, ((0, np_ - n), (0, kp // 8 - meta.shape[1])),
                constant_values=rule.PAD_BYTE)
   out_shape, out_specs = outputs(wp, cfg, meta=False, transposed=transposed,
-                                  k_major=k_major)
+                                 k_major=k_major)
   if cfg.strided_lanes:  # the codes transposed for the kernel (`_apply_kernel`)
     mp, codes_spec = mp.T, pl.BlockSpec((bk // 8, bn), lambda i, j: (i, j))
   else:

@@ -70,7 +70,7 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   wp = padded(w, bk, bn)
   kp, np_ = wp.shape
   out_shape, out_specs = outputs(wp, cfg, meta=True, transposed=transposable,
-                                  k_major=k_major)
+                                 k_major=k_major)
   if transposable:
     # One kernel choosing the search per tile, not `transposable_mask`'s two passes:
     # with every output written by both passes that took 37.5 s to compile

@@ -232,7 +232,7 @@ def _quadrants(code: jax.Array) -> list[list[jax.Array]]:
 
 
 def prune_transposable_tile(w_ref, *out_refs, k_major: bool, with_values: bool,
-                               strided_stores: bool, store_meta=None):
+                            strided_stores: bool, store_meta=None):
   """Transposable prune + compress of a `[bk, bn]` tile in one kernel
   (`prune_compress` and the rebuild kernel; `transposable_mask` runs the
   two passes below). Arguments as `_write_transposable`'s.

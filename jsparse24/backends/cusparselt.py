@@ -51,10 +51,10 @@ from jsparse24._mvue import mvue_seeds
 from jsparse24._sharding import (partitioning_off, rows_contracted, rows_parallel,
                                  weight_grad_sharding, whole_on_each_device)
 from jsparse24.backends import _cusparselt_build as build
-from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends import pallas as pallas_backend
+from jsparse24.backends._products import matmul as xla_matmul
+from jsparse24.backends.base import Backend, Problem
 from jsparse24.backends.pallas import PallasBackend, compress_arrays
-from jsparse24.backends.base import matmul as xla_matmul
 # Triton-free: the XLA code that replaces the Pallas kernels uses them.
 from pallas_kernels import cusparselt_layout, mvue_rule
 
@@ -646,7 +646,7 @@ class CusparseltBackend(Backend):
   def operand_roles(self, operand: Operand):
     # A weight block's buffers are cuSPARSELt's buffers of that block (the
     # metadata of a block is not a block of the whole weight's metadata):
-    # read only inside the tensor-parallel maps (`backends.base`).
+    # read only inside the tensor-parallel maps (`backends._tensor_parallel`).
     return dataclasses.replace(operand, fwd="kn", bwd=None if operand.bwd is None else "kn",
                                meta="nk")
 

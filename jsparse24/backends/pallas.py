@@ -45,9 +45,9 @@ from jsparse24 import _jax_internals
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._sharding import columns_parallel, partitioning_off, rows_parallel
 from jsparse24._sharding import unpartitioned as unpartitioned_scope
-from jsparse24.backends.base import (Backend, BackendUnavailableError, Problem,
-                                     XlaFallbackWarning, sparse24_roles)
-from jsparse24.backends.base import matmul
+from jsparse24.backends._products import matmul
+from jsparse24.backends._tensor_parallel import sparse24_roles
+from jsparse24.backends.base import Backend, BackendUnavailableError, Problem, XlaFallbackWarning
 
 _INTERPRET = [False]
 

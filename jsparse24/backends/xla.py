@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._prune import prune_24
 from jsparse24._sharding import is_explicit, typed_like
-from jsparse24.backends.base import (Backend, DotConfig, accumulation_dtype, matmul,
-                                     weight_grad)
+from jsparse24.backends._products import accumulation_dtype, matmul, weight_grad
+from jsparse24.backends.base import Backend, DotConfig
 
 
 def dense_mask(w: jax.Array, mask: jax.Array | Mask24 | None,
