@@ -146,17 +146,8 @@ def section_compress(ctx):
     c_fwd = jax.jit(lambda a: cslt.compress(a, transpose=False))
     c_bwd = jax.jit(lambda a: cslt.compress(a, transpose=True))
 
-    def prepare_with(compressor):
-      def f(w, m):
-        old, cslt.COMPRESSOR = cslt.COMPRESSOR, compressor
-        try:
-          op = backend.prepare(w, m, True)
-        finally:
-          cslt.COMPRESSOR = old
-        return op.fwd, op.bwd
-      return jax.jit(f)
-
-    ours, theirs = prepare_with("jsparse24"), prepare_with("cusparselt")
+    ours = jax.jit(lambda w, m: cslt.compress_for_products(w, m, True)[:2])
+    theirs = jax.jit(lambda w, m: cslt.compress_for_products_by_cusparselt(w, m, True)[:2])
     wm = masked(w, mask)
     a, b = ours(w, mask), theirs(w, mask)
     bits = lambda t: jax.lax.bitcast_convert_type(t, jnp.uint16)  # noqa: E731

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from jsparse24 import _checks
+from jsparse24 import _checks, _pallas_runtime
 from jsparse24._prune import prune_24
 from pallas_kernels import prune_rule as rule
 
@@ -269,13 +269,16 @@ class Mask24:
   @classmethod
   def from_weights(cls, w: Float[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
     """`Mask24.pack(prune_24(w, transposable=...))`: the same bits, on the
-    fastest path here (on an NVIDIA GPU a transposable mask comes from one
-    fused Pallas kernel; elsewhere, and for plain masks, one compiled XLA
-    program)."""
-    if _FAST_MASK_BUILDER:
-      mask = _FAST_MASK_BUILDER[0](w, transposable)
-      if mask is not None:
-        return mask
+    fastest path here: on an NVIDIA GPU a transposable mask comes from one
+    fused Pallas kernel (0.42 ms against 27 ms for XLA's search of a 16384²
+    float32 weight on an H200: benchmarks/results/nvidia-h200.md,
+    "prune+compress 16384x16384 bf16"); elsewhere, and for plain masks, from
+    one compiled XLA program."""
+    w = jnp.asarray(w)
+    if (transposable and _pallas_runtime.runs_natively()
+        and _pallas_runtime.mask_kernel_takes(w, True)):
+      return cls.from_meta(_pallas_runtime.transposable_mask_meta(w), w.shape,
+                           transposable=True)
     return _mask_from_weights(w, transposable)
 
   def meta(self) -> jax.Array:
@@ -294,12 +297,6 @@ class Mask24:
   @property
   def nbytes(self) -> int:
     return int(np.prod(self.packed.shape))
-
-
-# `Mask24.from_weights`'s faster path, registered by jsparse24.backends (which
-# sits above this module and may not be imported by it): a function
-# (w, transposable) -> Mask24, or None where it does not apply.
-_FAST_MASK_BUILDER: list = []
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -149,23 +149,31 @@ def _weight_side_explicit_mesh(*arrays: jax.Array) -> Any:
   return context if is_explicit(context) else None
 
 
-# Set while a primitive's lowering traces the products (`unpartitioned`).
-_UNPARTITIONED = [False]
+# Set while the library traces products that must not be partitioned
+# (`unpartitioned`): a `jax.make_user_context`, so that its value is part of
+# jit's cache key.
+_UNPARTITIONED = jax.make_user_context(False)
 
 
 @contextlib.contextmanager
 def unpartitioned():
-  """Inside, `rows_parallel` calls its function directly, with no sharding
-  rule: for code traced inside another primitive's lowering rule (the
-  forward-mode tangent of `backends._autodiff`), where JAX lowers out of line,
-  without the device assignment that `custom_partitioning` needs. XLA
-  partitions the plain kernels there as it does any custom call: it gathers
-  their operands."""
-  old, _UNPARTITIONED[0] = _UNPARTITIONED[0], True
-  try:
+  """Inside, the partitioned wrappers (`rows_parallel`, `rows_contracted`,
+  `columns_parallel`, `whole_on_each_device`) call their function directly,
+  with no sharding rule: for code traced inside another primitive's
+  lowering rule (the forward-mode tangent of `backends._autodiff`), where
+  JAX lowers out of line, without the device assignment that
+  `custom_partitioning` needs, and inside `split_map`'s `shard_map`, whose
+  arrays are per-device blocks already. XLA partitions the plain kernels
+  there as it does any custom call: it gathers their operands.
+
+  Scope: the `with` block, in the calling thread; internal (the library
+  enters it, users never need to). The value is part of `jax.jit`'s cache
+  key, so a jitted function (a kernel wrapper) traced outside is traced
+  again inside; caches of traced wrappers that jit does not key
+  (`functools.cache`d `custom_vmap`s) take `partitioning_off()` as an
+  argument."""
+  with _UNPARTITIONED(True):
     yield
-  finally:
-    _UNPARTITIONED[0] = old
 
 
 def partitioning_off() -> bool:
@@ -173,7 +181,7 @@ def partitioning_off() -> bool:
   `rows_parallel` that JAX caches by function (a `functools.cache`d
   `custom_vmap`) must be built per value of this, or a trace from outside
   the context is reused inside it."""
-  return _UNPARTITIONED[0]
+  return bool(_UNPARTITIONED.value)
 
 
 def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array:
@@ -185,7 +193,7 @@ def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array
   so the split is a `shard_map` over x's own partition of M (the kernels
   inside see per-device arrays, as Pallas requires there).
   """
-  if _UNPARTITIONED[0]:
+  if partitioning_off():
     return fn(x, *operands)
   mesh = _explicit_mesh(x)
   if mesh is None:
@@ -237,7 +245,7 @@ def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
   with Explicit axes the call runs in a `shard_map` over replicated specs
   (Pallas calls only accept per-device arrays there)."""
   mesh = _weight_side_explicit_mesh(*args)
-  if mesh is None or _UNPARTITIONED[0]:
+  if mesh is None or partitioning_off():
     return fn(*args)
   args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args)
   return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
@@ -343,7 +351,7 @@ def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Ar
   (`first_col`: the global index of its first column of dy, `n_total`
   (a Python int): dy's whole N). `fn` must be hashable and stable, as for
   `rows_parallel`."""
-  if _UNPARTITIONED[0]:
+  if partitioning_off():
     zero = jnp.zeros((), jnp.int32)
     return fn(x, dy, zero, zero, dy.shape[1], *operands)
   mesh = _explicit_mesh(x)
@@ -480,7 +488,7 @@ def columns_parallel(fn: Callable, n_dims: tuple[int, ...], align: int, w: jax.A
   row-local too: w's sharding of K kept as well (`_wrap_columns`), so that
   a row-parallel weight (tensor parallelism) is not gathered either.
   (Auto mesh axes; with Explicit ones see `whole_on_each_device`.)"""
-  if _UNPARTITIONED[0]:
+  if partitioning_off():
     return _vmapped(fn, lead)(w, *extras)
   if _weight_side_explicit_mesh(w, *extras) is not None:
     return whole_on_each_device(_vmapped(fn, lead), w, *extras)

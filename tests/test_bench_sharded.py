@@ -9,7 +9,7 @@ import pytest
 
 import jsparse24
 from benchmarks import bench_sharded
-from jsparse24 import backends
+from jsparse24 import _pallas_runtime
 from jsparse24.backends.pallas import interpret_mode
 
 
@@ -25,7 +25,7 @@ def test_tensor_parallel_step_keeps_the_masks_on_each_devices_block(monkeypatch,
   layout kept by the step (`jsparse24.optim.masks_like_kernels` and
   `out_shardings`) they are never gathered; left to XLA (`keep=False`, the
   benchmark before), the step gathered both packed masks every step."""
-  monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+  monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   if not keep:
     jit = jax.jit
     monkeypatch.setattr(jsparse24.optim, "masks_like_kernels", lambda o, *a: o)

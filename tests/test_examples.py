@@ -167,9 +167,9 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch):
   to XLA, the step returned them replicated: gathered every step)."""
   context = contextlib.nullcontext()
   if layout == "tp":
-    from jsparse24 import backends  # pylint: disable=g-import-not-at-top
+    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
     from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
     context = interpret_mode()
   with context:
     out = load_example("sharded_train").main(

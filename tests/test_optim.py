@@ -48,9 +48,9 @@ def flagged_rebuilds(monkeypatch):
   """The GPU's rebuild path on CPU: `backends.rebuild_where` takes the fused
   mask kernel (interpret mode) as it does where the kernel runs natively, so
   transposable masks are rebuilt without a conditional."""
-  from jsparse24 import backends  # pylint: disable=g-import-not-at-top
+  from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
   from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+  monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   with interpret_mode():
     yield
 

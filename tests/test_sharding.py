@@ -150,8 +150,8 @@ def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagg
   masks are rebuilt as on a GPU, by the mask kernel on a run-time flag
   (`backends.rebuild_where`), each device its own columns."""
   if flagged:
-    from jsparse24 import backends  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   mesh = _mesh(jax.sharding.AxisType.Auto)
   spec = lambda a: P(*([None] * (a.ndim - 1)), "data")  # noqa: E731
   with interpret_mode():
@@ -313,8 +313,8 @@ def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
   gathered for it). Explicit mesh axes: the same step, the masks rebuilt
   by XLA with the axes made Auto inside (`_sharding.typed_like`)."""
   if flagged:
-    from jsparse24 import backends  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(backends, "_pallas_native", lambda: True)
+    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   mesh = _megatron_mesh(axis_type)
   model = _MLP(implementation, NamedSharding(mesh, P(None, "model")),
                NamedSharding(mesh, P("model", None)))
@@ -506,11 +506,11 @@ def test_stacked_mask_update_keeps_each_devices_rows(transposable):
   tensor parallelism): each device searches its own rows (whole bytes of
   the packed mask), the flip counts are summed over the devices, w is never
   gathered, and the result equals the unsharded one."""
-  from jsparse24.backends import pallas as backend  # pylint: disable=g-import-not-at-top
+  from jsparse24._pallas_runtime import transposable_mask_meta  # pylint: disable=g-import-not-at-top
   # K: 8 rows per device; the packed mask [L, N, K/8]: one byte per device.
   sw, hlo = _rebuild_sharded(P(None, "data", None), P(None, None, "data"), transposable)
   with interpret_mode():
-    mask_hlo = jax.jit(backend.transposable_mask).lower(sw).compile().as_text()
+    mask_hlo = jax.jit(transposable_mask_meta).lower(sw).compile().as_text()
   assert "f32[3,8,128]" in hlo  # each device's rows of every layer
   coll = _collectives(hlo)
   assert not set(coll["all-gather"]) & {(3, D, H), (3, D // 8, H)}, coll  # w is not gathered
@@ -541,6 +541,19 @@ def test_rows_parallel_splits_a_custom_call_over_rows():
   # Without the rule, XLA gathers x for the callback.
   plain = _collectives(jax.jit(kernel).lower(x, w).compile().as_text())
   assert plain["all-gather"], plain
+
+
+def test_unpartitioned_is_part_of_jits_cache_key():
+  """`_sharding.unpartitioned()` keys jit's cache: a jitted function first
+  traced outside it (with the custom_partitioning rule) is traced again
+  inside it, without the rule, and the outside trace is kept for outside."""
+  from jsparse24._sharding import rows_parallel, unpartitioned  # pylint: disable=g-import-not-at-top
+  f = jax.jit(lambda x, w: rows_parallel(jnp.matmul, x, w))
+  x, w = jnp.ones((8, 4)), jnp.ones((4, 2))
+  assert "custom_partitioning" in str(jax.make_jaxpr(f)(x, w))
+  with unpartitioned():
+    assert "custom_partitioning" not in str(jax.make_jaxpr(f)(x, w))
+  assert "custom_partitioning" in str(jax.make_jaxpr(f)(x, w))
 
 
 def test_sharded_state_checkpoints_and_resumes_bit_for_bit(tmp_path):

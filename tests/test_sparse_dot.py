@@ -653,3 +653,20 @@ def test_batched_x_and_vmap_over_x_make_dw_one_product():
     np.testing.assert_allclose(jax.grad(whole)(w), jax.grad(mapped)(w), rtol=1e-5, atol=1e-4)
   assert (str(b), str(k), str(n)) not in shapes["whole"]
   assert (str(b), str(k), str(n)) not in shapes["mapped"]
+
+
+def test_interpret_mode_is_part_of_jits_cache_key():
+  """A function jitted outside `interpret_mode` is traced again inside it
+  (and the other way round): the setting keys jit's cache, so a trace made
+  in one mode is never run in the other. On CPU the Pallas backend runs only
+  interpreted, so a reused trace would show as a call that does not raise."""
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  x, w = jnp.ones((4, 16)), jnp.arange(64.0).reshape(16, 4)
+  f = jax.jit(lambda x, w: jsparse24.sparse_dot(x, w, implementation="pallas"))
+  with interpret_mode():
+    y = f(x, w)
+  np.testing.assert_allclose(y, x @ (w * jsparse24.prune_24(w)))
+  with pytest.raises(jsparse24.BackendUnavailableError, match="interpret_mode"):
+    f(x, w)
+  with interpret_mode():
+    np.testing.assert_array_equal(f(x, w), y)

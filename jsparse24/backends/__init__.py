@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jsparse24 import _format
+from jsparse24 import _pallas_runtime
 from jsparse24._format import Mask24
 from jsparse24.backends import pallas as _pallas
 from jsparse24.backends.base import (Backend, BackendUnavailableError, DotConfig, Problem,
@@ -62,13 +62,6 @@ def select(implementation: str | None, problem: Problem) -> Backend:
   return backend
 
 
-def _pallas_native() -> bool:
-  """Whether the Pallas kernels run natively here (a GPU, and Pallas's Triton
-  lowering: `pallas.triton_unavailable_reason`), not interpreted."""
-  pallas = BACKENDS["pallas"]
-  return not pallas.interpreting() and pallas.unavailable_reason() is None
-
-
 def select_compress(implementation: str | None, w) -> Backend:
   """The backend for `jsparse24.compress`: with None, the Pallas kernel where
   it runs natively (2-D weights of a dtype it supports), else the reference."""
@@ -76,7 +69,7 @@ def select_compress(implementation: str | None, w) -> Backend:
                     transposable=False, platform="")
   if implementation is None:
     pallas = BACKENDS["pallas"]
-    if _pallas_native() and w.ndim == 2:
+    if _pallas_runtime.runs_natively() and w.ndim == 2:
       try:
         pallas.check_supported(problem)
         return pallas
@@ -98,17 +91,6 @@ __all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Probl
            "XlaFallbackWarning", "rebuild_where", "select", "select_compress"]
 
 
-def _fast_mask(w, transposable: bool) -> Mask24 | None:
-  """`Mask24.from_weights`'s fast path: a transposable mask by the fused
-  Pallas kernel where it runs natively (an NVIDIA GPU; one read of `w`,
-  benchmarks/NOTES.md compares it with the reference's XLA search); None
-  elsewhere (the reference runs)."""
-  w = jnp.asarray(w)
-  if transposable and _mask_kernel_applies(w, True):
-    return _pallas.transposable_mask(w)
-  return None
-
-
 def rebuild_where(w, old: Mask24, rebuild) -> tuple[Mask24, jax.Array] | None:
   """`(Mask24.from_weights(w, transposable=old.transposable), flips)` if the
   bool scalar `rebuild` (traced) is set, else `(old, 0)`, without a
@@ -128,9 +110,4 @@ def rebuild_where(w, old: Mask24, rebuild) -> tuple[Mask24, jax.Array] | None:
 def _mask_kernel_applies(w, transposable: bool) -> bool:
   """Whether the fused mask kernels run natively on `w` (K a multiple of 4;
   N too for a transposable mask)."""
-  return bool(_pallas_native() and w.ndim >= 2 and w.shape[-2] and w.shape[-1]
-              and not w.shape[-2] % 4 and not (transposable and w.shape[-1] % 4)
-              and w.dtype in _pallas.DTYPES)
-
-
-_format._FAST_MASK_BUILDER[:] = [_fast_mask]  # pylint: disable=protected-access
+  return _pallas_runtime.runs_natively() and _pallas_runtime.mask_kernel_takes(w, transposable)

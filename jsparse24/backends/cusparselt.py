@@ -113,12 +113,6 @@ def _grid_index(size: int) -> int | None:
   return below[-1] if below else None
 
 
-# Who writes cuSPARSELt's compressed buffers in `prepare`: "jsparse24" (the
-# Pallas compress kernel in cuSPARSELt's layout + the metadata written in
-# place, `compress_for_products`) or "cusparselt" (cusparseLtSpMMACompress2 on
-# the masked weight; for the benchmarks' comparison).
-COMPRESSOR = "jsparse24"
-_PALLAS = PallasBackend()
 # Per dtype, how the first call of each shape picks cuSPARSELt's algorithm
 # (the choice is cached for the process and in the algorithm cache file):
 # "cusparselt" runs cusparseLtMatmulSearch; ("configs", n) times configuration
@@ -378,6 +372,21 @@ def compress_for_products(w: jax.Array, mask, transposable: bool):
   return fwd, bwd, meta
 
 
+def compress_for_products_by_cusparselt(w: jax.Array, mask, transposable: bool):
+  """`compress_for_products`'s buffers written by cuSPARSELt itself, for
+  comparisons (`benchmarks/bench_cusparselt.py`): the mask found or applied
+  by the Pallas kernel (where it cannot run, the reference), the masked
+  weight decompressed by XLA, then `compress` (cusparseLtSpMMACompress2) in
+  each direction. The same bytes as `compress_for_products`, in more passes
+  over memory."""
+  sp = (compress_reference(w, mask, transposable) if _xla_fallback()
+        else PallasBackend().compress(w, mask, transposable))
+  masked = decompress(sp)
+  fwd = compress(masked, transpose=False)
+  bwd = compress(masked, transpose=True) if transposable else None
+  return fwd, bwd, sp.meta
+
+
 def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> jax.Array:
   want = buffer_shape(k, n, transpose=transpose)
   if c.shape != want or c.dtype != x.dtype:
@@ -611,19 +620,7 @@ class CusparseltBackend(Backend):
     return min_m is not None and problem.m >= min_m
 
   def prepare(self, w, mask, transposable):
-    w = jax.lax.stop_gradient(w)
-    if COMPRESSOR == "cusparselt":
-      # cusparseLtSpMMACompress2 on the masked weight (for the benchmarks'
-      # comparison): the Pallas kernel (where it cannot run, the reference)
-      # finds or applies the mask, XLA decompresses, cuSPARSELt compresses
-      # each direction.
-      sp = (compress_reference(w, mask, transposable) if _xla_fallback()
-            else _PALLAS.compress(w, mask, transposable))
-      masked = decompress(sp)
-      fwd = compress(masked, transpose=False)
-      bwd = compress(masked, transpose=True) if transposable else None
-      return Operand(fwd, bwd, sp.meta, tuple(w.shape))
-    fwd, bwd, meta = compress_for_products(w, mask, transposable)
+    fwd, bwd, meta = compress_for_products(jax.lax.stop_gradient(w), mask, transposable)
     return Operand(fwd, bwd, meta, tuple(w.shape))
 
   def forward(self, x, operand: Operand, precision):

@@ -8,8 +8,9 @@ the mask is transposable) and reused by the backward pass for `dx`.
 
 Transposable pruning (`mask=None` with `transposable=True`) is one fused
 kernel too: the exact best of the 90 4x4 patterns per block, then both
-compressed copies. `transposable_mask` runs its search alone (the mask
-only), for `Mask24.from_weights` and the mask rebuilds on a GPU.
+compressed copies. The search alone (the mask only) builds
+`Mask24.from_weights`'s masks on a GPU (`_pallas_runtime`), and
+`rebuild_mask` the mask rebuilds.
 
 The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
 they save bytes, not FLOPs, so `implementation=None` picks this backend only
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import types
 import warnings
 
@@ -43,46 +43,21 @@ from jax.interpreters import batching, mlir
 
 from jsparse24 import _jax_internals
 from jsparse24._format import Mask24, Sparse24, decompress
+# Where the kernels run is decided below the formats (`_pallas_runtime`);
+# re-exported here, the backend's public module.
+from jsparse24._pallas_runtime import (DISABLE_ENV, DTYPES, gpu_unavailable_reason,  # noqa: F401
+                                       interpret_mode, interpreting,
+                                       triton_unavailable_reason)
 from jsparse24._sharding import columns_parallel, partitioning_off, rows_parallel
 from jsparse24._sharding import unpartitioned as unpartitioned_scope
 from jsparse24.backends._products import matmul
 from jsparse24.backends._tensor_parallel import sparse24_roles
 from jsparse24.backends.base import Backend, BackendUnavailableError, Problem, XlaFallbackWarning
 
-_INTERPRET = [False]
-
 # implementation=None takes this backend only for M (rows of x) up to this,
 # where benchmarks/ measured it faster than dense XLA on an H100/H200; 0 until
 # measured.
 AUTO_MAX_M = 0
-DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-# The environment variable that, set to 1, makes the Pallas kernels count as
-# unable to run, as they will be once JAX removes Pallas's Triton lowering.
-DISABLE_ENV = "JSPARSE24_DISABLE_PALLAS_TRITON"
-
-
-@functools.cache
-def triton_unavailable_reason() -> str | None:
-  """None where the Pallas kernels can run (Pallas's Triton lowering and the
-  kernel modules import), else why they cannot. Decided on the first call,
-  once per process: a choice that changed while traced functions are cached
-  would leave some of them with the other one."""
-  switch = os.environ.get(DISABLE_ENV, "")
-  if switch not in ("", "0"):
-    return (f"the Pallas kernels need Pallas's Triton lowering, and the environment sets"
-            f" {DISABLE_ENV}={switch} (unset it, or set it to 0, to use them)")
-  try:
-    # pylint: disable=g-import-not-at-top,unused-import
-    from jax.experimental.pallas import triton  # noqa: F401
-    from pallas_kernels import prune24  # noqa: F401
-  except ImportError as e:
-    return (f"the Pallas kernels need Pallas's Triton lowering"
-            f" (jax.experimental.pallas.triton), which cannot be imported with jax"
-            f" {jax.__version__} ({type(e).__name__}: {e}); use a jax release that still"
-            f" ships it")
-  return None
 
 
 @functools.cache
@@ -97,24 +72,6 @@ def warn_xla_fallback() -> None:
       f" with weight_grad='mvue', pruning the output gradient (mvue24.mvue_compress)."
       f" Training is correct but"
       f" slower.", XlaFallbackWarning, stacklevel=3)
-
-
-def interpreting() -> bool:
-  """Whether the Pallas kernels run in interpret mode (`interpret_mode`)."""
-  return _INTERPRET[0]
-
-
-@contextlib.contextmanager
-def interpret_mode(enabled: bool = True):
-  """Runs the Pallas kernels in interpret mode (any platform; slow) within
-  (they still need Pallas's Triton lowering to import:
-  `triton_unavailable_reason`)."""
-  old = _INTERPRET[0]
-  _INTERPRET[0] = enabled
-  try:
-    yield
-  finally:
-    _INTERPRET[0] = old
 
 
 def kernels() -> types.ModuleType:
@@ -141,16 +98,9 @@ def _prune_fn(transposable: bool, interpret: bool, layout: str):
   prune_compress = kernels().prune24.prune_compress
 
   def run(w):
-    outs = prune_compress(w, transposable=transposable, interpret=interpret,
-                                  layout=layout)
+    outs = prune_compress(w, transposable=transposable, interpret=interpret, layout=layout)
     return outs if transposable else outs[:2]  # the transposed pair is None
   return run
-
-
-@functools.cache
-def _mask_fn(interpret: bool):
-  transposable_mask = kernels().transposable24.transposable_mask
-  return lambda w: (transposable_mask(w, interpret=interpret),)
 
 
 @functools.cache
@@ -158,8 +108,7 @@ def _rebuild_fn(transposable: bool, interpret: bool):
   rebuild = kernels().mask_rebuild.rebuild_mask
 
   def run(w, old, flags):
-    meta, counts = rebuild(w, old, flags, transposable=transposable,
-                                        interpret=interpret)
+    meta, counts = rebuild(w, old, flags, transposable=transposable, interpret=interpret)
     # One row of counts (the kernel's row tiles summed), so that a weight
     # split on K (`columns_parallel`'s k_dims) sums them over its devices.
     return meta, jnp.sum(counts, axis=0, keepdims=True)
@@ -184,7 +133,7 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
   Under `jit` with `w` sharded on N (FSDP at rest), each device compresses
   its own columns (`_sharding.columns_parallel`): the compressed arrays are
   what gets gathered for the products, not `w`."""
-  interpret = _INTERPRET[0]
+  interpret = interpreting()
   w = jax.lax.stop_gradient(w)
   if mask is None:  # prune and compress in one pass (transposable: both copies)
     outs = columns_parallel(_prune_fn(transposed, interpret, layout),
@@ -281,17 +230,6 @@ mlir.register_lowering(_compress_with_mask_p,
 _jax_internals.requires_devices_during_lowering(_compress_with_mask_p)
 
 
-def transposable_mask(w: jax.Array) -> Mask24:
-  """`Mask24.from_weights(w, transposable=True)` (same bits) by the fused
-  kernel: one read of `w` (any leading axes, float32 master weights
-  included), the packed mask written, no values. Under `jit` with `w`
-  sharded on N (or K, in whole bytes of the mask), each device searches its
-  own block."""
-  (meta,) = columns_parallel(_mask_fn(_INTERPRET[0]), (0,), 8, jax.lax.stop_gradient(w),
-                             lead=w.ndim - 2, k_dims=(1,))
-  return Mask24.from_meta(meta, w.shape, transposable=True)
-
-
 def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> tuple[Mask24, jax.Array]:
   """`(mask, flips)`: `Mask24.from_weights(w, transposable=old.transposable)`
   if `rebuild` (a bool scalar, traced or not), else `old`, by one kernel call
@@ -308,7 +246,7 @@ def rebuild_mask(w: jax.Array, old: Mask24, rebuild: jax.Array) -> tuple[Mask24,
   # The stack's axes go to one call (a larger grid): vmapped outside the
   # partitioned call, each layer's float32 kernel was sliced out of the
   # stack (a copy) every step.
-  meta, counts = columns_parallel(_rebuild_fn(old.transposable, _INTERPRET[0]), (0, 1), 8,
+  meta, counts = columns_parallel(_rebuild_fn(old.transposable, interpreting()), (0, 1), 8,
                                   jax.lax.stop_gradient(w), old.meta(), flags, lead=lead,
                                   k_dims=(1, "sum"), extra_k_dims=(1, None))
   flips = jnp.sum(counts, axis=(-2, -1)).astype(jnp.float32) / (k * n)
@@ -332,26 +270,17 @@ class PallasBackend(Backend):
     reason = triton_unavailable_reason()
     if reason is not None:
       return reason
-    if _INTERPRET[0]:
-      return None
-    if jax.default_backend() != "gpu":
-      return (f"it needs an NVIDIA GPU (sm_80 or newer) and JAX's default backend"
-              f" is {jax.default_backend()!r}; on CPU, tests can run it inside"
-              f" jsparse24.backends.pallas.interpret_mode()")
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    if cc is None or float(cc) < 8.0:
-      return f"it needs an NVIDIA GPU of compute capability 8.0+, found {cc!r}"
-    return None
+    return None if interpreting() else gpu_unavailable_reason()
 
   def interpreting(self) -> bool:
-    return _INTERPRET[0]
+    return interpreting()
 
   def check_supported(self, problem: Problem) -> None:
     if problem.dtype not in DTYPES:
       raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
 
   def prefers(self, problem: Problem) -> bool:
-    return (not _INTERPRET[0] and problem.m <= AUTO_MAX_M
+    return (not interpreting() and problem.m <= AUTO_MAX_M
             and problem.dtype in (jnp.bfloat16, jnp.float16))
 
   def prepare(self, w, mask, transposable):
@@ -363,7 +292,7 @@ class PallasBackend(Backend):
   def forward(self, x, operand: Sparse24, precision):
     del precision
     # Partitioned over M under jit with sharded activations (_sharding).
-    return rows_parallel(_spmm(operand.shape[0], _INTERPRET[0]), x, operand.values,
+    return rows_parallel(_spmm(operand.shape[0], interpreting()), x, operand.values,
                          operand.meta)
 
   def backward_dx(self, dy, operand: Sparse24, precision):
