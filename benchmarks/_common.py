@@ -19,8 +19,9 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 # cuSPARSELt product (the sentence their written results carry).
 CUSPARSELT_TAX = ("once a cuSPARSELt matmul (ours, or PyTorch's), or any kernel issuing the"
                   " sparse MMA instruction, has run in a process, that process's compute-bound"
-                  " kernels run 2-7% slower until it ends (benchmarks/NOTES.md, eighteenth and"
-                  " nineteenth sessions), which a dense run in its own process never pays")
+                  " kernels run 2-7% slower until it ends (docs/design_notes.md, \"Dense"
+                  " baselines are timed before the first sparse product\"), which a dense run"
+                  " in its own process never pays")
 
 
 def gpu_name() -> str:

@@ -22,8 +22,9 @@ kinds: its products do not depend on the kind).
 Two passes over the points a run reaches: first dense and xla at every point,
 then the two cuSPARSELt variants at the same points. Once a cuSPARSELt product
 has run in a process, its compute-bound kernels (cuBLAS's GEMMs among them)
-run 2-7% slower until it ends (benchmarks/NOTES.md, eighteenth session), which
-a dense layer in a user's dense run never pays; so no dense or xla step is
+run 2-7% slower until it ends (docs/design_notes.md, "Dense baselines are
+timed before the first sparse product"), which a dense layer in a user's
+dense run never pays; so no dense or xla step is
 timed after one. Each pass builds each (K, N)'s weight and masks (the same
 bits both times) and runs every M; within a pass the variants are timed in
 rounds, each round visiting every variant once, and the median per variant is
@@ -79,8 +80,9 @@ VARIANTS = {"dense": ("dense", None), "xla": ("xla", "plain"),
 # "Faster than dense": dense / cusparselt >= WIN. A 5% margin, not 1%: the
 # dense step's rounds spread by ~11% (median over the H200 sweep of
 # 2026-11-25), and a cuSPARSELt product anywhere in a model slows the rest of
-# its process by 2-7% (benchmarks/NOTES.md, eighteenth and nineteenth
-# sessions), which a layer that gains only a few percent does not pay back.
+# its process by 2-7% (docs/design_notes.md, "Dense baselines are timed
+# before the first sparse product"), which a layer that gains only a few
+# percent does not pay back.
 WIN = 1.05
 XLA_SLOW = 0.99  # the fallback "more than 1% slower than dense": dense / xla < this
 TOL = 1e-2  # relative error (by norm) of cusparselt against xla, bf16
@@ -152,15 +154,15 @@ def _round_robin(calls: dict, opts) -> dict[str, list[float]]:
 
 # Timed first, all of them, before the process runs any cuSPARSELt product:
 # once one has run, the process's compute-bound kernels (cuBLAS's GEMMs, so
-# the dense and xla steps) run 2-7% slower until it ends (benchmarks/NOTES.md,
-# eighteenth session), which a dense layer in a user's dense run never pays.
+# the dense and xla steps) run 2-7% slower until it ends, which a dense layer
+# in a user's dense run never pays (`_common.CUSPARSELT_TAX`).
 CLEAN = ("dense", "xla")
 CSLT = ("cusparselt plain", "cusparselt transposable")
 # With --budget, the share of it the clean pass may use; the cuSPARSELt pass
-# (its first calls search for an algorithm) gets the rest. On an H200
-# (2026-11-25, nineteenth session) the clean pass over 55 points took 207 s
-# (the process's start included) and the cuSPARSELt pass over the same points
-# 111 s: at 0.4 the run stopped with 40% of its budget unused.
+# (its first calls search for an algorithm) gets the rest: on an H200 the
+# clean pass over 55 points took 207 s (the process's start included) and
+# the cuSPARSELt pass over the same points 111 s (at 0.4 a run stopped with
+# 40% of its budget unused).
 CLEAN_SHARE = 0.6
 
 

@@ -84,8 +84,8 @@ class DenseBaselines:
   """Dense XLA timings, all taken before the first cuSPARSELt product of the
   process: once one has run, the CUDA context's compute-bound kernels (cuBLAS
   GEMMs among them) run 2-7% slower until the process ends (the same after
-  PyTorch's `torch._cslt_sparse_mm`; benchmarks/NOTES.md, eighteenth session),
-  which a dense program in its own process never pays. `measure` (before)
+  PyTorch's `torch._cslt_sparse_mm`: `_common.CUSPARSELT_TAX`), which a
+  dense program in its own process never pays. `measure` (before)
   times every dense program the sections need; `ms` (in the sections) looks
   them up and refuses one that was not timed then."""
 

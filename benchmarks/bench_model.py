@@ -359,11 +359,12 @@ def time_optimizer(timer, tx, params, opt_state, count: int | None = None) -> fl
 # cuSPARSELt taxes the rest of its process: once a cuSPARSELt matmul has run
 # in a CUDA context, that context's compute-bound kernels (cuBLAS GEMMs, cuDNN
 # attention) run 2-7% slower until the process ends, memory-bound ones do not,
-# and the idle GPU draws ~13 W more (benchmarks/NOTES.md, eighteenth session:
-# the same with PyTorch's `torch._cslt_sparse_mm`, so it is the library's, not
-# ours). The dense model of a user's dense run never pays it; timed after a 2:4
-# step in the same process it would, and the ratio would flatter the 2:4
-# model by ~4%. So every width's dense model is timed first (`run_dense`, all
+# and the idle GPU draws ~13 W more (the same with PyTorch's
+# `torch._cslt_sparse_mm`: it is the sparse MMA instruction's;
+# docs/design_notes.md, "Dense baselines are timed before the first sparse
+# product"). The dense model of a user's dense run never pays it; timed
+# after a 2:4 step in the same process it would, and the ratio would flatter
+# the 2:4 model by ~4%. So every width's dense model is timed first (`run_dense`, all
 # widths), then every 2:4 model (`run_sparse`; those without a cuSPARSELt
 # product first), and the dense step's timing once the 2:4 steps have run is
 # reported beside the ratio, not used in it.
@@ -864,8 +865,8 @@ def main(argv=None) -> dict:
   # asynchronously as a training loop does. Timed one at a time (a step
   # takes longer than `bench`'s default 0.05 s), each step's host dispatch
   # is measured unhidden, more of it for the 2:4 step's larger optimizer
-  # state: 0.981x at d_model 1024 that way, 0.993x in runs of 5 steps
-  # (benchmarks/NOTES.md, two runs on one H100).
+  # state (docs/design_notes.md, "Steps are timed in runs of at least a
+  # second").
   step_timer = timer if args.quick else functools.partial(_common.bench, min_time=1.0,
                                                           repeats=5)
   env = _common.environment()

@@ -174,7 +174,7 @@ def main(argv=None):
   layouts = args.layouts.split(",")
   # The dense model at every layout first: once a cuSPARSELt product has run
   # in the process, its compute-bound kernels run 2-7% slower until it ends
-  # (benchmarks/NOTES.md, eighteenth session), which a dense run never pays.
+  # (`_common.CUSPARSELT_TAX`), which a dense run never pays.
   res = {layout: {} for layout in layouts}
   out = []
   for name, sparse, grad in models:

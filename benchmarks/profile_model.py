@@ -18,8 +18,9 @@ Variants (same model, same init params; `NAME@POLICY` uses that remat policy of
 
 The dense variants are built, timed and profiled first, before any 2:4
 variant runs (a process that has run a cuSPARSELt product runs its
-compute-bound kernels 2-7% slower from then on: benchmarks/NOTES.md,
-eighteenth session), and timed again after the 2:4 variants for reference.
+compute-bound kernels 2-7% slower from then on: docs/design_notes.md, "Dense
+baselines are timed before the first sparse product"), and timed again after
+the 2:4 variants for reference.
 
 Uses `jax.profiler.trace(..., create_perfetto_trace=True)` and reads the
 Perfetto JSON it writes. Run it with XLA's command buffers off
@@ -192,9 +193,9 @@ def main():
 
   # The dense variants are built, timed and profiled before any 2:4 variant
   # runs: once a cuSPARSELt product has run in the process, its compute-bound
-  # kernels run 2-7% slower until it ends (benchmarks/NOTES.md, eighteenth
-  # session), which a dense model in its own process never pays. They are
-  # timed again among the 2:4 variants ("taxed"), to show that.
+  # kernels run 2-7% slower until it ends (`_common.CUSPARSELT_TAX`), which a
+  # dense model in its own process never pays. They are timed again among
+  # the 2:4 variants ("taxed"), to show that.
   dense_names = [v for v in variants if v.partition("@")[0] == "dense"]
   sparse_names = [v for v in variants if v not in dense_names]
   states, times, taxed = {}, collections.defaultdict(list), collections.defaultdict(list)

@@ -16,7 +16,8 @@ PyTorch, with the idle GPU's power and clocks (NVML, 2 s at rest) beside them:
               set back to their defaults.
 It uses no jsparse24 code: the question is whether the slowdown that
 `bench_model.py` sees after the first cuSPARSELt product is cuSPARSELt's or
-the GPU's (benchmarks/NOTES.md, eighteenth and nineteenth sessions). Needs
+the GPU's (it is the sparse MMA instruction's: docs/design_notes.md, "Dense
+baselines are timed before the first sparse product"). Needs
 torch (with cuSPARSELt), cupy and nvidia-ml-py, as on the device image.
 """
 

@@ -37,11 +37,12 @@ def _candidates(which: str) -> list[PruneConfig]:
     return [PruneConfig(bk, bn, warps, 1)
             for (bk, bn), warps in itertools.product(
                 [(64, 128), (128, 64), (64, 64), (32, 256), (32, 128), (128, 32)], [8, 4])]
-  # The transposable search used 255 registers per thread at 64x128/4 warps
-  # (12% occupancy, ncu) before it became a dynamic program (twentieth
-  # session, benchmarks/NOTES.md); these go down to one 4x4 block per thread
-  # (bk * bn / (16 * 32 * warps)). On an H100 none beat 64x128/4: the search
-  # is instruction-bound (benchmarks/NOTES.md, fifth session).
+  # The transposable search needs many registers per thread (255 at
+  # 64x128/4 warps, 12% occupancy, before it became a dynamic program);
+  # these go down to one 4x4 block per thread (bk * bn / (16 * 32 * warps)).
+  # On an H100 none beat 64x128/4: the search is instruction-bound
+  # (docs/design_notes.md, "The pruning kernels are bound by integer
+  # operations").
   searched = [((64, 128), 4), ((64, 64), 4), ((128, 128), 8), ((64, 64), 8), ((32, 64), 4),
               ((64, 128), 8), ((32, 128), 4), ((32, 64), 2)]
   if which == "mask":

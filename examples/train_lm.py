@@ -370,7 +370,7 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
              dynamic_ncols=True)
   start = time.perf_counter()
   # Throughput: stretches of steps between syncs, timed without the first
-  # step of the session (compilation), evaluations and checkpoints. Stretches
+  # step of this invocation (compilation), evaluations and checkpoints. Stretches
   # also end at the last dense warm-up step and at the first sparse one (the
   # cusparselt backend picks its algorithms on that step's first call), so
   # that both runs can be compared over the same sparse steps.
@@ -639,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     trained = run.step - start_steps[run.name]
     print(f"{run.name:>5} | {run.history['train'][-1]:>10.4f} {run.history['val'][-1]:>9.4f} |"
           f" {speed[run.name][0]:>10,.0f} {speed[run.name][1]:>22,.0f} |"
-          f" {trained} this session, {run.seconds:.1f} s")
+          f" {trained} in this invocation, {run.seconds:.1f} s")
   ratio = speed["2:4"][1] / speed["dense"][1]
   print(f"2:4 / dense tokens/s over the sparse steps ({sparse_from}+): {ratio:.3f}x"
         f" (training steps only: no compilation, evaluation or checkpointing)")

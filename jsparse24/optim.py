@@ -23,8 +23,8 @@ default) holds `"active": None` for every layer instead of run-time flags:
 the layers then never switch between their sparse and dense products at run
 time, and the compiled step has no conditional around each product. (On a
 GPU every such conditional copies its predicate to the host and stalls the
-launch queue: without them a d_model 4096 GPT step on an H100 went from
-326.9 to 320.6 ms, benchmarks/NOTES.md.)
+launch queue: docs/design_notes.md, "No branch around the product for a
+schedule's dense phase".)
 """
 
 from __future__ import annotations
@@ -237,10 +237,10 @@ def mask_update(
     # kernel can skip its work on a run-time flag (a GPU,
     # `backends.rebuild_where`): on a GPU a conditional copies its
     # predicate to the host and waits for it, once per step, and the host
-    # then launches the rest of the step behind the GPU (a d_model 512 GPT
-    # on an H100: 0.93x of the dense step with the conditional, 0.99x with
-    # the masks held fixed; benchmarks/NOTES.md). Other layers (a CPU, or
-    # weights the kernels do not take) are rebuilt inside one `lax.cond`.
+    # then launches the rest of the step behind the GPU
+    # (benchmarks/results/nvidia-h100-80gb-hbm3.md, "mask rebuilds without a
+    # conditional"). Other layers (a CPU, or weights the kernels do not
+    # take) are rebuilt inside one `lax.cond`.
     old_masks = _by_path(lambda layer, _, path: layer["mask"], state.masks, state.masks)
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
                        params)
@@ -276,10 +276,11 @@ def mask_update(
     # provably follows the rebuild's read of the old ones. Without a data
     # dependency XLA cannot order the two and copies every sparse kernel
     # before the step to keep the old values for the conditional: two passes
-    # over the float32 weights per step, 2.2% of the step of a d_model 1024
-    # GPT on an H100 (benchmarks/NOTES.md). (`optimization_barrier` does not
-    # order them for XLA's copy removal; a data dependency does.) Flip rates
-    # are fractions, so `after` is always True, but XLA cannot fold it.
+    # over the float32 weights per step (docs/design_notes.md, "The
+    # optimizer's updates depend on the rebuild"). `optimization_barrier`
+    # does not order them for XLA's copy removal; a data dependency does.
+    # Flip rates are fractions, so `after` is always True, but XLA cannot
+    # fold it.
     after = sum(jnp.sum(f) for f in jax.tree.leaves(flip)) >= 0
     if uses_decay:
       updates = _add_masked_decay(updates, params, state.masks,
@@ -356,7 +357,8 @@ def _ordered_after(updates, masks: Mapping, after: jax.Array):
   kept), with every sparse kernel's entry computed from the always-True
   scalar `after`: a data dependency only (see `mask_update`). The untaken
   side is `-u`, not a zero: XLA merged a zero with nn.scan's zero-filled
-  gradient buffers and read it from memory (benchmarks/NOTES.md)."""
+  gradient buffers and read it from memory (docs/design_notes.md, "The
+  optimizer's updates depend on the rebuild")."""
   return map_sparse_kernels(lambda layer, u: jnp.where(after, u, -u),
                             layers_by_path(masks), updates)[0]
 
@@ -380,7 +382,8 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: ja
     scale = scale[..., None, None].astype(weight.dtype)
     # A select between two updates, not `where(mask, 0, weight)`: XLA merged
     # that zero with the zero-filled gradient buffers of nn.scan and read it
-    # from memory, a weight-sized float32 buffer per layer (benchmarks/NOTES.md).
+    # from memory, a weight-sized float32 buffer per layer
+    # (docs/design_notes.md, "The optimizer's updates depend on the rebuild").
     kept = typed_like(Mask24.unpack, update, layer["mask"])  # typed like it (Explicit axes)
     return jnp.where(kept, update,
                      update + (scale * weight).astype(update.dtype))

@@ -72,9 +72,9 @@ def compress_lanes(lanes: list[jax.Array], keep: list[jax.Array] | None):
   slots, codes = [], []
   for g in (0, 4):
     i0, i1 = first_last(keep[g:g + 4])
-    # (Selecting the values by the keeps themselves, as `first_last` selects
-    # the indices, made the plain prune kernel 10% slower on an H200:
-    # benchmarks/NOTES.md, twentieth session.)
+    # The values are picked by the indices, not by the keeps themselves
+    # (docs/design_notes.md, "The pruning kernels are bound by integer
+    # operations").
     slots += [pick(lanes[g:g + 4], i0), pick(lanes[g:g + 4], i1)]
     codes.append(rule.group_code(i0, i1))
   return slots, rule.byte_of(codes[0], codes[1]).astype(jnp.uint8)

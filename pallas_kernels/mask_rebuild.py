@@ -107,10 +107,9 @@ def _rebuild_where_flagged(w_ref, flag_ref, valid_ref, old_ref, meta_ref, flips_
   else its block of the old mask copied, and counts of 0 (w is not read).
 
   Most steps rebuild nothing, and what the call costs then is this copy:
-  with one tile per program each program copied rows of 8 bytes
-  (`[bn, block_k/8]` of the `[N, K/8]` mask), and the calls of a d_model
-  4096 x 8 model took 1.0 ms of its step on an H200 (benchmarks/NOTES.md,
-  sixteenth session); 8 tiles along K make the rows 64 bytes."""
+  with one tile per program each program copies rows of 8 bytes
+  (`[bn, block_k/8]` of the `[N, K/8]` mask); 8 tiles along K make the rows
+  64 bytes (docs/design_notes.md, "Mask rebuilds without a conditional")."""
   tiles = w_ref.shape[0] // block_k
   flagged = jnp.max(flag_ref[...]) != 0
 

@@ -27,10 +27,9 @@ def _apply_kernel(w_ref, meta_in_ref, values_ref, *rest, transposed: bool,
                   k_major: bool, strided_lanes: bool):
   if strided_lanes:
     # The codes arrive transposed (`[bk/8, bn]`, by XLA before the call):
-    # transposed here, the code tile went through shared memory, and the
-    # transposable kernel with its metadata passes took 0.533 ms at 16384^2
-    # on an H200 against 0.447 ms with XLA's transpose (benchmarks/NOTES.md,
-    # fifteenth session). The K-compressed copy comes from the row lanes, as
+    # transposed here, the code tile would go through shared memory
+    # (docs/design_notes.md, "Layout choices inside the compress kernels").
+    # The K-compressed copy comes from the row lanes, as
     # plain pruning's does: in the cuSPARSELt layout nothing transposes a
     # tile; in the Sparse24 layout only its four value slots are transposed
     # (`prune24._prune_kernel`), not the whole weight tile.

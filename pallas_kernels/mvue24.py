@@ -53,18 +53,14 @@ def _kernel(seed_ref, g_ref, values_ref, meta_ref, *, n: int):
     codes.append(rule.group_code(i0, i1))
   store_k_major(values_ref, slots)
   # The codes as the tile holds them, [M/8, N]: a transpose to the Mask24
-  # layout [N, M/8] here (through shared memory) was about a fifth of the
-  # kernel's time on an H200 (benchmarks/NOTES.md, fifteenth session); the
-  # metadata pass reads this layout as it is
-  # (`write_cusparselt_metadata(by_groups=True)`).
+  # layout [N, M/8] here would go through shared memory (docs/design_notes.md,
+  # "Layout choices inside the compress kernels"); the metadata pass reads
+  # this layout as it is (`write_cusparselt_metadata(by_groups=True)`).
   meta_ref[...] = rule.byte_of(codes[0], codes[1]).astype(jnp.uint8)
 
 
-# The fastest tile of `benchmarks/tune_prune.py --which mvue` on an H200
-# with the codes stored untransposed and one hash per pair of groups
-# (fifteenth session): 0.338 ms at 16384^2, kernel alone, against 0.343-0.349
-# ms for 64 x 64 and 128 x 64, 4 warps. The kernel is bound by integer-pipe
-# operations (benchmarks/NOTES.md).
+# The fastest tile of `benchmarks/tune_prune.py --which mvue` (docs/design_notes.md,
+# "Prune and compress tiles"); the kernel is bound by integer-pipe operations.
 DEFAULT_CONFIG = PruneConfig(block_k=32, block_n=128, num_warps=4)
 
 

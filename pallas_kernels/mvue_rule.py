@@ -23,21 +23,20 @@ Per group `a` of 4 (float32 lanes of any one shape):
 * a drawn entry's value becomes `a_i / p_i`: the estimate is unbiased.
 
 The kernel is bound by the GPU's integer/logic pipe (compares, selects,
-bit operations; benchmarks/NOTES.md, fifth session), so the rule is written
-to spend few of those and no divisions (a long instruction sequence on the
-GPU): `p_i = w_i / S` for weights `w` and a scale `S` (`_weights`), the draw
-compares the cumulative sums of `w` with `u * S` and picks the kept entries
-by those comparisons, and `a_i / p_i` is `sign(a_i) * S_i` in closed form
-(`sample`). (The eleventh session's form of these gives the same bits as the
-earlier one, with 10% fewer instructions in the kernel: benchmarks/NOTES.md.)
+bit operations; docs/design_notes.md, "The pruning kernels are bound by
+integer operations"), so the rule is written to spend few of those and no
+divisions (a long instruction sequence on the GPU): `p_i = w_i / S` for
+weights `w` and a scale `S` (`_weights`), the draw compares the cumulative
+sums of `w` with `u * S` and picks the kept entries by those comparisons,
+and `a_i / p_i` is `sign(a_i) * S_i` in closed form (`sample`).
 * `uniform_pair`: `u` from a counter-based hash of (a 64-bit seed, a group's
   index), so that a kernel tile computes the numbers of its own groups with
   no random-number state and no extra memory traffic. One hash serves two
   groups (its high and low 16 bits; `uniform_of_group` says which): half
-  the hashing per group in a kernel bound by its instruction count
-  (benchmarks/NOTES.md, fifteenth session). With 16 bits an entry is drawn
-  with a probability within 2^-15 of its `p_i` (its interval of `u` values
-  may be split in two at 1, each part off by at most one step of 2^-16), so
+  the hashing per group in a kernel bound by its instruction count. With
+  16 bits an entry is drawn with a probability within 2^-15 of its `p_i`
+  (its interval of `u` values may be split in two at 1, each part off by
+  at most one step of 2^-16), so
   a kept value's expectation is within `2^-15 |a_i / p_i|` of `a_i`: 64
   times below the rounding of the kept value to bfloat16 (2^-9 relative),
   which the estimate carries anyway.
@@ -185,7 +184,7 @@ def sample(a: list[jax.Array], u: jax.Array):
   p0, p1, r1, r2 = _draw_predicates(w, scale, u)
   # Each kept entry is picked out of 3 lanes by the draw's predicates, with
   # no integer compare of the indices (the kernel is bound by such
-  # operations, benchmarks/NOTES.md).
+  # operations).
   pick0 = lambda lanes: jnp.where(p1, lanes[2], jnp.where(p0, lanes[1], lanes[0]))  # noqa: E731
   pick1 = lambda lanes: jnp.where(r2, lanes[3], jnp.where(r1, lanes[2], lanes[1]))  # noqa: E731
   other = jnp.where(capped, rest, total * 0.5)  # |a_j / p_j| of every entry but a capped top

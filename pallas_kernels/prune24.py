@@ -72,10 +72,10 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   out_shape, out_specs = outputs(wp, cfg, meta=True, transposed=transposable,
                                  k_major=k_major)
   if transposable:
-    # One kernel choosing the search per tile, not `transposable_mask`'s two passes:
-    # with every output written by both passes that took 37.5 s to compile
-    # against 17.8 s, for 0.07 ms (8%) at 16384^2 on an H100
-    # (benchmarks/NOTES.md, twelfth session).
+    # One kernel choosing the search per tile, not `transposable_mask`'s two
+    # passes: with every output written by both passes, the compile time
+    # doubles for a few percent of the kernel's time (docs/design_notes.md,
+    # "The transposable mask alone runs in two passes").
     kernel = functools.partial(prune_transposable_tile, k_major=k_major, with_values=True,
                                strided_stores=cfg.strided_lanes)
   else:

@@ -33,37 +33,26 @@ class PruneConfig:
   @classmethod
   def default(cls, k: int, n: int, kind: str, layout: str = "sparse24") -> "PruneConfig":
     """kind: "prune", "prune_transposable", "apply" (compress with a mask) or
-    "apply_transposed" (and write the transposed copy). The tiles were the
-    fastest of a sweep on an H200; "prune" and "prune_transposable" (also
-    the tile of `transposable24.transposable_mask`) on an H100 (benchmarks/NOTES.md)."""
+    "apply_transposed" (and write the transposed copy). Each tile is the
+    fastest of `benchmarks/tune_prune.py`'s sweep for its kernel and layout
+    at 16384^2 (docs/design_notes.md, "Prune and compress tiles"; the
+    kernels' times: benchmarks/results/nvidia-h200.md, "prune+compress
+    16384x16384 bf16")."""
     del k, n
-    if kind == "prune_transposable":  # either layout; rows stored contiguously
-      # Still the fastest with the search as a dynamic program, one search
-      # per tile (H200, cuSPARSELt layout: 0.653 ms; 64x64/4, 32x128/4,
-      # 128x128/8, 32x64/2 0.87-0.90 ms, 64x128/8 1.28 ms, strided stores
-      # 1.00 ms); not swept again since prune_compress searches per quadrant.
+    if kind == "prune_transposable":  # either layout; also the mask alone
+      # The search needs ~255 registers per thread: 4 warps, and a row's
+      # lanes interleaved in registers and stored contiguously.
       return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=False)
     if kind == "prune":  # either layout: strided row lanes, no transpose of the tile
-      # (Sparse24 layout on an H100: 0.308 ms at 16384^2 against 0.426 ms
-      # for the tile transposed in registers, the best of that way).
       return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
-    # Both layouts from the codes transposed by XLA and the row lanes
-    # (`masked_compress._apply_kernel`); `tune_prune.py --layout cusparselt` on an H200,
-    # 16384^2, kernel alone (fifteenth session), and a sweep of the Sparse24
-    # layout (twentieth session).
+    # Compression with a stored mask, both layouts: the codes transposed by
+    # XLA, the K-compressed copy from the row lanes
+    # (`masked_compress._apply_kernel`).
     if kind == "apply_transposed":  # row lanes forward, each row's keep decoded in place
-      # cuSPARSELt layout: 0.410 ms against 0.424 ms for 64x128, 8 warps
-      # (0.53 ms with the codes transposed in the kernel). Sparse24: 0.402
-      # ms (64x128/8 0.411, 128x64/8 0.447), where the weight tile
-      # transposed in registers took 0.433 ms at 128x64/8.
       return cls(block_k=32, block_n=128, num_warps=4, strided_lanes=True)
-    if layout == "cusparselt":
-      # Strided row lanes, no transpose: 0.235 ms (the tile transposed in
-      # registers, 128x64, 8 warps, the default before: 0.34-0.35 ms on an
-      # H100, benchmarks/NOTES.md).
+    if layout == "cusparselt":  # strided row lanes: nothing transposes a tile
       return cls(block_k=64, block_n=128, num_warps=4, strided_lanes=True)
-    # Sparse24, the four value slots transposed: 0.2375 ms (0.2457 ms with
-    # the weight tile transposed in registers at 128x64/8).
+    # Sparse24: only the four value slots are transposed.
     return cls(block_k=64, block_n=128, num_warps=8, strided_lanes=True)
 
 

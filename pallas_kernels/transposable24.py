@@ -122,8 +122,9 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
   rows 2-3 for each of the 19 column counts they can have (36 choices),
   then for each row 0 pair the best row 1 pair with its best rows 2-3
   (36), then the best row 0 pair (6): 78 sums and 52 comparisons, where
-  scoring the 90 patterns one by one took 216 sums and 89 comparisons
-  (benchmarks/NOTES.md, twentieth session). Each comparison keeps the
+  scoring the 90 patterns one by one takes 216 sums and 89 comparisons
+  (docs/design_notes.md, "The pruning kernels are bound by integer
+  operations"). Each comparison keeps the
   earlier candidate on ties, and every candidate list is in lexicographic
   order, which gives the tie rule above.
   """
@@ -200,9 +201,8 @@ def _best_pattern(lanes: list[list[jax.Array]], count_nonfinite: bool,
 
 def _nonfinite(a: jax.Array) -> jax.Array:
   """NaN or +-inf, for magnitudes `a = |x|` or sums of them: one comparison
-  (NaN compares false). The search is bound by the integer/logic pipe
-  (benchmarks/NOTES.md), so the per-element tests are kept to the fewest
-  operations."""
+  (NaN compares false). The search is bound by the integer/logic pipe, so
+  the per-element tests are kept to the fewest operations."""
   return jnp.logical_not(a <= _FLOAT32_MAX)
 
 
@@ -213,8 +213,7 @@ def _best_pattern_of_tile(lanes: list[list[jax.Array]]) -> jax.Array:
   harmless false alarm where huge finite ones overflow) is searched again
   with them (a branch per tile). The sum comes from pair sums the search
   already has, where testing every element for NaN or inf before the
-  search took ~3 operations per element (benchmarks/NOTES.md, twentieth
-  session)."""
+  search would take ~3 operations per element."""
   words, block_sum = _best_pattern(lanes, False, with_total=True)
   suspect = _nonfinite(jnp.sum(block_sum))
   return jax.lax.cond(suspect, lambda: _best_pattern(lanes, True), lambda: words)
@@ -242,10 +241,10 @@ def prune_transposable_tile(w_ref, *out_refs, k_major: bool, with_values: bool,
   lanes that the outputs are written from, so its pattern words need no
   transposes; a tile whose magnitudes do not sum to a finite float32 is
   searched again whole with the counts (a branch, as
-  `_best_pattern_of_tile`). At 16384^2 bf16 on an H200 that took 0.516 ms
-  against 0.629 ms for one search of the tile (its words split into the
-  quadrants by register transposes), and 26 s to compile against 11 s
-  (benchmarks/NOTES.md, twentieth session). The mask alone (the rebuild
+  `_best_pattern_of_tile`): faster than one search of the tile (whose
+  words would be split into the quadrants by register transposes), for
+  more than twice the compile time (docs/design_notes.md, "The pruning
+  kernels are bound by integer operations"). The mask alone (the rebuild
   kernel, compiled into every training step, which rebuilds once in many
   steps) keeps the one search."""
   if not with_values:
@@ -392,10 +391,10 @@ def _transposable_passes(wp: jax.Array, cfg: PruneConfig, out_shape, out_specs, 
   """Transposable pruning of the padded `wp` in two kernels: every tile
   searched without the non-finite counts (`_transposable_common_pass`),
   then only the tiles that may hold a NaN or inf searched again exactly,
-  into the same buffers (`_transposable_exact_pass`). For the mask alone
-  at 16384^2 on an H100 that took 0.525 ms against 0.620 for one kernel
-  choosing per tile (`lax.cond`, as `prune_transposable_tile`), and
-  9-10 s to compile (benchmarks/NOTES.md, twelfth session)."""
+  into the same buffers (`_transposable_exact_pass`): faster than one
+  kernel choosing per tile (`lax.cond`, as `prune_transposable_tile`)
+  (docs/design_notes.md, "The transposable mask alone runs in two
+  passes")."""
   kp, np_ = wp.shape
   bk, bn = cfg.block_k, cfg.block_n
   grid = (kp // bk, np_ // bn)
@@ -413,10 +412,9 @@ def _transposable_passes(wp: jax.Array, cfg: PruneConfig, out_shape, out_specs, 
   n = len(outs)
   # Pass 2's programs nearly all return at once, so what it costs is how
   # many are resident: its exact search takes ~255 registers per thread,
-  # and fewer warps per program let more programs fit. For the mask at
-  # 16384^2 on an H100: 0.562 ms in all at 4 warps, 0.525 at 2, 0.503 at
-  # 1, whose compile (register spills) took 24-29 s against 9-10 s at 2
-  # and 4-5 at 4 (benchmarks/NOTES.md, twelfth session).
+  # and fewer warps per program let more programs fit: 2, since 1 spills
+  # registers and compiles three times longer (docs/design_notes.md, "The
+  # transposable mask alone runs in two passes").
   exact_params = pltriton.CompilerParams(num_warps=min(cfg.num_warps, 2),
                                          num_stages=cfg.num_stages)
   return pl.pallas_call(

@@ -703,8 +703,9 @@ def test_cusparselt_product_sits_behind_an_optimization_barrier():
 def test_mvue_weight_grad_partial_sums_are_in_the_products_dtype(dtype, monkeypatch):
   """The MVUE weight gradient's per-device partial sums, which data
   parallelism all-reduces, are in x's dtype (what the sparse product
-  writes), as XLA's dense `x^T dy` is: a float32 result doubled the
-  all-reduce's bytes (benchmarks/NOTES.md, "Thirteenth session"). Traced
+  writes), as XLA's dense `x^T dy` is: a float32 result doubles the
+  all-reduce's bytes (docs/design_notes.md, "cuSPARSELt: the MVUE weight
+  gradient all-reduced in the input's dtype"). Traced
   only: the FFI target needs a GPU to run, and cuSPARSELt's size query a
   GPU too (skipped here)."""
   monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)

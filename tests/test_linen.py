@@ -89,9 +89,9 @@ def test_gradient_modes_through_the_layer(gradient):
 def test_mixed_precision_kernel_gradient_is_nn_dense_gradient(implementation, active):
   """bfloat16 compute with float32 params: the kernel's gradient ("ste") is
   bit for bit nn.Dense's (x^T dy in bfloat16, cast to float32), on every
-  backend and in the dense phase. The custom_vjp backends returned the
-  float32 product before, which under nn.scan cost a copy of every
-  weight's gradient (benchmarks/NOTES.md, "Tenth session")."""
+  backend and in the dense phase. A float32 product would cost, under
+  nn.scan, a copy of every weight's gradient (docs/design_notes.md, "The
+  weight gradient in the input's dtype")."""
   x = _rand(0, (32, 64)).astype(jnp.bfloat16)
   c = _rand(2, (32, 16)).astype(jnp.bfloat16)
   layer = jsparse24.SparseDense(16, dtype=jnp.bfloat16, use_bias=False,

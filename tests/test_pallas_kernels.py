@@ -470,7 +470,8 @@ def test_scan_compress_kernels_read_the_cast_kernel():
   params: XLA fuses the slice into a cast (4 bytes read, 2 written per
   weight), but copies it whole (4 + 4) before a kernel that reads float32.
   So the compress kernels get the kernel already cast to the compute dtype
-  (H100, d_model 4096: 1.168x -> 1.181x, benchmarks/NOTES.md)."""
+  (docs/design_notes.md, "The weight enters the product uncast; the cast is
+  its own XLA op")."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   class Block(nn.Module):

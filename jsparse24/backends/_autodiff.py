@@ -65,15 +65,15 @@ PRODUCT = "jsparse24_product"
 # dtype inside (prepare and the dense branch), so that the residual is the
 # kernel itself: under nn.scan that is a slice of the stacked parameters,
 # which JAX's scan forwards to the backward pass instead of stacking a
-# bfloat16 copy of every weight (benchmarks/NOTES.md, "Whole model").
+# bfloat16 copy of every weight (docs/design_notes.md, "The weight enters the
+# product uncast; the cast is its own XLA op").
 #
 # The dense phase switch (`active`, None: always sparse) lives inside the
 # product, so that the residuals are exactly (x, w, operand, key, active): a
 # `lax.cond` around two differentiable branches saves both branches'
-# residuals, the untaken one as zeros of the size of x, every step. Measured
-# on an H100 that way, a scan of 24 d_model 1024 MLP blocks ran 3.9% slower,
-# and the d_model 2048 x 16 model of bench_model.py ran out of memory
-# (benchmarks/NOTES.md).
+# residuals, the untaken one as zeros of the size of x, every step (slower,
+# and out of memory for large models: docs/design_notes.md, "No branch
+# around the product for a schedule's dense phase").
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
 def custom_dot(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   return _custom_dot_fwd(x, w, mask, active, key, backend, cfg)[0]
@@ -83,10 +83,9 @@ def _custom_dot_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   # The cast is its own XLA op, not done by a kernel that reads the float32
   # kernel: under nn.scan `w` is a slice of the stacked parameters, which XLA
   # fuses into the cast (4 bytes read, 2 written per weight) but copies whole
-  # before a custom call (4 + 4), whose read then costs 4 bytes more. On an
-  # H100 the d_model 4096 x 6 block step of bench_model.py went 258.5 ->
-  # 255.6 ms this way (benchmarks/NOTES.md, "The cast before the compress
-  # kernel").
+  # before a custom call (4 + 4), whose read then costs 4 bytes more
+  # (docs/design_notes.md, "The weight enters the product uncast; the cast
+  # is its own XLA op").
   operand = jax.tree.map(lambda a: checkpoint_name(a, COMPRESSED),
                          prepare(backend, w.astype(x.dtype), mask, cfg))
   sparse = lambda: forward(backend, x, operand, cfg)  # noqa: E731

@@ -67,9 +67,9 @@ PAD_M = 16
 # implementation=None takes this backend where benchmarks/bench_auto.py measured
 # the linear-layer training step at least 5% faster than dense XLA (y, dx, dw; a
 # float32 kernel cast to bfloat16 in the step, as nn.Dense(dtype=bfloat16) does;
-# masking and compression included), on an H200, 2026-11-25, with every dense
-# step timed before the process ran a cuSPARSELt product
-# (benchmarks/results/nvidia-h200.md, raw numbers in
+# masking and compression included), every dense step timed before the
+# process ran a sparse product: benchmarks/results/nvidia-h200.md,
+# "Automatic backend choice: training-step sweep" (raw numbers in
 # benchmarks/results/data/auto_sweep_h200.json). Per mask kind (transposable
 # or not), rows K and columns N of AUTO_GRID: the smallest M (rows of x) from
 # which it did at that M and every larger M of the sweep (M = 1024 ... 16384);
@@ -77,13 +77,13 @@ PAD_M = 16
 # smaller product gains less); K or N below the grid never. The margin is 5%,
 # not 1%: the dense step's timing rounds spread by ~11% (median), and once any
 # sparse MMA has run, the whole process's compute-bound kernels run 2-7%
-# slower (the GPU's, not cuSPARSELt's: benchmarks/NOTES.md, nineteenth
-# session), a cost a layer that gains a few percent does not pay back.
-# Without a transposable mask dx is dense and the step gained at most 1.06x,
-# so one cell qualifies. K = 1024 and N = 1024 are None although some cells
-# measured 1.05-1.11x at M = 16384: inside a model (blocks in nn.scan,
-# d_model 1024) those products measured no faster than XLA's dense ones
-# (profile in benchmarks/NOTES.md), and the whole step 0.95-0.98x of dense.
+# slower, a cost a layer that gains a few percent does not pay back
+# (docs/design_notes.md, "Dense baselines are timed before the first sparse
+# product"). Without a transposable mask dx is dense and the step gained at
+# most 1.06x, so one cell qualifies. K = 1024 and N = 1024 are None although
+# some cells measured 1.05-1.11x at M = 16384: inside a model those products
+# measured no faster than XLA's dense ones (docs/design_notes.md, "What the
+# automatic choice leaves to dense").
 # Only bfloat16: float16 picks its algorithm with configuration ids checked on
 # an H200 (cuSPARSELt 0.8.0) and an H100 (0.8.0, 0.10.0) only (SEARCH), and a
 # wrong id kills the process, which an automatic choice must not risk; name
@@ -119,23 +119,19 @@ def _grid_index(size: int) -> int | None:
 # ids 0..n-1 on the real buffers and keeps the fastest (jsparse24's search, in
 # the shim); ("both", n) times cusparseLtMatmulSearch's pick (which may split K)
 # beside those ids and keeps the fastest; "default" takes cuSPARSELt's default.
-# bfloat16 takes "both": at the whole-model benchmark's shapes on an H100,
-# cusparseLtMatmulSearch alone once picked, for the 2048x2048 dx product at
-# M = 16384, an algorithm 2.2x slower than the ids' search did (0.341 against
-# 0.152 ms; dense 0.201: a product slower than dense, which the algorithm
-# cache file would then keep for later runs too). Otherwise the modes measured
-# the same: over 26 fresh searches each at the benchmark's d_model 2048 and
-# 4096 shapes, a mean speedup over dense of 1.403x ("cusparselt"), 1.405x
-# ("configs") and 1.403x ("both"); "both" guards against the outlier
-# (benchmarks/NOTES.md, eighth session; `benchmarks/tune_cusparselt.py`).
-# cusparseLtMatmulSearch cannot be used for float16 with cuSPARSELt 0.8.0 on
-# an H200: it tries every id, and the
-# float16 ids from 34 on hit an illegal instruction (ids 0-33 ran, both
-# directions, at 8192^3 and 16384x4096x16384; benchmarks/NOTES.md). The
-# default algorithm measured slower than dense XLA there (0.72-0.80x), the
-# search 1.21-1.27x faster (training step); it makes the first call of each
-# float16 shape and direction slow (a first forward call at 8192^3: 13.6 s,
-# against 1.1 s in bfloat16), then costs nothing.
+# bfloat16 takes "both": the modes gain the same on average, but
+# cusparseLtMatmulSearch alone once picked an algorithm slower than dense,
+# which the algorithm cache file would then keep for later runs too; "both"
+# guards against that outlier: benchmarks/results/nvidia-h100-80gb-hbm3.md,
+# "cuSPARSELt algorithm search modes" (`benchmarks/tune_cusparselt.py`).
+# float16 takes ("configs", 34): cusparseLtMatmulSearch tries every id, and
+# with cuSPARSELt 0.8.0 on an H200 the float16 ids from 34 on hit an illegal
+# instruction, which kills the process; cuSPARSELt's default algorithm is
+# slower than dense XLA there, the search faster: benchmarks/results/
+# nvidia-h200.md, "cuSPARSELt float16 (default algorithm)" and "cuSPARSELt
+# float16". The search makes the first call of each float16 shape and
+# direction slow (seconds), then costs nothing (docs/design_notes.md,
+# "cuSPARSELt: how an algorithm is picked").
 SEARCH: dict[Any, Any] = {jnp.dtype(jnp.bfloat16): ("both", 20),
                           jnp.dtype(jnp.float16): ("configs", 34)}
 
@@ -268,7 +264,9 @@ def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
 # So the Pallas compress kernel (layout="cusparselt") writes the values straight
 # into these buffers, in one pass over `w` (mask applied, both copies), and
 # `_with_metadata` writes the metadata after them in place (a second, small
-# Pallas pass); cusparseLtSpMMACompress2 is slower (benchmarks/NOTES.md).
+# Pallas pass); cusparseLtSpMMACompress2 writes the same bytes, slower:
+# benchmarks/results/nvidia-h200.md, "cuSPARSELt compression (per training
+# step)".
 
 
 def metadata_layout(codes: jax.Array) -> jax.Array:
@@ -302,8 +300,8 @@ def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int,
   (`buf` is the compress kernel's output, used nowhere else), by one Pallas
   pass (`cusparselt_metadata.write_cusparselt_metadata`; the bytes of
   `_metadata_rows`, for which XLA made three passes and an in-place update:
-  benchmarks/NOTES.md, "Tenth session"). `by_groups`: `meta` is the packed
-  mask transposed (`uint8[groups/2, R]`)."""
+  docs/design_notes.md, "cuSPARSELt: who writes the compressed buffers").
+  `by_groups`: `meta` is the packed mask transposed (`uint8[groups/2, R]`)."""
   kernel = pallas_backend.kernels().cusparselt_metadata.write_cusparselt_metadata
   write = functools.partial(kernel, row=rows, by_groups=by_groups,
                             interpret=pallas_backend.interpreting())
@@ -411,10 +409,10 @@ def _sparse_a_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, int], *, m: i
            alg=np.int64(alg))
   # Where the product is also written into a stacked buffer (an `nn.scan`
   # keeping it for the backward pass) and read by another op, XLA's GPU
-  # dynamic-slice fusion computed the call twice, once into the stack:
-  # the up-projection's product in every block of bench_model.py's
-  # d_model 2048 model (benchmarks/NOTES.md, twelfth session). Behind the
-  # barrier the stack gets a copy, as a dense dot's output does.
+  # dynamic-slice fusion computed the call twice, once into the stack
+  # (docs/design_notes.md, "cuSPARSELt: an optimization barrier behind each
+  # product"). Behind the barrier the stack gets a copy, as a dense dot's
+  # output does.
   return jax.lax.optimization_barrier(d)
 
 
@@ -527,9 +525,8 @@ def _mvue_weight_grad_local(search: int, alg: int):
   gradient would), in x's dtype: the partial sums are all-reduced in the
   dtype the product writes, as XLA reduces the dense model's `x^T dy` (and
   the reference backend's MVUE product). A float32 result would double the
-  all-reduce's bytes: with data parallelism on 2 H200s it made the MVUE
-  step's two all-reduces 2.3 ms against the dense step's 1.1 ms
-  (benchmarks/NOTES.md, "Thirteenth session")."""
+  all-reduce's bytes (docs/design_notes.md, "cuSPARSELt: the MVUE weight
+  gradient all-reduced in the input's dtype")."""
 
   def run(x, dy, first_row, first_col, n_total, seed):
     m, k = x.shape

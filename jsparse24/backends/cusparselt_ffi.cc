@@ -33,8 +33,9 @@
 //             float16 ids from 34 on hit an illegal instruction).
 //   search=3: both: cusparseLtMatmulSearch, then its pick timed beside the
 //             ids of search=2 in the same way; the fastest is kept. (Its pick
-//             alone was once 2.2x slower than search=2's: bfloat16, H100,
-//             benchmarks/NOTES.md, eighth session.)
+//             alone was once 2.2x slower than search=2's: bfloat16, H100;
+//             benchmarks/results/nvidia-h100-80gb-hbm3.md, "cuSPARSELt
+//             algorithm search modes".)
 // A search's result (configuration id and split-K settings) is written to the
 // algorithm cache file, if one is set (jsp_cusparselt_set_algorithm_cache),
 // keyed by the GPU, the cuSPARSELt version and the plan's key; a later process
@@ -748,10 +749,9 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
         // kTimed runs after kWarm untimed ones, in two passes (in order, then
         // in reverse, so that no candidate always runs first or after the
         // same one); its time is the lower of the two. One pass of 5 runs
-        // (the first version) picked ids up to 10% slower than the fastest
-        // id timed alone at d_model 2048's shapes on an H100; with this,
-        // the search modes' picks still differ by up to ~12% either way from
-        // search to search (benchmarks/NOTES.md, eighth session).
+        // picked ids up to 10% slower than the fastest id timed alone; even
+        // so, picks differ by up to ~12% from search to search
+        // (docs/design_notes.md, "cuSPARSELt: how an algorithm is picked").
         constexpr int kWarm = 2, kTimed = 10;
         EventPair events;
         err = events.Create();

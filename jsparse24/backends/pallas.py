@@ -14,8 +14,7 @@ compressed copies. The search alone (the mask only) builds
 
 The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
 they save bytes, not FLOPs, so `implementation=None` picks this backend only
-for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`, see
-benchmarks/NOTES.md).
+for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`).
 
 The kernels are written for Pallas's Triton lowering
 (`jax.experimental.pallas.triton`, deprecated since JAX 0.11), which their
@@ -54,9 +53,9 @@ from jsparse24.backends._products import matmul
 from jsparse24.backends._tensor_parallel import sparse24_roles
 from jsparse24.backends.base import Backend, BackendUnavailableError, Problem, XlaFallbackWarning
 
-# implementation=None takes this backend only for M (rows of x) up to this,
-# where benchmarks/ measured it faster than dense XLA on an H100/H200; 0 until
-# measured.
+# implementation=None takes this backend only for M (rows of x) up to this:
+# 0, since it measured slower than dense XLA at every shape, M = 16 included:
+# benchmarks/results/nvidia-h200.md, "sparse-operand matmul bf16".
 AUTO_MAX_M = 0
 
 
