@@ -13,10 +13,8 @@ from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, backends
 from jsparse24._format import Mask24, Sparse24
+from jsparse24._options import SparsityOptions
 from jsparse24._sharding import is_explicit, weight_split
-
-GRADIENT_MODES = ("ste", "masked")
-WEIGHT_GRADS = ("dense", "mvue")
 
 
 def sparse_dot(
@@ -103,40 +101,39 @@ def sparse_dot(
     >>> bool(jnp.allclose(y, x @ (w * jsparse24.prune_24(w))))
     True
   """
-  return _dot("sparse_dot", x, w, mask, None, gradient=gradient, transposable=transposable,
-              implementation=implementation, precision=precision, weight_grad=weight_grad,
-              key=key, weight_sharding=weight_sharding)
+  fn = "sparse_dot"
+  opts = SparsityOptions.checked(fn, gradient=gradient, transposable=transposable,
+                                 implementation=implementation, weight_grad=weight_grad,
+                                 kernel_sharding=weight_sharding)
+  return _dot(fn, x, w, mask, None, opts, precision=precision, key=key)
 
 
-def sparse_or_dense_dot(x, w, mask, active, *, gradient, transposable, implementation,
-                        precision, dtype=None, weight_grad="dense", key=None,
-                        weight_sharding=None, fn="SparseDense"):
-  """`sparse_dot`, or the plain dense `x @ w` (full `dw`) where the bool
-  scalar `active` is False (None: always sparse): the product of a layer in a
-  schedule's dense phases (internal; `SparseDense` and `nnx.SparseLinear`
-  call it). `dtype`: the compute dtype (the layer's promoted dtype); `w`
-  stays in its own dtype and is cast inside the product, so that its
-  gradient comes out in that dtype straight from the product.
+def sparse_or_dense_dot(x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None,
+                        key=None, fn="SparseDense"):
+  """`sparse_dot` with a layer's options `opts` (`mask_source` is the
+  layer's to read: here `mask` is given, or None to prune now), or the
+  plain dense `x @ w` (full `dw`) where the bool scalar `active` is False
+  (None: always sparse): the product of a layer in a schedule's dense
+  phases (internal; `SparseDense` and `nnx.SparseLinear` call it). `dtype`:
+  the compute dtype (the layer's promoted dtype); `w` stays in its own
+  dtype and is cast inside the product, so that its gradient comes out in
+  that dtype straight from the product.
 
   The reference backend folds `active` into its mask (`mask | ~active`), one
   elementwise op that XLA fuses: no branch. The others choose between the
   sparse product and XLA's dense one inside their product (`Backend.dot`).
   """
-  return _dot(fn, x, w, mask, active,
-              gradient=gradient, transposable=transposable, implementation=implementation,
-              precision=precision, dtype=dtype, weight_grad=weight_grad, key=key,
-              key_required=False, weight_sharding=weight_sharding)
+  return _dot(fn, x, w, mask, active, opts, precision=precision, dtype=dtype, key=key,
+              key_required=False)
 
 
-def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, precision,
-         dtype=None, weight_grad="dense", key=None, key_required=True, weight_sharding=None):
-  """`key_required=False` (the layers): without a key the product runs, and
+def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None, key=None,
+         key_required=True):
+  """The product with options `opts` (checked when they were made).
+  `key_required=False` (the layers): without a key the product runs, and
   only taking its gradient raises (backends._products.weight_grad), so that a
   model with MVUE layers runs inference without an rng."""
-  if gradient not in GRADIENT_MODES:
-    raise ValueError(f"{fn}: unknown gradient={gradient!r}; expected one of {GRADIENT_MODES}.")
-  if weight_grad not in WEIGHT_GRADS:
-    raise ValueError(f"{fn}: unknown weight_grad={weight_grad!r}; expected one of {WEIGHT_GRADS}.")
+  weight_grad, transposable = opts.weight_grad, opts.transposable
   if weight_grad == "mvue" and (key is not None or key_required):
     _checks.check_key(fn, "key", key, "weight_grad='mvue'")
   _checks.check_float(fn, "x", x)
@@ -154,8 +151,7 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
       raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
     _check_contraction(fn, x, w.shape)
     dtype = jnp.result_type(x.dtype, w.dtype)
-    backend, split = _backend_and_split(fn, implementation, weight_sharding, x.shape,
-                                        w.shape, dtype, w.has_transpose)
+    backend, split = _backend_and_split(fn, opts, x.shape, w.shape, dtype, w.has_transpose)
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
     y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)
@@ -190,9 +186,8 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
       mask = Mask24.pack(mask, transposable=transposable)
 
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
-  backend, split = _backend_and_split(fn, implementation, weight_sharding, x.shape, w.shape,
-                                      dtype, transposable)
-  cfg = backends.DotConfig(gradient, transposable, precision, weight_grad, split)
+  backend, split = _backend_and_split(fn, opts, x.shape, w.shape, dtype, transposable)
+  cfg = backends.DotConfig(opts.gradient, transposable, precision, weight_grad, split)
   if split is not None and is_explicit(split.mesh):
     # Explicit mesh axes: w typed with its split (a local slice if it was
     # whole), so that its gradient's product knows its output sharding.
@@ -206,12 +201,12 @@ def _dot(fn, x, w, mask, active, *, gradient, transposable, implementation, prec
   return y.reshape(*lead, w.shape[1])
 
 
-def _backend_and_split(fn, implementation, weight_sharding, x_shape, w_shape, dtype,
-                       transposable):
+def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, transposable):
   """The backend for this call and its tensor-parallel `Split` (None without
-  `weight_sharding`). Under a split each device's block of the product
+  `opts.kernel_sharding`). Under a split each device's block of the product
   decides the backend, and the split is checked against what the backend
   needs of a block."""
+  implementation, weight_sharding = opts.implementation, opts.kernel_sharding
   rows = math.prod(x_shape[:-1])
   k, n = w_shape
   if weight_sharding is None:

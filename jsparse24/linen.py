@@ -25,67 +25,12 @@ from flax.linen.dtypes import promote_dtype as _promote_dtype
 
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24._ops import GRADIENT_MODES, WEIGHT_GRADS, compress, sparse_dot
+from jsparse24._ops import compress, sparse_dot
+from jsparse24._options import SparsityOptions, resolve_transposable
 
 COLLECTION = "sparsity"
-MASK_SOURCES = ("collection", "dynamic")
 # The rng stream of `weight_grad="mvue"` (`model.apply(..., rngs={"mvue": key})`).
 MVUE_RNG = "mvue"
-
-
-@dataclasses.dataclass(frozen=True)
-class SparsityOptions:
-  """The sparsity settings of one layer (also the patcher's per-rule options).
-
-  Attributes:
-    gradient: `"ste"` (straight-through dense `dw`) or `"masked"`.
-    transposable: build masks that are 2:4 along both axes of the kernel, so
-      that the backward product `dx` runs on the sparse tensor cores too.
-      None (the default): transposable wherever the layer's output size is a
-      multiple of 4, else plain (`resolve_transposable`). Chosen by
-      measurement (README, "Which mask"): on an H100 the training step of
-      a linear layer gains up to 1.25x with transposable masks against at
-      most 1.10x with plain ones; the validation loss of
-      `examples/train_lm.py` was 0.7% higher (3 seeds).
-    implementation: the `sparse_dot` backend (None = automatic).
-    mask_source: `"collection"`: the mask is the layer's entry in the
-      `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
-      by `jsparse24.optim`); `"dynamic"`: prune the kernel by magnitude at
-      every call (no collection needed).
-    weight_grad: `"dense"`, or `"mvue"`: the kernel's gradient from the
-      output gradient pruned 2:4 along the tokens by the minimum-variance
-      unbiased rule (`jsparse24.sparse_dot`). Its randomness comes from the
-      `"mvue"` rng stream: `apply(..., rngs={"mvue": key})` (Linen; under
-      `nn.scan`, add `"mvue"` to `split_rngs` for one key per layer), or the
-      module's `rngs` (NNX).
-    kernel_sharding: tensor parallelism: a `jax.sharding.NamedSharding` of
-      the `[in, out]` kernel (`P(None, "model")` column-parallel,
-      `P("model", None)` row-parallel); each device prunes, compresses and
-      multiplies its own block (`sparse_dot`'s `weight_sharding`). None:
-      a kernel sharded at rest is gathered for the product.
-  """
-
-  gradient: Literal["ste", "masked"] = "ste"
-  transposable: bool | None = None
-  implementation: str | None = None
-  mask_source: Literal["collection", "dynamic"] = "collection"
-  weight_grad: Literal["dense", "mvue"] = "dense"
-  kernel_sharding: Any = None
-
-  def __post_init__(self):
-    if self.gradient not in GRADIENT_MODES:
-      raise ValueError(f"unknown gradient={self.gradient!r}; expected one of {GRADIENT_MODES}.")
-    if self.weight_grad not in WEIGHT_GRADS:
-      raise ValueError(
-          f"unknown weight_grad={self.weight_grad!r}; expected one of {WEIGHT_GRADS}.")
-    if self.mask_source not in MASK_SOURCES:
-      raise ValueError(f"unknown mask_source={self.mask_source!r}; expected one of {MASK_SOURCES}.")
-
-
-def resolve_transposable(transposable: bool | None, features: int) -> bool:
-  """The mask kind of a layer with `features` outputs: `transposable`, or
-  with None, transposable where `features` is a multiple of 4."""
-  return features % 4 == 0 if transposable is None else bool(transposable)
 
 
 def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) -> jax.Array:
@@ -114,11 +59,8 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
   # then raises, naming the stream (backends._products.weight_grad).
   key = (module.make_rng(MVUE_RNG)
          if opts.weight_grad == "mvue" and module.has_rng(MVUE_RNG) else None)
-  return sparse_dense_forward(inputs, kernel, bias, mask, active, gradient=opts.gradient,
-                              transposable=opts.transposable,
-                              implementation=opts.implementation, precision=module.precision,
-                              weight_grad=opts.weight_grad, key=key,
-                              weight_sharding=opts.kernel_sharding,
+  return sparse_dense_forward(inputs, kernel, bias, mask, active, opts,
+                              precision=module.precision, key=key,
                               fn=f"SparseDense {'/'.join(module.path)!r}" if module.path
                               else "SparseDense")
 
@@ -192,7 +134,7 @@ class SparseDense(nn.Module):
   promote_dtype: Any = _promote_dtype
   dot_general: Any = None
   dot_general_cls: Any = None
-  # sparsity
+  # sparsity: `SparsityOptions`'s fields, names and defaults (tests/test_options.py)
   gradient: Literal["ste", "masked"] = "ste"
   transposable: bool | None = None
   implementation: str | None = None
@@ -202,9 +144,7 @@ class SparseDense(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    opts = SparsityOptions(self.gradient, self.transposable, self.implementation,
-                           self.mask_source, self.weight_grad, self.kernel_sharding)
-    return _dense_layer(self, inputs, opts)
+    return _dense_layer(self, inputs, SparsityOptions.of(self))
 
 
 # --- the patcher -------------------------------------------------------------
@@ -236,11 +176,12 @@ def _normalize_rules(rules: Rules) -> tuple[tuple[re.Pattern, SparsityOptions], 
     except re.error as e:
       raise ValueError(f"sparsify: rule {pattern!r} is not a valid regex: {e}.") from e
     if not isinstance(opts, SparsityOptions):
-      unknown = set(opts) - {f.name for f in dataclasses.fields(SparsityOptions)}
+      names = [f.name for f in dataclasses.fields(SparsityOptions)]
+      unknown = set(opts) - set(names)
       if unknown:
         raise ValueError(
             f"sparsify: rule {pattern!r} has unknown option(s) {sorted(unknown)};"
-            f" expected some of {[f.name for f in dataclasses.fields(SparsityOptions)]}.")
+            f" expected some of {names}.")
       opts = SparsityOptions(**opts)
     out.append((compiled, opts))
   if not out:

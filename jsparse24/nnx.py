@@ -21,6 +21,7 @@ lives in the `"sparsity"` collection.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
@@ -33,9 +34,8 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from jsparse24._format import Mask24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24.linen import MVUE_RNG, SparsityOptions, mask_like_kernel, resolve_transposable
-
-
+from jsparse24._options import SparsityOptions, resolve_transposable
+from jsparse24.linen import MVUE_RNG, mask_like_kernel
 
 
 class SparsityMask(nnx.Variable):
@@ -60,7 +60,8 @@ class SparseLinear(nnx.Module):
   `weight_grad` (`"mvue"`: the layer keeps a fork of `rngs["mvue"]`, or of
   the default stream, and draws one key per call from it).
   `transposable=None` (the default) is transposable where `out_features` is
-  a multiple of 4, as in `jsparse24.SparseDense`.
+  a multiple of 4, as in `jsparse24.SparseDense`. The layer keeps them as
+  attributes of the same names (`transposable` resolved).
 
   `in_features` must be a multiple of 4 (and `out_features` too when
   `transposable`). A custom `dot_general` is refused: the product is
@@ -103,16 +104,18 @@ class SparseLinear(nnx.Module):
       weight_grad: Literal["dense", "mvue"] = "dense",
       kernel_sharding: Any = None,
   ):
-    SparsityOptions(gradient, transposable, implementation, mask_source,
-                    weight_grad, kernel_sharding)  # validates
-    explicit = transposable
-    transposable = resolve_transposable(transposable, out_features)
+    opts = SparsityOptions.checked(
+        "SparseLinear", gradient=gradient, transposable=transposable,
+        implementation=implementation, mask_source=mask_source, weight_grad=weight_grad,
+        kernel_sharding=kernel_sharding)
+    opts = dataclasses.replace(opts, transposable=resolve_transposable(transposable,
+                                                                      out_features))
     if in_features % 4:
       raise ValueError(
           f"SparseLinear: in_features={in_features} is not a multiple of 4; 2:4"
           f" sparsity keeps 2 of every 4 consecutive input features (the"
           f" contraction axis of the kernel).")
-    if explicit and out_features % 4:
+    if transposable and out_features % 4:
       raise ValueError(
           f"SparseLinear: out_features={out_features} is not a multiple of 4,"
           f" which a transposable mask (2:4 along both kernel axes) needs.")
@@ -136,15 +139,16 @@ class SparseLinear(nnx.Module):
 
     self.mask: SparsityMask | None
     self.active: SparsityMask | None
-    if mask_source == "collection":
-      self.mask = SparsityMask(Mask24.from_weights(self.kernel[...], transposable=transposable))
+    if opts.mask_source == "collection":
+      self.mask = SparsityMask(Mask24.from_weights(self.kernel[...],
+                                                   transposable=opts.transposable))
       self.active = SparsityMask(jnp.array(True))
     else:
       self.mask = nnx.data(None)
       self.active = nnx.data(None)
     # After the parameter draws, so that the params are nnx.Linear's.
     self.mvue_rngs: nnx.RngStream | None
-    if weight_grad == "mvue":
+    if opts.weight_grad == "mvue":
       if MVUE_RNG not in rngs and "default" not in rngs:
         raise ValueError(
             f"SparseLinear: weight_grad='mvue' needs an {MVUE_RNG!r} (or 'default') rng"
@@ -162,12 +166,8 @@ class SparseLinear(nnx.Module):
     self.dot_general = dot_general
     self.promote_dtype = promote_dtype
     self.preferred_element_type = preferred_element_type
-    self.gradient = gradient
-    self.transposable = transposable
-    self.implementation = implementation
-    self.mask_source = mask_source
-    self.weight_grad = weight_grad
-    self.kernel_sharding = kernel_sharding
+    for field in dataclasses.fields(opts):
+      setattr(self, field.name, getattr(opts, field.name))
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
     """`inputs @ (kernel * mask) + bias` over the last axis of `inputs`."""
@@ -184,11 +184,9 @@ class SparseLinear(nnx.Module):
         inputs, kernel, bias,
         self.mask.get_value() if self.mask is not None else None,
         self.active[...] if self.active is not None else None,
-        gradient=self.gradient, transposable=self.transposable,
-        implementation=self.implementation, precision=self.precision,
-        preferred_element_type=self.preferred_element_type, weight_grad=self.weight_grad,
-        key=self.mvue_rngs() if self.mvue_rngs is not None else None,
-        weight_sharding=self.kernel_sharding, fn="SparseLinear")
+        SparsityOptions.of(self), precision=self.precision,
+        preferred_element_type=self.preferred_element_type,
+        key=self.mvue_rngs() if self.mvue_rngs is not None else None, fn="SparseLinear")
 
 
 def rebuild_masks(model: nnx.Module) -> None:

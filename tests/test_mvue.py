@@ -243,14 +243,15 @@ def test_sparse_dot_weight_grad_is_x_transposed_times_mvue_dy(implementation, gr
 def test_dense_phase_keeps_the_dense_weight_grad():
   """While a layer is dense (`active` False) its dw is the exact one."""
   from jsparse24._ops import sparse_or_dense_dot  # pylint: disable=g-import-not-at-top
+  from jsparse24.linen import SparsityOptions  # pylint: disable=g-import-not-at-top
   x, w, dy = _data()
   mask = jsparse24.Mask24.from_weights(w)
   for implementation in ("xla", "pallas"):
     def dw(active, weight_grad):
+      opts = SparsityOptions(gradient="ste", transposable=False,
+                             implementation=implementation, weight_grad=weight_grad)
       f = lambda w: sparse_or_dense_dot(  # noqa: E731
-          x, w, mask, jnp.asarray(active), gradient="ste", transposable=False,
-          implementation=implementation, precision=None, weight_grad=weight_grad,
-          key=jax.random.key(0))
+          x, w, mask, jnp.asarray(active), opts, precision=None, key=jax.random.key(0))
       with interpret_mode():
         return jax.vjp(f, w)[1](dy)[0]
     np.testing.assert_allclose(dw(False, "mvue"), dw(False, "dense"), rtol=1e-6)

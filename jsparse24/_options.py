@@ -1,0 +1,86 @@
+"""The sparsity options of a layer and of the product, declared once.
+
+`SparsityOptions` is the one declaration. The public surfaces spell its
+fields out with the same names and defaults (`SparseDense`'s fields,
+`nnx.SparseLinear`'s keyword arguments, a `sparsify` rule's options;
+`sparse_dot`'s keywords, where `kernel_sharding` is `weight_sharding`
+and the mask source is the `mask` argument); tests/test_options.py checks
+that they match. Below them, one `SparsityOptions` travels down whole: from
+the layers through `_layer.sparse_dense_forward` to `_ops`, which turns it,
+with the call's precision and tensor-parallel split, into the backends'
+`DotConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+GRADIENT_MODES = ("ste", "masked")
+WEIGHT_GRADS = ("dense", "mvue")
+MASK_SOURCES = ("collection", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityOptions:
+  """The sparsity settings of one layer (also the patcher's per-rule options).
+
+  Attributes:
+    gradient: `"ste"` (straight-through dense `dw`) or `"masked"`.
+    transposable: build masks that are 2:4 along both axes of the kernel, so
+      that the backward product `dx` runs on the sparse tensor cores too.
+      None (the default): transposable wherever the layer's output size is a
+      multiple of 4, else plain (`resolve_transposable`): `dx` then runs
+      on the sparse tensor cores too, for a slightly higher loss
+      (docs/design_notes.md, "Transposable masks by default").
+    implementation: the `sparse_dot` backend (None = automatic).
+    mask_source: `"collection"`: the mask is the layer's entry in the
+      `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
+      by `jsparse24.optim`); `"dynamic"`: prune the kernel by magnitude at
+      every call (no collection needed).
+    weight_grad: `"dense"`, or `"mvue"`: the kernel's gradient from the
+      output gradient pruned 2:4 along the tokens by the minimum-variance
+      unbiased rule (`jsparse24.sparse_dot`). Its randomness comes from the
+      `"mvue"` rng stream: `apply(..., rngs={"mvue": key})` (Linen; under
+      `nn.scan`, add `"mvue"` to `split_rngs` for one key per layer), or the
+      module's `rngs` (NNX).
+    kernel_sharding: tensor parallelism: a `jax.sharding.NamedSharding` of
+      the `[in, out]` kernel (`P(None, "model")` column-parallel,
+      `P("model", None)` row-parallel); each device prunes, compresses and
+      multiplies its own block (`sparse_dot`'s `weight_sharding`). None:
+      a kernel sharded at rest is gathered for the product.
+  """
+
+  gradient: Literal["ste", "masked"] = "ste"
+  transposable: bool | None = None
+  implementation: str | None = None
+  mask_source: Literal["collection", "dynamic"] = "collection"
+  weight_grad: Literal["dense", "mvue"] = "dense"
+  kernel_sharding: Any = None
+
+  def __post_init__(self):
+    for name, allowed in (("gradient", GRADIENT_MODES), ("weight_grad", WEIGHT_GRADS),
+                          ("mask_source", MASK_SOURCES)):
+      value = getattr(self, name)
+      if value not in allowed:
+        raise ValueError(f"unknown {name}={value!r}; expected one of {allowed}.")
+
+  @classmethod
+  def checked(cls, fn: str, **options: Any) -> SparsityOptions:
+    """`SparsityOptions(**options)`, an error naming the caller `fn`."""
+    try:
+      return cls(**options)
+    except ValueError as e:
+      raise ValueError(f"{fn}: {e}") from None
+
+  @classmethod
+  def of(cls, obj: Any) -> SparsityOptions:
+    """The options held by `obj`'s attributes of the same names (a
+    `SparseDense`)."""
+    return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
+
+
+def resolve_transposable(transposable: bool | None, features: int) -> bool:
+  """The mask kind of a layer with `features` outputs: `transposable`, or
+  with None, transposable where `features` is a multiple of 4."""
+  return features % 4 == 0 if transposable is None else bool(transposable)
