@@ -1,5 +1,8 @@
-"""Shared benchmark plumbing: timing, measured ceilings, the PyTorch peer,
-and the results table under benchmarks/results/<gpu>.md."""
+"""Shared benchmark plumbing: timing (`bench`; `threaded` for training steps
+that donate their state; `compile_step`), measured ceilings
+(`copy_bandwidth`, `dense_peak`), the PyTorch peer (`torch_cuda`,
+`torch_bench`), errors (`rel_err`), and the results table under
+benchmarks/results/<gpu>.md (`write_section`, `table`, `environment`)."""
 
 from __future__ import annotations
 
@@ -131,3 +134,33 @@ def table(headers: list[str], rows: list[list]) -> str:
   lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
   lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def threaded(step: Callable, params, opt_state, at: Callable | None = None):
+  """A callable for `bench`, which calls it again and again with the same
+  arguments: it feeds each call of `step(params, opt_state, *args) ->
+  (params, opt_state, ...)` the state the previous (donating) call
+  returned, passed through `at` first when given (e.g. pinning a step
+  count, so that every timed call is the same step). Returns (callable, the
+  live state)."""
+  state = {"params": params, "opt": opt_state}
+
+  def run(*args):
+    opt = state["opt"] if at is None else at(state["opt"])
+    state["params"], state["opt"], *_ = step(state["params"], opt, *args)
+    return state["params"], state["opt"]  # blocking on these waits for the whole step
+
+  return run, state
+
+
+def compile_step(step, *args):
+  """(the compiled `step` for `args`, seconds its lowering and compilation took)."""
+  t0 = time.perf_counter()
+  compiled = step.lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def rel_err(got, ref) -> float:
+  """The relative error of `got` against `ref`, by norm, in float32."""
+  got, ref = jnp.asarray(got, jnp.float32), jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))

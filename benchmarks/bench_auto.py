@@ -122,13 +122,8 @@ def _step(implementation):
   return step
 
 
-def _rel_err(got, ref) -> float:
-  got, ref = jnp.asarray(got, jnp.float32), jnp.asarray(ref, jnp.float32)
-  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-
-
 def _max_err(got, ref) -> float:
-  return max(_rel_err(g, r) for g, r in zip(got, ref))
+  return max(_common.rel_err(g, r) for g, r in zip(got, ref))
 
 
 def _first(fn, args, keep=False):

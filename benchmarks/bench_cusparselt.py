@@ -47,11 +47,6 @@ SHAPES = ((16384, 4096, 16384), (16384, 16384, 4096), (8192, 8192, 8192))  # (M,
 SWEEP_MS = (256, 1024, 2048, 4096, 8192, 16384)
 
 
-def _rel_err(got, ref) -> float:
-  got, ref = jnp.asarray(got, jnp.float32), jnp.asarray(ref, jnp.float32)
-  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-
-
 def _weights(k, n, transposable=True, dtype=jnp.bfloat16):
   w = jax.random.normal(jax.random.key(k * 31 + n), (k, n), dtype)
   return w, jsparse24.Mask24.from_weights(w, transposable=transposable)
@@ -211,7 +206,7 @@ def section_forward(ctx):
     ours_mm = jax.jit(lambda x, c: cslt.matmul(x, c, k=k, n=n))
     ours_all = jax.jit(lambda x, w, mk: jsparse24.sparse_dot(x, w, mk, implementation="cusparselt"))
     ref = jnp.dot(x, wm, preferred_element_type=jnp.float32)
-    err = _rel_err(ours_mm(x, c), ref)
+    err = _common.rel_err(ours_mm(x, c), ref)
     t_dense = ctx["dense"].seconds("fwd", (m, k, n))
     t_mm = _common.bench(ours_mm, x, c)
     t_all = _common.bench(ours_all, x, w, mask)
@@ -269,7 +264,7 @@ def section_step(ctx, shapes=SHAPES, sweep=False):
     t_dense = ctx["dense"].seconds("step", (m, k, n))
     ours_t = _step("cusparselt", mask_t)
     got, ref = ours_t(x, w, dy), _step("xla", mask_t)(x, w, dy)
-    err = max(_rel_err(g, r) for g, r in zip(got, ref))
+    err = max(_common.rel_err(g, r) for g, r in zip(got, ref))
     t_t = _common.bench(ours_t, x, w, dy)
     if sweep:
       rows.append([m, k, n, t_dense * 1e3, t_t * 1e3, t_dense / t_t, err])
@@ -339,7 +334,7 @@ def section_mvue(ctx):
     t_t = _common.bench(_step("cusparselt", mask_t), x, w, dy)
     ours = _mvue_step("cusparselt", mask_t)
     got, ref = ours(x, w, dy, key), _mvue_step("xla", mask_t)(x, w, dy, key)
-    err = [_rel_err(g, r) for g, r in zip(got, ref)]
+    err = [_common.rel_err(g, r) for g, r in zip(got, ref)]
     t_mvue = _common.bench(ours, x, w, dy, key)
     ctx["records"].append({"section": "step", "m": m, "k": k, "n": n, "dense_ms": t_dense * 1e3,
                            "ours_ms": t_t * 1e3, "ours_plain_ms": t_plain * 1e3,
@@ -380,7 +375,7 @@ def section_fp16(ctx):
     t_sd = ctx["dense"].seconds("step", (m, k, n), dt)
     ours_t = _step("cusparselt", mask_t)
     got, ref = ours_t(x, w, dy), _step("xla", mask_t)(x, w, dy)
-    err = max(_rel_err(g, r) for g, r in zip(got, ref))
+    err = max(_common.rel_err(g, r) for g, r in zip(got, ref))
     t_so = _common.bench(ours_t, x, w, dy)
     rows.append([m, k, n, t_fd * 1e3, t_fo * 1e3, t_fd / t_fo, t_sd * 1e3, t_so * 1e3,
                  t_sd / t_so, err])

@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/bench_model.py [--widths 1024,2048] [--remat] [--json PATH]
 
-The model is written the way LLM users write one, and made sparse without
-editing it:
+The model (`benchmarks/_gpt.py`, shared with `profile_model.py`) is written
+the way LLM users write one, and made sparse without editing it:
 
 * `GPT`: token + learned position embeddings, `--layers` pre-LayerNorm blocks
   stacked with `nn.scan` (optionally `nn.remat` inside the scan), a final
@@ -46,8 +46,6 @@ import math
 import pathlib
 import time
 import traceback
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -57,6 +55,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jsparse24
 from benchmarks import _common
+from benchmarks._gpt import (GPT, HEAD_DIM, LR, MASK_DECAY, MASK_KINDS, POLICY_NOTES,
+                             REMAT_POLICIES, SPARSE_LAYERS, WEIGHT_DECAY, at_count, layer_shapes,
+                             lm_loss, make_train_step, make_update, mvue_rngs, sparse_options)
 
 # d_model -> (blocks, remat) that fit the H100's default pool (`memory_estimate`).
 # 2048 x 16 was the first choice by `memory_estimate`, but its 2:4 step needed
@@ -64,107 +65,6 @@ from benchmarks import _common
 # 57 GiB pool), more than the estimate counts: 12 blocks fit both models.
 DEFAULTS = {512: (8, False), 1024: (24, False), 2048: (12, False), 4096: (8, True), 8192: (2, True)}
 POOL_GIB = 0.75 * 78  # JAX preallocates 75% of the GPU; an 80 GB H100 shows JAX ~78 GiB
-HEAD_DIM = 128
-SPARSE_LAYERS = r".*/(qkv|out|up|down)"
-MASK_KINDS = {"default": {}, "plain": {"transposable": False},
-              "transposable": {"transposable": True}}
-LR, WEIGHT_DECAY, MASK_DECAY = 1e-4, 0.1, 2e-4
-MVUE = jsparse24.linen.MVUE_RNG  # the rng stream of weight_grad="mvue"
-# Recompute everything in the backward pass (the default).
-REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
-# --remat-policy compressed: also keep the 2:4 products' compressed weights
-# (`jsparse24.CHECKPOINT_NAME`), which depend on the weights alone, so the
-# recomputed forward pass does not prune and compress every weight again.
-# The dense model has no such residual: for it this is `nothing_saveable`.
-REMAT_POLICIES = {
-    "nothing": REMAT_POLICY,
-    "compressed": jax.checkpoint_policies.save_only_these_names(jsparse24.CHECKPOINT_NAME),
-    # --remat-policy dots: the matmul outputs saved, the 2:4 products' too
-    # (jsparse24.checkpoint_policies); on the dense model it is JAX's policy.
-    "dots": jsparse24.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # --remat-policy dots-jax: JAX's own, which sees `dot_general` only: the
-    # dense model keeps its matmul outputs, the 2:4 model recomputes its
-    # products (custom calls). What a user who does not switch policies gets.
-    "dots-jax": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # --remat-policy dots-compressed: "dots" and "compressed" together.
-    "dots-compressed": jsparse24.checkpoint_policies.saving_products(
-        jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            jax.checkpoint_policies.save_only_these_names(jsparse24.CHECKPOINT_NAME))),
-}
-POLICY_NOTES = {
-    "nothing": "`nothing_saveable`",
-    "compressed": "`nothing_saveable` for the dense model, and for the 2:4 model its compressed"
-                  " weights saved (`save_only_these_names(jsparse24.CHECKPOINT_NAME)`)",
-    "dots": "`jsparse24.checkpoint_policies.dots_with_no_batch_dims_saveable` (the matmul"
-            " outputs saved, the 2:4 products' too; on the dense model it is JAX's"
-            " `dots_with_no_batch_dims_saveable`)",
-    "dots-jax": "JAX's `dots_with_no_batch_dims_saveable` on both models (it saves"
-                " `dot_general` outputs only: the 2:4 model recomputes its products, which are"
-                " custom calls)",
-    "dots-compressed": "`jsparse24.checkpoint_policies.saving_products(save_from_both_policies("
-                       "dots_with_no_batch_dims_saveable, save_only_these_names("
-                       "jsparse24.CHECKPOINT_NAME)))` (the matmul outputs, the 2:4 products'"
-                       " and their compressed weights saved; on the dense model JAX's"
-                       " `dots_with_no_batch_dims_saveable`)",
-}
-
-
-# --- the model --------------------------------------------------------------------
-
-
-class Block(nn.Module):
-  """Pre-LayerNorm decoder block; scanned, so it takes and returns a carry."""
-
-  d_model: int
-  attention: str | None  # `implementation=` of jax.nn.dot_product_attention
-  dtype: Any = jnp.bfloat16
-
-  @nn.compact
-  def __call__(self, x, _):
-    batch, seq, d = x.shape
-    heads = d // HEAD_DIM
-    h = nn.LayerNorm(dtype=self.dtype, name="ln_attn")(x)
-    qkv = nn.Dense(3 * d, use_bias=False, dtype=self.dtype, name="qkv")(h)
-    q, k, v = jnp.unstack(qkv.reshape(batch, seq, 3, heads, HEAD_DIM), axis=2)
-    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
-    x = x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="out")(a.reshape(batch, seq, d))
-    h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
-    h = nn.gelu(nn.Dense(4 * d, use_bias=False, dtype=self.dtype, name="up")(h))
-    return x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="down")(h), None
-
-
-class GPT(nn.Module):
-  vocab: int
-  d_model: int
-  layers: int
-  max_len: int
-  attention: str | None
-  remat: bool = False
-  dtype: Any = jnp.bfloat16
-  remat_policy: str = "nothing"  # a key of REMAT_POLICIES
-
-  @nn.compact
-  def __call__(self, tokens):
-    init = nn.initializers.normal(0.02)
-    x = nn.Embed(self.vocab, self.d_model, embedding_init=init, dtype=self.dtype,
-                 name="embed")(tokens)
-    pos = self.param("pos_embed", init, (self.max_len, self.d_model))
-    x = x + pos[: tokens.shape[-1]].astype(self.dtype)
-    block = (nn.remat(Block, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False)
-             if self.remat else Block)
-    # "sparsity" stacks like "params": one mask per block once sparsified.
-    # A 2:4 model with weight_grad="mvue" draws a key per block from "mvue".
-    blocks = nn.scan(block, variable_axes={"params": 0, "sparsity": 0},
-                     split_rngs={"params": True, MVUE: True}, length=self.layers)
-    x, _ = blocks(self.d_model, self.attention, self.dtype, name="blocks")(x, None)
-    x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
-    return nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
-
-
-def layer_shapes(d: int) -> dict[str, tuple[int, int]]:
-  """(K, N) of each block's linear layers."""
-  return {"qkv": (d, 3 * d), "out": (d, d), "up": (d, 4 * d), "down": (4 * d, d)}
 
 
 def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
@@ -197,77 +97,6 @@ def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
 
 
 # --- training steps ------------------------------------------------------------------
-
-
-def sparse_options(cfg: dict) -> dict:
-  """The sparsify rule's options: --mask, and weight_grad="mvue" with --weight-grad mvue."""
-  extra = {"weight_grad": "mvue"} if cfg["weight_grad"] == "mvue" else {}
-  return {**MASK_KINDS[cfg["mask"]], **extra}
-
-
-def mvue_rngs(cfg: dict, step) -> dict | None:
-  """A new "mvue" key per step (from the step number), as a training loop
-  derives it; None without --weight-grad mvue."""
-  if cfg["weight_grad"] != "mvue":
-    return None
-  return {MVUE: jax.random.fold_in(jax.random.key(1), step)}
-
-
-def lm_loss(logits, tokens):
-  """Next-token softmax cross-entropy; `logits` are those of `tokens[:, :-1]`."""
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), tokens[:, 1:]).mean()
-
-
-def make_train_step(apply, tx):
-  """jit((params, opt_state, tokens) -> (params, opt_state, loss)), donating the
-  state as a training loop does: the 8192-wide model fits only that way."""
-
-  def step(params, opt_state, tokens):
-    loss, grads = jax.value_and_grad(
-        lambda p: lm_loss(apply(p, opt_state, tokens[:, :-1]), tokens))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def make_update(tx):
-  """The optimizer alone: jit((params, opt_state, grads) -> (params, opt_state, None))."""
-
-  def update(params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, None
-
-  return jax.jit(update, donate_argnums=(0, 1))
-
-
-def at_count(opt_state, count: int):
-  """The optimizer state with mask_update's step count set to `count` (it is
-  the first element of our chain). Set outside the jitted step, so the count
-  stays a runtime input and the compiled step keeps its rebuild branch."""
-  return (opt_state[0]._replace(count=jnp.asarray(count, jnp.int32)), *opt_state[1:])
-
-
-def threaded(step, params, opt_state, count: int | None = None):
-  """A callable for `_common.bench`, which calls it again and again with the
-  same arguments: it feeds each call the state the previous (donating) call
-  returned, pinned at mask_update step `count` when given, so every timed
-  call is the same step. Returns (callable, the live state)."""
-  state = {"params": params, "opt": opt_state}
-
-  def run(*args):
-    opt = state["opt"] if count is None else at_count(state["opt"], count)
-    state["params"], state["opt"], _ = step(state["params"], opt, *args)
-    return state["params"], state["opt"]  # blocking on these waits for the whole step
-
-  return run, state
-
-
-def compile_step(step, *args):
-  t0 = time.perf_counter()
-  compiled = step.lower(*args).compile()
-  return compiled, time.perf_counter() - t0
 
 
 _fingerprint = jax.jit(lambda tree: jax.tree.map(
@@ -349,7 +178,8 @@ def time_attention(timer, d: int, batch: int, seq: int, implementation, passes: 
 def time_optimizer(timer, tx, params, opt_state, count: int | None = None) -> float:
   """Seconds of `tx.update` + `optax.apply_updates` over the whole params tree."""
   grads = jax.jit(lambda t: jax.tree.map(lambda a: jnp.full_like(a, 1e-3), t))(params)
-  run, _ = threaded(make_update(tx), params, opt_state, count)
+  at = None if count is None else functools.partial(at_count, count=count)
+  run, _ = _common.threaded(make_update(tx), params, opt_state, at)
   return timer(run, grads)
 
 
@@ -427,7 +257,7 @@ def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> Non
   params = whole(jax.jit(model.init)(key_init, tokens[:, :-1])["params"])
   ctx["fingerprint"] = jax.tree.leaves(jax.tree.map(float, _fingerprint(params)))
   opt_state = jax.jit(adamw.init)(params)
-  step, compile_s = compile_step(
+  step, compile_s = _common.compile_step(
       make_train_step(lambda p, _, x: model.apply({"params": p}, x), adamw),
       params, opt_state, tokens)
   params, opt_state, loss = step(params, opt_state, tokens)
@@ -436,7 +266,7 @@ def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> Non
         f" {dense['first_loss']:.4f}", flush=True)
 
   _phase(result, "dense: timing")
-  run, state = threaded(step, params, opt_state)
+  run, state = _common.threaded(step, params, opt_state)
   dense["step_ms"] = step_timer(run, tokens) * 1e3
   dense["tokens_per_s"] = cfg["batch"] * cfg["seq"] / dense["step_ms"] * 1e3
   print(f"[d_model {d}] dense: {dense['step_ms']:.2f} ms/step, {dense['tokens_per_s']:,.0f}"
@@ -486,7 +316,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   reference = float(jax.jit(lambda p, s, t: lm_loss(
       model.apply({"params": masked_params(p, s)}, t[:, :-1]), t))(
           params, jsparse24.optim.masks(opt_state), tokens))
-  step, compile_s = compile_step(
+  step, compile_s = _common.compile_step(
       make_train_step(lambda p, o, x: sparse.apply(
           {"params": p, "sparsity": jsparse24.optim.masks(o)}, x, rngs=mvue_rngs(cfg, o[0].count)), tx),
       params, opt_state, tokens)
@@ -504,7 +334,8 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   # The timed calls check it: `last_rebuild` stays 0, then becomes R.
   plain, rebuild = 0, rebuild_every - 1
   _phase(result, f"2:4: timing (mask_update count pinned at {plain}: no rebuild)")
-  run, state = threaded(step, params, opt_state, count=plain)
+  run, state = _common.threaded(step, params, opt_state,
+                                functools.partial(at_count, count=plain))
   sp["step_ms"] = step_timer(run, tokens) * 1e3
   sp["tokens_per_s"] = tokens_per_step / sp["step_ms"] * 1e3
   # Where the step ran: the devices holding its params, and the split of its batch.
@@ -518,7 +349,8 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
         f" {result['ratio']:.3f}x dense", flush=True)
 
   _phase(result, f"2:4: timing a rebuild step (count pinned at {rebuild})")
-  run, state = threaded(step, state["params"], state["opt"], count=rebuild)
+  run, state = _common.threaded(step, state["params"], state["opt"],
+                                functools.partial(at_count, count=rebuild))
   sp["rebuild_step_ms"] = step_timer(run, tokens) * 1e3
   last = int(state["opt"][0].last_rebuild)
   if last != rebuild_every:
@@ -534,7 +366,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
 
   _phase(result, "dense: timing again, in this process after the 2:4 steps")
   params = whole(jax.jit(model.init)(key_init, tokens[:, :-1])["params"])
-  run, state = threaded(ctx.pop("dense_step"), params, jax.jit(adamw.init)(params))
+  run, state = _common.threaded(ctx.pop("dense_step"), params, jax.jit(adamw.init)(params))
   dense["step_ms_after_sparse"] = step_timer(run, tokens) * 1e3
   dense["after_sparse"] = dense["step_ms_after_sparse"] / dense["step_ms"] - 1
   print(f"[d_model {d}] dense again: {dense['step_ms_after_sparse']:.2f} ms/step"

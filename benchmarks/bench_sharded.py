@@ -141,12 +141,7 @@ def run(sparse, d, tokens, devices, layout, implementation, weight_grad="dense")
     mesh = jax.sharding.Mesh(devices, ("data",))
   step, params, opt_state, x = make(sparse, d, tokens, mesh, layout, implementation, weight_grad)
   hlo = step.lower(params, opt_state, x).compile().as_text()
-  state = {"p": params, "o": opt_state}
-
-  def call(x):
-    state["p"], state["o"] = step(state["p"], state["o"], x)
-    return state["p"]
-
+  call, _ = _common.threaded(step, params, opt_state)
   ms = _common.bench(call, x) * 1e3
   return ms, collectives(hlo)
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 
 import jsparse24
-from benchmarks import bench_model as bm
+from benchmarks import _gpt
 
 def gpu_events(path: str) -> list[dict]:
   """The GPU ("X") events of the Perfetto trace written under `path`."""
@@ -83,37 +83,37 @@ def kernel_key(event: dict) -> str:
 def step_of(variant: str, d: int, layers: int, remat: bool, tokens, vocab: int, attention,
             weight_grad: str = "dense"):
   """(train step, params, optimizer state) of one variant (`name[@policy]`,
-  the policy a key of `bench_model.REMAT_POLICIES`)."""
+  the policy a key of `_gpt.REMAT_POLICIES`)."""
   name, _, policy = variant.partition("@")
   if name not in ("dense", "sparse", "fixed", "nodecay"):
     raise SystemExit(f"profile_model: unknown variant {variant!r} (dense, sparse, fixed, nodecay,"
                      f" each optionally @ a remat policy)")
-  if policy and policy not in bm.REMAT_POLICIES:
+  if policy and policy not in _gpt.REMAT_POLICIES:
     raise SystemExit(f"profile_model: unknown remat policy in {variant!r}; one of"
-                     f" {sorted(bm.REMAT_POLICIES)}")
-  model = bm.GPT(vocab, d, layers, tokens.shape[1] - 1, attention, remat,
+                     f" {sorted(_gpt.REMAT_POLICIES)}")
+  model = _gpt.GPT(vocab, d, layers, tokens.shape[1] - 1, attention, remat,
                  remat_policy=policy or "nothing")
-  adamw = optax.adamw(bm.LR, weight_decay=bm.WEIGHT_DECAY)
+  adamw = optax.adamw(_gpt.LR, weight_decay=_gpt.WEIGHT_DECAY)
   if name == "dense":
     params = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])["params"]
-    step = bm.make_train_step(lambda p, _, x: model.apply({"params": p}, x), adamw)
+    step = _gpt.make_train_step(lambda p, _, x: model.apply({"params": p}, x), adamw)
     return step, params, jax.jit(adamw.init)(params)
   cfg = {"mask": "default", "weight_grad": weight_grad}
-  sparse = jsparse24.sparsify(model, {bm.SPARSE_LAYERS: bm.sparse_options(cfg)})
+  sparse = jsparse24.sparsify(model, {_gpt.SPARSE_LAYERS: _gpt.sparse_options(cfg)})
   variables = jax.jit(sparse.init)(jax.random.key(1), tokens[:, :-1])
   if name == "fixed":
     masks = variables["sparsity"]
-    step = bm.make_train_step(
+    step = _gpt.make_train_step(
         lambda p, _, x: sparse.apply({"params": p, "sparsity": masks}, x,
-                                     rngs=bm.mvue_rngs(cfg, 0)), adamw)
+                                     rngs=_gpt.mvue_rngs(cfg, 0)), adamw)
     return step, variables["params"], jax.jit(adamw.init)(variables["params"])
-  decay = 0.0 if name == "nodecay" else bm.MASK_DECAY
+  decay = 0.0 if name == "nodecay" else _gpt.MASK_DECAY
   tx = optax.chain(jsparse24.optim.mask_update(
       variables["sparsity"], jsparse24.optim.MaskSchedule(rebuild_every=100), decay=decay),
                    adamw)
-  step = bm.make_train_step(lambda p, o, x: sparse.apply(
+  step = _gpt.make_train_step(lambda p, o, x: sparse.apply(
       {"params": p, "sparsity": jsparse24.optim.masks(o)}, x,
-      rngs=bm.mvue_rngs(cfg, o[0].count)), tx)
+      rngs=_gpt.mvue_rngs(cfg, o[0].count)), tx)
   return step, variables["params"], jax.jit(tx.init)(variables["params"])
 
 
