@@ -5,9 +5,11 @@
 
 import contextlib
 import importlib.util
+import io
 import math
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -66,9 +68,15 @@ def assert_masks_are_24(params: dict, sparsity: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def train_lm(tmp_path_factory):
+  """The example's module, its output folder (with `stdout.txt`, what it
+  printed) and its result."""
   out = tmp_path_factory.mktemp("train_lm")
   module = load_example("train_lm")
-  return module, out, module.main(TINY_LM + ["--out", str(out)])
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    result = module.main(TINY_LM + ["--out", str(out)])
+  (out / "stdout.txt").write_text(printed.getvalue())
+  return module, out, result
 
 
 def test_train_lm_learns_dense_and_sparse(train_lm):
@@ -84,6 +92,17 @@ def test_train_lm_learns_dense_and_sparse(train_lm):
   for run in ("dense", "2:4"):  # the throughput the report prints
     assert result["tokens_per_s"][run] > 0, result["tokens_per_s"]
     assert result["tokens_per_s_sparse_steps"][run] > 0, result["tokens_per_s_sparse_steps"]
+
+
+def test_train_lm_reports_no_speed_up_where_no_sparse_kernel_ran(train_lm):
+  # On a CPU every 2:4 layer runs the masked dense reference: a tokens/s
+  # ratio between the runs would be noise presented as a speed-up.
+  _, out, result = train_lm
+  assert set(result["sparse_layer_backends"].values()) == {"xla"}, result["sparse_layer_backends"]
+  printed = (out / "stdout.txt").read_text()
+  assert "2:4 / dense tokens/s: no speed-up to report. No 2:4 kernel ran" in printed
+  assert not re.search(r"2:4 / dense tokens/s.*\d\.\d{3}x", printed), printed
+  assert "session" not in printed
 
 
 def test_train_lm_throughput_counts_only_the_timed_stretches():
