@@ -57,8 +57,9 @@ def _launch(tmp_path: pathlib.Path, name: str, processes: int, *, env_of, distri
   (`env_of(i, port)`: process i's extra environment; `distributed`: with
   sharded_train's --coordinator flags, else the environment joins them), with
   checkpoints under `tmp_path/checkpoints/<checkpoints or name>`, and waits
-  for all. Returns the results folder. On a failure or timeout every process group is killed (SIGKILL:
-  JAX catches SIGTERM) and the logs' tails are shown."""
+  for all. Returns the results folder. On a failure or timeout every
+  process group is killed (SIGKILL: JAX catches SIGTERM) and the logs'
+  tails are shown."""
   results = tmp_path / name
   port = _free_port()
   procs, logs = [], []
@@ -78,9 +79,8 @@ def _launch(tmp_path: pathlib.Path, name: str, processes: int, *, env_of, distri
                                     stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
-      failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-      if failed or time.monotonic() > deadline:
-        break
+      if any(p.returncode for p in procs) or time.monotonic() > deadline:
+        break  # one failed (the others would wait for it), or too long
       time.sleep(0.5)
   finally:
     for p in procs:
@@ -117,9 +117,10 @@ def _slurm_env(processes: int, devices: int, cache: pathlib.Path):
   """What `srun --ntasks N` sets for each task (JAX's Slurm detection reads
   these), plus the coordinator's port."""
   def env_of(i, port):
-    return {**_cpu_env(devices, cache)(i, port), "SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost",
+    return {**_cpu_env(devices, cache)(i, port), "SLURM_JOB_ID": "1",
+            "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_NUM_NODES": "1",
             "SLURM_NTASKS": str(processes), "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i),
-            "SLURM_STEP_NUM_NODES": "1", "JAX_COORDINATOR_PORT": str(port)}
+            "JAX_COORDINATOR_PORT": str(port)}
   return env_of
 
 
