@@ -77,13 +77,14 @@ N processes on one machine: every process gets the same flags but its
 Several hosts: the same command on each, `--coordinator` naming process 0's
 host and a free port there, `--process-id` 0 to N-1; `--out` on a file
 system every host sees. Under a cluster launcher that JAX detects (Slurm's
-`srun`, Open MPI's `mpirun`, Kubernetes, Cloud TPU) leave the three flags
-out: `jax.distributed.initialize()` takes them from the launcher:
+`srun`, Open MPI's `mpirun`, Kubernetes, Cloud TPU) pass `--cluster` instead
+of the three flags: `jax.distributed.initialize()` takes them from the
+launcher:
 
     srun --nodes 2 --ntasks-per-node 4 --gpus-per-task 1 \\
-        python examples/sharded_train.py --size gpu --layout 2d
+        python examples/sharded_train.py --size gpu --layout 2d --cluster
 
-Without the flags or a launcher it is one process. CPU devices talk across
+Without the flags or `--cluster` it is one process. CPU devices talk across
 processes through gloo (set here); GPUs through NCCL (XLA's default).
 
 4 processes x 1 GPU against 1 process x 4 GPUs, every layout (equal losses;
@@ -140,31 +141,24 @@ def log(*args) -> None:
 # --- processes and mesh --------------------------------------------------------
 
 
-def cluster_launcher() -> str | None:
-  """The cluster launcher around this process that JAX detects (Slurm, Open
-  MPI, Kubernetes, Cloud TPU), from which `jax.distributed.initialize()`
-  without arguments takes the coordinator, process count and id; None
-  outside one. (JAX asks its cluster classes this; there is no public call.)"""
-  from jax._src import clusters  # pylint: disable=g-import-not-at-top
-  for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
-    if not env.opt_in_only_method and env.is_env_present():
-      return env.__name__
-  return None
-
-
 def initialize_distributed(args, parser) -> str:
   """Joins this process to the others (`jax.distributed.initialize`), before
-  anything touches a device: with the three flags, else with what a cluster
-  launcher tells JAX, else not at all (one process). Returns how."""
+  anything touches a device: with the three flags, or with `--cluster` from
+  what the cluster launcher tells JAX, else not at all (one process).
+  Returns how."""
   flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
            "--process-id": args.process_id}
   given = [name for name, value in flags.items() if value is not None]
+  if given and args.cluster:
+    parser.error(f"--cluster takes the coordinator, the number of processes and this"
+                 f" process's id from the cluster launcher: drop {', '.join(given)}, or"
+                 f" --cluster.")
   if given and len(given) < len(flags):
     missing = [name for name in flags if name not in given]
     parser.error(f"{', '.join(given)} needs {' and '.join(missing)} too: a multi-process run"
                  f" names the coordinator (process 0's host:port), the number of processes"
-                 f" and this process's id (0 to N-1), or none of them under a cluster"
-                 f" launcher (srun, mpirun).")
+                 f" and this process's id (0 to N-1), or none of them and --cluster under"
+                 f" a cluster launcher (srun, mpirun).")
   if given and not 0 <= args.process_id < args.num_processes:
     parser.error(f"--process-id {args.process_id} must lie in 0..{args.num_processes - 1}"
                  f" (--num-processes {args.num_processes}).")
@@ -175,16 +169,17 @@ def initialize_distributed(args, parser) -> str:
                    f" {jax.process_index()} already; --num-processes {args.num_processes}"
                    f" --process-id {args.process_id} cannot change that.")
     return "joined earlier"
-  launcher = None if given else cluster_launcher()
-  if not given and launcher is None:
+  if not given and not args.cluster:
     return "no jax.distributed"
   # CPU devices' collectives across processes (GPUs use NCCL by themselves).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if given:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     return f"joined through --coordinator {args.coordinator}"
+  # No arguments: JAX reads them from the launcher's environment (Slurm,
+  # Open MPI, Kubernetes, Cloud TPU), or says that it found none.
   jax.distributed.initialize()
-  return f"joined through {launcher}, detected by jax.distributed"
+  return "joined through the cluster launcher (jax.distributed's detection)"
 
 
 def make_mesh(layout: str, model_devices: int) -> Mesh:
@@ -396,7 +391,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                  help="folder of the checkpoints (default: runs/sharded_train)")
   p.add_argument("--coordinator", default=None,
                  help="several processes: process 0's host:port (with --num-processes and"
-                      " --process-id; none of the three under srun or mpirun)")
+                      " --process-id; under srun or mpirun, --cluster instead)")
+  p.add_argument("--cluster", action="store_true",
+                 help="several processes under a cluster launcher that JAX detects (Slurm,"
+                      " Open MPI, Kubernetes, Cloud TPU): jax.distributed.initialize() with"
+                      " no arguments")
   p.add_argument("--num-processes", type=int, default=None,
                  help="several processes: how many (one per host, or one per GPU)")
   p.add_argument("--process-id", type=int, default=None,

@@ -169,7 +169,7 @@ def test_two_processes_compute_what_one_does_across_a_restart(tmp_path):
   key bias: softmax ignores it) into updates of the learning rate's size, so
   no tight tolerance on the params would hold.
 
-  The restart's pair of processes joins through the cluster auto-detection
+  The restart's pair of processes joins through `--cluster`
   (`jax.distributed.initialize()` reading Slurm's variables), the other runs
   through sharded_train's --coordinator flags."""
   cache = tmp_path / "compilation-cache"
@@ -178,7 +178,7 @@ def test_two_processes_compute_what_one_does_across_a_restart(tmp_path):
   for layout in LAYOUTS:  # the restart: a fresh pair resumes from step 4
     shutil.rmtree(tmp_path / "checkpoints" / "two" / layout / "checkpoints" / "sparse" / str(STEPS))
   resumed = _launch(tmp_path, "resumed", 2, env_of=_slurm_env(2, 2, cache), distributed=False,
-                    checkpoints="two", flags=TINY + ["--resume"])
+                    checkpoints="two", flags=TINY + ["--resume", "--cluster"])
 
   failures = []
   for layout in LAYOUTS:
@@ -250,20 +250,11 @@ def test_flag_errors_name_the_flag_and_the_fix(capsys):
     return capsys.readouterr().err
 
   assert "--num-processes and --process-id too" in error(["--coordinator", "localhost:1"])
+  assert "drop --coordinator, --num-processes, --process-id, or --cluster" in error(
+      ["--cluster", "--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0"])
   assert "--process-id 2 must lie in 0..1" in error(
       ["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"])
   # 8 devices (tests/conftest.py) on the data axis: 6 rows do not split.
   err = error(["--batch", "6"])
   assert "--batch 6 must be a multiple of the 8 devices" in err, err
   assert not jax.distributed.is_initialized()
-
-
-def test_cluster_launcher_is_what_jax_detects(monkeypatch):
-  example = load_example("sharded_train")
-  for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-               "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
-    monkeypatch.delenv(name, raising=False)
-  assert example.cluster_launcher() is None
-  for name, value in _slurm_env(2, 2, pathlib.Path("unused"))(0, 1234).items():
-    monkeypatch.setenv(name, value)
-  assert example.cluster_launcher() == "SlurmCluster"
