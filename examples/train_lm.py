@@ -55,7 +55,7 @@ import os
 import shutil
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -159,11 +159,13 @@ def load_text(files: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
   return np.concatenate(train), np.concatenate(val)
 
 
-def train_batch(data: np.ndarray, step: int, batch: int, seq_len: int, seed: int):
+def train_batch(data: np.ndarray, step: int, batch: int, seq_len: int, seed: int,
+                rows: slice = slice(None)):
   """Random windows for `step`: a function of (seed, step) only, so a resumed
-  run sees the same batches as an uninterrupted one."""
+  run sees the same batches as an uninterrupted one. `rows`: only these rows
+  of the batch (a process of a multi-process run makes its own rows only)."""
   rng = np.random.default_rng([seed, step])
-  starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
+  starts = rng.integers(0, len(data) - seq_len - 1, size=batch)[rows]
   windows = np.lib.stride_tricks.sliding_window_view(data, seq_len + 1)[starts]
   return windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32)
 
@@ -560,14 +562,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = ()) -> Run:
-  """`mlp_shardings`: tensor parallelism of the 2:4 MLP layers (`MLP.shardings`)."""
+def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
+             state_sharding: Callable | None = None) -> Run:
+  """`mlp_shardings`: tensor parallelism of the 2:4 MLP layers (`MLP.shardings`).
+  `state_sharding(path, array)`: the sharding that each array of the initial
+  params and optimizer state is made in (`jax.jit`'s `out_shardings`: no
+  device holds more than its share, and every process of a multi-process run
+  makes its share of the same arrays); None: the default device."""
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
   transposable = mask_transposable(args)
   weight_grad = "mvue" if sparse and args.mvue else "dense"
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
                  transposable, weight_grad, mlp_shardings)
-  variables = jax.jit(model.init)(jax.random.key(args.seed), sample)
+  key = jax.random.key(args.seed)
+  variables = jax.jit(model.init, out_shardings=_placed(state_sharding, model.init, key,
+                                                        sample))(key, sample)
   lr = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps,
       end_value=args.lr / 10)
@@ -585,8 +594,16 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = ()) -
     tx = optimizer
   params = variables["params"]
   mvue_key = jax.random.fold_in(jax.random.key(args.seed), 1) if weight_grad == "mvue" else None
-  return Run(name, model, tx, sparse, params, jax.jit(tx.init)(params), mvue_key=mvue_key,
-             schedule=schedule)
+  opt_state = jax.jit(tx.init, out_shardings=_placed(state_sharding, tx.init, params))(params)
+  return Run(name, model, tx, sparse, params, opt_state, mvue_key=mvue_key, schedule=schedule)
+
+
+def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
+  """`out_shardings` for `jax.jit(fn)(*args)`: `state_sharding(path, array)`
+  of each array of its result (None: left to jit)."""
+  if state_sharding is None:
+    return None
+  return jax.tree_util.tree_map_with_path(state_sharding, jax.eval_shape(fn, *args))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
