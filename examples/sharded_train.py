@@ -1,10 +1,11 @@
-"""`train_lm`'s model trained with `jax.jit` on a mesh of all local devices:
-data parallel or FSDP, dense and 2:4 side by side, with tokens/s.
+"""`train_lm`'s model trained with `jax.jit` on a mesh of all devices of one or
+several processes: data parallel, FSDP, tensor parallel or both, dense and
+2:4 side by side, with tokens/s and Orbax checkpoints.
 
 The model, data and optimizer are `examples/train_lm.py`'s (byte-level
 transformer, MLP layers `jsparse24.SparseDense` in the 2:4 run, `mask_update`
 chained before AdamW). One `jax.jit` train step; the layout is only in the
-shardings of its inputs (and, for FSDP, one constraint inside the step):
+shardings of its inputs (and, for FSDP and 2d, constraints inside the step):
 
 * `--layout data`: each batch split over the devices, params and optimizer
   state replicated. The 2:4 products run on each device's own rows (no
@@ -14,7 +15,6 @@ shardings of its inputs (and, for FSDP, one constraint inside the step):
   the products (`with_sharding_constraint`), gradients reduce-scattered;
   the 2:4 layers' kernels are left sharded: each device prunes and
   compresses its own columns, and the compressed arrays are gathered.
-
 * `--layout tp`: Megatron tensor parallelism of the MLP layers on a
   `data x model` mesh (`--model-devices` devices on `model`, default all):
   `up` column-parallel (kernel sharded on its output axis), `down`
@@ -24,13 +24,73 @@ shardings of its inputs (and, for FSDP, one constraint inside the step):
   device prunes, compresses and multiplies its own block, and `down`'s
   partial products are summed over `model` (one all-reduce), as XLA does
   for the dense model's `nn.Dense` layers by itself.
+* `--layout 2d`: both on a `data x model` mesh (`--model-devices` on
+  `model`, default 2): the MLP layers tensor parallel over `model` as in
+  `tp`, and FSDP over `data`: every array of the state sharded over `data`
+  at rest (the MLP kernels on their other axis: `up` `P(data, model)`,
+  `down` `P(model, data)`), gathered over `data` inside the step; each batch
+  split over `data`.
+
+The 2:4 run's masks are rebuilt on each device's block of their kernels and
+stay there: laid out like the kernels (`jsparse24.optim.masks_like_kernels`)
+and kept so by the step's `out_shardings` (in 2d the products gather a mask
+over `data` with its kernel, a 32nd of the kernel's float32 bytes).
+
+Several processes (one per host, or one per GPU) run as JAX's multi-host
+programs do: `jax.distributed.initialize` first, then a mesh over every
+process's devices (`jax.devices()`, process by process: the `model` axis
+runs over consecutive devices, within a host where it fits), the state made
+in its shardings by `jax.jit(init, out_shardings=...)`, each batch assembled
+from the rows that each process makes for its own devices
+(`jax.make_array_from_process_local_data`), and Orbax checkpoints that every
+process writes and restores (its own shards). Only process 0 prints.
+
+Checkpoints: `--out`/checkpoints/{dense,sparse}/<step>, every `--eval-every`
+steps and at the end (train_lm's flags; nothing is validated here);
+`--resume` continues each run from its latest one, bit for bit on the same
+devices (the batches are a function of the seed and the step). A checkpoint
+restores into any layout and process count (Orbax reads each device's share).
+
+One process, all its devices:
 
     python examples/sharded_train.py --layout fsdp              # CPU, tiny
     python examples/sharded_train.py --size gpu --layout data   # GPUs
-    python examples/sharded_train.py --size gpu --layout tp     # GPUs
+    python examples/sharded_train.py --size gpu --layout 2d     # GPUs
 
 On a CPU, ask for fake devices first:
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
+
+N processes on one machine: every process gets the same flags but its
+`--process-id`. 2 processes x 2 CPU devices; 4 processes x 1 GPU each:
+
+    export XLA_FLAGS=--xla_force_host_platform_device_count=2
+    for i in 0 1; do
+      python examples/sharded_train.py --layout 2d --coordinator localhost:12355 \\
+          --num-processes 2 --process-id $i &
+    done; wait
+
+    for i in 0 1 2 3; do
+      CUDA_VISIBLE_DEVICES=$i python examples/sharded_train.py --size gpu --layout 2d \\
+          --coordinator localhost:12355 --num-processes 4 --process-id $i &
+    done; wait
+
+Several hosts: the same command on each, `--coordinator` naming process 0's
+host and a free port there, `--process-id` 0 to N-1; `--out` on a file
+system every host sees. Under a cluster launcher that JAX detects (Slurm's
+`srun`, Open MPI's `mpirun`, Kubernetes, Cloud TPU) pass `--cluster` instead
+of the three flags: `jax.distributed.initialize()` takes them from the
+launcher:
+
+    srun --nodes 2 --ntasks-per-node 4 --gpus-per-task 1 \\
+        python examples/sharded_train.py --size gpu --layout 2d --cluster
+
+Without the flags or `--cluster` it is one process. CPU devices talk across
+processes through gloo (set here); GPUs through NCCL (XLA's default).
+
+4 processes x 1 GPU against 1 process x 4 GPUs, every layout (equal losses;
+tokens/s of both; on a machine with 4 GPUs, `-k fsdp` for one layout):
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest tests/test_multiprocess.py -m gpu -s
 """
 
 from __future__ import annotations
@@ -38,7 +98,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import pathlib
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -47,10 +109,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import jsparse24
+
+LAYOUTS = ("data", "fsdp", "tp", "2d")
+# Megatron tensor parallelism of the MLP kernels: `up` [d, 4d] column-parallel,
+# `down` [4d, d] row-parallel.
+TP_SPECS = {"up": P(None, "model"), "down": P("model", None)}
+# `--layout 2d` at rest: FSDP over `data` on the axis tensor parallelism leaves.
+TP_FSDP_SPECS = {"up": P("data", "model"), "down": P("model", "data")}
 
 
 def _train_lm():
@@ -62,25 +132,139 @@ def _train_lm():
   return module
 
 
-def _param_spec(a, n: int) -> P:
-  """FSDP at rest: the last axis over the devices where it divides."""
-  if a.ndim >= 1 and a.shape[-1] % n == 0:
+def log(*args) -> None:
+  """`print` on process 0 only (every process runs this script)."""
+  if jax.process_index() == 0:
+    print(*args, flush=True)
+
+
+# --- processes and mesh --------------------------------------------------------
+
+
+def initialize_distributed(args, parser) -> str:
+  """Joins this process to the others (`jax.distributed.initialize`), before
+  anything touches a device: with the three flags, or with `--cluster` from
+  what the cluster launcher tells JAX, else not at all (one process).
+  Returns how."""
+  flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+           "--process-id": args.process_id}
+  given = [name for name, value in flags.items() if value is not None]
+  if given and args.cluster:
+    parser.error(f"--cluster takes the coordinator, the number of processes and this"
+                 f" process's id from the cluster launcher: drop {', '.join(given)}, or"
+                 f" --cluster.")
+  if given and len(given) < len(flags):
+    missing = [name for name in flags if name not in given]
+    parser.error(f"{', '.join(given)} needs {' and '.join(missing)} too: a multi-process run"
+                 f" names the coordinator (process 0's host:port), the number of processes"
+                 f" and this process's id (0 to N-1), or none of them and --cluster under"
+                 f" a cluster launcher (srun, mpirun).")
+  if given and not 0 <= args.process_id < args.num_processes:
+    parser.error(f"--process-id {args.process_id} must lie in 0..{args.num_processes - 1}"
+                 f" (--num-processes {args.num_processes}).")
+  if jax.distributed.is_initialized():  # by an earlier main() in this process (tests)
+    if given and (jax.process_count(), jax.process_index()) != (args.num_processes,
+                                                                args.process_id):
+      parser.error(f"this process joined {jax.process_count()} processes as process"
+                   f" {jax.process_index()} already; --num-processes {args.num_processes}"
+                   f" --process-id {args.process_id} cannot change that.")
+    return "joined earlier"
+  if not given and not args.cluster:
+    return "no jax.distributed"
+  # CPU devices' collectives across processes (GPUs use NCCL by themselves).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if given:
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    return f"joined through --coordinator {args.coordinator}"
+  # No arguments: JAX reads them from the launcher's environment (Slurm,
+  # Open MPI, Kubernetes, Cloud TPU), or says that it found none.
+  jax.distributed.initialize()
+  return "joined through the cluster launcher (jax.distributed's detection)"
+
+
+def make_mesh(layout: str, model_devices: int) -> Mesh:
+  """The mesh over every process's devices. `jax.devices()` lists them
+  process by process, so the `model` axis (consecutive devices) stays
+  within a process where it fits, and `data` runs across processes."""
+  devices = np.array(jax.devices())
+  if layout in ("tp", "2d"):
+    return Mesh(devices.reshape(-1, model_devices), ("data", "model"))
+  return Mesh(devices, ("data",))
+
+
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+  """The rows of a global `shape` array sharded as `sharding` that this
+  process's devices hold: one block, since each process's devices are
+  consecutive on the mesh."""
+  blocks = {index[0].indices(shape[0])[:2]
+            for index in sharding.addressable_devices_indices_map(shape).values()}
+  lo, hi = min(b[0] for b in blocks), max(b[1] for b in blocks)
+  if sum(b - a for a, b in blocks) != hi - lo:
+    raise ValueError(f"process {jax.process_index()}'s devices hold rows {sorted(blocks)} of"
+                     f" the batch, not one block: the mesh must list each process's devices"
+                     f" together.")
+  return slice(lo, hi)
+
+
+def global_batch(lm, data, step: int, args, sharding: NamedSharding) -> tuple[jax.Array, ...]:
+  """Step `step`'s batch (x, y) as global arrays laid out as `sharding`:
+  this process makes only the rows its own devices hold."""
+  shape = (args.batch, args.seq_len)
+  rows = lm.train_batch(data, step, args.batch, args.seq_len, args.seed,
+                        process_rows(sharding, shape))
+  return tuple(jax.make_array_from_process_local_data(sharding, a, shape) for a in rows)
+
+
+# --- layouts -------------------------------------------------------------------
+
+
+def _mlp_layer(path) -> str | None:
+  """"up" or "down" where `path` (a key path into params or optimizer state,
+  e.g. an AdamW moment) ends at an MLP kernel; else None."""
+  keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+  if len(keys) >= 3 and keys[-3] == "mlp" and keys[-1] == "kernel" and keys[-2] in TP_SPECS:
+    return keys[-2]
+  return None
+
+
+def _fsdp_spec(a, mesh: Mesh) -> P:
+  """FSDP at rest: the last axis over `data` where it divides."""
+  if a.ndim >= 1 and a.shape[-1] % mesh.shape["data"] == 0:
     return P(*([None] * (a.ndim - 1)), "data")
   return P()
 
 
-def _tp_specs(d_model: int) -> dict[tuple[int, ...], P]:
-  """`--layout tp`, by array shape: the MLP kernels `up [d, 4d]` (column-
-  parallel) and `down [4d, d]` (row-parallel) and their AdamW moments alike
-  (their masks follow them: `jsparse24.optim.masks_like_kernels`)."""
-  d, h = d_model, 4 * d_model
-  return {(d, h): P(None, "model"), (h, d): P("model", None)}
+def state_spec(layout: str, mesh: Mesh, path, a) -> P:
+  """Where the array `a` at `path` of the train state (params, optimizer
+  state) lives between steps. (The 2:4 masks are then laid out like their
+  kernels: `jsparse24.optim.masks_like_kernels`.)"""
+  layer = _mlp_layer(path)
+  if layout == "fsdp":
+    return _fsdp_spec(a, mesh)
+  if layout == "tp":
+    return TP_SPECS[layer] if layer else P()
+  if layout == "2d":
+    return TP_FSDP_SPECS[layer] if layer else _fsdp_spec(a, mesh)
+  return P()
+
+
+def step_spec(layout: str, path, sparse_kernel: bool) -> P | None:
+  """The sharding a param is constrained to inside the step, for the
+  products; None: as it is at rest."""
+  if layout == "fsdp":
+    # Whole weights for the products. The 2:4 kernels stay sharded: each
+    # device compresses its own columns and the compressed arrays are
+    # gathered (half the bytes, 1/n of the work).
+    return None if sparse_kernel else P()
+  if layout == "2d":
+    layer = _mlp_layer(path)
+    return TP_SPECS[layer] if layer else P()  # gathered over `data` only
+  return None
 
 
 def tp_shardings(mesh) -> tuple:
-  """The MLP layers' `kernel_sharding` under `--layout tp`."""
-  return (("up", NamedSharding(mesh, P(None, "model"))),
-          ("down", NamedSharding(mesh, P("model", None))))
+  """The MLP layers' `kernel_sharding` under `--layout tp` and `2d`."""
+  return tuple((name, NamedSharding(mesh, spec)) for name, spec in TP_SPECS.items())
 
 
 def _sparse_kernel_paths(run) -> set:
@@ -91,26 +275,23 @@ def _sparse_kernel_paths(run) -> set:
   return {tuple(path.split("/")) + ("kernel",) for path in jsparse24.optim.stats(run.opt_state)}
 
 
-def make_step(lm, run, layout: str, mesh, state):
-  """The jitted train step; `state` = (params, opt_state) as laid out, which
-  the step's outputs keep (left to XLA, the masks that the rebuild kernel
-  makes on each device's block could come back replicated, gathered every
-  step)."""
+# --- training ------------------------------------------------------------------
+
+
+def make_step(lm, run, layout: str, mesh):
+  """The jitted train step. Its outputs keep the state's layout
+  (`out_shardings`; left to XLA, the masks that the rebuild kernel makes on
+  each device's block could come back replicated, gathered every step)."""
   whole = NamedSharding(mesh, P())
   sparse_kernels = _sparse_kernel_paths(run)
 
-  def gather(path, a):
-    # FSDP: whole weights for the products, sharded at rest. The 2:4 kernels
-    # stay sharded: each device compresses its own columns and the
-    # compressed arrays are gathered (half the bytes, 1/n of the work).
-    if tuple(k.key for k in path) in sparse_kernels:
-      return a
-    return jax.lax.with_sharding_constraint(a, whole)
+  def constrain(path, a):
+    spec = step_spec(layout, path, tuple(k.key for k in path) in sparse_kernels)
+    return a if spec is None else jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
 
   def step(params, opt_state, x, y, phase=None):
     def objective(p):
-      if layout == "fsdp":
-        p = jax.tree_util.tree_map_with_path(gather, p)
+      p = jax.tree_util.tree_map_with_path(constrain, p)
       # The phase (dense warm-up or sparse) is static: one program per phase,
       # no run-time switch per product (jsparse24.optim.masks).
       return lm.loss_fn(run.model, run.variables(p, opt_state, phase), x, y)
@@ -119,106 +300,155 @@ def make_step(lm, run, layout: str, mesh, state):
     updates, opt_state = run.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  keep = jax.tree.map(lambda a: a.sharding, state) + (whole,)
+  keep = jax.tree.map(lambda a: a.sharding, (run.params, run.opt_state)) + (whole,)
   return jax.jit(step, donate_argnums=(0, 1), static_argnames="phase", out_shardings=keep)
 
 
+def open_checkpoints(lm, run, args):
+  """The run's Orbax checkpoints, which every process opens, writes and
+  reads (each its own shards). `--resume`: `run` restored from the latest,
+  in its current layout; otherwise the old ones go."""
+  directory = os.path.join(args.out, "checkpoints", "sparse" if run.sparse else "dense")
+  if not args.resume and jax.process_index() == 0 and os.path.isdir(directory):
+    shutil.rmtree(directory)  # a fresh run replaces the old checkpoints
+  multihost_utils.sync_global_devices("sharded_train: checkpoints ready")
+  mngr = lm.checkpoint_manager(directory)
+  if args.resume:
+    if mngr.latest_step() is not None:
+      lm.restore(mngr, run)
+    log(f"{run.name:>5}: resuming from step {run.step}" if run.step else
+        f"{run.name:>5}: no checkpoint in {directory}, starting from step 0")
+  return mngr
+
+
 def train(lm, run, args, data, mesh) -> dict:
-  n = mesh.size
   rows = NamedSharding(mesh, P("data"))
-  if args.layout == "fsdp":
-    state_sharding = lambda a: NamedSharding(mesh, _param_spec(a, n))  # noqa: E731
-  elif args.layout == "tp":
-    specs = _tp_specs(args.d_model)
-    state_sharding = lambda a: NamedSharding(mesh, specs.get(tuple(a.shape), P()))  # noqa: E731
-  else:
-    state_sharding = lambda a: NamedSharding(mesh, P())  # noqa: E731
-  params = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.params)
-  opt_state = jax.tree.map(lambda a: jax.device_put(a, state_sharding(a)), run.opt_state)
-  if run.sparse:  # each mask where its kernel's block is (tp, FSDP's sharded kernels)
-    opt_state = jsparse24.optim.masks_like_kernels(opt_state, params)
-  step = make_step(lm, run, args.layout, mesh, (params, opt_state))
+  mngr = open_checkpoints(lm, run, args)
+  step = make_step(lm, run, args.layout, mesh)
   # Timed from the step after the first sparse one (compilation and
-  # cuSPARSELt's algorithm search happen before), as in train_lm.
-  start = min(args.mask_warmup + 2, args.steps - 1)
-  losses, t0 = [], None
+  # cuSPARSELt's algorithm search happen before), as in train_lm, and never
+  # through a checkpoint.
+  first = run.step
+  start = max(first + 1, min(args.mask_warmup + 2, args.steps - 1))
+  timed_steps, timed_s, t0 = 0, 0.0, None
+  pending = []
   # Progress: steps dispatched (the first step of each phase waits for its
   # compilation, and the first sparse one for cuSPARSELt's algorithm search).
-  for i in tqdm(range(args.steps), desc=f"{run.name:>5}", unit="step", dynamic_ncols=True):
+  for i in tqdm(range(first, args.steps), desc=f"{run.name:>5}", unit="step",
+                dynamic_ncols=True, disable=jax.process_index() != 0):
     if i == start:
-      jax.block_until_ready(params)
+      jax.block_until_ready(run.params)
       t0 = time.perf_counter()
-    x, y = lm.train_batch(data, i, args.batch, args.seq_len, args.seed)
-    x, y = jax.device_put(x, rows), jax.device_put(y, rows)
-    params, opt_state, loss = step(params, opt_state, x, y, phase=run.phase(i))
-    losses.append(loss)
-  jax.block_until_ready(params)
-  timed = args.steps - start if t0 is not None else 0
-  tokens_per_s = (timed * args.batch * args.seq_len / (time.perf_counter() - t0)
-                  if timed else float("nan"))
-  losses = [float(v) for v in losses]
-  return {"loss_first": losses[0], "loss_last": float(np.mean(losses[-10:])),
-          "tokens_per_s": tokens_per_s, "params": params, "opt_state": opt_state}
+    x, y = global_batch(lm, data, i, args, rows)
+    run.params, run.opt_state, loss = step(run.params, run.opt_state, x, y, phase=run.phase(i))
+    run.step = i + 1
+    pending.append(loss)
+    if run.step % args.eval_every == 0 or run.step == args.steps:
+      jax.block_until_ready(run.params)
+      if t0 is not None:
+        timed_steps, timed_s = run.step - start, timed_s + time.perf_counter() - t0
+      run.history["train_curve"].extend(float(v) for v in pending)  # replicated scalars
+      pending = []
+      lm.save(mngr, run)
+      t0 = time.perf_counter() if t0 is not None else None
+  mngr.wait_until_finished()
+  mngr.close()
+  if first >= args.steps:
+    log(f"{run.name:>5}: NOTHING TO TRAIN: the checkpoint is at step {first} and --steps is"
+        f" {args.steps}; pass --steps above {first} to train further.")
+  losses = run.history["train_curve"]
+  tokens_per_s = (timed_steps * args.batch * args.seq_len / timed_s if timed_steps
+                  else float("nan"))
+  return {"loss_first": losses[0] if losses else float("nan"),
+          "loss_last": float(np.mean(losses[-10:])) if losses else float("nan"),
+          "losses": list(losses), "start_step": first, "tokens_per_s": tokens_per_s,
+          "params": run.params, "opt_state": run.opt_state}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
   lm = _train_lm()
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
-      epilog="Every other flag is train_lm.py's (model, data, schedule; see its --help).")
-  p.add_argument("--layout", choices=("data", "fsdp", "tp"), default="data",
-                 help="data parallel, FSDP (params sharded at rest), or tensor parallel"
-                      " MLP layers (default: data)")
+      epilog="Every other flag is train_lm.py's (model, data, schedule, --eval-every as the"
+             " checkpoint interval, --resume; see its --help).")
+  p.add_argument("--layout", choices=LAYOUTS, default="data",
+                 help="data parallel, FSDP (params sharded at rest), tensor parallel MLP"
+                      " layers, or 2d: FSDP over data x tensor parallel over model"
+                      " (default: data)")
   p.add_argument("--model-devices", type=int, default=None,
-                 help="--layout tp: devices on the mesh's model axis (default: all)")
+                 help="--layout tp, 2d: devices on the mesh's model axis (default: all for tp,"
+                      " 2 for 2d)")
+  p.add_argument("--runs", choices=("both", "dense", "2:4"), default="both",
+                 help="train the dense model, the 2:4 one, or both in turn (default: both)")
   p.add_argument("--size", choices=sorted(lm.PRESETS), default="small",
                  help="train_lm's preset (default: small)")
   p.add_argument("--steps", type=int, default=None,
                  help="training steps of each run (default: the preset's)")
   p.add_argument("--batch", type=int, default=None,
-                 help="sequences per step, all devices together (a multiple of their"
-                      " number; default: the preset's)")
+                 help="sequences per step, all processes and devices together (a multiple of"
+                      " the devices on the mesh's data axis; default: the preset's)")
+  p.add_argument("--out", default=os.path.join("runs", "sharded_train"),
+                 help="folder of the checkpoints (default: runs/sharded_train)")
+  p.add_argument("--coordinator", default=None,
+                 help="several processes: process 0's host:port (with --num-processes and"
+                      " --process-id; under srun or mpirun, --cluster instead)")
+  p.add_argument("--cluster", action="store_true",
+                 help="several processes under a cluster launcher that JAX detects (Slurm,"
+                      " Open MPI, Kubernetes, Cloud TPU): jax.distributed.initialize() with"
+                      " no arguments")
+  p.add_argument("--num-processes", type=int, default=None,
+                 help="several processes: how many (one per host, or one per GPU)")
+  p.add_argument("--process-id", type=int, default=None,
+                 help="several processes: this one's id, 0 to --num-processes - 1")
   args, rest = p.parse_known_args(argv)
-  lm_args = lm.parse_args(["--size", args.size] + rest
+  lm_args = lm.parse_args(["--size", args.size, "--out", args.out] + rest
                           + (["--steps", str(args.steps)] if args.steps else [])
                           + (["--batch", str(args.batch)] if args.batch else []))
   lm_args.layout = args.layout
-  devices = jax.devices()
+  joined = initialize_distributed(args, p)  # before anything touches a device
+
+  n = jax.device_count()  # every process's devices
   model_devices = 1
-  if args.layout == "tp":
-    model_devices = args.model_devices or len(devices)
-    if len(devices) % model_devices or (4 * lm_args.d_model) % model_devices:
-      p.error(f"--model-devices {model_devices} must divide the {len(devices)} devices and"
-              f" the MLP's hidden size {4 * lm_args.d_model}.")
+  if args.layout in ("tp", "2d"):
+    model_devices = args.model_devices or (n if args.layout == "tp" else 2)
+    if n % model_devices or (4 * lm_args.d_model) % model_devices:
+      p.error(f"--model-devices {model_devices} must divide the {n} devices and the MLP's"
+              f" hidden size {4 * lm_args.d_model}.")
   elif args.model_devices is not None:
-    p.error("--model-devices applies to --layout tp only.")
-  data_devices = len(devices) // model_devices
+    p.error("--model-devices applies to --layout tp and 2d only.")
+  data_devices = n // model_devices
   if lm_args.batch % data_devices:
-    p.error(f"--batch {lm_args.batch} must be a multiple of the {data_devices} devices"
-            f" it is split over.")
-  if args.layout == "tp":
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(data_devices, model_devices),
-                             ("data", "model"))
-  else:
-    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    p.error(f"--batch {lm_args.batch} must be a multiple of the {data_devices} devices on the"
+            f" mesh's data axis ({jax.process_count()} processes x {jax.local_device_count()}"
+            f" devices, {model_devices} on the model axis): each takes as many rows.")
+  mesh = make_mesh(args.layout, model_devices)
   data, _ = lm.load_text(lm.corpus_files(lm_args.corpus))
   sample = jnp.zeros((1, lm_args.seq_len), jnp.int32)
-  print(f"{len(devices)} devices ({devices[0].platform}), layout {args.layout}"
-        + (f" (mesh data x model = {data_devices} x {model_devices})" if args.layout == "tp"
-           else "") + ";"
-        f" d_model {lm_args.d_model}, {lm_args.layers} layers, batch {lm_args.batch} x"
-        f" {lm_args.seq_len}, {lm_args.steps} steps")
+  log(f"{jax.process_count()} process(es) ({joined}) x {jax.local_device_count()}"
+      f" {jax.devices()[0].platform} device(s), layout {args.layout}"
+      + (f" (mesh data x model = {data_devices} x {model_devices})"
+         if args.layout in ("tp", "2d") else "") + ";"
+      f" d_model {lm_args.d_model}, {lm_args.layers} layers, batch {lm_args.batch} x"
+      f" {lm_args.seq_len}, {lm_args.steps} steps")
+
+  def state_sharding(path, a):
+    return NamedSharding(mesh, state_spec(args.layout, mesh, path, a))
+
   out = {}
   for name, sparse in (("dense", False), ("2:4", True)):
+    if args.runs not in ("both", name):
+      continue
     run = lm.make_run(name, sparse, lm_args, sample,
-                      tp_shardings(mesh) if args.layout == "tp" else ())
+                      tp_shardings(mesh) if args.layout in ("tp", "2d") else (), state_sharding)
+    if sparse:  # each mask where its kernel's block is (tp, 2d, FSDP's sharded kernels)
+      run.opt_state = jsparse24.optim.masks_like_kernels(run.opt_state, run.params)
     out[name] = train(lm, run, lm_args, data, mesh)
     r = out[name]
-    print(f"{name:>5}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} (mean of the last"
-          f" 10 steps), {r['tokens_per_s']:,.0f} tokens/s")
-  ratio = out["2:4"]["tokens_per_s"] / out["dense"]["tokens_per_s"]
+    log(f"{name:>5}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} (mean of the last"
+        f" 10 steps), {r['tokens_per_s']:,.0f} tokens/s")
+  ratio = out["2:4"]["tokens_per_s"] / out["dense"]["tokens_per_s"] if len(out) == 2 else math.nan
   if math.isfinite(ratio):
-    print(f"2:4 / dense tokens/s: {ratio:.3f}x (timed from the step after the first sparse one)")
+    log(f"2:4 / dense tokens/s: {ratio:.3f}x (timed from the step after the first sparse one)")
   return out
 
 

@@ -5,9 +5,11 @@
 
 import contextlib
 import importlib.util
+import io
 import math
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -66,9 +68,15 @@ def assert_masks_are_24(params: dict, sparsity: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def train_lm(tmp_path_factory):
+  """The example's module, its output folder (with `stdout.txt`, what it
+  printed) and its result."""
   out = tmp_path_factory.mktemp("train_lm")
   module = load_example("train_lm")
-  return module, out, module.main(TINY_LM + ["--out", str(out)])
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    result = module.main(TINY_LM + ["--out", str(out)])
+  (out / "stdout.txt").write_text(printed.getvalue())
+  return module, out, result
 
 
 def test_train_lm_learns_dense_and_sparse(train_lm):
@@ -84,6 +92,17 @@ def test_train_lm_learns_dense_and_sparse(train_lm):
   for run in ("dense", "2:4"):  # the throughput the report prints
     assert result["tokens_per_s"][run] > 0, result["tokens_per_s"]
     assert result["tokens_per_s_sparse_steps"][run] > 0, result["tokens_per_s_sparse_steps"]
+
+
+def test_train_lm_reports_no_speed_up_where_no_sparse_kernel_ran(train_lm):
+  # On a CPU every 2:4 layer runs the masked dense reference: a tokens/s
+  # ratio between the runs would be noise presented as a speed-up.
+  _, out, result = train_lm
+  assert set(result["sparse_layer_backends"].values()) == {"xla"}, result["sparse_layer_backends"]
+  printed = (out / "stdout.txt").read_text()
+  assert "2:4 / dense tokens/s: no speed-up to report. No 2:4 kernel ran" in printed
+  assert not re.search(r"2:4 / dense tokens/s.*\d\.\d{3}x", printed), printed
+  assert "session" not in printed
 
 
 def test_train_lm_throughput_counts_only_the_timed_stretches():
@@ -157,16 +176,18 @@ def test_patch_model_sparsifies_only_the_mlps():
     assert bool(jsparse24.is_24(layer["mask"].unpack(), axis=0))
 
 
-@pytest.mark.parametrize("layout", ["data", "fsdp", "tp"])
-def test_sharded_train_learns_on_a_mesh(layout, monkeypatch):
+@pytest.mark.parametrize("layout", ["data", "fsdp", "tp", "2d"])
+def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path):
   """8 fake CPU devices: both runs learn, and their state stays in the layout's
   shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
-  kernels column- and row-parallel over 4 model devices for tp, and their
-  masks alike). tp: the masks rebuilt by the mask kernel on a run-time flag
-  every step, as on a GPU, which makes them on each device's block (left
-  to XLA, the step returned them replicated: gathered every step)."""
+  kernels column- and row-parallel over 4 model devices for tp, and over 2
+  model devices and sharded over 4 data devices on their other axis for 2d,
+  and their masks alike). tp, 2d: the masks rebuilt by the mask kernel on a
+  run-time flag every step, as on a GPU, which makes them on each device's
+  block (left to XLA, the step returned them replicated: gathered every
+  step)."""
   context = contextlib.nullcontext()
-  if layout == "tp":
+  if layout in ("tp", "2d"):
     from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
     from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
@@ -174,7 +195,8 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch):
   with context:
     out = load_example("sharded_train").main(
         ["--layout", layout, "--steps", "30", "--batch", "16", "--d-model", "32",
-         "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2"]
+         "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2",
+         "--out", str(tmp_path)]
         + (["--model-devices", "4"] if layout == "tp" else []))
   for run in ("dense", "2:4"):
     r = out[run]
@@ -183,15 +205,17 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch):
     kernel = r["params"]["block_0"]["mlp"]["up"]["kernel"]
     assert len(kernel.sharding.device_set) == 8
     spec = lambda a: (tuple(a.sharding.spec) + (None, None))[:2]  # noqa: E731
-    want = {"data": (None, None), "fsdp": (None, "data"), "tp": (None, "model")}[layout]
+    want = {"data": (None, None), "fsdp": (None, "data"), "tp": (None, "model"),
+            "2d": ("data", "model")}[layout]
     assert spec(kernel) == want, kernel.sharding
-    if layout == "tp":
+    if layout in ("tp", "2d"):
       down = r["params"]["block_0"]["mlp"]["down"]["kernel"]
-      assert spec(down) == ("model", None), down.sharding
-  if layout == "tp":  # the masks stay sharded like their kernels (packed [N, K/8])
+      assert spec(down) == want[::-1], down.sharding
+  if layout in ("tp", "2d"):  # the masks stay sharded like their kernels (packed [N, K/8])
     masks = jsparse24.optim.masks(out["2:4"]["opt_state"])["block_0"]["mlp"]
-    assert spec(masks["up"]["mask"].packed) == ("model", None), masks["up"]["mask"].packed.sharding
-    assert spec(masks["down"]["mask"].packed) == (None, "model"), masks["down"]["mask"].packed.sharding
+    up, down = masks["up"]["mask"].packed, masks["down"]["mask"].packed
+    assert spec(up) == want[::-1], up.sharding
+    assert spec(down) == want, down.sharding
 
 
 def test_train_lm_resume_at_or_past_steps_says_so(train_lm, capsys, tmp_path):
