@@ -76,7 +76,7 @@ def _launch(tmp_path: pathlib.Path, name: str, processes: int, *, env_of, distri
       log = open(tmp_path / f"{name}-{i}.log", "w")  # pylint: disable=consider-using-with
       logs.append(log)
       procs.append(subprocess.Popen(cmd + ["--", *flags], cwd=ROOT, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True))
+                                    stderr=subprocess.STDOUT, process_group=0))
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
       if any(p.returncode for p in procs) or time.monotonic() > deadline:
