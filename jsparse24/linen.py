@@ -103,17 +103,23 @@ def _check_widths(module: nn.Module, width: int, opts: SparsityOptions) -> None:
 def _found_in_collection(module: nn.Module) -> str:
   """What `apply` was given for this layer in the `"sparsity"` collection,
   said for an error: nothing, something else at its path, or the whole
-  variables."""
-  path = tuple(module.path)
-  node = module.scope.root.variables().get(COLLECTION)
+  variables. Inside a lifted transform (`nn.scan`, `nn.vmap`) the variables
+  in reach start at the transformed module (`lifted`)."""
+  root = module.scope.root
+  lifted = tuple(root.path)
+  path = tuple(module.scope.path)[len(lifted):]
+  node = root.variables().get(COLLECTION)
   if node is None:
+    if lifted:
+      return (f"the {COLLECTION!r} collection passed to `apply` has nothing under"
+              f" {'/'.join(lifted)!r}")
     return f"no {COLLECTION!r} collection was passed to `apply`"
-  if isinstance(node, Mapping) and {"params", COLLECTION} <= set(node):
+  if not lifted and isinstance(node, Mapping) and {"params", COLLECTION} <= set(node):
     return (f"the {COLLECTION!r} collection passed to `apply` is the whole variables (it"
             f" holds 'params' and {COLLECTION!r}): pass variables[{COLLECTION!r}] there")
   for depth, key in enumerate(path):
     if not isinstance(node, Mapping) or key not in node:
-      where = "/".join(path[:depth]) or "its top level"
+      where = repr("/".join(lifted + path[:depth])) if lifted + path[:depth] else "its top level"
       have = sorted(node) if isinstance(node, Mapping) else _kind(node)
       return (f"the {COLLECTION!r} collection passed to `apply` has no entry for it"
               f" (at {where}: {have})")
@@ -138,7 +144,10 @@ def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
   """(mask, active) for this layer: (None, None) when pruning dynamically."""
   if opts.mask_source == "dynamic":
     return None, None
-  if not module.is_initializing() and not module.has_variable(COLLECTION, "mask"):
+  # The layer's own entry, read as a Mapping before `has_variable` would
+  # test `"mask" in` whatever it is (an array raises there).
+  own = None if module.is_initializing() else module.scope.variables().get(COLLECTION)
+  if not module.is_initializing() and not (isinstance(own, Mapping) and "mask" in own):
     raise ValueError(
         f"layer {'/'.join(module.path)!r} takes its 2:4 mask from the"
         f" {COLLECTION!r} collection, but {_found_in_collection(module)}. Pass"

@@ -15,7 +15,7 @@ Chained by hand, last after the optimizer (`optax.chain(optax.adam(...),
 mask_update(...))`), it would receive the optimizer's updates instead of the
 gradients and add the decay to the step itself, with the gradient's sign and
 no learning rate; `masks`, `stats` and `masks_like_kernels` refuse such a
-state (`_check_placement`).
+state.
 
 Timing. Step `s` is the `s`-th forward/backward pass (0-based); it uses the
 masks held by the state after `s` updates. `init` builds the masks from the
@@ -477,8 +477,9 @@ def _check_placement(fn: str, opt_state, path) -> None:
   if last and after_others:
     raise ValueError(
         f"{fn}: the jsparse24.optim.mask_update transform is chained after the"
-        f" optimizer (last in an optax.chain, after other transforms), so it receives the optimizer's updates"
-        f" instead of the gradients and adds its decay to the step itself. Chain it"
+        f" optimizer (last in an optax.chain, after other transforms), so it receives"
+        f" the optimizer's updates instead of the gradients and adds its decay to the"
+        f" step itself. Chain it"
         f" first: jsparse24.optim.with_masks(optimizer, sparsity, schedule, decay=...),"
         f" or optax.chain(jsparse24.optim.mask_update(...), optimizer).")
 

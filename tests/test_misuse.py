@@ -260,6 +260,37 @@ def test_a_sparsity_collection_without_the_layer_or_with_everything_is_named():
     _apply_with(v)
 
 
+class _Scanned(nn.Module):
+  """Two `_Net` layers under `nn.scan`, whose body sees only its own part of
+  the variables."""
+
+  @nn.compact
+  def __call__(self, x):
+    body = lambda net, x, _: (net(x), None)  # noqa: E731
+    return nn.scan(body, variable_axes={"params": 0, "sparsity": 0},
+                   split_rngs={"params": True}, length=2)(_Net(features=16, name="blocks"), x,
+                                                          None)[0]
+
+
+def test_the_sparsity_collection_is_described_from_inside_nn_scan():
+  """An array at a scanned layer's path crashed in `jax.Array.__contains__`
+  (Flax's `has_variable`); inside the scan the variables start at
+  "blocks", which the message says instead of "no collection"."""
+  v = _Scanned().init(jax.random.key(0), X)
+
+  def apply(sparsity):
+    return _Scanned().apply({"params": v["params"], "sparsity": sparsity}, X)
+
+  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*holds a jax.Array bool\[16, 16\] at"
+                     r" its path"):
+    apply({"blocks": {"up": np.ones((2, 16, 16), bool)}})
+  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*has no entry for it \(at 'blocks':"
+                     r" \['down'\]\)"):
+    apply({"blocks": {"down": v["sparsity"]["blocks"]["up"]}})
+  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*has nothing under 'blocks'"):
+    apply({})
+
+
 # --- widths that cannot be 2:4 ----------------------------------------------
 
 
