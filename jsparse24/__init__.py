@@ -9,7 +9,9 @@ Public API (everything else is internal):
 * Flax Linen: `SparseDense`, `sparsify` (patch an existing model's `Dense`
   layers by module-path regex), `rebuild_masks`, `compress_params`
 * Flax NNX: `jsparse24.nnx.SparseLinear`
-* optax: `jsparse24.optim` (the mask-update transform and its schedule)
+* optax: `jsparse24.optim` (the mask-update transform and its schedule;
+  `optim.with_masks(optimizer, sparsity, schedule)` chains it before an
+  optimizer)
 * backends: `available_implementations`, `selected_implementation`,
   `BackendUnavailableError`
 * several devices: `masks_like_kernels` (also in `optim` and `nnx`); remat:

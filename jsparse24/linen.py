@@ -44,6 +44,7 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
   if isinstance(stored, Sparse24):
     return _compressed_layer(module, inputs, stored, opts)
 
+  _check_widths(module, jnp.shape(inputs)[-1], opts)
   kernel = module.param("kernel", module.kernel_init,
                         (jnp.shape(inputs)[-1], module.features), module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
@@ -65,15 +66,94 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
                               else "SparseDense")
 
 
+def _layer_name(module: nn.Module) -> str:
+  """How errors name a layer: `SparseDense 'mlp/up'`, or `nn.Dense 'mlp/up'
+  (patched by jsparse24.sparsify)`."""
+  path = f" {'/'.join(module.path)!r}" if module.path else ""
+  if _patched(module):
+    return f"nn.Dense{path} (patched by jsparse24.sparsify)"
+  return f"SparseDense{path}"
+
+
+def _patched(module: nn.Module) -> bool:
+  """Whether `module` is an `nn.Dense` that `sparsify` computes as sparse."""
+  return type(module) is nn.Dense  # pylint: disable=unidiomatic-typecheck
+
+
+def _check_widths(module: nn.Module, width: int, opts: SparsityOptions) -> None:
+  """Raises, naming the layer, where its kernel cannot be 2:4 sparse: before
+  the mask is built, whose own error would name `prune_24` and not the
+  layer."""
+  leave_dense = (f"or leave this layer dense: give jsparse24.sparsify rules that do not"
+                 f" match {'/'.join(module.path)!r}" if _patched(module)
+                 else "or make this layer an nn.Dense")
+  if width % 4:
+    raise ValueError(
+        f"{_layer_name(module)}: the input width {width} is not a multiple of 4; 2:4"
+        f" sparsity keeps 2 of every 4 consecutive inputs (the kernel's contraction"
+        f" axis). Pad the inputs' last axis to {width + -width % 4}, {leave_dense}.")
+  if opts.transposable and module.features % 4:
+    raise ValueError(
+        f"{_layer_name(module)}: transposable=True needs the output width (features="
+        f"{module.features}) to be a multiple of 4 (the mask is 2:4 along both kernel"
+        f" axes). Set transposable=None (transposable wherever features allows) or"
+        f" False, {leave_dense}.")
+
+
+def _found_in_collection(module: nn.Module) -> str:
+  """What `apply` was given for this layer in the `"sparsity"` collection,
+  said for an error: nothing, something else at its path, or the whole
+  variables. Inside a lifted transform (`nn.scan`, `nn.vmap`) the variables
+  in reach start at the transformed module (`lifted`)."""
+  root = module.scope.root
+  lifted = tuple(root.path)
+  path = tuple(module.scope.path)[len(lifted):]
+  node = root.variables().get(COLLECTION)
+  if node is None:
+    if lifted:
+      return (f"the {COLLECTION!r} collection passed to `apply` has nothing under"
+              f" {'/'.join(lifted)!r}")
+    return f"no {COLLECTION!r} collection was passed to `apply`"
+  if not lifted and isinstance(node, Mapping) and {"params", COLLECTION} <= set(node):
+    return (f"the {COLLECTION!r} collection passed to `apply` is the whole variables (it"
+            f" holds 'params' and {COLLECTION!r}): pass variables[{COLLECTION!r}] there")
+  for depth, key in enumerate(path):
+    if not isinstance(node, Mapping) or key not in node:
+      where = repr("/".join(lifted + path[:depth])) if lifted + path[:depth] else "its top level"
+      have = sorted(node) if isinstance(node, Mapping) else _kind(node)
+      return (f"the {COLLECTION!r} collection passed to `apply` has no entry for it"
+              f" (at {where}: {have})")
+    node = node[key]
+  return (f"the {COLLECTION!r} collection passed to `apply` holds {_kind(node)} at its"
+          f" path, where a dict {{'mask': jsparse24.Mask24, 'active': ...}} belongs")
+
+
+def _kind(x: Any) -> str:
+  """`a numpy.ndarray bool[16, 8]`, `a dict with keys [...]`, or the type's name."""
+  if x is None:
+    return "None"
+  if isinstance(x, Mapping):
+    return f"a {type(x).__name__} with keys {sorted(x)}"
+  if isinstance(x, (np.ndarray, jax.Array)):
+    kind = "numpy.ndarray" if isinstance(x, np.ndarray) else "jax.Array"
+    return f"a {kind} {x.dtype}{list(x.shape)}"
+  return f"a {type(x).__name__}"
+
+
 def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
   """(mask, active) for this layer: (None, None) when pruning dynamically."""
   if opts.mask_source == "dynamic":
     return None, None
-  if not module.is_initializing() and not module.has_variable(COLLECTION, "mask"):
+  # The layer's own entry, read as a Mapping before `has_variable` would
+  # test `"mask" in` whatever it is (an array raises there).
+  own = None if module.is_initializing() else module.scope.variables().get(COLLECTION)
+  if not module.is_initializing() and not (isinstance(own, Mapping) and "mask" in own):
     raise ValueError(
         f"layer {'/'.join(module.path)!r} takes its 2:4 mask from the"
-        f" {COLLECTION!r} collection, but none was passed to `apply`. Pass"
-        f" the variables from `init` (e.g. `model.apply(variables, x)`), or"
+        f" {COLLECTION!r} collection, but {_found_in_collection(module)}. Pass"
+        f" the variables from `init` (e.g. `model.apply(variables, x)`; for a model"
+        f" patched by jsparse24.sparsify, from the patched model's `init`: the dense"
+        f" model's own `init` makes no masks), or"
         f" `{{'params': params, {COLLECTION!r}: jsparse24.optim.masks(opt_state)}}`"
         f" when training with jsparse24.optim, or set mask_source='dynamic'. (Params"
         f" from compress_params keep a dense kernel for a layer that was in a dense"
@@ -82,6 +162,12 @@ def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
       COLLECTION, "mask",
       lambda: Mask24.from_weights(kernel, transposable=opts.transposable)).value
   active = module.variable(COLLECTION, "active", lambda: jnp.array(True)).value
+  if not isinstance(mask, Mask24):
+    raise TypeError(
+        f"{_layer_name(module)}: the 'mask' in the {COLLECTION!r} collection"
+        f" passed to `apply` is {_kind(mask)}; expected a jsparse24.Mask24, as `init`"
+        f" and jsparse24.optim.masks(opt_state) give it (a bool 2:4 mask [in, out]"
+        f" converts with jsparse24.Mask24.pack(mask, transposable=...)).")
   if mask.transposable != opts.transposable or tuple(mask.shape) != tuple(kernel.shape):
     raise ValueError(
         f"layer {'/'.join(module.path)!r}: the mask in the {COLLECTION!r}"
@@ -228,24 +314,51 @@ class Sparsified:
     with nn.intercept_methods(interceptor):
       yield
 
+  def _check_rules_match(self, fn: str, seen: list[str], variables: Any = None) -> None:
+    """Raises for a rule that fully matches no layer: neither an `nn.Dense`
+    that the call ran (`seen`) nor, in `apply`, a layer of the variables
+    passed (a `"sparsity"` entry or a `"kernel"` in the params), which a
+    call of one method (`apply(..., method=...)`) may not run. Such a rule
+    would leave its layers dense without a word (a typo, or a model whose
+    layers were renamed)."""
+    known = set(seen)
+    if all(any(p.fullmatch(s) for s in known) for p, _ in self.rules):
+      return
+    if isinstance(variables, Mapping):
+      for collection in ("params", COLLECTION):
+        tree = variables.get(collection)
+        if isinstance(tree, Mapping):
+          known.update("/".join(map(str, _path_keys(path[:-1])))
+                       for path, _ in jax.tree_util.tree_leaves_with_path(
+                           tree, is_leaf=lambda x: isinstance(x, (Mask24, Sparse24)))
+                       if _path_keys(path[-1:]) in (("kernel",), ("mask",)))
+    unmatched = [p.pattern for p, _ in self.rules if not any(p.fullmatch(s) for s in known)]
+    if unmatched:
+      raise ValueError(
+          f"sparsify: rule(s) {unmatched} matched no nn.Dense layer in `{fn}`; the"
+          f" model's layers are {sorted(known)}. Each rule's regex must fully"
+          f" match a layer's path (\"block_0/mlp/up\").")
+
   def init(self, *args, **kwargs):
     seen: list[str] = []
     with self.intercept(seen):
       out = self.model.init(*args, **kwargs)
-    unmatched = [p.pattern for p, _ in self.rules if not any(p.fullmatch(s) for s in seen)]
-    if unmatched:
-      raise ValueError(
-          f"sparsify: rule(s) {unmatched} matched no nn.Dense layer; the model's"
-          f" Dense layers are {sorted(set(seen))}.")
+    self._check_rules_match("init", seen)
     return out
 
   def init_with_output(self, *args, **kwargs):
-    with self.intercept():
-      return self.model.init_with_output(*args, **kwargs)
+    seen: list[str] = []
+    with self.intercept(seen):
+      out = self.model.init_with_output(*args, **kwargs)
+    self._check_rules_match("init_with_output", seen)
+    return out
 
-  def apply(self, *args, **kwargs):
-    with self.intercept():
-      return self.model.apply(*args, **kwargs)
+  def apply(self, variables, *args, **kwargs):
+    seen: list[str] = []
+    with self.intercept(seen):
+      out = self.model.apply(variables, *args, **kwargs)
+    self._check_rules_match("apply", seen, variables)
+    return out
 
 
 def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
@@ -260,7 +373,8 @@ def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
     rules: `{regex: options}` or `[(regex, options), ...]`; a regex must fully
       match the layer's module path (`"Block_0/mlp/up"`); options are a dict
       of `SparsityOptions` fields or a `SparsityOptions`. The first matching
-      rule wins. `init` raises if a rule matches no `Dense` layer.
+      rule wins. `init` and `apply` raise if a rule matches no `Dense` layer
+      of the model.
 
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, jsparse24
@@ -346,6 +460,7 @@ def masks_like_kernels(sparsity: Mapping, params: Mapping) -> dict:
   naming the layer. Give the train step `out_shardings` equal to the
   state's shardings, so the rebuilt masks stay where they are."""
   fn = "masks_like_kernels"
+  check_sparsity(fn, sparsity)
 
   def place(layer, layer_params, path):
     kernel = dense_kernel(layer_params, path, fn)
@@ -362,11 +477,40 @@ def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
   `variables = {"params": p, "sparsity": rebuild_masks(p, variables["sparsity"])}`.
   """
 
+  check_sparsity("rebuild_masks", sparsity)
+
   def rebuild(layer, layer_params, path):
     kernel = dense_kernel(layer_params, path, "rebuild_masks")
     return {**layer, "mask": Mask24.from_weights(kernel, transposable=layer["mask"].transposable)}
 
   return _map_layers(rebuild, sparsity, params)
+
+
+def check_sparsity(fn: str, sparsity: Any) -> None:
+  """Raises, naming `fn`, unless `sparsity` is a `"sparsity"` collection
+  holding at least one layer's `Mask24`: an empty one (`{}`), the optimizer
+  state, the whole variables or the params would otherwise be walked as a
+  model without sparse layers, and the call would silently do nothing."""
+  fix = (f"pass the model's {COLLECTION!r} collection: variables[{COLLECTION!r}] from"
+         f" `init`, or jsparse24.optim.masks(opt_state) when training with jsparse24.optim")
+  # By name: jsparse24.optim, which defines the state, imports this module.
+  if any(type(leaf).__name__ == "MaskUpdateState" for leaf in jax.tree.leaves(
+      sparsity, is_leaf=lambda x: type(x).__name__ == "MaskUpdateState")):
+    raise TypeError(
+        f"{fn}: `sparsity` is an optimizer state; pass jsparse24.optim.masks(opt_state),"
+        f" the {COLLECTION!r} collection it holds.")
+  if not isinstance(sparsity, Mapping):
+    raise TypeError(f"{fn}: `sparsity` must be a dict, got {_kind(sparsity)}; {fix}.")
+  if {"params", COLLECTION} <= set(sparsity):
+    raise ValueError(
+        f"{fn}: `sparsity` is the whole variables (it holds 'params' and"
+        f" {COLLECTION!r}); pass variables[{COLLECTION!r}].")
+  if not any(isinstance(leaf, Mask24) for leaf in jax.tree.leaves(
+      sparsity, is_leaf=lambda a: isinstance(a, Mask24))):
+    held = "is empty" if not sparsity else f"holds no Mask24 (keys {sorted(sparsity)[:5]})"
+    raise ValueError(
+        f"{fn}: `sparsity` {held}, so there is no sparse layer to work on; {fix}"
+        f" (the params come first, then the collection).")
 
 
 def dense_kernel(layer_params: Any, path: tuple[str, ...], fn: str) -> jax.Array:
@@ -423,6 +567,7 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
   dense kernels); traced flags raise a `TypeError`.
   """
   fn = "compress_params"
+  check_sparsity(fn, sparsity)
   chosen = {}
   for path, layer in layers_by_path(sparsity).items():
     try:

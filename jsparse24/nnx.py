@@ -114,11 +114,13 @@ class SparseLinear(nnx.Module):
       raise ValueError(
           f"SparseLinear: in_features={in_features} is not a multiple of 4; 2:4"
           f" sparsity keeps 2 of every 4 consecutive input features (the"
-          f" contraction axis of the kernel).")
+          f" contraction axis of the kernel). Pad the inputs' last axis to"
+          f" {in_features + -in_features % 4}, or make this layer an nnx.Linear.")
     if transposable and out_features % 4:
       raise ValueError(
           f"SparseLinear: out_features={out_features} is not a multiple of 4,"
-          f" which a transposable mask (2:4 along both kernel axes) needs.")
+          f" which a transposable mask (2:4 along both kernel axes) needs; set"
+          f" transposable=None (transposable wherever out_features allows) or False.")
     if dot_general is not jax.lax.dot_general:
       raise ValueError(
           "SparseLinear: a custom `dot_general` cannot be combined with 2:4"

@@ -1,15 +1,21 @@
 """The mask-update optax transform: rebuilds 2:4 masks on a schedule.
 
-`mask_update` is an optax `GradientTransformationExtraArgs`. Put it *first* in
-`optax.chain`, before the optimizer: it may add the masked decay to the
-gradients, and it keeps the masks in its state. The forward pass gets the
-current masks with `masks(opt_state)`, a `"sparsity"` collection for
-`model.apply`:
+`mask_update` is an optax `GradientTransformationExtraArgs` that must come
+*before* the optimizer: it may add the masked decay to the gradients, which
+the optimizer then scales, and it keeps the masks in its state. `with_masks`
+wraps an optimizer so (it is `optax.chain(mask_update(...), optimizer)`).
+The forward pass gets the current masks with `masks(opt_state)`, a
+`"sparsity"` collection for `model.apply`:
 
-    tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"], schedule),
-                     optax.adamw(1e-3))
+    tx = jsparse24.optim.with_masks(optax.adamw(1e-3), variables["sparsity"], schedule)
     opt_state = tx.init(params)
     loss = model.apply({"params": params, "sparsity": jsparse24.optim.masks(opt_state)}, x)
+
+Chained by hand, last after the optimizer (`optax.chain(optax.adam(...),
+mask_update(...))`), it would receive the optimizer's updates instead of the
+gradients and add the decay to the step itself, with the gradient's sign and
+no learning rate; `masks`, `stats` and `masks_like_kernels` refuse such a
+state.
 
 Timing. Step `s` is the `s`-th forward/backward pass (0-based); it uses the
 masks held by the state after `s` updates. `init` builds the masks from the
@@ -41,8 +47,9 @@ import optax
 from jsparse24 import backends
 from jsparse24._format import Mask24
 from jsparse24._sharding import explicit_sharding, typed_like
-from jsparse24.linen import (_map_layers, dense_kernel, layers_by_path, map_sparse_kernels,
-                             masks_like_kernels as _masks_like_kernels, rebuild_masks)
+from jsparse24.linen import (_map_layers, check_sparsity, dense_kernel, layers_by_path,
+                             map_sparse_kernels, masks_like_kernels as _masks_like_kernels,
+                             rebuild_masks)
 from pallas_kernels import prune_rule
 
 DENSITY = 0.5  # 2 of 4 kept
@@ -164,6 +171,8 @@ def mask_update(
   Returns:
     A `GradientTransformationExtraArgs`; its `update` needs `params`.
 
+  Chain it before the optimizer, or let `with_masks` do it.
+
   Steps are the transform's own updates: inside `optax.MultiSteps(tx, k)`
   (gradient accumulation) it runs once per k micro-steps, so the schedule
   counts optimizer steps, not micro-steps.
@@ -180,19 +189,11 @@ def mask_update(
     >>> jsparse24.optim.masks(state)["mask"].unpack().shape
     (8, 4)
   """
-  if not isinstance(sparsity, Mapping):
-    raise TypeError(
-        f"mask_update: `sparsity` must be the model's 'sparsity' collection (a"
-        f" dict), got {type(sparsity).__name__}.")
+  check_sparsity("mask_update", sparsity)
   if not isinstance(schedule, MaskSchedule):
     raise TypeError(
         f"mask_update: `schedule` must be a MaskSchedule, got {type(schedule).__name__}"
         f" {schedule!r} (e.g. MaskSchedule(rebuild_every={schedule!r})).")
-  if not any(isinstance(leaf, Mask24) for leaf in jax.tree.leaves(
-      sparsity, is_leaf=lambda a: isinstance(a, Mask24))):
-    raise ValueError(
-        "mask_update: `sparsity` holds no Mask24: pass the model's 'sparsity' collection"
-        " (variables['sparsity'] from init), not its params.")
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sparsity)
   if isinstance(decay, bool) or not (callable(decay) or isinstance(decay, (int, float))
                                      or (hasattr(decay, "shape") and hasattr(decay, "dtype")
@@ -391,14 +392,96 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: ja
   return map_sparse_kernels(add, layers_by_path(masks), updates, params)[0]
 
 
-def _find_state(opt_state) -> MaskUpdateState:
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, MaskUpdateState))
+def with_masks(
+    optimizer: optax.GradientTransformation,
+    sparsity: Mapping,
+    schedule: MaskSchedule = MaskSchedule(),
+    *,
+    decay: float | Callable[[jax.Array], jax.Array] = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+  """`optimizer` with `mask_update` chained before it, where it belongs.
+
+  The way to train with rebuilt masks: `mask_update` must see the gradients,
+  not the optimizer's updates (module docstring), and this cannot put it
+  anywhere else. The result is `optax.chain(mask_update(sparsity, schedule,
+  decay=decay), optimizer)`; its `update` needs `params`, and `masks`,
+  `stats` and `masks_like_kernels` read its state. Wrap it whole
+  (`optax.MultiSteps(with_masks(...), k)`), not the optimizer inside it, for
+  the schedule to count optimizer steps.
+
+  Args:
+    optimizer: any optax transform (`optax.adamw(1e-3)`, a chain with
+      clipping, ...).
+    sparsity: the model's `"sparsity"` collection from `init`.
+    schedule: a `MaskSchedule`.
+    decay: as in `mask_update`.
+
+  Returns:
+    A `GradientTransformationExtraArgs`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jsparse24
+    >>> layer = jsparse24.SparseDense(4)
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((1, 8)))
+    >>> tx = jsparse24.optim.with_masks(
+    ...     optax.adamw(1e-3), variables["sparsity"],
+    ...     jsparse24.optim.MaskSchedule(rebuild_every=10), decay=2e-4)
+    >>> state = tx.init(variables["params"])
+    >>> jsparse24.optim.masks(state)["mask"].unpack().shape
+    (8, 4)
+  """
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError(
+        f"with_masks: `optimizer` must be an optax transform (e.g. optax.adamw(1e-3)),"
+        f" got {type(optimizer).__name__}; the 'sparsity' collection comes second.")
+  check_sparsity("with_masks", sparsity)
+  return optax.chain(mask_update(sparsity, schedule, decay=decay), optimizer)
+
+
+def _find_state(opt_state, fn: str) -> MaskUpdateState:
+  found = [(path, s) for path, s in jax.tree_util.tree_leaves_with_path(
+      opt_state, is_leaf=lambda s: isinstance(s, MaskUpdateState))
            if isinstance(s, MaskUpdateState)]
   if len(found) != 1:
     raise ValueError(
-        f"expected exactly one jsparse24.optim.mask_update state in the optimizer"
-        f" state, found {len(found)}.")
-  return found[0]
+        f"{fn}: expected exactly one jsparse24.optim.mask_update state in `opt_state`,"
+        f" found {len(found)} (build the optimizer with jsparse24.optim.with_masks).")
+  path, state = found[0]
+  _check_placement(fn, opt_state, path)
+  return state
+
+
+def _check_placement(fn: str, opt_state, path) -> None:
+  """Raises where the `mask_update` state at `path` shows the transform
+  chained last, after other transforms: then it receives the optimizer's
+  updates, not the gradients (module docstring), and trains on without a
+  word. The state says so: `optax.chain` keeps its transforms' states in a
+  plain tuple, in order, so the transform is last after others where it is
+  the last entry of every tuple on its path and not the first of one. Other
+  containers on the path (`optax.MultiSteps`, `inject_hyperparams`) are
+  passed through; a container it cannot read makes it say nothing.
+  (`optax.chain(clip, mask_update, optimizer)`, which feeds it clipped
+  gradients, is accepted.)"""
+  node, last, after_others = opt_state, True, False
+  for key in path:
+    if isinstance(key, jax.tree_util.SequenceKey) and isinstance(node, (tuple, list)):
+      last &= key.idx == len(node) - 1
+      after_others |= key.idx > 0
+      node = node[key.idx]
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      node = getattr(node, key.name)
+    elif isinstance(key, jax.tree_util.DictKey):
+      node = node[key.key]
+    else:
+      return
+  if last and after_others:
+    raise ValueError(
+        f"{fn}: the jsparse24.optim.mask_update transform is chained after the"
+        f" optimizer (last in an optax.chain, after other transforms), so it receives"
+        f" the optimizer's updates instead of the gradients and adds its decay to the"
+        f" step itself. Chain it"
+        f" first: jsparse24.optim.with_masks(optimizer, sparsity, schedule, decay=...),"
+        f" or optax.chain(jsparse24.optim.mask_update(...), optimizer).")
 
 
 def masks(opt_state, sparse: bool | None = None) -> dict:
@@ -421,7 +504,7 @@ def masks(opt_state, sparse: bool | None = None) -> dict:
           ...
       step(params, opt_state, batch, sparse=bool(schedule.sparse(i)))
   """
-  held = _find_state(opt_state).masks
+  held = _find_state(opt_state, "masks").masks
   if sparse is None:
     return held
   if not isinstance(sparse, (bool, np.bool_)):
@@ -442,7 +525,7 @@ def masks_like_kernels(opt_state, params: Mapping):
       keep = jax.tree.map(lambda a: a.sharding, (params, opt_state))
       step = jax.jit(train_step, out_shardings=keep + (loss_sharding,))
   """
-  state = _find_state(opt_state)
+  state = _find_state(opt_state, "masks_like_kernels")
   placed = state._replace(masks=_masks_like_kernels(state.masks, params))
   return jax.tree.map(lambda s: placed if s is state else s, opt_state,
                       is_leaf=lambda s: s is state)
@@ -450,7 +533,7 @@ def masks_like_kernels(opt_state, params: Mapping):
 
 def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
   """`{"layer/path": {"flip_rate": ..., "sparsity": ...}}` for logging."""
-  state = _find_state(opt_state)
+  state = _find_state(opt_state, "stats")
 
   def by_path(tree):
     return {"/".join(str(k.key) for k in path): v
@@ -462,4 +545,4 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
 
 
 __all__ = ["MaskSchedule", "MaskUpdateState", "mask_update", "masks", "masks_like_kernels",
-           "stats"]
+           "stats", "with_masks"]

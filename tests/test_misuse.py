@@ -1,0 +1,326 @@
+"""Misuse that used to run on silently, or fail far from its cause, gets an
+error naming the function, the argument and the fix, or cannot be written
+(issue 39): the mask transform chained after the optimizer, a wrong second
+argument to the mask-tree helpers, a model patched by `sparsify` applied with
+rules that match nothing or without its masks, a `"sparsity"` collection
+holding something else than masks, and a layer whose width cannot be 2:4."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jsparse24
+from jsparse24 import nnx as jnnx
+from jsparse24 import optim
+
+X = jnp.ones((2, 16))
+PLAIN = {"transposable": False}  # sparsify's options: compiles faster than the search
+
+
+class _Net(nn.Module):
+  """One SparseDense named "up" (errors name it); plain masks unless told,
+  which compile faster than the transposable search."""
+
+  features: int = 8
+  transposable: bool | None = False
+
+  @nn.compact
+  def __call__(self, x):
+    return jsparse24.SparseDense(self.features, transposable=self.transposable, name="up")(x)
+
+
+class _Mlp(nn.Module):
+  """Two nn.Dense layers, and a method that runs only the first."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8, name="down")(self.encode(x))
+
+  @nn.compact
+  def encode(self, x):
+    return nn.relu(nn.Dense(16, name="up")(x))
+
+
+def _variables():
+  return _Net().init(jax.random.key(1), X)
+
+
+# --- the mask transform and the optimizer ------------------------------------
+
+
+def test_with_masks_chains_the_mask_transform_before_the_optimizer():
+  """The decay of the pruned weights enters as a gradient, so the optimizer
+  scales it: with zero gradients and SGD at rate 0.5 each pruned weight moves
+  by -0.5 * decay * w. Chained after the optimizer it would move by
+  +decay * w (the wrong sign, no rate)."""
+  v = _variables()
+  tx = optim.with_masks(optax.sgd(0.5), v["sparsity"], decay=0.1)
+  state = tx.init(v["params"])
+  assert isinstance(state[0], optim.MaskUpdateState)
+  grads = jax.tree.map(jnp.zeros_like, v["params"])
+  updates, _ = jax.jit(tx.update)(grads, state, v["params"])
+  w = v["params"]["up"]["kernel"]
+  pruned = ~optim.masks(state)["up"]["mask"].unpack()
+  np.testing.assert_allclose(updates["up"]["kernel"], jnp.where(pruned, -0.5 * 0.1 * w, 0.0),
+                             rtol=1e-6)
+
+
+def test_with_masks_refuses_its_arguments_swapped():
+  v = _variables()
+  with pytest.raises(TypeError, match=r"with_masks: `optimizer` must be an optax transform"
+                     r".*'sparsity' collection comes second"):
+    optim.with_masks(v["sparsity"], optax.sgd(0.1))
+
+
+def _chains(sparsity):
+  mu = lambda: optim.mask_update(sparsity)  # noqa: E731
+  after = {
+      "chain(adam, mask_update)": optax.chain(optax.adam(1e-3), mu()),
+      "MultiSteps(chain(adam, mask_update))": optax.MultiSteps(
+          optax.chain(optax.adam(1e-3), mu()), 2),
+      "chain(inject_hyperparams(adam), mask_update)": optax.chain(
+          optax.inject_hyperparams(optax.adam)(1e-3), mu()),
+  }
+  first = {
+      "with_masks(adam)": optim.with_masks(optax.adam(1e-3), sparsity),
+      "chain(mask_update, adam)": optax.chain(mu(), optax.adam(1e-3)),
+      "chain(clip, mask_update, adam)": optax.chain(optax.clip(1.0), mu(), optax.adam(1e-3)),
+      "chain(chain(clip, mask_update), adam)": optax.chain(optax.chain(optax.clip(1.0), mu()),
+                                                           optax.adam(1e-3)),
+      "MultiSteps(with_masks(adam))": optax.MultiSteps(optim.with_masks(optax.adam(1e-3),
+                                                                        sparsity), 2),
+      "mask_update alone": mu(),
+  }
+  return after, first
+
+
+@pytest.mark.parametrize("fn", ["masks", "stats", "masks_like_kernels"])
+def test_a_mask_transform_chained_after_the_optimizer_is_refused(fn):
+  v = _variables()
+  after, first = _chains(v["sparsity"])
+  call = {"masks": optim.masks, "stats": optim.stats,
+          "masks_like_kernels": lambda s: optim.masks_like_kernels(s, v["params"])}[fn]
+  for name, tx in after.items():
+    with pytest.raises(ValueError, match=rf"{fn}: the jsparse24.optim.mask_update transform is"
+                       r" chained after the optimizer.*jsparse24.optim.with_masks\(optimizer"):
+      call(tx.init(v["params"]))
+      pytest.fail(f"{name} was accepted")
+  for name, tx in first.items():
+    call(tx.init(v["params"]))  # accepted: the transform sees (clipped) gradients
+
+
+def test_the_misordered_chain_is_refused_inside_jit_too():
+  v = _variables()
+  tx = optax.chain(optax.sgd(0.1), optim.mask_update(v["sparsity"]))
+  with pytest.raises(ValueError, match=r"masks: the jsparse24.optim.mask_update transform is"
+                     r" chained after"):
+    jax.jit(optim.masks)(tx.init(v["params"]))
+
+
+def test_mask_update_given_the_whole_variables_names_the_collection():
+  v = _variables()
+  with pytest.raises(ValueError, match=r"mask_update: `sparsity` is the whole variables \(it"
+                     r" holds 'params' and 'sparsity'\); pass variables\['sparsity'\]"):
+    optim.mask_update(v)  # was: a tree mismatch at `init`, no fix
+  with pytest.raises(ValueError, match=r"with_masks: `sparsity` is the whole variables"):
+    optim.with_masks(optax.sgd(0.1), v)
+
+
+# --- the mask-tree helpers' `sparsity` argument ------------------------------
+
+
+def _helpers():
+  return {
+      "compress_params": lambda p, s: jsparse24.compress_params(p, s),
+      "rebuild_masks": lambda p, s: jsparse24.rebuild_masks(p, s),
+      "masks_like_kernels": lambda p, s: jsparse24.masks_like_kernels(s, p),
+  }
+
+
+@pytest.mark.parametrize("fn", list(_helpers()))
+def test_an_empty_sparsity_collection_is_refused(fn):
+  """`compress_params(params, {})` returned the dense params unchanged."""
+  v = _variables()
+  with pytest.raises(ValueError, match=rf"{fn}: `sparsity` is empty, so there is no sparse"
+                     r" layer to work on; pass the model's 'sparsity' collection:"
+                     r" variables\['sparsity'\] from `init`, or"
+                     r" jsparse24.optim.masks\(opt_state\)"):
+    _helpers()[fn](v["params"], {})
+
+
+@pytest.mark.parametrize("fn", list(_helpers()))
+def test_a_sparsity_argument_of_the_wrong_kind_says_what_to_pass(fn):
+  v = _variables()
+  call = _helpers()[fn]
+  with pytest.raises(TypeError, match=rf"{fn}: `sparsity` must be a dict, got None;.*"
+                     r"variables\['sparsity'\]"):  # was AttributeError: ... 'get'
+    call(v["params"], None)
+  opt_state = optim.with_masks(optax.adam(1e-3), v["sparsity"]).init(v["params"])
+  with pytest.raises(TypeError, match=rf"{fn}: `sparsity` is an optimizer state; pass"
+                     r" jsparse24.optim.masks\(opt_state\)"):  # was AttributeError
+    call(v["params"], opt_state)
+  with pytest.raises(ValueError, match=rf"{fn}: `sparsity` is the whole variables.*pass"
+                     r" variables\['sparsity'\]"):
+    call(v["params"], v)
+  with pytest.raises(ValueError, match=rf"{fn}: `sparsity` holds no Mask24 \(keys \['up'\]\).*"
+                     r"the params come first"):
+    call(v["params"], v["params"])
+
+
+def test_compress_params_with_the_masks_of_the_optimizer_state_still_works():
+  v = _variables()
+  opt_state = optim.with_masks(optax.adam(1e-3), v["sparsity"]).init(v["params"])
+  out = jsparse24.compress_params(v["params"], optim.masks(opt_state))
+  assert isinstance(out["up"]["kernel"], jsparse24.Sparse24)
+
+
+# --- sparsify ------------------------------------------------------------------
+
+
+def test_sparsify_rules_that_match_nothing_are_refused_in_apply_and_init_with_output():
+  """`apply` ran the model dense without a word when no rule matched (no
+  `init` of the patched model, whose check would have caught it)."""
+  x = jnp.ones((2, 8))
+  dense = _Mlp().init(jax.random.key(0), x)
+  sparse = jsparse24.sparsify(_Mlp(), {"upp": PLAIN})
+  match = (r"sparsify: rule\(s\) \['upp'\] matched no nn.Dense layer in `{}`; the model's"
+           r" layers are \['down', 'up'\]")
+  with pytest.raises(ValueError, match=match.format("apply")):
+    sparse.apply(dense, x)
+  with pytest.raises(ValueError, match=match.format("init_with_output")):
+    sparse.init_with_output(jax.random.key(0), x)
+
+
+def test_sparsify_apply_of_one_method_accepts_rules_for_layers_it_does_not_run():
+  """A rule is checked against the variables' layers too, so `apply(...,
+  method=...)` running part of the model is not refused."""
+  x = jnp.ones((2, 8))
+  sparse = jsparse24.sparsify(_Mlp(), {"down": PLAIN})
+  v = sparse.init(jax.random.key(0), x)
+  assert sparse.apply(v, x, method=_Mlp.encode).shape == (2, 16)
+  # With the params only (no masks: "down" does not run), the params name it.
+  assert sparse.apply({"params": v["params"]}, x, method=_Mlp.encode).shape == (2, 16)
+
+
+def test_sparsify_apply_without_the_masks_names_apply_the_collection_and_init():
+  x = jnp.ones((2, 8))
+  dense = _Mlp().init(jax.random.key(0), x)
+  sparse = jsparse24.sparsify(_Mlp(), {"up": PLAIN})
+  with pytest.raises(ValueError, match=r"layer 'up' takes its 2:4 mask from the 'sparsity'"
+                     r" collection, but no 'sparsity' collection was passed to `apply`.*"
+                     r"from the patched model's `init`"):
+    sparse.apply(dense, x)
+
+
+# --- what the "sparsity" collection holds ----------------------------------
+
+
+def _apply_with(sparsity):
+  v = _variables()
+  return _Net().apply({"params": v["params"], "sparsity": sparsity}, X)
+
+
+def test_an_array_in_place_of_a_layers_masks_is_named():
+  """A numpy array at the layer's path was reported as no collection passed."""
+  v = _variables()
+  bool_mask = np.asarray(v["sparsity"]["up"]["mask"].unpack())
+  with pytest.raises(ValueError, match=r"layer 'up' takes its 2:4 mask from the 'sparsity'"
+                     r" collection, but the 'sparsity' collection passed to `apply` holds a"
+                     r" numpy.ndarray bool\[16, 8\] at its path, where a dict \{'mask':"
+                     r" jsparse24.Mask24, 'active': ...\} belongs"):
+    _apply_with({"up": bool_mask})
+
+
+@pytest.mark.parametrize("mask,found", [
+    (lambda m: np.asarray(m.unpack()), r"a numpy.ndarray bool\[16, 8\]"),
+    (lambda m: np.asarray(m.packed), r"a numpy.ndarray uint8\[8, 2\]"),
+    (lambda m: {"packed": m.packed}, r"a dict with keys \['packed'\]"),
+])
+def test_a_mask_that_is_not_a_mask24_is_named_with_the_conversion(mask, found):
+  """Was AttributeError: ... has no attribute 'transposable'."""
+  v = _variables()
+  layer = {"mask": mask(v["sparsity"]["up"]["mask"]), "active": np.array(True)}
+  with pytest.raises(TypeError, match=r"SparseDense 'up': the 'mask' in the 'sparsity'"
+                     rf" collection passed to `apply` is {found}; expected a jsparse24.Mask24.*"
+                     r"jsparse24.Mask24.pack\(mask, transposable=...\)"):
+    _apply_with({"up": layer})
+
+
+def test_a_sparsity_collection_without_the_layer_or_with_everything_is_named():
+  v = _variables()
+  with pytest.raises(ValueError, match=r"layer 'up' .*has no entry for it \(at its top level:"
+                     r" \['down'\]\)"):
+    _apply_with({"down": v["sparsity"]["up"]})
+  with pytest.raises(ValueError, match=r"layer 'up' .*is the whole variables \(it holds 'params'"
+                     r" and 'sparsity'\): pass variables\['sparsity'\] there"):
+    _apply_with(v)
+
+
+class _Scanned(nn.Module):
+  """Two `_Net` layers under `nn.scan`, whose body sees only its own part of
+  the variables."""
+
+  @nn.compact
+  def __call__(self, x):
+    body = lambda net, x, _: (net(x), None)  # noqa: E731
+    return nn.scan(body, variable_axes={"params": 0, "sparsity": 0},
+                   split_rngs={"params": True}, length=2)(_Net(features=16, name="blocks"), x,
+                                                          None)[0]
+
+
+def test_the_sparsity_collection_is_described_from_inside_nn_scan():
+  """An array at a scanned layer's path crashed in `jax.Array.__contains__`
+  (Flax's `has_variable`); inside the scan the variables start at
+  "blocks", which the message says instead of "no collection"."""
+  v = _Scanned().init(jax.random.key(0), X)
+
+  def apply(sparsity):
+    return _Scanned().apply({"params": v["params"], "sparsity": sparsity}, X)
+
+  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*holds a jax.Array bool\[16, 16\] at"
+                     r" its path"):
+    apply({"blocks": {"up": np.ones((2, 16, 16), bool)}})
+  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*has no entry for it \(at 'blocks':"
+                     r" \['down'\]\)"):
+    apply({"blocks": {"down": v["sparsity"]["blocks"]["up"]}})
+  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*has nothing under 'blocks'"):
+    apply({})
+
+
+# --- widths that cannot be 2:4 ----------------------------------------------
+
+
+def test_an_input_width_not_a_multiple_of_4_names_the_layer_and_the_fix():
+  """It blamed `prune_24` and spoke of transposable masks."""
+  x = jnp.ones((2, 6))
+  with pytest.raises(ValueError, match=r"^SparseDense 'up': the input width 6 is not a"
+                     r" multiple of 4;.*Pad the inputs' last axis to 8, or make this layer an"
+                     r" nn.Dense\."):
+    _Net().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"^nn.Dense 'up' \(patched by jsparse24.sparsify\): the"
+                     r" input width 6 .*Pad the inputs' last axis to 8, or leave this layer"
+                     r" dense: give jsparse24.sparsify rules that do not match 'up'\."):
+    jsparse24.sparsify(_Mlp(), {"up": PLAIN}).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"^SparseDense 'up': the input width 6"):
+    _Net(transposable=None).init(jax.random.key(0), x)
+
+
+def test_transposable_with_an_output_width_not_a_multiple_of_4_names_the_layer():
+  with pytest.raises(ValueError, match=r"^SparseDense 'up': transposable=True needs the output"
+                     r" width \(features=6\) to be a multiple of 4.*Set transposable=None"):
+    _Net(features=6, transposable=True).init(jax.random.key(0), X)
+  # transposable=None makes a plain mask there: no error.
+  v = _Net(features=6, transposable=None).init(jax.random.key(0), X)
+  assert not v["sparsity"]["up"]["mask"].transposable
+
+
+def test_nnx_widths_not_a_multiple_of_4_say_the_fix():
+  with pytest.raises(ValueError, match=r"SparseLinear: in_features=6 .*Pad the inputs' last axis"
+                     r" to 8, or make this layer an nnx.Linear"):
+    jnnx.SparseLinear(6, 8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"SparseLinear: out_features=6 .*set transposable=None"):
+    jnnx.SparseLinear(8, 6, transposable=True, rngs=nnx.Rngs(0))
