@@ -43,6 +43,9 @@ from pallas_kernels import prune_rule as rule
 # Streaming multiprocessors of the GPUs the defaults were tuned on (H100 and
 # H200 SXM: 132), for the number of K slices that keeps each one busy.
 _SMS = 132
+# Shared memory the pipelined tiles may take (Hopper allows 227 KiB a block;
+# the rest is left to Triton's own buffers, e.g. for layout conversions).
+_SMEM_BUDGET = 160 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +79,26 @@ class DecodeConfig:
     return cls(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3)
 
 
-def _plan(config: DecodeConfig, m: int, k: int, n: int) -> tuple[DecodeConfig, int, int]:
-  """The config fitted to the shape: `(config, splits, steps per split)`."""
+def _smem_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int) -> int:
+  """Shared memory of the pipelined loads: x, values and metadata tiles per stage."""
+  return stages * (bm * bk * itemsize + bn * (bk // 2) * itemsize + bn * (bk // 8))
+
+
+def _plan(config: DecodeConfig, m: int, k: int, n: int,
+          itemsize: int) -> tuple[DecodeConfig, int, int]:
+  """The config fitted to the shape: `(config, splits, steps per split)`.
+  Fewer stages, then a smaller `block_k`, where the pipelined tiles would
+  not fit in shared memory (Hopper: 227 KiB a block; float32 tiles are
+  twice the size of the 16-bit ones the defaults are tuned for)."""
   bm = min(config.block_m, max(16, pl.next_power_of_2(m)))
   bn = min(config.block_n, max(16, pl.next_power_of_2(n)))
   bk = min(config.block_k, max(128, pl.next_power_of_2(k)))
-  cfg = dataclasses.replace(config, block_m=bm, block_n=bn, block_k=bk)
+  stages = config.num_stages
+  while _smem_bytes(bm, bn, bk, stages, itemsize) > _SMEM_BUDGET and stages > 2:
+    stages -= 1
+  while _smem_bytes(bm, bn, bk, stages, itemsize) > _SMEM_BUDGET and bk > 128:
+    bk //= 2
+  cfg = dataclasses.replace(config, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
   steps = pl.cdiv(k, bk)
   splits = config.splits
   if splits is None:
@@ -185,7 +202,8 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
     raise TypeError(f"{fn}: dtype must be bfloat16, float16 or float32, got {x.dtype}.")
   if not m or not n:
     return jnp.zeros((m, n), x.dtype)
-  cfg, splits, per = _plan(config or DecodeConfig.default(m, k, n), m, k, n)
+  cfg, splits, per = _plan(config or DecodeConfig.default(m, k, n), m, k, n,
+                           jnp.dtype(x.dtype).itemsize)
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   # One slice writes y itself; several write float32 partial products.
   out_shape = (m, n) if splits == 1 else (splits, m, n)
