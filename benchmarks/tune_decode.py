@@ -49,7 +49,7 @@ def pl_cdiv(a: int, b: int) -> int:
 
 def check(configs) -> None:
   shapes = [(1, 4100, 3000), (3, 1028, 520), (17, 2056, 777), (16, 8192, 8192),
-            (64, 4096, 4096), (200, 4096, 1000), (5, 12, 7)]
+            (64, 4096, 4096), (200, 4096, 1000), (5, 12, 7), (2, 20, 9)]
   failed = []
   for (m, k, n), dtype in itertools.product(shapes, (jnp.bfloat16, jnp.float16, jnp.float32)):
     key = jax.random.key(m * 7 + k + n)
@@ -58,6 +58,8 @@ def check(configs) -> None:
     w = decode24.expand_reference(values, meta, k).astype(jnp.float32)
     ref = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     for cfg in [None, *configs] if dtype == jnp.bfloat16 else [None]:
+      if cfg is not None and cfg.fma and m > decode24.FMA_MAX_M:
+        continue
       try:
         got = decode24.decode_matmul(x, values, meta, k=k, config=cfg).astype(jnp.float32)
       except Exception as e:  # pylint: disable=broad-except
@@ -131,17 +133,51 @@ def sweep(point: Point, cands, t_dense: float, deadline: float, tag: str):
   return results
 
 
+def quick(bw: float, failed) -> None:
+  """The defaults against the tensor-core tiles and other fma tiles at M <= 16."""
+  cfg = decode24.DecodeConfig
+  mma = cfg(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+  rows = []
+  for (k, n), m in itertools.product(((8192, 8192), (4096, 4096)), (1, 2, 4, 16)):
+    point = Point(m, k, n)
+    t_dense = point.dense()
+    variants = [None, mma]
+    if m <= decode24.FMA_MAX_M:
+      variants += [cfg(block_n=bn, block_k=bk, num_warps=w, num_stages=4, fma=True)
+                   for bn, bk, w in ((32, 256, 4), (128, 256, 4), (64, 512, 4), (64, 256, 8),
+                                     (64, 128, 4))]
+    for v in variants:
+      try:
+        t = point.sparse(v)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"M={m} {k}x{n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      rows.append([m, k, n, t_dense * 1e3, t * 1e3, t_dense / t,
+                   100 * point.sparse_bytes / t / bw, "default" if v is None else str(v)[12:]])
+      print(rows[-1], flush=True)
+  for f in failed:
+    print(f"CHECK FAILED {f}")
+  print(_common.table(["M", "K", "N", "dense ms", "decode ms", "speedup", "% copy bw",
+                       "config"], rows))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--budget", type=float, default=240.0)
+  p.add_argument("--quick", action="store_true",
+                 help="the checks, then the defaults against a few variants at M <= 16")
   args = p.parse_args(argv)
   start = time.time()
   print(_common.environment(), flush=True)
   bw = _common.copy_bandwidth()
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-  failed = check([decode24.DecodeConfig(splits=1), decode24.DecodeConfig(lane_dots=False, splits=3),
-         decode24.DecodeConfig(block_m=64, block_n=128, block_k=512, num_warps=8)])
+  failed = check([decode24.DecodeConfig(splits=1), decode24.DecodeConfig(lane_dots=True, splits=3),
+         decode24.DecodeConfig(block_m=64, block_n=128, block_k=512, num_warps=8),
+         decode24.DecodeConfig(fma=True, splits=1, block_n=128)])
   print(f"[{time.time() - start:.0f}s]", flush=True)
+  if args.quick:
+    quick(bw, failed)
+    return
   best = {}
   for m, share in ((16, 0.45), (64, 0.3)):
     point = Point(m, 8192, 8192)

@@ -46,6 +46,8 @@ _SMS = 132
 # Shared memory the pipelined tiles may take (Hopper allows 227 KiB a block;
 # the rest is left to Triton's own buffers, e.g. for layout conversions).
 _SMEM_BUDGET = 160 * 1024
+# The most rows of x the `fma` variant takes (its work grows with each row).
+FMA_MAX_M = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,16 +69,23 @@ class DecodeConfig:
   # True: one product per lane of 8 (no expanded tile is interleaved in
   # registers); False: the tile expanded to `[block_n, block_k]` and one
   # product per K step.
-  lane_dots: bool = True
+  lane_dots: bool = False
+  # True (M <= FMA_MAX_M): no tensor-core product at all; each row of x
+  # multiplies the compressed values in float32 where they lie, with x's
+  # elements picked by the metadata, so no expanded tile is ever moved
+  # between register layouts (which the products need, through shared memory).
+  fma: bool = False
 
   @classmethod
   def default(cls, m: int, k: int, n: int) -> "DecodeConfig":
     del k, n
+    if m <= FMA_MAX_M:
+      return cls(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, fma=True)
     if m <= 16:
-      return cls(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)
+      return cls(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
     if m <= 64:
-      return cls(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=3)
-    return cls(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3)
+      return cls(block_m=64, block_n=32, block_k=512, num_warps=4, num_stages=2, waves=1)
+    return cls(block_m=128, block_n=64, block_k=256, num_warps=8, num_stages=3, waves=1)
 
 
 def _smem_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int) -> int:
@@ -90,7 +99,10 @@ def _plan(config: DecodeConfig, m: int, k: int, n: int,
   Fewer stages, then a smaller `block_k`, where the pipelined tiles would
   not fit in shared memory (Hopper: 227 KiB a block; float32 tiles are
   twice the size of the 16-bit ones the defaults are tuned for)."""
-  bm = min(config.block_m, max(16, pl.next_power_of_2(m)))
+  if config.fma and m > FMA_MAX_M:
+    raise ValueError(f"decode_matmul: fma=True takes M <= {FMA_MAX_M} rows of x, got M = {m}.")
+  # fma: the rows are unrolled, and the grid has one block of them.
+  bm = m if config.fma else min(config.block_m, max(16, pl.next_power_of_2(m)))
   bn = min(config.block_n, max(16, pl.next_power_of_2(n)))
   bk = min(config.block_k, max(128, pl.next_power_of_2(k)))
   stages = config.num_stages
@@ -111,7 +123,7 @@ def _plan(config: DecodeConfig, m: int, k: int, n: int,
 
 def _decode_kernel(x_ref, values_ref, meta_ref, o_ref, *, m: int, k: int, n: int,
                    block_m: int, block_n: int, block_k: int, per: int, ragged_k: bool,
-                   lane_dots: bool):
+                   lane_dots: bool, fma: bool):
   j, s, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n0 = pl.multiple_of(j * block_n, block_n)
   m0 = pl.multiple_of(i * block_m, block_m)
@@ -134,6 +146,45 @@ def _decode_kernel(x_ref, values_ref, meta_ref, o_ref, *, m: int, k: int, n: int
     if mask is None:
       return pltriton.load(block)
     return pltriton.load(block, mask=mask, other=other)
+
+  def fma_body(t, accs):
+    step = s * per + t
+    k0 = pl.multiple_of(step * block_k, block_k)
+    v0 = pl.multiple_of(step * (block_k // 2), block_k // 2)
+    c0 = pl.multiple_of(step * (block_k // 8), block_k // 8)
+    values = load(values_ref, block_n, n0, n, ragged_n, v0, block_k // 2, k // 2, 0)
+    meta = load(meta_ref, block_n, n0, n, ragged_n, c0, block_k // 8, meta_ref.shape[1],
+                rule.PAD_BYTE)
+    slots = [v.astype(jnp.float32) for v in _tiles.split_lanes(values, 4)]
+    codes = rule.byte_codes(meta.astype(jnp.int32))
+    accs = list(accs)
+    for r in range(block_m):
+      # One row of x: 8 lanes [1, block_k / 8], broadcast along N.
+      x = load(x_ref, 1, r, m, False, k0, block_k, k, 0).astype(jnp.float32)
+      xs = _tiles.split_lanes(x, 8)
+      for g, code in enumerate(codes):
+        i0, i1 = rule.code_indices(code)  # i0 in 0-2, i1 in 1-3
+        x0, x1, x2, x3 = xs[4 * g:4 * g + 4]
+        first = jnp.where(i0 == 0, x0, jnp.where(i0 == 1, x1, x2))
+        second = jnp.where(i1 == 3, x3, jnp.where(i1 == 2, x2, x1))
+        accs[r] = accs[r] + slots[2 * g] * first + slots[2 * g + 1] * second
+    return tuple(accs)
+
+  if fma:
+    accs = jax.lax.fori_loop(
+        0, per, fma_body,
+        tuple(jnp.zeros((block_n, block_k // 8), jnp.float32) for _ in range(block_m)))
+    cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+    for r, acc in enumerate(accs):
+      y = jnp.sum(acc, axis=1)[None, :]  # [1, block_n]
+      mask = cols < n if ragged_n else None
+      if len(o_ref.shape) == 2:
+        pltriton.store(o_ref.at[pl.ds(r, 1), pl.ds(n0, block_n)], y.astype(o_ref.dtype),
+                       mask=mask)
+      else:
+        pltriton.store(o_ref.at[pl.ds(s, 1), pl.ds(r, 1), pl.ds(n0, block_n)],
+                       y.astype(o_ref.dtype)[None], mask=None if mask is None else mask[None])
+    return
 
   def body(t, acc):
     step = s * per + t
@@ -210,7 +261,8 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   out_dtype = x.dtype if splits == 1 else jnp.float32
   out = pl.pallas_call(
       functools.partial(_decode_kernel, m=m, k=k, n=n, block_m=bm, block_n=bn, block_k=bk,
-                        per=per, ragged_k=splits * per * bk != k, lane_dots=cfg.lane_dots),
+                        per=per, ragged_k=splits * per * bk != k, lane_dots=cfg.lane_dots,
+                        fma=cfg.fma),
       out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(pl.cdiv(n, bn), splits, pl.cdiv(m, bm)),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,

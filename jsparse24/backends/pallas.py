@@ -58,6 +58,36 @@ from jsparse24.backends.base import Backend, BackendUnavailableError, Problem, X
 # benchmarks/results/nvidia-h200.md, "sparse-operand matmul bf16".
 AUTO_MAX_M = 0
 
+# A compressed weight (a `Sparse24`: `compress`, `compress_params`) multiplies
+# through the decode kernel (`pallas_kernels.decode24`, split-K) for up to
+# DECODE_MAX_M rows of x, through `spmm24` above.
+DECODE_MAX_M = 256
+# implementation=None takes this backend for a compressed bfloat16 weight
+# where benchmarks/sweep_decode.py measured the decode kernel faster than
+# dense XLA: per GPU (`jax.Device.device_kind`), rows K and columns N of
+# DECODE_GRID, the largest M of the sweep (1, 2, 4, ..., 256) up to which it
+# measured at least DECODE_MARGIN times as fast at every M of the sweep (0:
+# at none). A shape between grid points takes the grid point below it, K or
+# N below the grid never; a GPU not listed never (unmeasured: dense).
+DECODE_GRID = (2048, 4096, 8192, 16384)
+DECODE_MARGIN = 1.03
+DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {}
+
+
+def _gpu_kind() -> str:
+  """The GPU that `DECODE_AUTO_MAX_M` is looked up for."""
+  return jax.devices()[0].device_kind
+
+
+def decode_auto_max_m(k: int, n: int) -> int:
+  """The most rows of x for which `implementation=None` multiplies a
+  compressed `[K, N]` weight with the decode kernel on this GPU (0: never)."""
+  table = DECODE_AUTO_MAX_M.get(_gpu_kind())
+  below = [[i for i, g in enumerate(DECODE_GRID) if g <= size] for size in (k, n)]
+  if table is None or not below[0] or not below[1]:
+    return 0
+  return table[below[0][-1]][below[1][-1]]
+
 
 @functools.cache
 def warn_xla_fallback() -> None:
@@ -83,6 +113,7 @@ def kernels() -> types.ModuleType:
     raise BackendUnavailableError(f"jsparse24.backends.pallas: {reason}.")
   # pylint: disable=g-import-not-at-top,unused-import
   import pallas_kernels.cusparselt_metadata
+  import pallas_kernels.decode24
   import pallas_kernels.mask_rebuild
   import pallas_kernels.masked_compress
   import pallas_kernels.mvue24
@@ -260,6 +291,12 @@ def _spmm(k: int, interpret: bool):
   return functools.partial(kernels().spmm24.sparse_matmul, k=k, interpret=interpret)
 
 
+@functools.cache
+def _decode(k: int, interpret: bool):
+  """The per-device product for few rows of x (`decode24`)."""
+  return functools.partial(kernels().decode24.decode_matmul, k=k, interpret=interpret)
+
+
 class PallasBackend(Backend):
   name = "pallas"
 
@@ -279,8 +316,12 @@ class PallasBackend(Backend):
       raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
 
   def prefers(self, problem: Problem) -> bool:
-    return (not interpreting() and problem.m <= AUTO_MAX_M
-            and problem.dtype in (jnp.bfloat16, jnp.float16))
+    if interpreting():
+      return False
+    if problem.compressed:
+      # Only bfloat16 was swept (DECODE_AUTO_MAX_M); elsewhere dense XLA.
+      return problem.dtype == jnp.bfloat16 and problem.m <= decode_auto_max_m(problem.k, problem.n)
+    return problem.m <= AUTO_MAX_M and problem.dtype in (jnp.bfloat16, jnp.float16)
 
   def prepare(self, w, mask, transposable):
     return self.compress(w, mask, transposable)
@@ -312,4 +353,8 @@ class PallasBackend(Backend):
     return 8, (8 if transposable else 1)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
-    return self.forward(x, sp, precision)
+    del precision
+    if x.shape[0] > DECODE_MAX_M:
+      return self.forward(x, sp, None)
+    # Partitioned over M under jit with sharded activations (_sharding).
+    return rows_parallel(_decode(sp.shape[0], interpreting()), x, sp.values, sp.meta)
