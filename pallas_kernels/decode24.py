@@ -46,8 +46,10 @@ _SMS = 132
 # Shared memory the pipelined tiles may take (Hopper allows 227 KiB a block;
 # the rest is left to Triton's own buffers, e.g. for layout conversions).
 _SMEM_BUDGET = 160 * 1024
-# The most rows of x the `fma` variant takes (its work grows with each row).
-FMA_MAX_M = 4
+# The most rows of x the `fma` variant takes: its work grows with each row,
+# and from 2 rows on the tensor-core tiles measured faster (H200,
+# 2026-11-27, `benchmarks/tune_decode.py --quick`).
+FMA_MAX_M = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,7 @@ class DecodeConfig:
   def default(cls, m: int, k: int, n: int) -> "DecodeConfig":
     del k, n
     if m <= FMA_MAX_M:
-      return cls(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, fma=True)
+      return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, fma=True)
     if m <= 16:
       return cls(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
     if m <= 64:
