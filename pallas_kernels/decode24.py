@@ -10,17 +10,27 @@ bandwidth. Here the grid also splits K (`splits`): program `(j, s, i)` reads
 the `block_n` columns `j` over the `s`-th slice of K and writes a float32
 partial product, and one XLA reduction sums the slices (deterministic, unlike
 atomic adds: the same inputs give the same bits, which greedy decoding relies
-on). Each program expands its compressed tile on chip lane by lane (the 8
-positions of a metadata byte: `split_lanes`) and issues one tensor-core
-product per lane of depth `block_k / 8`, so no expanded tile is interleaved
-in registers.
+on). Each program expands its compressed tile on chip to a dense
+`[block_n, block_k]` tile (`_tiles.expand_rows`) and issues one tensor-core
+product per K step (`lane_dots=True`: one per lane of 8 instead, which
+measured slower).
+
+For one row of x (`fma`) no tensor-core product runs at all: each
+compressed value multiplies, in float32 where it lies in registers, the
+element of x that the metadata picks.
 
 Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`,
-deprecated since JAX 0.11). Pallas Mosaic GPU was not tried for this kernel;
-the Triton lowering is what every other kernel of this package uses, runs in
-interpret mode on CPU for the tests, and reached the figures in
-benchmarks/results/ (see `DecodeConfig.default`). docs/mosaic_gpu.md has the
-plan for moving the kernels.
+deprecated since JAX 0.11), because it is the one this package's kernels,
+their shared tile helpers (`_tiles`) and their CPU tests (interpret mode)
+are written for; Pallas Mosaic GPU was not tried for this kernel
+(docs/mosaic_gpu.md: it lacks the lane splits and joins used here). It
+does not reach the issue's targets: on an H200 (2026-11-27) it read the
+compressed weight at up to 59% of copy bandwidth at M = 16 (0.92-0.93x of
+dense XLA at K x N = 8192 x 8192, 4096 x 16384, 16384 x 4096) and 65% at
+M = 1 (0.96x at 8192 x 8192), and ran at half the speed of dense XLA at M = 64:
+benchmarks/results/nvidia-h200.md, "decode kernel at the target shapes".
+So the automatic choice does not take it there (`DECODE_AUTO_MAX_M` in
+`jsparse24.backends.pallas`).
 
 Odd shapes need no copy of W: the last blocks along N and K are loaded with
 masks (`ragged` loads), so the weight is read in place whatever K and N are.
@@ -70,16 +80,21 @@ class DecodeConfig:
   num_stages: int = 3
   # True: one product per lane of 8 (no expanded tile is interleaved in
   # registers); False: the tile expanded to `[block_n, block_k]` and one
-  # product per K step.
+  # product per K step (faster on an H200: benchmarks/results/nvidia-h200.md,
+  # "decode kernel at the target shapes").
   lane_dots: bool = False
   # True (M <= FMA_MAX_M): no tensor-core product at all; each row of x
   # multiplies the compressed values in float32 where they lie, with x's
   # elements picked by the metadata, so no expanded tile is ever moved
-  # between register layouts (which the products need, through shared memory).
+  # between register layouts (which the tensor-core products need).
   fma: bool = False
 
   @classmethod
   def default(cls, m: int, k: int, n: int) -> "DecodeConfig":
+    """The fastest tiles `benchmarks/tune_decode.py` found on an H200
+    (2026-11-27) at 8192 x 8192: M = 1 and 2-16 from `--quick`, 17-64 from
+    the sweep at M = 64; above 64 untuned (the kernel ran at half the speed
+    of dense XLA from M = 64 on: benchmarks/results/nvidia-h200.md)."""
     del k, n
     if m <= FMA_MAX_M:
       return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, fma=True)

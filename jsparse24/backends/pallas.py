@@ -67,11 +67,20 @@ DECODE_MAX_M = 256
 # dense XLA: per GPU (`jax.Device.device_kind`), rows K and columns N of
 # DECODE_GRID, the largest M of the sweep (1, 2, 4, ..., 256) up to which it
 # measured at least DECODE_MARGIN times as fast at every M of the sweep (0:
-# at none). A shape between grid points takes the grid point below it, K or
-# N below the grid never; a GPU not listed never (unmeasured: dense).
+# at none; the margin covers the spread of one timing). A shape between grid
+# points takes the grid point below it, K or N below the grid never; a GPU
+# not listed never (unmeasured: dense).
+# NVIDIA H200: 0 everywhere. The sweep (2026-11-27, benchmarks/results/
+# nvidia-h200.md, "decode kernel sweep bf16") measured the kernel slower than
+# dense at every M >= 2 it reached; its three M = 1 wins stand against dense
+# timings up to 3x the same shape's at M = 2 (taken first after compiling),
+# so they are not counted, and the rows K >= 8192 it did not reach measured
+# 0.92-0.96x at M <= 16 ("decode kernel at the target shapes").
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
-DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {}
+DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
+    "NVIDIA H200": ((0, 0, 0, 0),) * 4,
+}
 
 
 def _gpu_kind() -> str:
