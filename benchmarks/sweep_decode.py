@@ -1,18 +1,21 @@
-"""The decode kernel against dense XLA over M and (K, N): the sweep behind
+"""The `"pallas"` backend's product on a compressed weight (the decode
+kernel at few rows) against dense XLA over M and (K, N): the sweep behind
 the automatic choice (`jsparse24.backends.pallas.DECODE_AUTO_MAX_M`).
 
-    PYTHONPATH=. python benchmarks/sweep_decode.py [--ms 1,2,4,...,256] [--sizes 2048,...,16384] [--no-write] [--json PATH]
+    PYTHONPATH=. python benchmarks/sweep_decode.py [--ms 1,2,4,...,256]
+        [--sizes 2048,...,16384] [--no-write] [--json PATH]
 
 For every M and (K, N) in sizes x sizes: dense XLA `x @ w` (bf16) and
 `jsparse24.sparse_dot(x, sp, implementation="pallas")` on the compressed
-weight (`Sparse24`; the decode kernel up to `DECODE_MAX_M` rows), in ms, the
-kernel's GB/s (compressed values + metadata + x + y), its % of the copy
-bandwidth measured in the same run, and its speedup over dense. Each timed
-call multiplies by several weights in turn (one jitted function), together
-over 3x the L2 cache, as a model's layers do: one weight reused call after
-call would be read from L2 (at most 16 weights: the smallest shapes'
-compressed weights then fit in L2 together, their dense ones barely). Prints the `DECODE_AUTO_MAX_M` row literal for
-this GPU, and writes the table to benchmarks/results/<gpu>.md.
+weight (`Sparse24`; the decode kernel up to `DECODE_MAX_M` rows, `spmm24`
+above), in ms, the product's GB/s (compressed values + metadata + x + y),
+its % of the copy bandwidth measured in the same run, and its speedup over
+dense. Each timed call multiplies by several weights in turn (one jitted
+function), 200 MB together (3-4x the L2 cache of an H100 or H200), as a
+model's layers do: one weight reused call after call would be read from L2.
+At most 16 weights: the smallest shapes' compressed weights then fit in L2
+together, their dense ones barely. Prints the `DECODE_AUTO_MAX_M` row
+literal for this GPU, and writes the table to benchmarks/results/<gpu>.md.
 """
 
 from __future__ import annotations
@@ -113,13 +116,15 @@ def main(argv=None):
   body = (f"{_common.environment()}; measured copy bandwidth {bw / 1e12:.3f} TB/s.\n"
           f"Command: `PYTHONPATH=. python benchmarks/sweep_decode.py`. bf16, `sparse_dot(x, sp,"
           f" implementation=\"pallas\")` on a `Sparse24` (the decode kernel,"
-          f" `pallas_kernels/decode24.py`, default tiles) against XLA's `x @ w`; each timed"
-          f" call cycles through several weights (over 3x the L2 cache, at most 16 weights). GB/s and % copy count"
-          f" compressed values + metadata + x + y.\n\n"
+          f" `pallas_kernels/decode24.py`, default tiles, up to DECODE_MAX_M ="
+          f" {pallas_backend.DECODE_MAX_M} rows) against XLA's `x @ w`; each timed call"
+          f" cycles through several weights (200 MB together, at most 16). GB/s and % copy"
+          f" count compressed values + metadata + x + y.\n\n"
           + _common.table(["M", "K", "N", "dense XLA ms", "decode ms", "speedup", "GB/s",
                            "% copy bw"], rows)
           + f"\n\nDECODE_AUTO_MAX_M row (largest M up to which every swept M measured >="
-          f" {pallas_backend.DECODE_MARGIN}x; rows K, columns N = {sizes}):\n\n```\n{literal}\n```\n")
+          f" {pallas_backend.DECODE_MARGIN}x; rows K, columns N = {sizes}):\n\n"
+          f"```\n{literal}\n```\n")
   print("\n" + body)
   if args.json:
     with open(args.json, "w") as f:

@@ -92,8 +92,9 @@ class DecodeConfig:
   @classmethod
   def default(cls, m: int, k: int, n: int) -> "DecodeConfig":
     """The fastest tiles `benchmarks/tune_decode.py` found on an H200
-    (2026-11-27) at 8192 x 8192: M = 1 and 2-16 from `--quick`, 17-64 from
-    the sweep at M = 64; above 64 untuned (the kernel ran at half the speed
+    (2026-11-27) at 8192 x 8192: M = 1 from `--quick`, 2-16 from the sweep
+    at M = 16 (and `--quick` at M = 2 and 4), 17-64 from the sweep at
+    M = 64; above 64 untuned (the kernel ran at half the speed
     of dense XLA from M = 64 on: benchmarks/results/nvidia-h200.md)."""
     del k, n
     if m <= FMA_MAX_M:
@@ -249,8 +250,8 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   `uint8[N, ceil(K/8)]`): float32 accumulation, output in x's dtype.
 
   Any M, N and K (K a multiple of 4), read in place (no padded copy of W).
-  Meant for M up to a few hundred; `spmm24.sparse_matmul` is the kernel for
-  larger M.
+  Meant for few rows (its defaults are tuned up to M = 64); `spmm24.sparse_matmul`
+  is the kernel for larger M.
   """
   fn = "decode_matmul"
   if x.ndim != 2:

@@ -60,8 +60,13 @@ AUTO_MAX_M = 0
 
 # A compressed weight (a `Sparse24`: `compress`, `compress_params`) multiplies
 # through the decode kernel (`pallas_kernels.decode24`, split-K) for up to
-# DECODE_MAX_M rows of x, through `spmm24` above.
-DECODE_MAX_M = 256
+# DECODE_MAX_M rows of x, through `spmm24` above: on an H200 at M = 64 the
+# decode kernel took 0.0764 ms (8192 x 8192) and 0.0752 ms (4096 x 16384),
+# `spmm24` 0.0697 and 0.0619 ms; at M = 16 0.0391 and 0.0398 ms against 0.0418
+# and 0.0413 ms (benchmarks/results/nvidia-h200.md: "decode kernel at the
+# target shapes", 2026-11-27, weights in rotation; "sparse-operand matmul
+# bf16", 2026-11-22, one weight: two runs, not one interleaved comparison).
+DECODE_MAX_M = 16
 # implementation=None takes this backend for a compressed bfloat16 weight
 # where benchmarks/sweep_decode.py measured the decode kernel faster than
 # dense XLA: per GPU (`jax.Device.device_kind`), rows K and columns N of
