@@ -14,7 +14,9 @@ compressed copies. The search alone (the mask only) builds
 
 The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
 they save bytes, not FLOPs, so `implementation=None` picks this backend only
-for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`).
+for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`; for a
+weight already compressed, a `Sparse24` from `compress_params`, the split-K
+decode kernel's sweep per GPU, `DECODE_AUTO_MAX_M`).
 
 The kernels are written for Pallas's Triton lowering
 (`jax.experimental.pallas.triton`, deprecated since JAX 0.11), which their
