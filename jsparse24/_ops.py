@@ -151,7 +151,8 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
       raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
     _check_contraction(fn, x, w.shape)
     dtype = jnp.result_type(x.dtype, w.dtype)
-    backend, split = _backend_and_split(fn, opts, x.shape, w.shape, dtype, w.has_transpose)
+    backend, split = _backend_and_split(fn, opts, x.shape, w.shape, dtype, w.has_transpose,
+                                        compressed=True)
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
     y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)
@@ -201,7 +202,8 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
   return y.reshape(*lead, w.shape[1])
 
 
-def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, transposable):
+def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, transposable,
+                       compressed: bool = False):
   """The backend for this call and its tensor-parallel `Split` (None without
   `opts.kernel_sharding`). Under a split each device's block of the product
   decides the backend, and the split is checked against what the backend
@@ -210,12 +212,14 @@ def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, trans
   rows = math.prod(x_shape[:-1])
   k, n = w_shape
   if weight_sharding is None:
-    return backends.select(implementation, _problem(x_shape, w_shape, dtype, transposable)), None
+    problem = _problem(x_shape, w_shape, dtype, transposable, compressed)
+    return backends.select(implementation, problem), None
   arg = "weight_sharding" if fn == "sparse_dot" else "kernel_sharding"  # the layers' name
   # First only the mesh axes (no alignment): the block that picks the backend.
   split = weight_split(fn, weight_sharding, rows, k, n, (1, 1), "any", warn=False, arg=arg)
   block = (rows // split.size("m"), k // split.size("k"), n // split.size("n"))
-  backend = backends.select(implementation, _problem(block[:2], block[1:], dtype, transposable))
+  backend = backends.select(implementation,
+                            _problem(block[:2], block[1:], dtype, transposable, compressed))
   split = weight_split(fn, weight_sharding, rows, k, n, backend.split_align(transposable),
                        backend.name, arg=arg)
   return backend, split
@@ -228,15 +232,19 @@ def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:
         f" = {w_shape[0]} (x: {x.shape}, w: {tuple(w_shape)}).")
 
 
-def _problem(x_shape, w_shape, dtype, transposable) -> backends.Problem:
+def _problem(x_shape, w_shape, dtype, transposable, compressed=False) -> backends.Problem:
   return backends.Problem(m=math.prod(x_shape[:-1]), k=w_shape[0], n=w_shape[1],
                           dtype=jnp.dtype(dtype), transposable=bool(transposable),
-                          platform=jax.default_backend())
+                          platform=jax.default_backend(), compressed=bool(compressed))
 
 
-def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False) -> str:
+def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False,
+                            compressed: bool = False) -> str:
   """The backend `sparse_dot(..., implementation=None)` runs for these shapes
-  (x `[..., K]`, w `[K, N]`) and dtype on this machine."""
+  (x `[..., K]`, w `[K, N]`) and dtype on this machine; `compressed=True`: for
+  a `Sparse24` weight (`compress`, `compress_params`), which may take another
+  backend than a dense weight with a mask (nothing to prune or compress per
+  call: the Pallas decode kernel at small M)."""
   fn = "selected_implementation"
   _checks.check_float_dtype(fn, "dtype", dtype)
   if len(tuple(w_shape)) != 2 or not tuple(x_shape):
@@ -247,7 +255,8 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = Fal
   if tuple(x_shape)[-1] != tuple(w_shape)[0]:
     raise ValueError(f"{fn}: x_shape[-1] = {tuple(x_shape)[-1]} does not match K ="
                      f" w_shape[0] = {tuple(w_shape)[0]}.")
-  return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable)).name
+  return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable,
+                                        compressed)).name
 
 
 def compress(

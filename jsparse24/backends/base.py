@@ -57,6 +57,9 @@ class Problem:
   dtype: Any
   transposable: bool
   platform: str  # jax.default_backend() at trace time
+  # The weight arrives compressed (a `Sparse24`, e.g. from `compress_params`):
+  # no pruning or compression is paid per call.
+  compressed: bool = False
 
 
 class Backend(abc.ABC):

@@ -14,7 +14,9 @@ compressed copies. The search alone (the mask only) builds
 
 The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
 they save bytes, not FLOPs, so `implementation=None` picks this backend only
-for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`).
+for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`; for a
+weight already compressed, a `Sparse24` from `compress_params`, the split-K
+decode kernel's sweep per GPU, `DECODE_AUTO_MAX_M`).
 
 The kernels are written for Pallas's Triton lowering
 (`jax.experimental.pallas.triton`, deprecated since JAX 0.11), which their
@@ -58,6 +60,50 @@ from jsparse24.backends.base import Backend, BackendUnavailableError, Problem, X
 # benchmarks/results/nvidia-h200.md, "sparse-operand matmul bf16".
 AUTO_MAX_M = 0
 
+# A compressed weight (a `Sparse24`: `compress`, `compress_params`) multiplies
+# through the decode kernel (`pallas_kernels.decode24`, split-K) for up to
+# DECODE_MAX_M rows of x, through `spmm24` above: on an H200 at M = 64 the
+# decode kernel took 0.0764 ms (8192 x 8192) and 0.0752 ms (4096 x 16384),
+# `spmm24` 0.0697 and 0.0619 ms; at M = 16 0.0391 and 0.0398 ms against 0.0418
+# and 0.0413 ms (benchmarks/results/nvidia-h200.md: "decode kernel at the
+# target shapes", 2026-11-27, weights in rotation; "sparse-operand matmul
+# bf16", 2026-11-22, one weight: two runs, not one interleaved comparison).
+DECODE_MAX_M = 16
+# implementation=None takes this backend for a compressed bfloat16 weight
+# where benchmarks/sweep_decode.py measured the decode kernel faster than
+# dense XLA: per GPU (`jax.Device.device_kind`), rows K and columns N of
+# DECODE_GRID, the largest M of the sweep (1, 2, 4, ..., 256) up to which it
+# measured at least DECODE_MARGIN times as fast at every M of the sweep (0:
+# at none; the margin covers the spread of one timing). A shape between grid
+# points takes the grid point below it, K or N below the grid never; a GPU
+# not listed never (unmeasured: dense).
+# NVIDIA H200: 0 everywhere. The sweep (2026-11-27, benchmarks/results/
+# nvidia-h200.md, "decode kernel sweep bf16") measured the kernel slower than
+# dense at every M >= 2 it reached; its three M = 1 wins stand against dense
+# timings up to 3x the same shape's at M = 2 (taken first after compiling),
+# so they are not counted, and the rows K >= 8192 it did not reach measured
+# 0.92-0.96x at M <= 16 ("decode kernel at the target shapes").
+DECODE_GRID = (2048, 4096, 8192, 16384)
+DECODE_MARGIN = 1.03
+DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
+    "NVIDIA H200": ((0, 0, 0, 0),) * 4,
+}
+
+
+def _gpu_kind() -> str:
+  """The GPU that `DECODE_AUTO_MAX_M` is looked up for."""
+  return jax.devices()[0].device_kind
+
+
+def decode_auto_max_m(k: int, n: int) -> int:
+  """The most rows of x for which `implementation=None` multiplies a
+  compressed `[K, N]` weight with the decode kernel on this GPU (0: never)."""
+  table = DECODE_AUTO_MAX_M.get(_gpu_kind())
+  below = [[i for i, g in enumerate(DECODE_GRID) if g <= size] for size in (k, n)]
+  if table is None or not below[0] or not below[1]:
+    return 0
+  return table[below[0][-1]][below[1][-1]]
+
 
 @functools.cache
 def warn_xla_fallback() -> None:
@@ -83,6 +129,7 @@ def kernels() -> types.ModuleType:
     raise BackendUnavailableError(f"jsparse24.backends.pallas: {reason}.")
   # pylint: disable=g-import-not-at-top,unused-import
   import pallas_kernels.cusparselt_metadata
+  import pallas_kernels.decode24
   import pallas_kernels.mask_rebuild
   import pallas_kernels.masked_compress
   import pallas_kernels.mvue24
@@ -260,6 +307,12 @@ def _spmm(k: int, interpret: bool):
   return functools.partial(kernels().spmm24.sparse_matmul, k=k, interpret=interpret)
 
 
+@functools.cache
+def _decode(k: int, interpret: bool):
+  """The per-device product for few rows of x (`decode24`)."""
+  return functools.partial(kernels().decode24.decode_matmul, k=k, interpret=interpret)
+
+
 class PallasBackend(Backend):
   name = "pallas"
 
@@ -279,8 +332,12 @@ class PallasBackend(Backend):
       raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
 
   def prefers(self, problem: Problem) -> bool:
-    return (not interpreting() and problem.m <= AUTO_MAX_M
-            and problem.dtype in (jnp.bfloat16, jnp.float16))
+    if interpreting():
+      return False
+    if problem.compressed:
+      # Only bfloat16 was swept (DECODE_AUTO_MAX_M); elsewhere dense XLA.
+      return problem.dtype == jnp.bfloat16 and problem.m <= decode_auto_max_m(problem.k, problem.n)
+    return problem.m <= AUTO_MAX_M and problem.dtype in (jnp.bfloat16, jnp.float16)
 
   def prepare(self, w, mask, transposable):
     return self.compress(w, mask, transposable)
@@ -312,4 +369,8 @@ class PallasBackend(Backend):
     return 8, (8 if transposable else 1)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
-    return self.forward(x, sp, precision)
+    del precision
+    if x.shape[0] > DECODE_MAX_M:
+      return self.forward(x, sp, None)
+    # Partitioned over M under jit with sharded activations (_sharding).
+    return rows_parallel(_decode(sp.shape[0], interpreting()), x, sp.values, sp.meta)

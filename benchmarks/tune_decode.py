@@ -1,0 +1,210 @@
+"""Checks the decode kernel and sweeps its tile configuration.
+
+    PYTHONPATH=. python benchmarks/tune_decode.py [--budget 240]
+
+A developer tool (it calls `pallas_kernels` directly, and needs neither
+jsparse24 nor Flax): checks `decode24.decode_matmul` against its reference
+on odd shapes, then times candidate `DecodeConfig`s at (K, N) = 8192 x 8192
+for M = 16 and M = 64 against dense XLA, and prints the best ones at the
+issue's four target shapes, with the measured copy bandwidth. Each timed
+call multiplies by several weights in turn (one jitted function), together
+well over the L2 cache, as the layers of a model do: one weight reused call
+after call would be read from L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import _common
+from pallas_kernels import decode24
+from pallas_kernels import prune_rule as rule
+
+TARGETS = ((4096, 4096), (4096, 16384), (16384, 4096), (8192, 8192))
+ROTATE_BYTES = 400e6
+
+
+def random_operand(key, k: int, n: int, dtype):
+  """Random compressed weight: values `[N, K/2]` and valid metadata."""
+  kv, km = jax.random.split(key)
+  values = jax.random.normal(kv, (n, k // 2), dtype)
+  codes = jnp.asarray([rule.group_code(*p) for p in rule.PAIRS], jnp.int32)
+  groups = codes[jax.random.randint(km, (n, 2 * pl_cdiv(k, 8)), 0, 6)]
+  meta = rule.byte_of(groups[:, 0::2], groups[:, 1::2]).astype(jnp.uint8)
+  if k % 8:  # the last byte's high nibble pads
+    meta = meta.at[:, -1].set((meta[:, -1] & 0xF) | (rule.PAD_CODE << 4))
+  return values, meta
+
+
+def pl_cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def check(configs) -> None:
+  shapes = [(1, 4100, 3000), (3, 1028, 520), (17, 2056, 777), (16, 8192, 8192),
+            (64, 4096, 4096), (200, 4096, 1000), (5, 12, 7), (2, 20, 9)]
+  failed = []
+  for (m, k, n), dtype in itertools.product(shapes, (jnp.bfloat16, jnp.float16, jnp.float32)):
+    key = jax.random.key(m * 7 + k + n)
+    values, meta = random_operand(key, k, n, dtype)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (m, k), dtype)
+    w = decode24.expand_reference(values, meta, k).astype(jnp.float32)
+    ref = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    for cfg in [None, *configs] if dtype == jnp.bfloat16 else [None]:
+      if cfg is not None and cfg.fma and m > decode24.FMA_MAX_M:
+        continue
+      try:
+        got = decode24.decode_matmul(x, values, meta, k=k, config=cfg).astype(jnp.float32)
+      except Exception as e:  # pylint: disable=broad-except
+        failed.append(f"M={m} K={k} N={n} {jnp.dtype(dtype).name} {cfg}: {str(e)[:200]}")
+        print(f"CHECK FAILED {failed[-1]}", flush=True)
+        continue
+      err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+      tol = 1e-5 if dtype == jnp.float32 else 1e-2
+      ok = err < tol and bool(jnp.isfinite(got).all())
+      if not ok:
+        failed.append(f"M={m} K={k} N={n} {jnp.dtype(dtype).name} {cfg}: error {err:.3g}")
+        print(f"CHECK FAILED {failed[-1]}", flush=True)
+  print(f"check: {len(failed)} of {len(shapes) * (len(configs) + 3)} cases failed", flush=True)
+  return failed
+
+
+class Point:
+  """One (M, K, N): R weights in rotation, dense and compressed."""
+
+  def __init__(self, m: int, k: int, n: int):
+    self.m, self.k, self.n = m, k, n
+    sparse_bytes = k * n + n * pl_cdiv(k, 8)
+    self.r = max(2, int(np.ceil(ROTATE_BYTES / sparse_bytes)))
+    key = jax.random.key(k * 31 + n)
+    self.ops = [random_operand(jax.random.fold_in(key, i), k, n, jnp.bfloat16)
+                for i in range(self.r)]
+    self.x = jax.random.normal(jax.random.fold_in(key, 99), (m, k), jnp.bfloat16)
+    self.sparse_bytes = sparse_bytes + 2 * (m * k + m * n)
+    self.dense_bytes = 2 * (k * n + m * k + m * n)
+
+  def dense(self) -> float:
+    ws = [decode24.expand_reference(v, mt, self.k) for v, mt in self.ops]
+    f = jax.jit(lambda x, ws: [x @ w for w in ws])
+    t = _common.bench(f, self.x, ws) / self.r
+    del ws
+    return t
+
+  def sparse(self, cfg) -> float:
+    f = jax.jit(lambda x, ops: [decode24.decode_matmul(x, v, mt, k=self.k, config=cfg)
+                                for v, mt in ops])
+    return _common.bench(f, self.x, self.ops) / self.r
+
+
+def candidates(m: int):
+  bm = 16 if m <= 16 else 64 if m <= 64 else 128
+  for lane_dots, bn, bk, warps in itertools.product([True, False], [32, 64, 128], [256, 512],
+                                                    [4, 8]):
+    yield decode24.DecodeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                num_stages=3, waves=4, lane_dots=lane_dots)
+
+
+def refine(best):
+  for stages, waves in itertools.product([2, 3, 4, 5], [1, 2, 4, 8]):
+    yield dataclasses.replace(best, num_stages=stages, waves=waves)
+
+
+def sweep(point: Point, cands, t_dense: float, deadline: float, tag: str):
+  results = []
+  for cfg in cands:
+    if time.time() > deadline:
+      print(f"{tag}: budget reached", flush=True)
+      break
+    try:
+      t = point.sparse(cfg)
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"{tag} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+      continue
+    results.append((t, cfg))
+    print(f"{tag} {t * 1e3:.4f} ms ({t_dense / t:.2f}x) {cfg}", flush=True)
+  results.sort(key=lambda r: r[0])
+  return results
+
+
+def quick(bw: float, failed) -> None:
+  """The defaults against the tensor-core tiles and other fma tiles at M <= 16."""
+  cfg = decode24.DecodeConfig
+  mma = cfg(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+  rows = []
+  for (k, n), m in itertools.product(((8192, 8192), (4096, 4096)), (1, 2, 4, 16)):
+    point = Point(m, k, n)
+    t_dense = point.dense()
+    variants = [None, mma]
+    if m <= decode24.FMA_MAX_M:
+      variants += [cfg(block_n=bn, block_k=bk, num_warps=w, num_stages=4, fma=True)
+                   for bn, bk, w in ((32, 256, 4), (128, 256, 4), (64, 512, 4), (64, 256, 8),
+                                     (64, 128, 4))]
+    for v in variants:
+      try:
+        t = point.sparse(v)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"M={m} {k}x{n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      rows.append([m, k, n, t_dense * 1e3, t * 1e3, t_dense / t,
+                   100 * point.sparse_bytes / t / bw, "default" if v is None else str(v)[12:]])
+      print(rows[-1], flush=True)
+  for f in failed:
+    print(f"CHECK FAILED {f}")
+  print(_common.table(["M", "K", "N", "dense ms", "decode ms", "speedup", "% copy bw",
+                       "config"], rows))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--budget", type=float, default=240.0)
+  p.add_argument("--quick", action="store_true",
+                 help="the checks, then the defaults against a few variants at M <= 16")
+  args = p.parse_args(argv)
+  start = time.time()
+  print(_common.environment(), flush=True)
+  bw = _common.copy_bandwidth()
+  print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+  failed = check([decode24.DecodeConfig(splits=1), decode24.DecodeConfig(lane_dots=True, splits=3),
+         decode24.DecodeConfig(block_m=64, block_n=128, block_k=512, num_warps=8),
+         decode24.DecodeConfig(fma=True, splits=1, block_n=128)])
+  print(f"[{time.time() - start:.0f}s]", flush=True)
+  if args.quick:
+    quick(bw, failed)
+    return
+  best = {}
+  for m, share in ((16, 0.45), (64, 0.3)):
+    point = Point(m, 8192, 8192)
+    t_dense = point.dense()
+    print(f"M={m} 8192x8192 dense {t_dense * 1e3:.4f} ms; default"
+          f" {point.sparse(None) * 1e3:.4f} ms", flush=True)
+    deadline = time.time() + args.budget * share
+    res = sweep(point, candidates(m), t_dense, deadline - args.budget * share * 0.35, f"M={m}")
+    res += sweep(point, refine(res[0][1]), t_dense, deadline, f"M={m} refine")
+    res.sort(key=lambda r: r[0])
+    best[m] = [cfg for _, cfg in res[:2]]
+    del point
+  rows = []
+  for (k, n), m in itertools.product(TARGETS, (1, 16, 64)):
+    point = Point(m, k, n)
+    t_dense = point.dense()
+    for cfg in [None, *best[16 if m <= 16 else 64]]:
+      t = point.sparse(cfg)
+      rows.append([m, k, n, t_dense * 1e3, t * 1e3, t_dense / t, point.sparse_bytes / t / 1e9,
+                   100 * point.sparse_bytes / t / bw, "default" if cfg is None else str(cfg)])
+    del point
+  for f in failed:
+    print(f"CHECK FAILED {f}")
+  print(f"\n[{time.time() - start:.0f}s] copy bandwidth {bw / 1e12:.3f} TB/s; {_common.gpu_name()}")
+  print(_common.table(["M", "K", "N", "dense ms", "decode ms", "speedup", "GB/s", "% copy bw",
+                       "config"], rows))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,155 @@
+"""The decode kernel (`pallas_kernels.decode24`): interpreted on CPU against
+its reference on odd shapes, compiled on a GPU at real sizes (`gpu` marker),
+and the automatic choice that sends a compressed weight's small-M products
+to it."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse24
+from jsparse24.backends import pallas as pallas_backend
+from jsparse24.backends.pallas import interpret_mode
+from pallas_kernels import decode24
+
+_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+def _operand(seed, m, k, n, dtype):
+  """Fresh random x and a compressed weight pruned by magnitude."""
+  kx, kw = jax.random.split(jax.random.key(seed))
+  sp = jsparse24.compress(jax.random.normal(kw, (k, n), dtype), implementation="xla")
+  return jax.random.normal(kx, (m, k), dtype), sp
+
+
+def _rel_err(got, x, sp):
+  ref = jnp.dot(x.astype(jnp.float32), jsparse24.decompress(sp).astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST)
+  got = got.astype(jnp.float32)
+  assert bool(jnp.isfinite(got).all())  # an unwritten element reads NaN when interpreted
+  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+
+
+# Kept small: each case is interpreted on CPU. K not a multiple of the K
+# tile (masked last step), N not of the N tile, M = 1 (the fma variant), 3
+# and 17 (masked rows), several K slices, and the lane-by-lane products.
+@pytest.mark.parametrize("m,k,n,dtype,config", [
+    (1, 300, 40, jnp.float32, None),
+    (1, 260, 33, jnp.bfloat16, decode24.DecodeConfig(fma=True, block_n=16, splits=2)),
+    (3, 388, 20, jnp.bfloat16, None),
+    (3, 516, 20, jnp.float16, decode24.DecodeConfig(block_n=16, splits=2)),
+    (17, 260, 24, jnp.float16, None),
+    (17, 136, 24, jnp.float32, decode24.DecodeConfig(lane_dots=True, splits=1)),
+    (3, 264, 72, jnp.bfloat16, decode24.DecodeConfig(block_n=64, lane_dots=True, splits=2)),
+])
+def test_decode_matmul_matches_reference(m, k, n, dtype, config):
+  x, sp = _operand(m * k + n, m, k, n, dtype)
+  got = decode24.decode_matmul(x, sp.values, sp.meta, k=k, config=config, interpret=True)
+  assert got.shape == (m, n) and got.dtype == dtype
+  assert _rel_err(got, x, sp) < _TOL[dtype]
+  ref = decode24.decode_matmul_reference(x, sp.values, sp.meta, k=k)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                             rtol=_TOL[dtype] * 10, atol=_TOL[dtype] * 10 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("k,n", [(12, 7), (1028, 20), (16, 3)])
+def test_expand_reference_is_decompress(k, n):
+  _, sp = _operand(k, 1, k, n, jnp.float32)
+  assert np.array_equal(decode24.expand_reference(sp.values, sp.meta, k),
+                        jsparse24.decompress(sp))
+
+
+def test_decode_matmul_rejects_bad_input():
+  x, sp = _operand(0, 2, 16, 8, jnp.float32)
+  with pytest.raises(ValueError, match="decode_matmul: x.shape"):
+    decode24.decode_matmul(x, sp.values, sp.meta, k=12, interpret=True)
+  with pytest.raises(ValueError, match="decode_matmul: expected values"):
+    decode24.decode_matmul(x, sp.values, sp.meta.astype(jnp.int32), k=16, interpret=True)
+  with pytest.raises(TypeError, match="must share a dtype"):
+    decode24.decode_matmul(x.astype(jnp.bfloat16), sp.values, sp.meta, k=16, interpret=True)
+  with pytest.raises(ValueError, match="fma=True takes M <= 1"):
+    decode24.decode_matmul(x, sp.values, sp.meta, k=16, interpret=True,
+                           config=decode24.DecodeConfig(fma=True))
+
+
+def test_sparse_dot_on_a_sparse24_takes_the_decode_kernel():
+  """`implementation="pallas"` on a compressed weight: the decode kernel up to
+  DECODE_MAX_M rows, and its gradient in x through the transposed copy."""
+  w = jax.random.normal(jax.random.key(1), (136, 24))
+  sp = jsparse24.compress(w, transposed=True, implementation="xla")
+  x = jax.random.normal(jax.random.key(2), (3, 136))
+  f = lambda x: jsparse24.sparse_dot(x, sp, implementation="pallas")
+  with interpret_mode():
+    assert "jsparse24_decode" in str(jax.make_jaxpr(f)(x))
+    many = jnp.ones((pallas_backend.DECODE_MAX_M + 1, 136))
+    assert "jsparse24_decode" not in str(jax.make_jaxpr(f)(many))
+    y, vjp = jax.vjp(f, x)
+    (dx,) = vjp(jnp.ones_like(y))
+  assert _rel_err(y, x, sp) < 1e-5
+  np.testing.assert_allclose(dx, jnp.ones_like(y) @ jsparse24.decompress(sp).T, rtol=1e-5,
+                             atol=1e-5)
+
+
+class _Mlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2048, use_bias=False, dtype=jnp.bfloat16)(x)
+
+
+@pytest.fixture
+def decode_gpu(monkeypatch):
+  """A GPU whose sweep took the decode kernel up to 16 rows everywhere, the
+  Pallas backend counted as runnable (CPU: nothing runs, only traced)."""
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "Test GPU")
+  grid = len(pallas_backend.DECODE_GRID)
+  monkeypatch.setitem(pallas_backend.DECODE_AUTO_MAX_M, "Test GPU", ((16,) * grid,) * grid)
+  monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
+
+
+def test_automatic_choice_takes_the_decode_kernel_where_the_sweep_says(decode_gpu):
+  del decode_gpu
+  pick = lambda m, k, n, dtype=jnp.bfloat16, compressed=True: (
+      jsparse24.selected_implementation((m, k), (k, n), dtype, compressed=compressed))
+  assert pick(1, 4096, 4096) == "pallas"
+  assert pick(16, 2048, 20000) == "pallas"  # between and above grid points: the one below
+  assert pick(17, 4096, 4096) == "xla"
+  assert pick(4, 1024, 4096) == "xla"  # below the grid
+  assert pick(4, 4096, 4096, jnp.float32) == "xla"  # only bfloat16 was swept
+  assert pick(4, 4096, 4096, compressed=False) == "xla"  # a dense weight: compressed per call
+
+
+def test_compressed_layer_reaches_the_decode_kernel(decode_gpu):
+  """`SparseDense` applied to `compress_params` output: its small-M product
+  is the decode kernel's pallas_call; large M stays dense."""
+  del decode_gpu
+  model = jsparse24.sparsify(_Mlp(), {r".*": {"transposable": False}})
+  x = jnp.ones((2, 4, 2048), jnp.bfloat16)
+  v = model.init(jax.random.key(0), x)
+  params = jsparse24.compress_params(v["params"], v["sparsity"])
+  small = str(jax.make_jaxpr(lambda p, x: model.apply({"params": p}, x))(params, x))
+  assert "jsparse24_decode" in small
+  big = jnp.ones((64, 2048), jnp.bfloat16)
+  large = str(jax.make_jaxpr(lambda p, x: model.apply({"params": p}, x))(params, big))
+  assert "pallas_call" not in large
+
+
+def test_unmeasured_gpu_stays_dense(monkeypatch):
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "Unswept GPU")
+  monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
+  assert jsparse24.selected_implementation((1, 4096), (4096, 4096), jnp.bfloat16,
+                                           compressed=True) == "xla"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 8192, 8192), (64, 4096, 16384),
+                                   (3, 4100, 3000), (17, 2056, 777), (200, 4096, 1000),
+                                   (256, 16384, 4096)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_decode_matmul_on_gpu(m, k, n, dtype):
+  x, sp = _operand(m + k + n, m, k, n, dtype)
+  got = decode24.decode_matmul(x, sp.values, sp.meta, k=k)
+  assert _rel_err(got, x, sp) < _TOL[dtype]
+  y = jax.jit(lambda x, sp: jsparse24.sparse_dot(x, sp, implementation="pallas"))(x, sp)
+  assert _rel_err(y, x, sp) < _TOL[dtype]
