@@ -337,16 +337,17 @@ def decode_backends(targs, batches: Sequence[int]) -> dict[int, dict[str, str]]:
 
 
 def check_cache(dense_model, sparse_model, dense_params, compressed, tokens, prefill: int,
-                tol: float) -> dict[str, float]:
+                tol: float, masked=None) -> dict[str, float]:
   """Max |logit difference|: cached decode against train_lm's full forward
   (both models), and the compressed model against the dense model on the
-  masked weights. Raises where one exceeds `tol`."""
+  masked weights (`masked`; None: those `compressed` holds). Raises where one
+  exceeds `tol`."""
   def full(model, params):
     charlm = lm.CharLM(model.vocab, model.d_model, model.layers, model.heads, model.max_len,
                        model.sparse_mlp, model.dtype)
     return jax.jit(charlm.apply)({"params": params}, tokens)
 
-  masked = masked_params(compressed)
+  masked = masked_params(compressed) if masked is None else masked
   dense_full = full(dense_model, dense_params)
   sparse_full = full(sparse_model, compressed)
   diffs = {
