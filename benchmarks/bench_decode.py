@@ -27,8 +27,8 @@ Per width:
   attention over them), tokens/s of both;
 * the products at the model's shapes (`layer_shapes`; M = each batch and the
   prefill length): dense XLA `x @ w` against `jsparse24.sparse_dot(x, sp)`
-  on the compressed operand, with the automatic choice and with each
-  implementation forced; ms, GB/s (x, the weight and y moved once), % of the
+  on the compressed operand, with the automatic choice and with each other
+  implementation that runs here forced; ms, GB/s (x, the weight and y moved once), % of the
   measured copy bandwidth, speed-up over dense XLA.
 
 Every dense timing of every width runs before the first 2:4 one (the
@@ -138,9 +138,14 @@ def random_cache(cfg: dict, d: int, batch: int, seed: int = 0) -> dict[str, jax.
   """A full cache of random keys and values (the same for a given seed, so the
   dense and the 2:4 model see the same one)."""
   shape = (cfg["layers"], batch, cfg["context"], d // HEAD_DIM, HEAD_DIM)
-  kk, kv = jax.random.split(jax.random.key(seed))
-  make = jax.jit(lambda key: jax.random.normal(key, shape, jnp.bfloat16), static_argnums=())
-  return {"k": make(kk), "v": make(kv)}
+  return _random_cache(jax.random.key(seed), shape)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _random_cache(key, shape):
+  kk, kv = jax.random.split(key)
+  return {"k": jax.random.normal(kk, shape, jnp.bfloat16),
+          "v": jax.random.normal(kv, shape, jnp.bfloat16)}
 
 
 def make_models(cfg: dict, d: int) -> dict[str, Any]:
@@ -164,6 +169,7 @@ def make_models(cfg: dict, d: int) -> dict[str, Any]:
   return out
 
 
+@jax.jit
 def masked_params(compressed):
   """Dense params with `kernel * mask` in place of each `Sparse24`."""
   return jax.tree.map(
@@ -216,7 +222,9 @@ def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, A
   return out
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def kernel_operands(k: int, n: int, m: int):
+  """(x [m, k], the compressed random weight [k, n], its dense `w * mask`), bf16."""
   x = jax.random.normal(jax.random.key(m * 31 + k), (m, k), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(k * 7 + n), (k, n), jnp.bfloat16)
   sp = jsparse24.compress(w)
@@ -237,8 +245,10 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
       else:
         auto = jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16)
         runs = [(f"auto ({auto})", None, sp, io + sp.nbytes)]
+        # Forced: every other implementation that runs here (the automatic
+        # choice's own is its row).
         runs += [(impl, impl, sp, io + sp.nbytes) for impl in IMPLEMENTATIONS
-                 if jsparse24.available_implementations()[impl] is None]
+                 if impl != auto and jsparse24.available_implementations()[impl] is None]
       for label, impl, operand, nbytes in runs:
         row = {"m": m, "layer": layer, "k": k, "n": n, "implementation": label}
         fn = impl if callable(impl) else jax.jit(

@@ -307,6 +307,7 @@ def serving_masks(sparsity):
       else m, sparsity, is_leaf=lambda a: isinstance(a, jsparse24.Mask24))
 
 
+@jax.jit
 def masked_params(compressed):
   """Dense params holding `kernel * mask` where `compressed` holds a `Sparse24`."""
   return jax.tree.map(
