@@ -41,15 +41,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import pathlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jsparse24
 from benchmarks import _common
@@ -236,7 +235,7 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
   or `sparse_dot` on the compressed operand, automatic and forced."""
   rows = []
   dense_mm = jax.jit(lambda x, w: x @ w)
-  for m in [*cfg["batches"], cfg["prefill"]]:
+  for m in cfg["kernel_ms"]:
     for layer, (k, n) in layer_shapes(d).items():
       x, sp, w = kernel_operands(k, n, m)
       io = 2 * (m * k + m * n)
@@ -282,6 +281,8 @@ def parse_args(argv: Sequence[str] | None):
   p.add_argument("--prefill", type=int, default=None,
                  help="prefill tokens, one sequence (default 2048; --quick: 64); <= --context")
   p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32768; --quick: 512)")
+  p.add_argument("--kernel-ms", default=None,
+                 help="M (rows of x) of the product table (default: --batches and --prefill)")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and short timings (CPU checks of the script)")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
@@ -296,10 +297,12 @@ def parse_args(argv: Sequence[str] | None):
          "batches": [int(v) for v in str(args.batches).split(",")],
          "layers": args.layers, "context": args.context, "prefill": args.prefill,
          "vocab": args.vocab, "quick": args.quick}
+  cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
+                      else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):
     p.error(f"--widths must be multiples of {HEAD_DIM} (the head size).")
-  if min(cfg["batches"]) < 1 or min(args.layers, args.context, args.prefill, args.vocab) < 1:
-    p.error("--batches, --layers, --context, --prefill and --vocab must be >= 1.")
+  if min(cfg["batches"] + cfg["kernel_ms"]) < 1 or min(args.layers, args.context, args.prefill, args.vocab) < 1:
+    p.error("--batches, --kernel-ms, --layers, --context, --prefill and --vocab must be >= 1.")
   if args.prefill > args.context:
     p.error(f"--prefill {args.prefill} must fit the cache: at most --context {args.context}.")
   return args, cfg
@@ -317,16 +320,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     bandwidth = _common.copy_bandwidth()
   print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s; config {cfg}", flush=True)
 
+  start = time.perf_counter()
+  elapsed = lambda: f"({time.perf_counter() - start:.0f} s)"
   models = {d: make_models(cfg, d) for d in cfg["widths"]}
   results = {d: {"d_model": d} for d in cfg["widths"]}
   # Dense first, every width (benchmarks/README.md, rule 1), then 2:4.
   for name in ("dense", "2:4"):
     for d in cfg["widths"]:
-      print(f"[d_model {d}] {name}: decode steps and prefill", flush=True)
+      print(f"[d_model {d}] {name}: decode steps and prefill {elapsed()}", flush=True)
       results[d][name] = time_model(cfg, d, models[d], name, timer)
-      print(f"[d_model {d}] {name}: products", flush=True)
+      print(f"[d_model {d}] {name}: products {elapsed()}", flush=True)
       results[d][f"kernels_{name}"] = time_kernels(cfg, d, timer, name == "2:4", bandwidth)
 
+  print(f"timings done {elapsed()}", flush=True)
   failures = []
   model_rows, prefill_rows, kernel_rows = [], [], []
   for d in cfg["widths"]:

@@ -337,12 +337,19 @@ def decode_backends(targs, batches: Sequence[int]) -> dict[int, dict[str, str]]:
           for b in batches}
 
 
+def max_rel_diff(got, ref) -> float:
+  """max |got - ref| over max |ref|: logits of a bf16 model differ by an ulp
+  of the largest ones, not of each."""
+  return float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+
+
 def check_cache(dense_model, sparse_model, dense_params, compressed, tokens, prefill: int,
                 tol: float, masked=None) -> dict[str, float]:
-  """Max |logit difference|: cached decode against train_lm's full forward
-  (both models), and the compressed model against the dense model on the
-  masked weights (`masked`; None: those `compressed` holds). Raises where one
-  exceeds `tol`."""
+  """`max_rel_diff` of the logits: cached decode against train_lm's full
+  forward (both models), and the compressed model against the dense model on
+  the masked weights (`masked`; None: those `compressed` holds). Raises where
+  one exceeds `tol`."""
+
   def full(model, params):
     charlm = lm.CharLM(model.vocab, model.d_model, model.layers, model.heads, model.max_len,
                        model.sparse_mlp, model.dtype)
@@ -352,16 +359,17 @@ def check_cache(dense_model, sparse_model, dense_params, compressed, tokens, pre
   dense_full = full(dense_model, dense_params)
   sparse_full = full(sparse_model, compressed)
   diffs = {
-      "dense: cached vs full forward": float(jnp.max(jnp.abs(
-          cached_logits(dense_model, dense_params, tokens, prefill) - dense_full))),
-      "2:4: cached vs full forward": float(jnp.max(jnp.abs(
-          cached_logits(sparse_model, compressed, tokens, prefill) - sparse_full))),
-      "2:4 compressed vs dense on the masked weights": float(jnp.max(jnp.abs(
-          sparse_full - full(dense_model, masked)))),
+      "dense: cached vs full forward": max_rel_diff(
+          cached_logits(dense_model, dense_params, tokens, prefill), dense_full),
+      "2:4: cached vs full forward": max_rel_diff(
+          cached_logits(sparse_model, compressed, tokens, prefill), sparse_full),
+      "2:4 compressed vs dense on the masked weights": max_rel_diff(
+          sparse_full, full(dense_model, masked)),
   }
   bad = {k: v for k, v in diffs.items() if not v <= tol}
   if bad:
-    raise AssertionError(f"generate: logits differ by more than {tol}: {bad}")
+    raise AssertionError(f"generate: logits differ by more than {tol} (max |difference| over"
+                         f" max |logit|): {bad}")
   return diffs
 
 
@@ -429,12 +437,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   # rather than the matmul precision's rounding.
   check_tokens = jnp.asarray(lm.val_batches(lm.load_text(lm.corpus_files("small"))[1], 1, 2,
                                             targs.seq_len)[0][0])
-  tol = 1e-3 if dtype == jnp.float32 else 0.1
+  # float32: rounding only. bfloat16: a few ulps (2^-8) of the largest logit,
+  # where the one-token products round differently from the whole-sequence ones.
+  tol = 1e-4 if dtype == jnp.float32 else 3e-2
   with jax.default_matmul_precision("highest"):
     diffs = check_cache(dense_model, sparse_model, dense_params, compressed, check_tokens,
                         len(prompt), tol)
   for what, diff in diffs.items():
-    print(f"logits, {what}: max |difference| {diff:.3g} (tolerance {tol:g})")
+    print(f"logits, {what}: max |difference| / max |logit| {diff:.3g} (tolerance {tol:g})")
 
   key = jax.random.key(args.seed)
   models = {"dense": (dense_model, dense_params), "2:4": (sparse_model, compressed)}
