@@ -34,7 +34,8 @@ over the cached keys and values.
 Run:
 
     python examples/generate.py --prompt "def main(" --temperature 0.8
-    python examples/generate.py --size gpu --steps 60 --eval-every 60 --out runs/generate_gpu
+    python examples/generate.py --size gpu --steps 40 --eval-every 40 --eval-batches 2 \
+        --tokens 256 --out runs/generate_gpu   # a GPU: trains briefly first
 
 On CPU the 2:4 product is the masked dense reference (`"xla"`): the script
 says so instead of printing a speed-up.
@@ -433,8 +434,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   dense_model, sparse_model = decode_model(dense_run.model), decode_model(sparse_run.model)
 
   prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)
-  # The check runs in full precision, so that it sees the cache's bookkeeping
-  # rather than the matmul precision's rounding.
+  # The check reads text (two windows of the small corpus's validation split)
+  # in full matmul precision, so that it sees the cache's bookkeeping rather
+  # than the matmul precision's rounding.
   check_tokens = jnp.asarray(lm.val_batches(lm.load_text(lm.corpus_files("small"))[1], 1, 2,
                                             targs.seq_len)[0][0])
   # float32: rounding only. bfloat16: a few ulps (2^-8) of the largest logit,
