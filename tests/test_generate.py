@@ -135,7 +135,8 @@ def test_sampling_is_deterministic_for_a_key(shipped):
 
 def test_bench_decode_runs_quick_on_cpu(capsys):
   out = bench_decode.main(["--quick", "--no-write", "--layers", "1", "--batches", "1",
-                           "--context", "16", "--prefill", "8", "--vocab", "256"])
+                           "--context", "16", "--prefill", "8", "--vocab", "256",
+                           "--kernel-ms", "2"])
   assert not out["failures"]
   (r,) = out["widths"]
   assert set(r["decode"]) == {1}
@@ -145,7 +146,8 @@ def test_bench_decode_runs_quick_on_cpu(capsys):
     assert part["backends"] == ["xla"]
   labels = {row["implementation"] for row in r["kernels_2:4"]}
   assert labels == {"auto (xla)"}  # forced: only the others that run here (none on CPU)
-  assert {row["m"] for row in r["kernels_dense"]} == {1, 8}
+  assert [(row["m"], row["layer"]) for row in r["kernels_dense"]] == [
+      (2, layer) for layer in _gpt.layer_shapes(128)]
   printed = capsys.readouterr().out
   assert "No 2:4 kernel ran" in printed and "Not run here: `pallas`" in printed
 
