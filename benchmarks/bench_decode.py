@@ -397,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                            "check"], prefill_rows)
           + "\n\n**Products at the model's shapes** (GB/s: x, the weight (dense, or values +"
             " metadata) and y moved once; speed-up over dense XLA; `auto`: the automatic"
-            " choice, which it names):\n\n"
+            " choice, which it names; `cusparselt` on a `Sparse24` re-lays it out for"
+            " cuSPARSELt in every call):\n\n"
           + _common.table(["d_model", "M", "layer", "KxN", "implementation", "ms", "GB/s",
                            "% of copy bw", "speedup", "note"], kernel_rows)
           + "".join(f"\n\nNot run here: `{name}`, {reason}." for name, reason
