@@ -1,0 +1,429 @@
+"""Decode: a GPT-style decoder generating with a KV cache, dense and 2:4, and
+its products at the decode shapes.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py [--widths 2048,4096] [--layers 8] [--no-write]
+    PYTHONPATH=. python benchmarks/bench_decode.py --quick --no-write   # CPU, tiny
+
+The model is `benchmarks/_gpt.py`'s `GPT` (random weights; bf16 compute;
+blocks of four bias-free linear layers `qkv`, `out`, `up`, `down`, heads of
+128, a dense output head), written for a cache as `DecodeGPT`: the same params
+tree, blocks in `nn.scan`, the cache `[layers, batch, context, heads, 128]`
+carried through the scan and written in place (`dynamic_update_slice`; the
+jitted step donates it). The 2:4 model is the same module through
+`jsparse24.sparsify(model, {r".*/(qkv|out|up|down)": {"transposable": False}})`
+applied to `jsparse24.compress_params` output (bf16 `Sparse24`s: the forward
+operand only, as a model is shipped), each product on the implementation the
+automatic choice picks; the dense model holds the masked weights
+(`decompress` of the same `Sparse24`s), so both compute the same function.
+
+Per width:
+
+* one decode step at context `--context` (the new token at the last position,
+  attending to all of the cache): ms and tokens/s, dense and 2:4, at each
+  `--batches`; the logits of the two models compared at every batch
+  (relative error by norm within `LOGITS_TOL`, else the script exits with an
+  error after printing);
+* prefill: `--prefill` tokens of one sequence written into the cache (causal
+  attention over them), tokens/s of both;
+* the products at the model's shapes (`layer_shapes`; M = each batch and the
+  prefill length): dense XLA `x @ w` against `jsparse24.sparse_dot(x, sp)`
+  on the compressed operand, with the automatic choice and with each other
+  implementation that runs here forced; ms, GB/s (x, the weight and y moved once), % of the
+  measured copy bandwidth, speed-up over dense XLA.
+
+Every dense timing of every width runs before the first 2:4 one (the
+method's rule 1 in benchmarks/README.md). Tables are printed and written to
+benchmarks/results/<gpu>.md unless `--no-write`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import jsparse24
+from benchmarks import _common
+from benchmarks._gpt import GPT, HEAD_DIM, SPARSE_LAYERS, layer_shapes
+
+# The 2:4 model's logits against the dense model's on the masked weights:
+# relative error by norm. Both run bf16 products accumulated in float32 that
+# differ in summation order only; each layer's bf16 rounding (2^-9) then
+# propagates through the blocks.
+LOGITS_TOL = 3e-2
+IMPLEMENTATIONS = ("xla", "pallas", "cusparselt")
+QUICK = dict(widths="128", layers=2, context=32, batches="1,4", prefill=32, vocab=512)
+
+
+# --- the model with a KV cache ------------------------------------------------------
+
+
+class DecodeBlock(nn.Module):
+  """`_gpt.Block` over a cache; scanned, so it takes and returns a carry
+  `(x, k_cache, v_cache)` (caches of every block, `[layers, batch, context,
+  heads, HEAD_DIM]`) and gets its block index as the scanned input.
+
+  `prefill`: the tokens are the first ones (`pos` = 0): causal attention over
+  them alone (cuDNN where it runs, as in training). Otherwise one token at
+  `pos`: attention over the cache up to it (`key_value_seq_lengths`)."""
+
+  d_model: int
+  prefill: bool
+  dtype: Any = jnp.bfloat16
+
+  @nn.compact
+  def __call__(self, carry, layer, pos):
+    x, k_cache, v_cache = carry
+    batch, seq, d = x.shape
+    heads = d // HEAD_DIM
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_attn")(x)
+    qkv = nn.Dense(3 * d, use_bias=False, dtype=self.dtype, name="qkv")(h)
+    q, k, v = jnp.unstack(qkv.reshape(batch, seq, 3, heads, HEAD_DIM), axis=2)
+    at = (layer, 0, pos, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), at)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), at)
+    if self.prefill:
+      a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    else:
+      if seq != 1:
+        raise ValueError(f"DecodeBlock: a decode step takes one token per sequence, got {seq}.")
+      keys, values = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)
+                      for c in (k_cache, v_cache))
+      a = jax.nn.dot_product_attention(
+          q, keys, values, key_value_seq_lengths=jnp.full((batch,), pos + 1, jnp.int32))
+    x = x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="out")(a.reshape(batch, seq, d))
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
+    h = nn.gelu(nn.Dense(4 * d, use_bias=False, dtype=self.dtype, name="up")(h))
+    x = x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="down")(h)
+    return (x, k_cache, v_cache), None
+
+
+class DecodeGPT(nn.Module):
+  """`_gpt.GPT` with a KV cache (the same params tree): `__call__(tokens
+  [B, S], cache, pos) -> (logits [B, S, vocab], cache)`."""
+
+  vocab: int
+  d_model: int
+  layers: int
+  max_len: int
+  prefill: bool
+  dtype: Any = jnp.bfloat16
+
+  @nn.compact
+  def __call__(self, tokens, cache, pos):
+    init = nn.initializers.normal(0.02)
+    x = nn.Embed(self.vocab, self.d_model, embedding_init=init, dtype=self.dtype,
+                 name="embed")(tokens)
+    pos_embed = self.param("pos_embed", init, (self.max_len, self.d_model))
+    x = x + jax.lax.dynamic_slice_in_dim(pos_embed, pos, tokens.shape[-1]).astype(self.dtype)
+    blocks = nn.scan(DecodeBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=(0, nn.broadcast), length=self.layers)
+    (x, k_cache, v_cache), _ = blocks(self.d_model, self.prefill, self.dtype, name="blocks")(
+        (x, cache["k"], cache["v"]), jnp.arange(self.layers), pos)
+    x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
+    logits = nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
+    return logits, {"k": k_cache, "v": v_cache}
+
+
+def random_cache(cfg: dict, d: int, batch: int, seed: int = 0) -> dict[str, jax.Array]:
+  """A full cache of random keys and values (the same for a given seed, so the
+  dense and the 2:4 model see the same one)."""
+  shape = (cfg["layers"], batch, cfg["context"], d // HEAD_DIM, HEAD_DIM)
+  return _random_cache(jax.random.key(seed), shape)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _random_cache(key, shape):
+  kk, kv = jax.random.split(key)
+  return {"k": jax.random.normal(kk, shape, jnp.bfloat16),
+          "v": jax.random.normal(kv, shape, jnp.bfloat16)}
+
+
+def make_models(cfg: dict, d: int) -> dict[str, Any]:
+  """The width's params (masked dense and compressed, bf16) and its jitted
+  steps `(params, tokens, cache, pos) -> (logits, cache)`, cache donated."""
+  vocab, layers, context = cfg["vocab"], cfg["layers"], cfg["context"]
+  rules = {SPARSE_LAYERS: {"transposable": False}}
+  train_model = jsparse24.sparsify(GPT(vocab, d, layers, context, None), rules)
+  variables = jax.jit(train_model.init)(jax.random.key(d), jnp.zeros((1, 8), jnp.int32))
+  bf16 = jax.jit(lambda p: jax.tree.map(lambda a: a.astype(jnp.bfloat16), p))(
+      variables["params"])
+  compressed = jsparse24.compress_params(bf16, variables["sparsity"])
+  del variables, bf16
+  out = {"compressed": compressed, "masked": masked_params(compressed), "steps": {}}
+  for prefill in (False, True):
+    model = DecodeGPT(vocab, d, layers, context, prefill)
+    for name, m in (("dense", model), ("2:4", jsparse24.sparsify(model, rules))):
+      out["steps"][name, prefill] = jax.jit(
+          lambda params, tokens, cache, pos, m=m: m.apply({"params": params}, tokens, cache, pos),
+          donate_argnums=2)
+  return out
+
+
+@jax.jit
+def masked_params(compressed):
+  """Dense params with `kernel * mask` in place of each `Sparse24`."""
+  return jax.tree.map(
+      lambda a: jsparse24.decompress(a) if isinstance(a, jsparse24.Sparse24) else a,
+      compressed, is_leaf=lambda a: isinstance(a, jsparse24.Sparse24))
+
+
+def logits_match(got, ref, tol: float = LOGITS_TOL) -> tuple[bool, float]:
+  """(whether `got` equals `ref` within `tol`, their relative error by norm)."""
+  err = _common.rel_err(got, ref)
+  return err <= tol, err
+
+
+# --- timing ---------------------------------------------------------------------------
+
+
+def threaded_step(step, params, tokens, cache, pos):
+  """A callable for `_common.bench`: each call runs `step` on the cache the
+  previous (donating) call returned."""
+  state = {"cache": cache}
+
+  def run():
+    logits, state["cache"] = step(params, tokens, state["cache"], pos)
+    return logits
+
+  return run
+
+
+def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, Any]:
+  """Decode steps at every batch and the prefill of one model: ms, tokens/s
+  and the logits (the last position's, float32) the comparison needs."""
+  params = models["compressed" if name == "2:4" else "masked"]
+  out = {"decode": {}, "prefill": None}
+  for b in cfg["batches"]:
+    tokens = jax.random.randint(jax.random.key(b), (b, 1), 0, cfg["vocab"], jnp.int32)
+    pos = jnp.asarray(cfg["context"] - 1, jnp.int32)
+    step = models["steps"][name, False]
+    logits = step(params, tokens, random_cache(cfg, d, b), pos)[0]  # its cache freed now
+    seconds = timer(threaded_step(step, params, tokens, random_cache(cfg, d, b), pos))
+    out["decode"][b] = {"ms": seconds * 1e3, "tokens_per_s": b / seconds,
+                        "logits": logits[:, -1].astype(jnp.float32)}
+  p = cfg["prefill"]
+  tokens = jax.random.randint(jax.random.key(p), (1, p), 0, cfg["vocab"], jnp.int32)
+  step = models["steps"][name, True]
+  zero = jnp.asarray(0, jnp.int32)
+  logits = step(params, tokens, random_cache(cfg, d, 1), zero)[0]
+  seconds = timer(threaded_step(step, params, tokens, random_cache(cfg, d, 1), zero))
+  out["prefill"] = {"ms": seconds * 1e3, "tokens_per_s": p / seconds,
+                    "logits": logits[0, -16:].astype(jnp.float32)}
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def kernel_operands(k: int, n: int, m: int):
+  """(x [m, k], the compressed random weight [k, n], its dense `w * mask`), bf16."""
+  x = jax.random.normal(jax.random.key(m * 31 + k), (m, k), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(k * 7 + n), (k, n), jnp.bfloat16)
+  sp = jsparse24.compress(w)
+  return x, sp, jsparse24.decompress(sp)
+
+
+def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> list[dict]:
+  """Rows of the product table for this width: dense XLA (`sparse=False`),
+  or `sparse_dot` on the compressed operand, automatic and forced."""
+  rows = []
+  dense_mm = jax.jit(lambda x, w: x @ w)
+  for m in cfg["kernel_ms"]:
+    for layer, (k, n) in layer_shapes(d).items():
+      x, sp, w = kernel_operands(k, n, m)
+      io = 2 * (m * k + m * n)
+      if not sparse:
+        runs = [("dense XLA", dense_mm, w, io + 2 * k * n)]
+      else:
+        auto = jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16)
+        runs = [(f"auto ({auto})", None, sp, io + sp.nbytes)]
+        # Forced: every other implementation that runs here (the automatic
+        # choice's own is its row).
+        runs += [(impl, impl, sp, io + sp.nbytes) for impl in IMPLEMENTATIONS
+                 if impl != auto and jsparse24.available_implementations()[impl] is None]
+      for label, impl, operand, nbytes in runs:
+        row = {"m": m, "layer": layer, "k": k, "n": n, "implementation": label}
+        fn = impl if callable(impl) else jax.jit(
+            functools.partial(lambda x, s, impl: jsparse24.sparse_dot(x, s, implementation=impl),
+                              impl=impl))
+        try:
+          seconds = timer(fn, x, operand)
+        except Exception as e:  # pylint: disable=broad-except
+          # A forced implementation that cannot run a shape is a row of the
+          # table saying why; the automatic choice must always run.
+          if label.startswith("auto") or label == "dense XLA":
+            raise
+          row.update(ms=float("nan"), note=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          rows.append(row)
+          continue
+        row.update(ms=seconds * 1e3, gb_s=nbytes / seconds / 1e9,
+                   pct_copy=100 * nbytes / seconds / bandwidth)
+        rows.append(row)
+  return rows
+
+
+# --- main ------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--widths", default=None, help="d_model values (comma-separated;"
+                 " default 2048,4096, --quick: 128,256); multiples of 128")
+  p.add_argument("--layers", type=int, default=None, help="blocks (default 8; --quick: 2)")
+  p.add_argument("--context", type=int, default=None,
+                 help="KV-cache length; the decode step's token sits at its last position"
+                      " (default 2048; --quick: 64)")
+  p.add_argument("--batches", default=None, help="decode batch sizes (default 1,4,16,64;"
+                 " --quick: 1,4)")
+  p.add_argument("--prefill", type=int, default=None,
+                 help="prefill tokens, one sequence (default 2048; --quick: 64); <= --context")
+  p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32768; --quick: 512)")
+  p.add_argument("--kernel-ms", default=None,
+                 help="M (rows of x) of the product table (default: --batches and --prefill)")
+  p.add_argument("--quick", action="store_true",
+                 help="tiny sizes and short timings (CPU checks of the script)")
+  p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
+  p.add_argument("--json", default=None, help="also write the raw numbers to this file")
+  args = p.parse_args(argv)
+  full = dict(widths="2048,4096", layers=8, context=2048, batches="1,4,16,64", prefill=2048,
+              vocab=32768)
+  for key, value in (QUICK if args.quick else full).items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  cfg = {"widths": [int(v) for v in str(args.widths).split(",")],
+         "batches": [int(v) for v in str(args.batches).split(",")],
+         "layers": args.layers, "context": args.context, "prefill": args.prefill,
+         "vocab": args.vocab, "quick": args.quick}
+  cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
+                      else [*cfg["batches"], cfg["prefill"]])
+  if any(w % HEAD_DIM for w in cfg["widths"]):
+    p.error(f"--widths must be multiples of {HEAD_DIM} (the head size).")
+  if min(cfg["batches"] + cfg["kernel_ms"]) < 1 or min(args.layers, args.context, args.prefill, args.vocab) < 1:
+    p.error("--batches, --kernel-ms, --layers, --context, --prefill and --vocab must be >= 1.")
+  if args.prefill > args.context:
+    p.error(f"--prefill {args.prefill} must fit the cache: at most --context {args.context}.")
+  return args, cfg
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args, cfg = parse_args(argv)
+  env = _common.environment()
+  print(env, flush=True)
+  if cfg["quick"]:
+    timer = functools.partial(_common.bench, min_time=0.005, repeats=3)
+    bandwidth = _common.copy_bandwidth() if jax.default_backend() == "gpu" else float("nan")
+  else:
+    timer = functools.partial(_common.bench, min_time=0.02, repeats=5)
+    bandwidth = _common.copy_bandwidth()
+  print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s; config {cfg}", flush=True)
+
+  start = time.perf_counter()
+  elapsed = lambda: f"({time.perf_counter() - start:.0f} s)"
+  models = {d: make_models(cfg, d) for d in cfg["widths"]}
+  results = {d: {"d_model": d} for d in cfg["widths"]}
+  # Dense first, every width (benchmarks/README.md, rule 1), then 2:4.
+  for name in ("dense", "2:4"):
+    for d in cfg["widths"]:
+      print(f"[d_model {d}] {name}: decode steps and prefill {elapsed()}", flush=True)
+      results[d][name] = time_model(cfg, d, models[d], name, timer)
+      print(f"[d_model {d}] {name}: products {elapsed()}", flush=True)
+      results[d][f"kernels_{name}"] = time_kernels(cfg, d, timer, name == "2:4", bandwidth)
+
+  print(f"timings done {elapsed()}", flush=True)
+  failures = []
+  model_rows, prefill_rows, kernel_rows = [], [], []
+  for d in cfg["widths"]:
+    r, dense, sparse = results[d], results[d]["dense"], results[d]["2:4"]
+    r["decode"], r["prefill"] = {}, {}
+    for b in cfg["batches"]:
+      ok, err = logits_match(sparse["decode"][b]["logits"], dense["decode"][b]["logits"])
+      if not ok:
+        failures.append(f"d_model {d}, batch {b}: logits relative error {err:.3g}")
+      backends = sorted({jsparse24.selected_implementation((b, k), (k, n), jnp.bfloat16)
+                         for k, n in layer_shapes(d).values()})
+      t_d, t_s = dense["decode"][b]["ms"], sparse["decode"][b]["ms"]
+      r["decode"][b] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
+                        "dense_tokens_per_s": b / t_d * 1e3, "sparse_tokens_per_s": b / t_s * 1e3,
+                        "logits_rel_err": err, "backends": backends}
+      model_rows.append([d, cfg["layers"], b, t_d, b / t_d * 1e3, t_s, b / t_s * 1e3, t_d / t_s,
+                         ", ".join(backends), err, "ok" if ok else "MISMATCH"])
+    ok, err = logits_match(sparse["prefill"]["logits"], dense["prefill"]["logits"])
+    if not ok:
+      failures.append(f"d_model {d}, prefill: logits relative error {err:.3g}")
+    t_d, t_s = dense["prefill"]["ms"], sparse["prefill"]["ms"]
+    p = cfg["prefill"]
+    backends = sorted({jsparse24.selected_implementation((p, k), (k, n), jnp.bfloat16)
+                       for k, n in layer_shapes(d).values()})
+    r["prefill"] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
+                    "logits_rel_err": err, "backends": backends}
+    prefill_rows.append([d, cfg["layers"], p, t_d, p / t_d * 1e3, t_s, p / t_s * 1e3, t_d / t_s,
+                         ", ".join(backends), err, "ok" if ok else "MISMATCH"])
+    dense_ms = {(row["m"], row["layer"]): row["ms"] for row in r["kernels_dense"]}
+    for row in r["kernels_dense"] + r["kernels_2:4"]:
+      base = dense_ms[row["m"], row["layer"]]
+      row["speedup"] = base / row["ms"] if row["ms"] == row["ms"] else float("nan")
+    order = list(layer_shapes(d))
+    for row in sorted(r["kernels_dense"] + r["kernels_2:4"],
+                      key=lambda row: (row["m"], order.index(row["layer"]))):
+      kernel_rows.append([d, row["m"], row["layer"], f"{row['k']}x{row['n']}",
+                          row["implementation"], row["ms"], row.get("gb_s", float("nan")),
+                          row.get("pct_copy", float("nan")), row["speedup"], row.get("note", "")])
+    for name in ("dense", "2:4"):
+      for part in r[name]["decode"].values():
+        part.pop("logits")
+      r[name]["prefill"].pop("logits")
+
+  body = (f"{env}; measured copy bandwidth {bandwidth / 1e12:.3f} TB/s. Random weights, bf16;"
+          f" {cfg['layers']} blocks, vocabulary {cfg['vocab']}, every block's qkv, out, up and"
+          f" down 2:4 (compress_params, forward operand only), dense head. Dense: the same"
+          f" model on the masked weights. Every dense timing ran before the first 2:4 one."
+          f" Logits: relative error by norm of the 2:4 model's against the dense model's"
+          f" (tolerance {LOGITS_TOL}).\n\n"
+          f"**Decode step** (one new token per sequence at position {cfg['context'] - 1}, the"
+          f" cache holding {cfg['context']} positions):\n\n"
+          + _common.table(["d_model", "blocks", "batch", "dense ms", "dense tokens/s", "2:4 ms",
+                           "2:4 tokens/s", "speedup", "2:4 layers on", "logits rel err",
+                           "check"], model_rows)
+          + f"\n\n**Prefill** ({cfg['prefill']} tokens, one sequence):\n\n"
+          + _common.table(["d_model", "blocks", "tokens", "dense ms", "dense tokens/s", "2:4 ms",
+                           "2:4 tokens/s", "speedup", "2:4 layers on", "logits rel err",
+                           "check"], prefill_rows)
+          + "\n\n**Products at the model's shapes** (GB/s: x, the weight (dense, or values +"
+            " metadata) and y moved once; speed-up over dense XLA; `auto`: the automatic"
+            " choice, which it names; `cusparselt` on a `Sparse24` re-lays it out for"
+            " cuSPARSELt in every call):\n\n"
+          + _common.table(["d_model", "M", "layer", "KxN", "implementation", "ms", "GB/s",
+                           "% of copy bw", "speedup", "note"], kernel_rows)
+          + "".join(f"\n\nNot run here: `{name}`, {reason}." for name, reason
+                    in jsparse24.available_implementations().items() if reason))
+  print("\n" + body)
+  used = {b for r in results.values() for part in (*r["decode"].values(), r["prefill"])
+          for b in part["backends"]}
+  if used == {"xla"}:
+    body += ("\n\nNo 2:4 kernel ran: the automatic choice took the masked dense reference"
+             " (`xla`) for every 2:4 product, so the speed-ups above say nothing about 2:4"
+             " kernels.")
+    print(body.rsplit("\n\n", 1)[1])
+  out = {"config": cfg, "bandwidth": bandwidth, "widths": list(results.values()),
+         "failures": failures}
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+  if failures:
+    raise SystemExit("bench_decode: the 2:4 model's logits differ from the dense model's on the"
+                     f" masked weights beyond {LOGITS_TOL}: " + "; ".join(failures))
+  if not args.no_write:
+    title = (f"Decode: GPT-style decoder with a KV cache, d_model {','.join(map(str, cfg['widths']))},"
+             f" context {cfg['context']}")
+    print(f"\nwritten to {_common.write_section(title, body)}")
+  return out
+
+
+if __name__ == "__main__":
+  main()

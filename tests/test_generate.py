@@ -1,0 +1,191 @@
+"""examples/generate.py and benchmarks/bench_decode.py at tiny sizes on CPU:
+generation with a KV cache (trained first when no checkpoint exists), its
+logits against the full forward, deterministic sampling, and the decode
+benchmark with its logits check."""
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse24
+from benchmarks import _gpt, bench_decode
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+# train_lm's flags for a model that trains in seconds (sparse from the first step).
+TINY = ["--steps", "4", "--eval-every", "4", "--d-model", "32", "--layers", "1", "--heads", "2",
+        "--seq-len", "16", "--batch", "4", "--eval-batches", "1", "--mask-warmup", "0"]
+
+
+def load_generate():
+  spec = importlib.util.spec_from_file_location("example_generate", EXAMPLES / "generate.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # Flax modules look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+  """(the module, its train_lm flags, what the first run printed, its result):
+  a run with no checkpoint, which trains first."""
+  gen = load_generate()
+  argv = TINY + ["--out", str(tmp_path_factory.mktemp("generate")), "--tokens", "4",
+                 "--batches", "1", "--repeats", "1"]
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    result = gen.main(argv)
+  return gen, argv, printed.getvalue(), result
+
+
+@pytest.fixture(scope="module")
+def shipped(generated):
+  """The dense and the compressed 2:4 model loaded from the checkpoints (what
+  loading printed under "printed")."""
+  gen, argv, _, _ = generated
+  args, targs, train_argv = gen.parse_args(argv)
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    dense, sparse = gen.load_runs(targs, train_argv)
+  compressed = jsparse24.compress_params(
+      sparse.params, gen.serving_masks(jsparse24.optim.masks(sparse.opt_state)))
+  return {"gen": gen, "args": args, "printed": printed.getvalue(),
+          "dense": (gen.decode_model(dense.model), dense.params, dense.model),
+          "2:4": (gen.decode_model(sparse.model), compressed, sparse.model)}
+
+
+def test_generate_trains_when_no_checkpoint_then_generates(generated):
+  _, _, printed, result = generated
+  assert "training them first" in printed
+  assert result["steps"] == {"dense": 4, "2:4": 4}
+  assert set(result["texts"]) == {"dense", "2:4"}
+  assert result["tokens_per_s"][1]["dense"] > 0 and result["tokens_per_s"][1]["2:4"] > 0
+  # On a CPU no 2:4 kernel runs: a ratio would be noise shown as a speed-up.
+  assert "no speed-up to report" in printed and "2:4 / dense tokens/s 0" not in printed
+  # The 2:4 kernels ship at about half their dense bytes (float32: values + 1/16 metadata).
+  dense_bytes, compressed_bytes = result["sparse_kernel_bytes"]
+  assert compressed_bytes / dense_bytes == pytest.approx(0.5 + 1 / 32)
+  assert result["weight_bytes"]["2:4"] < result["weight_bytes"]["dense"]
+
+
+def test_cached_logits_equal_the_full_forward(generated):
+  # The run checked its cache: prefill of the prompt, then one token per step,
+  # against train_lm's CharLM on the whole sequence (float32), both models.
+  diffs = generated[3]["logit_diffs"]
+  assert len(diffs) == 3 and all(v < 1e-5 for v in diffs.values()), diffs
+
+
+def test_generate_loads_the_checkpoint_and_greedy_repeats(generated, shipped):
+  gen, _, _, first = generated
+  assert "training them first" not in shipped["printed"]
+  prompt = jnp.asarray([list(b"def ")], jnp.int32)
+  for name in ("dense", "2:4"):
+    model, params, _ = shipped[name]
+    fn = gen.make_generate(model, 4, 0.0)
+    out, _ = fn(params, prompt, model.empty_cache(1), jax.random.key(7))
+    assert bytes(np.asarray(out[0]).astype(np.uint8).tolist()).decode(
+        "utf-8", "replace") == first["texts"][name], name
+
+
+def test_generate_refuses_a_checkpoint_of_other_flags(generated):
+  gen, argv, _, _ = generated
+  with pytest.raises(ValueError, match="does not load into the model"):
+    gen.main([*argv, "--d-model", "64"])
+
+
+def test_check_cache_fails_on_a_perturbed_compressed_weight(shipped):
+  gen = shipped["gen"]
+  model, compressed, _ = shipped["2:4"]
+  dense_model, dense_params, _ = shipped["dense"]
+  tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, 256, jnp.int32)
+  sp = compressed["block_0"]["mlp"]["up"]["kernel"]
+  bad = jax.tree.map(lambda a: a, compressed)
+  bad["block_0"]["mlp"]["up"]["kernel"] = dataclasses.replace(sp, values=sp.values * 1.5)
+  masked = gen.masked_params(compressed)  # the dense reference keeps the true weights
+  with pytest.raises(AssertionError, match="compressed vs dense on the masked weights"):
+    gen.check_cache(dense_model, model, dense_params, bad, tokens, 4, 1e-4, masked=masked)
+
+
+def test_sampling_is_deterministic_for_a_key(shipped):
+  gen = shipped["gen"]
+  model, params, _ = shipped["2:4"]
+  prompt = jnp.asarray([list(b"def ")] * 2, jnp.int32)
+
+  fns = {t: gen.make_generate(model, 8, t) for t in (0.0, 1.0)}
+
+  def run(temperature, seed):
+    out, _ = fns[temperature](params, prompt, model.empty_cache(2), jax.random.key(seed))
+    return np.asarray(out)
+
+  np.testing.assert_array_equal(run(1.0, 3), run(1.0, 3))
+  assert not np.array_equal(run(1.0, 3), run(1.0, 4))
+  np.testing.assert_array_equal(run(0.0, 3), run(0.0, 4))  # greedy ignores the key
+
+
+# --- bench_decode ------------------------------------------------------------------
+
+
+def test_bench_decode_runs_quick_on_cpu(capsys):
+  out = bench_decode.main(["--quick", "--no-write", "--layers", "1", "--batches", "1",
+                           "--context", "16", "--prefill", "8", "--vocab", "256",
+                           "--kernel-ms", "2"])
+  assert not out["failures"]
+  (r,) = out["widths"]
+  assert set(r["decode"]) == {1}
+  for part in (*r["decode"].values(), r["prefill"]):
+    assert part["dense_ms"] > 0 and part["sparse_ms"] > 0
+    assert part["logits_rel_err"] <= bench_decode.LOGITS_TOL
+    assert part["backends"] == ["xla"]
+  labels = {row["implementation"] for row in r["kernels_2:4"]}
+  assert labels == {"auto (xla)"}  # forced: only the others that run here (none on CPU)
+  assert [(row["m"], row["layer"]) for row in r["kernels_dense"]] == [
+      (2, layer) for layer in _gpt.layer_shapes(128)]
+  printed = capsys.readouterr().out
+  assert "No 2:4 kernel ran" in printed and "Not run here: `pallas`" in printed
+
+
+def test_decode_gpt_has_gpt_params_and_its_logits():
+  gpt = _gpt.GPT(64, 128, 2, 16, None, dtype=jnp.float32)
+  params = jax.jit(gpt.init)(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+  d, tokens = 128, jax.random.randint(jax.random.key(1), (2, 16), 0, 64, jnp.int32)
+  prefill = bench_decode.DecodeGPT(64, d, 2, 16, True, jnp.float32)
+  step = bench_decode.DecodeGPT(64, d, 2, 16, False, jnp.float32)
+  cache = {"k": jnp.zeros((2, 2, 16, 1, 128)), "v": jnp.zeros((2, 2, 16, 1, 128))}
+  shapes = jax.eval_shape(prefill.init, jax.random.key(0), tokens, cache, 0)["params"]
+  assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, params)
+  step_fn = jax.jit(step.apply)
+  with jax.default_matmul_precision("highest"):
+    full = jax.jit(gpt.apply)({"params": params}, tokens)
+    logits, cache = jax.jit(prefill.apply)({"params": params}, tokens[:, :10], cache, 0)
+    np.testing.assert_allclose(logits, full[:, :10], atol=1e-5, rtol=1e-5)
+    for t in range(10, 16):  # then one token per step, through the cache
+      logits, cache = step_fn({"params": params}, tokens[:, t:t + 1], cache, t)
+      np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5, err_msg=t)
+
+
+def test_bench_decode_logits_check_fails_on_a_perturbed_weight():
+  cfg = {"layers": 1, "context": 16, "vocab": 64, "batches": [2], "prefill": 8}
+  models = bench_decode.make_models(cfg, 128)
+  tokens = jnp.asarray([[3], [5]], jnp.int32)
+  pos = jnp.asarray(15, jnp.int32)
+
+  def logits(name, params):
+    out, _ = models["steps"][name, False](params, tokens, bench_decode.random_cache(cfg, 128, 2),
+                                         pos)
+    return out[:, -1]
+
+  dense = logits("dense", models["masked"])
+  assert bench_decode.logits_match(logits("2:4", models["compressed"]), dense)[0]
+  sp = models["compressed"]["blocks"]["down"]["kernel"]
+  bad = jax.tree.map(lambda a: a, models["compressed"])
+  bad["blocks"]["down"]["kernel"] = dataclasses.replace(sp, values=sp.values * 1.5)
+  ok, err = bench_decode.logits_match(logits("2:4", bad), dense)
+  assert not ok and err > bench_decode.LOGITS_TOL
