@@ -242,7 +242,8 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
       if not sparse:
         runs = [("dense XLA", dense_mm, w, io + 2 * k * n)]
       else:
-        auto = jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16)
+        auto = jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16,
+                                                   compressed=True)
         runs = [(f"auto ({auto})", None, sp, io + sp.nbytes)]
         # Forced: every other implementation that runs here (the automatic
         # choice's own is its row).
@@ -346,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       ok, err = logits_match(sparse["decode"][b]["logits"], dense["decode"][b]["logits"])
       if not ok:
         failures.append(f"d_model {d}, batch {b}: logits relative error {err:.3g}")
-      backends = sorted({jsparse24.selected_implementation((b, k), (k, n), jnp.bfloat16)
+      backends = sorted({jsparse24.selected_implementation((b, k), (k, n), jnp.bfloat16,
+                                                          compressed=True)
                          for k, n in layer_shapes(d).values()})
       t_d, t_s = dense["decode"][b]["ms"], sparse["decode"][b]["ms"]
       r["decode"][b] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
@@ -359,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       failures.append(f"d_model {d}, prefill: logits relative error {err:.3g}")
     t_d, t_s = dense["prefill"]["ms"], sparse["prefill"]["ms"]
     p = cfg["prefill"]
-    backends = sorted({jsparse24.selected_implementation((p, k), (k, n), jnp.bfloat16)
+    backends = sorted({jsparse24.selected_implementation((p, k), (k, n), jnp.bfloat16,
+                                                        compressed=True)
                        for k, n in layer_shapes(d).values()})
     r["prefill"] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
                     "logits_rel_err": err, "backends": backends}

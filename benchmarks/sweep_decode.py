@@ -1,16 +1,20 @@
 """The `"pallas"` backend's product on a compressed weight (the decode
-kernel at few rows) against dense XLA over M and (K, N): the sweep behind
-the automatic choice (`jsparse24.backends.pallas.DECODE_AUTO_MAX_M`).
+kernel at few rows) against dense XLA and against what a compressed weight
+multiplies through otherwise (decompressed, then XLA's product), over M and
+(K, N): the sweep behind the automatic choice
+(`jsparse24.backends.pallas.DECODE_AUTO_MAX_M`, which compares the kernel
+with the decompressing product: a compressed weight has no dense copy).
 
     PYTHONPATH=. python benchmarks/sweep_decode.py [--ms 1,2,4,...,256]
         [--sizes 2048,...,16384] [--no-write] [--json PATH]
 
-For every M and (K, N) in sizes x sizes: dense XLA `x @ w` (bf16) and
+For every M and (K, N) in sizes x sizes: dense XLA `x @ w` (bf16),
+`jsparse24.sparse_dot(x, sp, implementation="xla")` (decompress + XLA) and
 `jsparse24.sparse_dot(x, sp, implementation="pallas")` on the compressed
 weight (`Sparse24`; the decode kernel up to `DECODE_MAX_M` rows, `spmm24`
 above), in ms, the product's GB/s (compressed values + metadata + x + y),
-its % of the copy bandwidth measured in the same run, and its speedup over
-dense. Each timed call multiplies by several weights in turn (one jitted
+its % of the copy bandwidth measured in the same run, and its speedups over
+dense and over decompress + XLA. Each timed call multiplies by several weights in turn (one jitted
 function), 200 MB together (3-4x the L2 cache of an H100 or H200), as a
 model's layers do: one weight reused call after call would be read from L2.
 At most 16 weights: the smallest shapes' compressed weights then fit in L2
@@ -62,6 +66,10 @@ def main(argv=None):
   dense_f = jax.jit(lambda x, ws: [x @ w for w in ws])
   sparse_f = jax.jit(lambda x, sps: [jsparse24.sparse_dot(x, sp, implementation="pallas")
                                      for sp in sps])
+  # What a compressed weight multiplies through without the decode kernel:
+  # decompressed, then XLA's product (the automatic choice's alternative).
+  decompress_f = jax.jit(lambda x, sps: [jsparse24.sparse_dot(x, sp, implementation="xla")
+                                         for sp in sps])
   rows, raw = [], []
   speedups = {}
   pool = concurrent.futures.ThreadPoolExecutor(16)
@@ -77,7 +85,8 @@ def main(argv=None):
       # Compiled side by side: compilation, not the GPU, bounds the sweep.
       futures = {(m, kind): pool.submit(lambda f, a: f.lower(*a).compile(), f, (xs[m], ops))
                  for m in ms for kind, f, ops in (("dense", dense_f, ws),
-                                                 ("sparse", sparse_f, sps))}
+                                                 ("sparse", sparse_f, sps),
+                                                 ("decompress", decompress_f, sps))}
       # All compiled before any is timed: a compilation running beside a
       # timing slows its dispatch.
       compiled = {key: future.result() for key, future in futures.items()}
@@ -91,12 +100,15 @@ def main(argv=None):
           raise SystemExit(f"M={m} K={k} N={n}: relative error {err:.3g}")
         t_dense = _common.bench(dense_c, xs[m], ws, min_time=0.02, repeats=5) / r
         t_sparse = _common.bench(sparse_c, xs[m], sps, min_time=0.02, repeats=5) / r
+        t_decompress = _common.bench(compiled[m, "decompress"], xs[m], sps, min_time=0.02,
+                                     repeats=5) / r
         io = sparse_bytes + 2 * (m * k + m * n)
-        speedups[m, k, n] = t_dense / t_sparse
-        rows.append([m, k, n, t_dense * 1e3, t_sparse * 1e3, t_dense / t_sparse,
+        speedups[m, k, n] = t_decompress / t_sparse
+        rows.append([m, k, n, t_dense * 1e3, t_decompress * 1e3, t_sparse * 1e3,
+                     t_dense / t_sparse, t_decompress / t_sparse,
                      io / t_sparse / 1e9, 100 * io / t_sparse / bw])
-        raw.append(dict(m=m, k=k, n=n, dense_ms=t_dense * 1e3, decode_ms=t_sparse * 1e3,
-                        rotate=r, rel_err=err))
+        raw.append(dict(m=m, k=k, n=n, dense_ms=t_dense * 1e3, decompress_ms=t_decompress * 1e3,
+                        decode_ms=t_sparse * 1e3, rotate=r, rel_err=err))
         print(f"M={m:4d} K={k:5d} N={n:5d}: dense {t_dense * 1e3:.4f} ms, decode"
               f" {t_sparse * 1e3:.4f} ms ({t_dense / t_sparse:.2f}x), {io / t_sparse / 1e9:.0f}"
               f" GB/s = {100 * io / t_sparse / bw:.0f}% of copy; rel err {err:.2g}", flush=True)
@@ -117,13 +129,17 @@ def main(argv=None):
           f"Command: `PYTHONPATH=. python benchmarks/sweep_decode.py`. bf16, `sparse_dot(x, sp,"
           f" implementation=\"pallas\")` on a `Sparse24` (the decode kernel,"
           f" `pallas_kernels/decode24.py`, default tiles, up to DECODE_MAX_M ="
-          f" {pallas_backend.DECODE_MAX_M} rows) against XLA's `x @ w`; each timed call"
+          f" {pallas_backend.DECODE_MAX_M} rows) against XLA's `x @ w` and against"
+          f" decompress + XLA;"
+          f" each timed call
           f" cycles through several weights (200 MB together, at most 16). GB/s and % copy"
           f" count compressed values + metadata + x + y.\n\n"
-          + _common.table(["M", "K", "N", "dense XLA ms", "decode ms", "speedup", "GB/s",
+          + _common.table(["M", "K", "N", "dense XLA ms", "decompress + XLA ms", "decode ms",
+                           "decode over dense", "decode over decompress", "GB/s",
                            "% copy bw"], rows)
-          + f"\n\nDECODE_AUTO_MAX_M row (largest M up to which every swept M measured >="
-          f" {pallas_backend.DECODE_MARGIN}x; rows K, columns N = {sizes}):\n\n"
+          + f"\n\nDECODE_AUTO_MAX_M row (largest M up to which the decode kernel measured >="
+          f" {pallas_backend.DECODE_MARGIN}x of decompress + XLA at every swept M; rows K,"
+          f" columns N = {sizes}):\n\n"
           f"```\n{literal}\n```\n")
   print("\n" + body)
   if args.json:

@@ -333,7 +333,7 @@ def decode_backends(targs, batches: Sequence[int]) -> dict[int, dict[str, str]]:
   layer's decode product (M = batch rows)."""
   d = targs.d_model
   dtype = jnp.bfloat16 if targs.dtype == "bfloat16" else jnp.float32
-  return {b: {name: jsparse24.selected_implementation((b, k), (k, n), dtype)
+  return {b: {name: jsparse24.selected_implementation((b, k), (k, n), dtype, compressed=True)
               for name, (k, n) in {"mlp/up": (d, 4 * d), "mlp/down": (4 * d, d)}.items()}
           for b in batches}
 

@@ -70,23 +70,31 @@ AUTO_MAX_M = 0
 # bf16", 2026-11-22, one weight: two runs, not one interleaved comparison).
 DECODE_MAX_M = 16
 # implementation=None takes this backend for a compressed bfloat16 weight
-# where benchmarks/sweep_decode.py measured the decode kernel faster than
-# dense XLA: per GPU (`jax.Device.device_kind`), rows K and columns N of
-# DECODE_GRID, the largest M of the sweep (1, 2, 4, ..., 256) up to which it
-# measured at least DECODE_MARGIN times as fast at every M of the sweep (0:
-# at none; the margin covers the spread of one timing). A shape between grid
-# points takes the grid point below it, K or N below the grid never; a GPU
-# not listed never (unmeasured: dense).
-# NVIDIA H200: 0 everywhere. The sweep (2026-11-27, benchmarks/results/
-# nvidia-h200.md, "decode kernel sweep bf16") measured the kernel slower than
-# dense at every M >= 2 it reached; its three M = 1 wins stand against dense
-# timings up to 3x the same shape's at M = 2 (taken first after compiling),
-# so they are not counted, and the rows K >= 8192 it did not reach measured
-# 0.92-0.96x at M <= 16 ("decode kernel at the target shapes").
+# where the decode kernel measured faster than what the weight multiplies
+# through otherwise: decompressed, then XLA's product (a compressed weight
+# has no dense copy to fall back on). Per GPU (`jax.Device.device_kind`),
+# rows K and columns N of DECODE_GRID, the largest M of the sweep (1, 2, 4,
+# ..., 256) up to which it measured at least DECODE_MARGIN times as fast at
+# every M measured (0: at none; the margin covers the spread of one timing).
+# A shape between grid points takes the grid point below it, K or N below the
+# grid never; a GPU or grid point not measured never (decompress + XLA).
+# NVIDIA H200 (2026-11-27): the products of benchmarks/bench_decode.py at
+# d_model 2048 and 4096, M = 1, 4, 16, `pallas` against `auto (xla)`
+# (benchmarks/results/nvidia-h200.md, "decode with a KV cache"): 1.09-6.6x
+# at (K, N) = (2048, 6144), (4096, 12288), (4096, 16384), (16384, 4096);
+# (2048, 8192) 1.03x at M = 16; (4096, 4096) 1.57x at M = 1, 0.67x at M = 4;
+# (2048, 2048) and (8192, 2048) below 1.03x. Against dense XLA the kernel
+# stays below 1x almost everywhere (0.8-0.99x at M <= 16, "decode kernel
+# sweep bf16"): a compressed model decodes slower than the dense one there,
+# and faster than decompressing its weights.
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
-    "NVIDIA H200": ((0, 0, 0, 0),) * 4,
+    # columns N = 2048, 4096, 8192, 16384; rows K as marked
+    "NVIDIA H200": ((0, 16, 4, 0),    # 2048
+                    (0, 1, 16, 16),   # 4096
+                    (0, 0, 0, 0),     # 8192
+                    (0, 16, 0, 0)),   # 16384
 }
 
 
