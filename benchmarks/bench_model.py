@@ -32,6 +32,12 @@ compute-bound kernels slower from then on (see `setup_width`), which a dense
 model in its own process never pays. Tables are printed and written to
 benchmarks/results/<gpu>.md.
 
+`--devices N` alone: data parallel over N GPUs, the same tables.
+`--devices N --layouts data,fsdp,tp,2d`: per width, the dense and 2:4 models
+in each layout of `jsparse24.layouts` over N GPUs (`--batch` rows) and on
+one GPU (`--batch` / N rows: data parallelism's rows per GPU): ms per step,
+2:4 over dense, and each model's scaling from one GPU (`run_layouts`).
+
 Default depths (`DEFAULTS`) fit JAX's default GPU memory pool on an 80 GB
 H100 (75% of it, about 58 GiB); `memory_estimate` says what is counted.
 """

@@ -1,12 +1,10 @@
 """benchmarks/bench_model.py --layouts on 4 fake CPU devices (of
 tests/conftest.py's 8): every layout's dense and 2:4 models compute the
 first-step loss of the same model on one device, and their state lies in
-the layout's shardings; the harness prints its table with the scaling from
-one device."""
+the layout's shardings; the harness runs every placement and derives the
+ratios and the scaling from one device."""
 
 import functools
-import math
-
 import jax
 import pytest
 
@@ -60,43 +58,57 @@ def width():
 
 
 @pytest.mark.parametrize("layout", ["data", "fsdp", "tp", "2d"])
-def test_layout_computes_the_one_device_loss_in_its_shardings(width, layout):
+@pytest.mark.parametrize("model", ["dense", "2:4"])
+def test_layout_computes_the_one_device_loss_in_its_shardings(width, layout, model):
   timer = functools.partial(_common.bench, min_time=0.0, repeats=1)
-  one = width["one_device_losses"]
-  for sparse, name in ((False, "dense"), (True, "2:4")):
-    out = {}
-    bench_model.time_placement(CFG, timer, width, bench_model.make_layout(
-        layout, jax.local_devices()[:4], None), BATCH, sparse, out)
-    # The same model on one device, same tokens: equal to bf16 rounding
-    # (a lost all-reduce of tp's row-parallel products moves it by far more).
-    assert out["first_loss"] == pytest.approx(one[name], rel=2e-3), (name, out, one)
-    assert out["devices"] == 4 and out["step_ms"] > 0
-    want = {k: v for k, v in BLOCKS[layout].items() if sparse or not k.startswith("mask/")}
-    assert out["shards"] == want, name  # after the timed steps: out_shardings kept them
-  # Dense and 2:4 differ (the masks prune half the weights): the check can fail.
+  one, out = width["one_device_losses"], {}
+  bench_model.time_placement(CFG, timer, width, bench_model.make_layout(
+      layout, jax.local_devices()[:4], None), BATCH, model == "2:4", out)
+  # The same model on one device, same tokens: equal to bf16 rounding. (The
+  # masks prune half the weights: the 2:4 model's loss is not the dense one's.)
   assert abs(one["dense"] - one["2:4"]) > 1e-3
+  assert out["first_loss"] == pytest.approx(one[model], rel=2e-3), (out, one)
+  assert out["devices"] == 4 and out["step_ms"] > 0
+  want = {k: v for k, v in BLOCKS[layout].items() if model == "2:4" or not k.startswith("mask/")}
+  assert out["shards"] == want  # after the timed steps: the step's out_shardings kept them
 
 
-def test_layouts_harness_prints_the_table_with_one_device_scaling(capsys):
-  """End to end through main(): the 1-device placement at --batch / --devices
-  rows and the 2d layout (tensor parallel and FSDP together), each with its
-  ratio and scaling, one table row each."""
-  out = bench_model.main(ARGS + ["--layouts", "2d"])
+def test_layouts_harness_runs_every_placement_and_derives_its_table(capsys, monkeypatch):
+  """main() with every layout, each placement's timing replaced by a fake
+  one (the test above runs the real one): the one-device placement gets
+  --batch / --devices rows and the layouts --batch on 4 devices, every dense
+  placement runs before any 2:4 one, and the ratios, scalings and the table
+  follow from the timings."""
+  calls = []
+  ms = {"dense": {bench_model.ONE_GPU: 10.0, "data": 12.0, "fsdp": 13.0, "tp": 16.0, "2d": 14.0},
+        "2:4": {bench_model.ONE_GPU: 8.0, "data": 10.0, "fsdp": 10.0, "tp": 16.0, "2d": 12.0}}
+
+  def fake(cfg, step_timer, ctx, layout, batch, sparse, out):
+    del cfg, step_timer, ctx
+    model = "2:4" if sparse else "dense"
+    name = bench_model.ONE_GPU if layout.mesh.size == 1 else layout.name
+    calls.append((model, name, dict(layout.mesh.shape), batch))
+    out.update(step_ms=ms[model][name], tokens_per_s=batch * SEQ / ms[model][name] * 1e3,
+               first_loss=5.0, shards={})
+
+  monkeypatch.setattr(bench_model, "time_placement", fake)
+  monkeypatch.setattr(bench_model, "one_device_losses", lambda cfg, ctx: {})
+  out = bench_model.main(ARGS + ["--layouts", "data,fsdp,tp,2d"])
+  meshes = {bench_model.ONE_GPU: {"data": 1}, "data": {"data": 4}, "fsdp": {"data": 4},
+            "tp": {"data": 1, "model": 4}, "2d": {"data": 2, "model": 2}}
+  assert calls == [(model, name, meshes[name], 1 if name == bench_model.ONE_GPU else BATCH)
+                   for model in ("dense", "2:4") for name in meshes]
   (r,) = out["widths"]
   assert r["status"] == "ok", r.get("error")
-  assert list(r["layouts"]) == [bench_model.ONE_GPU, "2d"]
-  one, two_d = r["layouts"][bench_model.ONE_GPU], r["layouts"]["2d"]
-  for name in ("dense", "2:4"):
-    assert one[name]["status"] == two_d[name]["status"] == "ok"
-    assert "reference_loss" not in one[name]  # a quarter of the batch: not comparable
-    assert two_d[name]["first_loss"] == pytest.approx(two_d[name]["reference_loss"], rel=2e-3)
-    assert two_d[f"scaling_{name}"] == pytest.approx(
-        4 * one[name]["step_ms"] / two_d[name]["step_ms"])
-  assert two_d["ratio"] == pytest.approx(two_d["dense"]["step_ms"] / two_d["2:4"]["step_ms"])
-  assert math.isfinite(two_d["scaling_gap"]) and "scaling_dense" not in one
+  tp = r["layouts"]["tp"]
+  assert tp["ratio"] == pytest.approx(1.0)
+  assert tp["scaling_dense"] == pytest.approx(4 * 10 / 16)
+  assert tp["scaling_2:4"] == pytest.approx(4 * 8 / 16)
+  assert tp["scaling_gap"] == pytest.approx(0.8 - 1)
+  assert r["layouts"]["fsdp"]["ratio"] == pytest.approx(1.3)
   lines = capsys.readouterr().out.rstrip().splitlines()
-  assert lines[-2].startswith(f"| {bench_model.ONE_GPU} | 1 | {BATCH // 4}x{SEQ} |")
-  assert lines[-1].startswith(f"| 2d | 2 x 2 | {BATCH}x{SEQ} |")
+  assert lines[-5].startswith(f"| {bench_model.ONE_GPU} | 1 | {BATCH // 4}x{SEQ} | 10 | 8 | 1.25 |")
+  assert lines[-2] == f"| tp | 1 x 4 | {BATCH}x{SEQ} | 16 | 16 | 1 | 2.5 | 2 | -20.0% |"
 
 
 @pytest.mark.parametrize("argv,message", [
