@@ -666,8 +666,10 @@ def run_layouts(cfg: dict, widths: dict[int, dict], step_timer) -> list[dict]:
         if attempt(out, time_placement, cfg, step_timer, contexts[result["d_model"]], layout,
                    rows, sparse, out, label=label):
           print(f"{label} {out['step_ms']:.2f} ms/step, {out['tokens_per_s']:,.0f} tokens/s,"
-                f" first loss {out['first_loss']:.4f}; device 0's blocks {out['shards']}",
-                flush=True)
+                f" first loss {out['first_loss']:.4f} (compiled in {out['compile_s']:.0f} s);"
+                f" device 0's MLP kernel blocks up"
+                f" {out['shards']['params/blocks/up/kernel']}, down"
+                f" {out['shards']['params/blocks/down/kernel']}", flush=True)
   for result in results:
     contexts.pop(result["d_model"], None)
     for name, models in result["layouts"].items():

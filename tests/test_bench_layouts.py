@@ -90,7 +90,8 @@ def test_layouts_harness_runs_every_placement_and_derives_its_table(capsys, monk
     name = bench_model.ONE_GPU if layout.mesh.size == 1 else layout.name
     calls.append((model, name, dict(layout.mesh.shape), batch))
     out.update(step_ms=ms[model][name], tokens_per_s=batch * SEQ / ms[model][name] * 1e3,
-               first_loss=5.0, shards={})
+               first_loss=5.0, compile_s=1.0,
+               shards={f"params/blocks/{k}/kernel": [] for k in ("up", "down")})
 
   monkeypatch.setattr(bench_model, "time_placement", fake)
   monkeypatch.setattr(bench_model, "one_device_losses", lambda cfg, ctx: {})
