@@ -15,9 +15,13 @@ ARGS = ["--widths", str(D), "--layers", str(LAYERS), "--seq", str(SEQ), "--batch
         "--vocab", str(VOCAB), "--rebuild-every", "5", "--devices", "4", "--quick",
         "--no-write"]
 CFG = {"widths": [D], "seq": SEQ, "batch": BATCH, "vocab": VOCAB, "rebuild_every": 5,
-       "attention": None, "mask": "default", "weight_grad": "dense", "devices": 4,
+       "attention": None, "mask": "plain", "weight_grad": "dense", "devices": 4,
        "remat_policy": "nothing", "layouts": [], "model_devices": None}
+TOLERANCE = 5e-4  # relative, of a first-step loss against one device's
 H = 4 * D
+# Plain masks: the layouts lay out every mask kind alike (packed [N, K/8]),
+# and the transposable kind's pruning takes 40% more of the 2:4 placement's
+# CPU time to compile.
 # Device 0's block of each array, per layout on 4 devices: data parallel holds
 # everything whole; FSDP splits every last axis over 4; tp (1 x 4) splits the
 # MLP kernels (up on its outputs, down on its inputs) and their AdamW moments
@@ -64,11 +68,12 @@ def test_layout_computes_the_one_device_loss_in_its_shardings(width, layout, mod
   one, out = width["one_device_losses"], {}
   bench_model.time_placement(CFG, timer, width, bench_model.make_layout(
       layout, jax.local_devices()[:4], None), BATCH, model == "2:4", out)
-  # The same model on one device, same tokens: equal to bf16 rounding. (The
-  # masks prune half the weights: the dense and 2:4 losses lie 10 tolerances
-  # apart, so a model that ran unmasked would fail.)
-  assert abs(one["dense"] - one["2:4"]) > 10 * 2e-3 * one["dense"]
-  assert out["first_loss"] == pytest.approx(one[model], rel=2e-3), (out, one)
+  # The same model on one device, same tokens: equal to the rounding of
+  # another order of bf16 sums (up to 1.7e-4 relative, in 2d). The masks prune
+  # half the weights: the dense and 2:4 losses lie 5 tolerances apart, so a
+  # model that ran unmasked would fail.
+  assert abs(one["dense"] - one["2:4"]) > 5 * TOLERANCE * one["dense"]
+  assert out["first_loss"] == pytest.approx(one[model], rel=TOLERANCE), (out, one)
   assert out["devices"] == 4 and out["step_ms"] > 0
   want = {k: v for k, v in BLOCKS[layout].items() if model == "2:4" or not k.startswith("mask/")}
   assert out["shards"] == want  # after the timed steps: the step's out_shardings kept them
