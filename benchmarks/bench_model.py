@@ -742,7 +742,7 @@ def layouts_notes(cfg: dict) -> str:
       f" per step) / tokens/s on one GPU. Every first-step loss on the {batch}x{seq} batch"
       f" is checked against the same model's on one GPU (within 1%). The 2:4 steps rebuild"
       f" no mask (mask_update's count pinned); no rebuild step or breakdown is timed here."
-      f" Every dense placement runs before any 2:4 one: {_common.CUSPARSELT_TAX}.")
+      f" Every dense placement runs before any 2:4 one (the cuSPARSELt tax above).")
 
 
 # --- report -----------------------------------------------------------------------------
