@@ -146,9 +146,11 @@ def lm_loss(logits, tokens):
       logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
-def make_train_step(apply, tx):
+def make_train_step(apply, tx, out_shardings=None):
   """jit((params, opt_state, tokens) -> (params, opt_state, loss)), donating the
-  state as a training loop does: the 8192-wide model fits only that way."""
+  state as a training loop does: the 8192-wide model fits only that way.
+  `out_shardings`: the state's own and the loss's, so that the state keeps
+  its layout from step to step (None: left to XLA)."""
 
   def step(params, opt_state, tokens):
     loss, grads = jax.value_and_grad(
@@ -156,7 +158,7 @@ def make_train_step(apply, tx):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
 
 def make_update(tx):

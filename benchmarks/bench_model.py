@@ -32,6 +32,12 @@ compute-bound kernels slower from then on (see `setup_width`), which a dense
 model in its own process never pays. Tables are printed and written to
 benchmarks/results/<gpu>.md.
 
+`--devices N` alone: data parallel over N GPUs, the same tables.
+`--devices N --layouts data,fsdp,tp,2d`: per width, the dense and 2:4 models
+in each layout of `jsparse24.layouts` over N GPUs (`--batch` rows) and on
+one GPU (`--batch` / N rows: data parallelism's rows per GPU): ms per step,
+2:4 over dense, and each model's scaling from one GPU (`run_layouts`).
+
 Default depths (`DEFAULTS`) fit JAX's default GPU memory pool on an 80 GB
 H100 (75% of it, about 58 GiB); `memory_estimate` says what is counted.
 """
@@ -380,28 +386,31 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   del result["phase"]
 
 
+def attempt(result: dict, fn, *args, label: str | None = None) -> bool:
+  """`fn(*args)`; an exception (an out-of-memory too) is recorded in
+  `result` ("status", "error") and printed, and the run goes on to the next
+  width or layout. Frees the buffers and compiled programs after."""
+  label = label or f"[d_model {result['d_model']}]"
+  t0 = time.time()
+  try:
+    fn(*args)
+    ok = True
+  except Exception as e:  # pylint: disable=broad-except  (OOM too: on to the next width)
+    traceback.print_exc()
+    result["status"] = f"FAILED in {result.get('phase', 'setup')}: {type(e).__name__}"
+    result["error"] = traceback.format_exc()
+    print(f"{label} {result['status']}", flush=True)
+    ok = False
+  print(f"{label} {fn.__name__} done in {time.time() - t0:.0f} s", flush=True)
+  gc.collect()
+  jax.clear_caches()
+  return ok
+
+
 def run_widths(cfg: dict, widths: dict[int, dict], timer, step_timer) -> list[dict]:
   """Every width's dense model, then every width's 2:4 model (the comment
   above `setup_width` says why). `widths`: d_model -> {"layers", "remat"}."""
   results, contexts = [], {}
-
-  def attempt(result, fn, *args) -> bool:
-    t0 = time.time()
-    try:
-      fn(*args)
-      ok = True
-    except Exception as e:  # pylint: disable=broad-except  (OOM too: on to the next width)
-      traceback.print_exc()
-      result["status"] = f"FAILED in {result.get('phase', 'setup')}: {type(e).__name__}"
-      result["error"] = traceback.format_exc()
-      print(f"[d_model {result['d_model']}] {result['status']}", flush=True)
-      ok = False
-    print(f"[d_model {result['d_model']}] {fn.__name__} done in {time.time() - t0:.0f} s",
-          flush=True)
-    # Free this width's buffers and compiled programs before the next one.
-    gc.collect()
-    jax.clear_caches()
-    return ok
 
   def dense_part(result):
     contexts[result["d_model"]] = setup_width(cfg, result)
@@ -496,6 +505,244 @@ def breakdown(cfg: dict, result: dict, sparse_parts: dict) -> dict:
       dense_step - linear - out["attention_dense_ms"] - opt_dense
       + out["linear_sparse_ms"] + out["attention_sparse_ms"] + opt_sparse)
   return out
+
+
+# --- layouts (--layouts) ----------------------------------------------------------------
+
+
+# Megatron tensor parallelism of each block's MLP under the layouts "tp" and
+# "2d" (`jsparse24.layouts`): `up` column-parallel, `down` row-parallel.
+TENSOR_PARALLEL = {"blocks/up": "column", "blocks/down": "row"}
+ONE_GPU = "1 GPU"  # the placement every layout's scaling is measured against
+
+
+def make_layout(name: str, devices, model_devices: int | None) -> jsparse24.layouts.Layout:
+  """Layout `name` over `devices` (`model_devices` on the model axis of
+  "tp" and "2d"; None: `jsparse24.layouts.make_mesh`'s default)."""
+  mesh = jsparse24.layouts.make_mesh(name, devices,
+                                     model_devices if name in ("tp", "2d") else None)
+  return jsparse24.layouts.Layout(name, mesh, TENSOR_PARALLEL)
+
+
+def sparse_model(cfg: dict, model: nn.Module, layout: jsparse24.layouts.Layout):
+  """The 2:4 model: the four layers of every block 2:4, the MLP's with the
+  layout's `kernel_sharding` (each device prunes, compresses and multiplies
+  its own block under "tp" and "2d"; None otherwise)."""
+  options = sparse_options(cfg)
+  return jsparse24.sparsify(model, [
+      (r".*/up", {**options, "kernel_sharding": layout.kernel_sharding("column")}),
+      (r".*/down", {**options, "kernel_sharding": layout.kernel_sharding("row")}),
+      (SPARSE_LAYERS, options)])
+
+
+def one_device_losses(cfg: dict, ctx: dict) -> dict[str, float]:
+  """The first-step losses every layout must reproduce, on one device and
+  the whole global batch: the dense model's, and the dense model's on the
+  2:4 model's initial masked kernels (what the 2:4 model computes)."""
+  device = jax.local_devices()[0]
+  model, tokens = ctx["model"], jax.device_put(ctx["tokens"], device)
+  sample = jnp.zeros((1, cfg["seq"]), jnp.int32)
+  variables = jax.jit(jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)}).init,
+                      out_shardings=jax.sharding.SingleDeviceSharding(device))(
+                          ctx["key_init"], sample)
+  loss = jax.jit(lambda p, t: lm_loss(model.apply({"params": p}, t[:, :-1]), t))
+  params = variables["params"]
+  return {"dense": float(loss(params, tokens)),
+          "2:4": float(loss(jax.jit(masked_params)(params, variables["sparsity"]), tokens))}
+
+
+def _shard_shapes(params, opt_state) -> dict[str, list[int]]:
+  """Each device's block of a few arrays of the state (device 0's), to see
+  the layout: the MLP and attention kernels, the token embedding, AdamW's
+  first moment of `up`'s kernel and, for the 2:4 model, `up`'s packed mask."""
+  def block(a):
+    return list(a.addressable_shards[0].data.shape)
+
+  blocks = params["blocks"]
+  out = {f"params/blocks/{name}/kernel": block(blocks[name]["kernel"])
+         for name in ("qkv", "up", "down")}
+  out["params/embed/embedding"] = block(params["embed"]["embedding"])
+  out["adamw_mu/blocks/up/kernel"] = block(
+      optax.tree_utils.tree_get(opt_state, "mu")["blocks"]["up"]["kernel"])
+  if isinstance(opt_state[0], jsparse24.optim.MaskUpdateState):
+    out["mask/blocks/up"] = block(jsparse24.optim.masks(opt_state)["blocks"]["up"]["mask"].packed)
+  return out
+
+
+def time_placement(cfg: dict, step_timer, ctx: dict, layout: jsparse24.layouts.Layout,
+                   batch: int, sparse: bool, out: dict) -> None:
+  """One model (dense, or 2:4 when `sparse`) in one layout, on `batch` rows
+  of the width's tokens: its params and optimizer state made in the layout's
+  shardings and kept there by the step (`out_shardings`; the masks laid out
+  like their kernels), the params constrained inside the step
+  (`Layout.constrain`), the first step's loss checked against one device's
+  (`one_device_losses`, on the whole global batch), then the step timed (a
+  2:4 step that rebuilds no mask). Fills `out`."""
+  name = "2:4" if sparse else "dense"
+  out["phase"] = f"{name}: init, compile, first step"
+  model, mesh = ctx["model"], layout.mesh
+  tokens = jax.device_put(ctx["tokens"][:batch], layout.batch_sharding)
+  net = sparse_model(cfg, model, layout) if sparse else model
+  sample = jnp.zeros((1, cfg["seq"]), jnp.int32)
+  variables = jax.jit(net.init, out_shardings=layout.state_shardings(
+      jax.eval_shape(net.init, ctx["key_init"], sample)))(ctx["key_init"], sample)
+  params, tx = variables["params"], ctx["adamw"]
+  if sparse:
+    schedule = jsparse24.optim.MaskSchedule(rebuild_every=cfg["rebuild_every"])
+    tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"], schedule,
+                                                 decay=MASK_DECAY), tx)
+  del variables
+  opt_state = jax.jit(tx.init, out_shardings=layout.state_shardings(
+      jax.eval_shape(tx.init, params)))(params)
+  sparse_layers = set()
+  if sparse:  # each mask where its kernel's block is
+    opt_state = jsparse24.optim.masks_like_kernels(opt_state, params)
+    sparse_layers = set(jsparse24.optim.stats(opt_state))
+
+  def apply(p, o, x):
+    p = layout.constrain(p, sparse_layers)
+    if not sparse:
+      return net.apply({"params": p}, x)
+    return net.apply({"params": p, "sparsity": jsparse24.optim.masks(o)}, x,
+                     rngs=mvue_rngs(cfg, o[0].count))
+
+  keep = jax.tree.map(lambda a: a.sharding, (params, opt_state)) + (NamedSharding(mesh, P()),)
+  step, out["compile_s"] = _common.compile_step(make_train_step(apply, tx, keep), params,
+                                                opt_state, tokens)
+  params, opt_state, loss = step(params, opt_state, tokens)
+  out["first_loss"] = float(loss)
+  if batch == len(ctx["tokens"]):
+    reference = out["reference_loss"] = ctx["one_device_losses"][name]
+    if not (math.isfinite(out["first_loss"])
+            and abs(out["first_loss"] - reference) <= 1e-2 * reference):
+      raise AssertionError(f"{name} first-step loss {out['first_loss']} in layout {layout.name!r}"
+                           f" is not finite or differs from the same model's on one device"
+                           f" ({reference}) by more than 1%")
+  out["phase"] = f"{name}: timing"
+  run, state = _common.threaded(step, params, opt_state,
+                                functools.partial(at_count, count=0) if sparse else None)
+  del params, opt_state
+  out["step_ms"] = step_timer(run, tokens) * 1e3
+  out["tokens_per_s"] = batch * cfg["seq"] / out["step_ms"] * 1e3
+  if sparse and int(state["opt"][0].last_rebuild) != 0:
+    raise AssertionError("a timed 2:4 step rebuilt the masks")
+  out["devices"] = len(jax.tree.leaves(state["params"])[0].sharding.device_set)
+  out["shards"] = _shard_shapes(state["params"], state["opt"])
+  del out["phase"]
+
+
+def run_layouts(cfg: dict, widths: dict[int, dict], step_timer) -> list[dict]:
+  """Per width, the dense and the 2:4 model on one GPU (`--batch` /
+  `--devices` rows: the same rows per GPU as the data-parallel layout) and
+  in every layout of `cfg["layouts"]` over `--devices` GPUs (`--batch`
+  rows). Every width's dense placements run before any 2:4 one (the comment
+  above `setup_width` says why)."""
+  n, batch = cfg["devices"], cfg["batch"]
+  devices = jax.local_devices()[:n]
+  placements = [(ONE_GPU, batch // n)] + [(name, batch) for name in cfg["layouts"]]
+  results, contexts = [], {}
+  for d, shape in widths.items():
+    result = {"d_model": d, **shape, "status": "ok", "layouts": {}}
+    results.append(result)
+
+    def prepare(result=result):
+      ctx = contexts[result["d_model"]] = setup_width(cfg, result)
+      _phase(result, "one-device losses")
+      ctx["one_device_losses"] = result["one_device_losses"] = one_device_losses(cfg, ctx)
+      del result["phase"]
+
+    if not attempt(result, prepare):
+      contexts.pop(d, None)
+  for sparse in (False, True):
+    for result in results:
+      if result["d_model"] not in contexts:
+        continue
+      for name, rows in placements:
+        layout = make_layout("data" if name == ONE_GPU else name,
+                             devices[:1] if name == ONE_GPU else devices, cfg["model_devices"])
+        out = result["layouts"].setdefault(name, {}).setdefault("2:4" if sparse else "dense",
+                                                                {"status": "ok"})
+        label = f"[d_model {result['d_model']}] {name} {'2:4' if sparse else 'dense'}:"
+        if attempt(out, time_placement, cfg, step_timer, contexts[result["d_model"]], layout,
+                   rows, sparse, out, label=label):
+          print(f"{label} {out['step_ms']:.2f} ms/step, {out['tokens_per_s']:,.0f} tokens/s,"
+                f" first loss {out['first_loss']:.4f} (compiled in {out['compile_s']:.0f} s);"
+                f" device 0's MLP kernel blocks up"
+                f" {out['shards']['params/blocks/up/kernel']}, down"
+                f" {out['shards']['params/blocks/down/kernel']}", flush=True)
+  for result in results:
+    contexts.pop(result["d_model"], None)
+    for name, models in result["layouts"].items():
+      models.update(layout_ratios(models, result["layouts"].get(ONE_GPU, {}), n))
+  return results
+
+
+def layout_ratios(models: dict, one_gpu: dict, n: int) -> dict:
+  """2:4 over dense (dense ms / 2:4 ms) in one placement, and each model's
+  scaling from one GPU: its tokens/s over the one-GPU tokens/s (the one-GPU
+  run has 1/n of the rows, so this is n x 1-GPU ms / n-GPU ms)."""
+  def ms(m, model):
+    v = m.get(model, {}).get("step_ms")
+    return v if isinstance(v, float) else None
+
+  out = {}
+  if ms(models, "dense") and ms(models, "2:4"):
+    out["ratio"] = ms(models, "dense") / ms(models, "2:4")
+  for model in ("dense", "2:4"):
+    if ms(models, model) and ms(one_gpu, model) and models is not one_gpu:
+      out[f"scaling_{model}"] = (models[model]["tokens_per_s"]
+                                 / one_gpu[model]["tokens_per_s"])
+  if "scaling_dense" in out and "scaling_2:4" in out:
+    out["scaling_gap"] = out["scaling_2:4"] / out["scaling_dense"] - 1
+  return out
+
+
+def layouts_table(r: dict, cfg: dict) -> str:
+  n, batch = cfg["devices"], cfg["batch"]
+
+  def cell(models, model):
+    m = models.get(model, {})
+    return m["step_ms"] if "step_ms" in m else m.get("status", "n/a")
+
+  def mesh(name):
+    if name == ONE_GPU:
+      return "1"
+    if name in ("tp", "2d"):
+      model = cfg["model_devices"] or (n if name == "tp" else 2)
+      return f"{n // model} x {model}"
+    return str(n)
+
+  rows = [[name, mesh(name), f"{batch // n if name == ONE_GPU else batch}x{cfg['seq']}",
+           cell(m, "dense"), cell(m, "2:4"), m.get("ratio", "n/a"),
+           m.get("scaling_dense", "n/a"), m.get("scaling_2:4", "n/a"),
+           _percent(m.get("scaling_gap", "n/a"))]
+          for name, m in r["layouts"].items()]
+  return (f"d_model {r['d_model']}, {_blocks(r)} blocks:\n\n"
+          + _common.table(["layout", "GPUs (data x model)", "tokens per step", "dense ms/step",
+                           "2:4 ms/step",
+                           "2:4 / dense (dense ms / 2:4 ms)", f"scaling 1 -> {n} GPUs dense",
+                           f"scaling 1 -> {n} GPUs 2:4", "2:4 scaling / dense scaling - 1"],
+                          rows))
+
+
+def layouts_notes(cfg: dict) -> str:
+  n, batch, seq = cfg["devices"], cfg["batch"], cfg["seq"]
+  return (
+      f"Layouts over {n} GPUs (`bench_model.py --layouts`): one `jax.jit` train step per"
+      f" model and layout, the state made in the layout's shardings and kept there"
+      f" (`out_shardings`), shardings from `jsparse24.layouts`. data: the batch split over"
+      f" the GPUs, params and optimizer state replicated. fsdp: params and AdamW state sharded"
+      f" over the GPUs at rest (last axis), gathered inside the step; the 2:4 kernels stay"
+      f" sharded (each GPU compresses its own columns, the compressed arrays are gathered)."
+      f" tp: Megatron tensor parallelism of each block's MLP (`up` column-parallel, `down`"
+      f" row-parallel; the 2:4 layers' `kernel_sharding`), everything else replicated, the"
+      f" batch split over the data axis. 2d: tp over the model axis and FSDP over the data"
+      f" axis. {ONE_GPU}: the same model on one GPU at {batch // n}x{seq} tokens per step,"
+      f" the rows per GPU of data parallelism; scaling = tokens/s over {n} GPUs ({batch}x{seq}"
+      f" per step) / tokens/s on one GPU. Every first-step loss on the {batch}x{seq} batch"
+      f" is checked against the same model's on one GPU (within 1%). The 2:4 steps rebuild"
+      f" no mask (mask_update's count pinned); no rebuild step or breakdown is timed here."
+      f" Every dense placement runs before any 2:4 one (the cuSPARSELt tax above).")
 
 
 # --- report -----------------------------------------------------------------------------
@@ -602,15 +849,18 @@ def notes(cfg: dict) -> str:
       f" `mask_update(MaskSchedule(rebuild_every={cfg['rebuild_every']}), decay={MASK_DECAY})`"
       f" chained before AdamW; same init params. Steps donate their state (a training"
       f" loop does); the 2:4 steps are timed with mask_update's count pinned to a step that"
-      f" does not rebuild, and once pinned to one that does (its extra cost shown amortised"
-      f" over {cfg['rebuild_every']} steps). Whole steps are timed in runs of >= 1 s of"
+      f" does not rebuild"
+      + ("" if cfg["layouts"] else f", and once pinned to one that does (its extra cost shown"
+                                   f" amortised over {cfg['rebuild_every']} steps)")
+      + f". Whole steps are timed in runs of >= 1 s of"
       f" consecutive steps, dispatched asynchronously as in a training loop (median of 5"
       f" runs). Every width's dense model is timed before any 2:4 step runs in the"
-      f" process: {_common.CUSPARSELT_TAX}. The dense step timed again after the 2:4 steps"
-      f" shows that; the ratios use the first timing."
+      f" process: {_common.CUSPARSELT_TAX}."
+      + ("" if cfg["layouts"] else " The dense step timed again after the 2:4 steps shows"
+                                   " that; the ratios use the first timing.")
       + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
          f" batch split over them, params and optimizer state replicated (no breakdown)."
-         if cfg["devices"] > 1 else "")
+         if cfg["devices"] > 1 and not cfg["layouts"] else "")
       + ("" if cfg["devices"] > 1 else "\n\n"
       + ("(No breakdown for the widths with remat: with this policy their recomputed"
          " forward pass is not a whole forward pass, which the parts below would count.) "
@@ -660,6 +910,14 @@ def main(argv=None) -> dict:
   p.add_argument("--devices", type=int, default=1,
                  help="data parallel over this many local GPUs (--batch is split over them;"
                       " no breakdown)")
+  p.add_argument("--layouts", default=None,
+                 help="comma-separated layouts of jsparse24.layouts (data, fsdp, tp, 2d): each"
+                      " width's dense and 2:4 models in each layout over --devices GPUs and on"
+                      " one GPU at --batch / --devices rows, timed with their scaling (no"
+                      " breakdown, no rebuild step)")
+  p.add_argument("--model-devices", type=int, default=None,
+                 help="--layouts tp, 2d: GPUs on the mesh's model axis (default: all for tp,"
+                      " 2 for 2d)")
   p.add_argument("--quick", action="store_true", help="one timing repeat (CPU smoke test)")
   p.add_argument("--json", default=None, help="also write every number to this JSON file")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
@@ -672,6 +930,23 @@ def main(argv=None) -> dict:
     p.error(f"--devices {args.devices}: this machine has {len(jax.local_devices())}")
   if args.batch % args.devices:
     p.error(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
+  layouts = args.layouts.split(",") if args.layouts else []
+  unknown = [name for name in layouts if name not in jsparse24.layouts.LAYOUTS]
+  if unknown:
+    p.error(f"--layouts: unknown {unknown}; expected some of {jsparse24.layouts.LAYOUTS}")
+  if layouts and args.devices < 2:
+    p.error("--layouts compares layouts over several GPUs: pass --devices 2 or more")
+  if args.model_devices is not None and not {"tp", "2d"} & set(layouts):
+    p.error("--model-devices applies to --layouts tp and 2d only")
+  for name in {"tp", "2d"} & set(layouts):
+    try:
+      mesh = jsparse24.layouts.make_mesh(name, jax.local_devices()[:args.devices],
+                                         args.model_devices)
+    except ValueError as e:
+      p.error(f"--layouts {name} over --devices {args.devices}: {e}")
+    if args.batch % mesh.shape["data"]:
+      p.error(f"--batch {args.batch} must be a multiple of the {mesh.shape['data']} devices on"
+              f" the data axis of --layouts {name}")
   if args.rebuild_every < 2:
     p.error("--rebuild-every must be >= 2 (with 1 every step rebuilds)")
   if args.layers is None and any(w not in DEFAULTS for w in widths):
@@ -690,7 +965,8 @@ def main(argv=None) -> dict:
   cfg = {"widths": widths, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
          "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask,
          "weight_grad": args.weight_grad, "devices": args.devices,
-         "remat_policy": args.remat_policy}
+         "remat_policy": args.remat_policy, "layouts": layouts,
+         "model_devices": args.model_devices}
   timer = (functools.partial(_common.bench, min_time=0.0, repeats=1) if args.quick
            else _common.bench)
   # Whole steps run back to back for >= 1 s per timing, dispatched
@@ -705,12 +981,15 @@ def main(argv=None) -> dict:
   print(env, flush=True)
   print(f"backends: {jsparse24.available_implementations()}", flush=True)
 
-  results = run_widths(cfg, {d: {"layers": layers[d], "remat": remat[d]} for d in widths},
-                       timer, step_timer)
-
-  tables = (f"{main_table(results)}\n\n"
-            + "".join(f"{breakdown_tables(r)}\n\n" for r in results if "breakdown" in r)
-            + f"Summary:\n\n{summary_table(results)}\n")
+  shapes = {d: {"layers": layers[d], "remat": remat[d]} for d in widths}
+  if layouts:
+    results = run_layouts(cfg, shapes, step_timer)
+    tables = "".join(f"{layouts_table(r, cfg)}\n\n" for r in results)
+  else:
+    results = run_widths(cfg, shapes, timer, step_timer)
+    tables = (f"{main_table(results)}\n\n"
+              + "".join(f"{breakdown_tables(r)}\n\n" for r in results if "breakdown" in r)
+              + f"Summary:\n\n{summary_table(results)}\n")
   out = {"environment": env, "config": cfg, "widths": results}
   if args.json:
     path = pathlib.Path(args.json)
@@ -721,9 +1000,12 @@ def main(argv=None) -> dict:
     title = (f"Whole model: GPT-style decoder, d_model {','.join(map(str, widths))},"
              f" {args.batch}x{args.seq} tokens per step, {args.mask} masks"
              + (", MVUE weight gradient" if args.weight_grad == "mvue" else "")
-             + (f", data parallel over {args.devices} GPUs" if args.devices > 1 else "")
+             + (f", layouts {args.layouts} over {args.devices} GPUs" if layouts
+                else f", data parallel over {args.devices} GPUs" if args.devices > 1 else "")
              + (f", remat policy {args.remat_policy}" if args.remat_policy != "nothing" else ""))
-    path = _common.write_section(title, f"{env}\n\n{notes(cfg)}\n\n{tables}")
+    body = (f"{env}\n\n{notes(cfg)}\n\n"
+            + (f"{layouts_notes(cfg)}\n\n" if layouts else "") + tables)
+    path = _common.write_section(title, body)
     print(f"wrote {path}", flush=True)
   print(f"\n{tables}", flush=True)
   return out

@@ -31,10 +31,12 @@ shardings of its inputs (and, for FSDP and 2d, constraints inside the step):
   `down` `P(model, data)`), gathered over `data` inside the step; each batch
   split over `data`.
 
-The 2:4 run's masks are rebuilt on each device's block of their kernels and
-stay there: laid out like the kernels (`jsparse24.optim.masks_like_kernels`)
-and kept so by the step's `out_shardings` (in 2d the products gather a mask
-over `data` with its kernel, a 32nd of the kernel's float32 bytes).
+The layouts' shardings are `jsparse24.layouts`' (`Layout`, with the MLP layers
+named tensor parallel). The 2:4 run's masks are rebuilt on each device's block
+of their kernels and stay there: laid out like the kernels
+(`jsparse24.optim.masks_like_kernels`) and kept so by the step's
+`out_shardings` (in 2d the products gather a mask over `data` with its kernel,
+a 32nd of the kernel's float32 bytes).
 
 Several processes (one per host, or one per GPU) run as JAX's multi-host
 programs do: `jax.distributed.initialize` first, then a mesh over every
@@ -110,17 +112,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import jsparse24
 
-LAYOUTS = ("data", "fsdp", "tp", "2d")
-# Megatron tensor parallelism of the MLP kernels: `up` [d, 4d] column-parallel,
-# `down` [4d, d] row-parallel.
-TP_SPECS = {"up": P(None, "model"), "down": P("model", None)}
-# `--layout 2d` at rest: FSDP over `data` on the axis tensor parallelism leaves.
-TP_FSDP_SPECS = {"up": P("data", "model"), "down": P("model", "data")}
+# The layouts (`jsparse24.layouts`): Megatron tensor parallelism of the MLP
+# layers, `up` [d, 4d] column-parallel, `down` [4d, d] row-parallel.
+LAYOUTS = jsparse24.layouts.LAYOUTS
+MLP_ROLES = {"up": "column", "down": "row"}
+TENSOR_PARALLEL = {f"mlp/{name}": role for name, role in MLP_ROLES.items()}
 
 
 def _train_lm():
@@ -182,16 +183,6 @@ def initialize_distributed(args, parser) -> str:
   return "joined through the cluster launcher (jax.distributed's detection)"
 
 
-def make_mesh(layout: str, model_devices: int) -> Mesh:
-  """The mesh over every process's devices. `jax.devices()` lists them
-  process by process, so the `model` axis (consecutive devices) stays
-  within a process where it fits, and `data` runs across processes."""
-  devices = np.array(jax.devices())
-  if layout in ("tp", "2d"):
-    return Mesh(devices.reshape(-1, model_devices), ("data", "model"))
-  return Mesh(devices, ("data",))
-
-
 def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
   """The rows of a global `shape` array sharded as `sharding` that this
   process's devices hold: one block, since each process's devices are
@@ -218,80 +209,32 @@ def global_batch(lm, data, step: int, args, sharding: NamedSharding) -> tuple[ja
 # --- layouts -------------------------------------------------------------------
 
 
-def _mlp_layer(path) -> str | None:
-  """"up" or "down" where `path` (a key path into params or optimizer state,
-  e.g. an AdamW moment) ends at an MLP kernel; else None."""
-  keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-  if len(keys) >= 3 and keys[-3] == "mlp" and keys[-1] == "kernel" and keys[-2] in TP_SPECS:
-    return keys[-2]
-  return None
+def mlp_shardings(layout) -> tuple:
+  """The MLP layers' `kernel_sharding` (train_lm's `MLP.shardings`): their
+  split under `--layout tp` and `2d`, none otherwise."""
+  if layout.name not in ("tp", "2d"):
+    return ()
+  return tuple((name, layout.kernel_sharding(role)) for name, role in MLP_ROLES.items())
 
 
-def _fsdp_spec(a, mesh: Mesh) -> P:
-  """FSDP at rest: the last axis over `data` where it divides."""
-  if a.ndim >= 1 and a.shape[-1] % mesh.shape["data"] == 0:
-    return P(*([None] * (a.ndim - 1)), "data")
-  return P()
-
-
-def state_spec(layout: str, mesh: Mesh, path, a) -> P:
-  """Where the array `a` at `path` of the train state (params, optimizer
-  state) lives between steps. (The 2:4 masks are then laid out like their
-  kernels: `jsparse24.optim.masks_like_kernels`.)"""
-  layer = _mlp_layer(path)
-  if layout == "fsdp":
-    return _fsdp_spec(a, mesh)
-  if layout == "tp":
-    return TP_SPECS[layer] if layer else P()
-  if layout == "2d":
-    return TP_FSDP_SPECS[layer] if layer else _fsdp_spec(a, mesh)
-  return P()
-
-
-def step_spec(layout: str, path, sparse_kernel: bool) -> P | None:
-  """The sharding a param is constrained to inside the step, for the
-  products; None: as it is at rest."""
-  if layout == "fsdp":
-    # Whole weights for the products. The 2:4 kernels stay sharded: each
-    # device compresses its own columns and the compressed arrays are
-    # gathered (half the bytes, 1/n of the work).
-    return None if sparse_kernel else P()
-  if layout == "2d":
-    layer = _mlp_layer(path)
-    return TP_SPECS[layer] if layer else P()  # gathered over `data` only
-  return None
-
-
-def tp_shardings(mesh) -> tuple:
-  """The MLP layers' `kernel_sharding` under `--layout tp` and `2d`."""
-  return tuple((name, NamedSharding(mesh, spec)) for name, spec in TP_SPECS.items())
-
-
-def _sparse_kernel_paths(run) -> set:
-  """Paths (tuples of keys) of the 2:4 layers' kernels in the params tree."""
-  if not run.sparse:
-    return set()
-  # optim.stats is keyed by each 2:4 layer's path ("block_0/mlp/up").
-  return {tuple(path.split("/")) + ("kernel",) for path in jsparse24.optim.stats(run.opt_state)}
+def _sparse_layers(run) -> set[str]:
+  """The 2:4 layers' paths in the params tree ("block_0/mlp/up")."""
+  return set(jsparse24.optim.stats(run.opt_state)) if run.sparse else set()
 
 
 # --- training ------------------------------------------------------------------
 
 
-def make_step(lm, run, layout: str, mesh):
+def make_step(lm, run, layout):
   """The jitted train step. Its outputs keep the state's layout
   (`out_shardings`; left to XLA, the masks that the rebuild kernel makes on
   each device's block could come back replicated, gathered every step)."""
-  whole = NamedSharding(mesh, P())
-  sparse_kernels = _sparse_kernel_paths(run)
-
-  def constrain(path, a):
-    spec = step_spec(layout, path, tuple(k.key for k in path) in sparse_kernels)
-    return a if spec is None else jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+  whole = NamedSharding(layout.mesh, P())
+  sparse_layers = _sparse_layers(run)
 
   def step(params, opt_state, x, y, phase=None):
     def objective(p):
-      p = jax.tree_util.tree_map_with_path(constrain, p)
+      p = layout.constrain(p, sparse_layers)
       # The phase (dense warm-up or sparse) is static: one program per phase,
       # no run-time switch per product (jsparse24.optim.masks).
       return lm.loss_fn(run.model, run.variables(p, opt_state, phase), x, y)
@@ -321,10 +264,10 @@ def open_checkpoints(lm, run, args):
   return mngr
 
 
-def train(lm, run, args, data, mesh) -> dict:
-  rows = NamedSharding(mesh, P("data"))
+def train(lm, run, args, data, layout) -> dict:
+  rows = layout.batch_sharding
   mngr = open_checkpoints(lm, run, args)
-  step = make_step(lm, run, args.layout, mesh)
+  step = make_step(lm, run, layout)
   # Timed from the step after the first sparse one (compilation and
   # cuSPARSELt's algorithm search happen before), as in train_lm, and never
   # through a checkpoint.
@@ -408,20 +351,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
   joined = initialize_distributed(args, p)  # before anything touches a device
 
   n = jax.device_count()  # every process's devices
+  if args.model_devices is not None and args.layout not in ("tp", "2d"):
+    p.error("--model-devices applies to --layout tp and 2d only.")
   model_devices = 1
   if args.layout in ("tp", "2d"):
     model_devices = args.model_devices or (n if args.layout == "tp" else 2)
     if n % model_devices or (4 * lm_args.d_model) % model_devices:
       p.error(f"--model-devices {model_devices} must divide the {n} devices and the MLP's"
               f" hidden size {4 * lm_args.d_model}.")
-  elif args.model_devices is not None:
-    p.error("--model-devices applies to --layout tp and 2d only.")
   data_devices = n // model_devices
   if lm_args.batch % data_devices:
     p.error(f"--batch {lm_args.batch} must be a multiple of the {data_devices} devices on the"
             f" mesh's data axis ({jax.process_count()} processes x {jax.local_device_count()}"
             f" devices, {model_devices} on the model axis): each takes as many rows.")
-  mesh = make_mesh(args.layout, model_devices)
+  # jax.devices() lists every process's devices, process by process: the
+  # `model` axis (consecutive devices) stays within a process where it fits.
+  layout = jsparse24.layouts.Layout(
+      args.layout, jsparse24.layouts.make_mesh(args.layout, jax.devices(), model_devices
+                                               if args.layout in ("tp", "2d") else None),
+      TENSOR_PARALLEL)
   data, _ = lm.load_text(lm.corpus_files(lm_args.corpus))
   sample = jnp.zeros((1, lm_args.seq_len), jnp.int32)
   log(f"{jax.process_count()} process(es) ({joined}) x {jax.local_device_count()}"
@@ -431,18 +379,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
       f" d_model {lm_args.d_model}, {lm_args.layers} layers, batch {lm_args.batch} x"
       f" {lm_args.seq_len}, {lm_args.steps} steps")
 
-  def state_sharding(path, a):
-    return NamedSharding(mesh, state_spec(args.layout, mesh, path, a))
-
   out = {}
   for name, sparse in (("dense", False), ("2:4", True)):
     if args.runs not in ("both", name):
       continue
     run = lm.make_run(name, sparse, lm_args, sample,
-                      tp_shardings(mesh) if args.layout in ("tp", "2d") else (), state_sharding)
+                      mlp_shardings(layout), layout.state_sharding)
     if sparse:  # each mask where its kernel's block is (tp, 2d, FSDP's sharded kernels)
       run.opt_state = jsparse24.optim.masks_like_kernels(run.opt_state, run.params)
-    out[name] = train(lm, run, lm_args, data, mesh)
+    out[name] = train(lm, run, lm_args, data, layout)
     r = out[name]
     log(f"{name:>5}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} (mean of the last"
         f" 10 steps), {r['tokens_per_s']:,.0f} tokens/s")

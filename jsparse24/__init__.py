@@ -14,7 +14,9 @@ Public API (everything else is internal):
   optimizer)
 * backends: `available_implementations`, `selected_implementation`,
   `BackendUnavailableError`
-* several devices: `masks_like_kernels` (also in `optim` and `nnx`); remat:
+* several devices: `masks_like_kernels` (also in `optim` and `nnx`);
+  `jsparse24.layouts`, the state's shardings per layout (data parallel, FSDP,
+  tensor parallel, 2-D) and the 2:4 layers' `kernel_sharding` to match; remat:
   `CHECKPOINT_NAME`, the name of the products' compressed weights, for a
   `jax.checkpoint` policy that keeps them
   (`jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME)`);
@@ -22,7 +24,7 @@ Public API (everything else is internal):
   products saved too (JAX's see only `dot_general`)
 """
 
-from jsparse24 import checkpoint_policies, nnx, optim
+from jsparse24 import checkpoint_policies, layouts, nnx, optim
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._mvue import mvue_24, mvue_24_probabilities
 from jsparse24._ops import compress, selected_implementation, sparse_dot
@@ -53,6 +55,7 @@ __all__ = [
     "compress_params",
     "decompress",
     "is_24",
+    "layouts",
     "masks_like_kernels",
     "mvue_24",
     "mvue_24_probabilities",

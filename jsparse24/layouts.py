@@ -1,0 +1,230 @@
+"""Where a 2:4 model's training state lives on a mesh, layout by layout.
+
+One `jax.jit` train step serves every layout; the layout is only in the
+shardings of the state it is given and keeps (`Layout.state_shardings`, for
+`jax.jit(init, out_shardings=...)` and the step's `out_shardings`), the
+constraints inside the step (`Layout.constrain`) and the 2:4 layers'
+`kernel_sharding` (`Layout.kernel_sharding`). The masks follow their kernels
+(`jsparse24.optim.masks_like_kernels`). `LAYOUTS`:
+
+* `"data"`: each batch split over the mesh's `data` axis; params and
+  optimizer state replicated.
+* `"fsdp"`: every array of the state sharded over `data` at rest (its last
+  axis, where it divides), gathered whole inside the step for the products,
+  gradients reduce-scattered. The 2:4 kernels stay sharded in the step: each
+  device prunes and compresses its own columns and the compressed arrays are
+  gathered (half the bytes of the weights, a 1/n share of the work).
+* `"tp"`: Megatron tensor parallelism of the layers that `tensor_parallel`
+  names on a `data x model` mesh: a `"column"` layer's kernel `[K, N]`
+  sharded on N over `model` (its outputs), a `"row"` layer's on K (its
+  inputs; its partial products are summed over `model`), their optimizer
+  state alike, everything else replicated; each batch split over `data`.
+  The 2:4 layers take the same sharding as `kernel_sharding`: each device
+  prunes, compresses and multiplies its own block. (XLA partitions a dense
+  `nn.Dense` the same way from its kernel's sharding alone.)
+* `"2d"`: both: the named layers tensor parallel over `model` as in `"tp"`,
+  and FSDP over `data`: every array sharded over `data` at rest (the
+  tensor-parallel kernels on their other axis: column `P("data", "model")`,
+  row `P("model", "data")`), gathered over `data` only inside the step.
+
+Stacked layers (`nn.scan`'s `[L, K, N]` kernels) are laid out on their
+trailing two axes. `tensor_parallel` rules are regexes of layer paths, as
+`jsparse24.sparsify`'s: a rule matches a kernel of params or of the optimizer
+state (an AdamW moment) when it fully matches the end of the kernel's layer
+path (`"blocks/up"` matches `"blocks/up/kernel"` and
+`"1/0/mu/blocks/up/kernel"`).
+
+Example (tensor parallelism over 1 device, to run anywhere):
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jsparse24 import layouts
+  >>> mesh = layouts.make_mesh("tp", jax.devices()[:1])
+  >>> layout = layouts.Layout("tp", mesh, {r".*/up": "column", r".*/down": "row"})
+  >>> params = {"mlp": {"up": {"kernel": jnp.zeros((8, 32))},
+  ...                   "down": {"kernel": jnp.zeros((32, 8))}}}
+  >>> [s.spec for s in jax.tree.leaves(layout.state_shardings(params))]
+  [P('model', None), P(None, 'model')]
+  >>> layout.kernel_sharding("column").spec
+  P(None, 'model')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+LAYOUTS = ("data", "fsdp", "tp", "2d")
+ROLES = ("column", "row")
+# Megatron tensor parallelism of a `[K, N]` kernel: column-parallel splits its
+# outputs N, row-parallel its inputs K.
+TP_SPECS = {"column": P(None, "model"), "row": P("model", None)}
+# "2d" at rest: FSDP over `data` on the axis that tensor parallelism leaves.
+TP_FSDP_SPECS = {"column": P("data", "model"), "row": P("model", "data")}
+
+
+def make_mesh(layout: str, devices: Sequence[Any] | None = None,
+              model_devices: int | None = None) -> Mesh:
+  """The mesh of `layout` over `devices` (default: `jax.devices()`, every
+  process's). `"data"`, `"fsdp"`: 1-D, axis `data`. `"tp"`, `"2d"`: `data x
+  model` with `model_devices` on `model` (default: all of them for `"tp"`,
+  2 for `"2d"`); `model` runs over consecutive devices, which
+  `jax.devices()` lists process by process, so it stays within a host where
+  it fits."""
+  _check_layout("make_mesh", layout)
+  devices = np.array(jax.devices() if devices is None else list(devices))
+  if layout not in ("tp", "2d"):
+    if model_devices not in (None, 1):
+      raise ValueError(f"make_mesh: model_devices={model_devices} applies to the layouts 'tp'"
+                       f" and '2d' only (got layout={layout!r}); leave it None.")
+    return Mesh(devices, ("data",))
+  model = model_devices or (devices.size if layout == "tp" else 2)
+  if model < 1 or devices.size % model:
+    raise ValueError(f"make_mesh: model_devices={model} must divide the {devices.size} devices"
+                     f" (layout {layout!r}); pass a divisor of {devices.size}.")
+  return Mesh(devices.reshape(-1, model), ("data", "model"))
+
+
+def _check_layout(fn: str, layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {LAYOUTS}.")
+
+
+def _keys(path) -> tuple[str, ...]:
+  """The plain keys of a `jax.tree_util` key path, as strings."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _trailing(spec: P, ndim: int) -> P:
+  """`spec` of a `[K, N]` kernel on the trailing axes of an `ndim` array
+  (a stack of kernels keeps its stack axes whole)."""
+  return P(*([None] * (ndim - len(spec))), *spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A layout (`LAYOUTS`) on a mesh (`make_mesh`).
+
+  Attributes:
+    name: one of `LAYOUTS`.
+    mesh: axis `data`, and `model` for `"tp"` and `"2d"`.
+    tensor_parallel: `{layer path regex: "column" | "row"}` (or pairs): the
+      layers whose kernels `"tp"` and `"2d"` split over `model` (Megatron's
+      MLP: `up` column, `down` row). Ignored by `"data"` and `"fsdp"`.
+  """
+
+  name: str
+  mesh: Mesh
+  tensor_parallel: Any = ()
+
+  def __post_init__(self):
+    _check_layout("Layout", self.name)
+    rules = tuple((self.tensor_parallel.items() if isinstance(self.tensor_parallel, Mapping)
+                   else self.tensor_parallel))
+    for rule, role in rules:
+      if role not in ROLES:
+        raise ValueError(f"Layout: tensor_parallel rule {rule!r} has role {role!r}; expected"
+                         f" one of {ROLES}.")
+    object.__setattr__(self, "tensor_parallel", tuple((rule, role) for rule, role in rules))
+    want = ("data", "model") if self.name in ("tp", "2d") else ("data",)
+    if tuple(self.mesh.axis_names) != want:
+      raise ValueError(f"Layout: layout {self.name!r} needs a mesh with axes {want}, got"
+                       f" {tuple(self.mesh.axis_names)}; make it with make_mesh({self.name!r}).")
+    if self.name in ("tp", "2d") and not rules:
+      raise ValueError(f"Layout: layout {self.name!r} splits the layers that tensor_parallel"
+                       f" names, and it names none; pass e.g. {{r'.*/up': 'column',"
+                       f" r'.*/down': 'row'}}.")
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """A batch's: its rows split over `data`."""
+    return NamedSharding(self.mesh, P("data"))
+
+  def role(self, path) -> str | None:
+    """`"column"` or `"row"` where `path` (a key path into params or
+    optimizer state) ends at the kernel of a tensor-parallel layer; else
+    None (also for `"data"` and `"fsdp"`)."""
+    keys = _keys(path)
+    if self.name not in ("tp", "2d") or len(keys) < 2 or keys[-1] != "kernel":
+      return None
+    layer = keys[:-1]
+    for rule, role in self.tensor_parallel:
+      if any(re.fullmatch(rule, "/".join(layer[i:])) for i in range(len(layer))):
+        return role
+    return None
+
+  def _fsdp_spec(self, a) -> P:
+    """FSDP at rest: the last axis over `data` where it divides."""
+    if a.ndim >= 1 and a.shape[-1] % self.mesh.shape["data"] == 0:
+      return P(*([None] * (a.ndim - 1)), "data")
+    return P()
+
+  def state_spec(self, path, a) -> P:
+    """Where the array `a` at `path` of the train state (params, optimizer
+    state) lives between steps."""
+    role = self.role(path)
+    if self.name == "fsdp":
+      return self._fsdp_spec(a)
+    if self.name == "tp":
+      return _trailing(TP_SPECS[role], a.ndim) if role else P()
+    if self.name == "2d":
+      return _trailing(TP_FSDP_SPECS[role], a.ndim) if role else self._fsdp_spec(a)
+    return P()
+
+  def state_sharding(self, path, a) -> NamedSharding:
+    """`state_spec` on this layout's mesh."""
+    return NamedSharding(self.mesh, self.state_spec(path, a))
+
+  def state_shardings(self, tree):
+    """The `NamedSharding` of every array of `tree` (arrays or
+    `jax.eval_shape`'s shapes): the `out_shardings` to make the state in
+    (`jax.jit(tx.init, out_shardings=...)`) and to keep it in (the train
+    step's). Lay the masks out after with `masks_like_kernels`."""
+    return jax.tree_util.tree_map_with_path(self.state_sharding, tree)
+
+  def step_spec(self, path, a, sparse_kernel: bool = False) -> P | None:
+    """The sharding a param is constrained to inside the step, for the
+    products; None: as it is at rest. `sparse_kernel`: the kernel of a 2:4
+    layer, left sharded under FSDP (each device compresses its own columns,
+    the compressed arrays are gathered: half the bytes, 1/n of the work)."""
+    if self.name == "fsdp":
+      return None if sparse_kernel else P()
+    if self.name == "2d":
+      role = self.role(path)
+      if role:
+        return _trailing(TP_SPECS[role], a.ndim)  # gathered over `data` only
+      return None if sparse_kernel else P()
+    return None
+
+  def constrain(self, params, sparse_layers: Collection[str] = ()):
+    """`params` constrained to their `step_spec` (inside the jitted step,
+    before the model reads them). `sparse_layers`: the 2:4 layers' paths in
+    `params` (`"blocks/up"`; `jsparse24.optim.stats(opt_state)` keys them
+    so)."""
+
+    def constrain(path, a):
+      keys = _keys(path)
+      sparse = bool(keys) and keys[-1] == "kernel" and "/".join(keys[:-1]) in sparse_layers
+      spec = self.step_spec(path, a, sparse)
+      return a if spec is None else jax.lax.with_sharding_constraint(
+          a, NamedSharding(self.mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(constrain, params)
+
+  def kernel_sharding(self, role: str) -> NamedSharding | None:
+    """The `kernel_sharding` of a 2:4 layer of `role` (`"column"`,
+    `"row"`): its `[K, N]` kernel's split over `model` under `"tp"` and
+    `"2d"`; None under `"data"` and `"fsdp"`."""
+    if role not in ROLES:
+      raise ValueError(f"Layout.kernel_sharding: role={role!r}; expected one of {ROLES}.")
+    if self.name not in ("tp", "2d"):
+      return None
+    return NamedSharding(self.mesh, TP_SPECS[role])
+
+
+__all__ = ["LAYOUTS", "Layout", "ROLES", "TP_FSDP_SPECS", "TP_SPECS", "make_mesh"]
