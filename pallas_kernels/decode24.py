@@ -29,8 +29,9 @@ compressed weight at up to 59% of copy bandwidth at M = 16 (0.92-0.93x of
 dense XLA at K x N = 8192 x 8192, 4096 x 16384, 16384 x 4096) and 65% at
 M = 1 (0.96x at 8192 x 8192), and ran at half the speed of dense XLA at M = 64:
 benchmarks/results/nvidia-h200.md, "decode kernel at the target shapes".
-So the automatic choice does not take it there (`DECODE_AUTO_MAX_M` in
-`jsparse24.backends.pallas`).
+It does beat what a compressed weight multiplies through otherwise
+(decompressed, then XLA's product), which is where the automatic choice
+takes it (`DECODE_AUTO_MAX_M` in `jsparse24.backends.pallas`).
 
 Odd shapes need no copy of W: the last blocks along N and K are loaded with
 masks (`ragged` loads), so the weight is read in place whatever K and N are.
