@@ -1,12 +1,39 @@
-"""Test setup: 8 fake CPU devices (for pmap / sharding tests), x64 off, and
-the `gpu` marker skipped where no GPU is present."""
+"""Test setup: 8 fake CPU devices (for pmap / sharding tests), x64 off, the
+`gpu` marker skipped where no GPU is present, and one persistent compilation
+cache for the whole run.
 
+The cache: on a CPU most of the suite's time is XLA compiling (59 programs,
+~85% of `test_bench_model_runs_on_cpu`'s time), and many programs are
+compiled again and again: each call of an example's or a benchmark's `main`
+builds new jitted closures that JAX's in-memory cache cannot recognise, and
+the xdist workers and the subprocesses (`tests/triton_removal.py`) each
+compile the programs the others have. A folder made here, in the process
+that pytest starts, and named by an environment variable that the workers
+and the subprocesses inherit, lets each program compile once per run. JAX
+keys an entry on the program and the compile options, so a hit runs what a
+compilation would have produced; programs with host callbacks or custom
+partitioning are never cached. A folder named by the caller
+(`JAX_COMPILATION_CACHE_DIR` set before pytest starts) is used instead and
+kept.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must be set before jax initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="jsparse24-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# Every program, however quick to compile: the many small ones add up.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
