@@ -39,8 +39,23 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The modules whose tests take longest on a CPU, longest first (the summed
+# `--durations` of their tests on the 2-core CPU machine, 2026-11-27). They
+# run first: under `--dist worksteal` the worker that finishes early takes
+# over the other's queue from its end, so the run ends on short tests
+# instead of one worker waiting for the other's last long one.
+SLOWEST_FIRST = ("test_multiprocess.py", "test_triton_fallback.py", "test_bench_model.py",
+                 "test_examples.py", "test_sharding.py", "test_optim.py",
+                 "test_pallas_kernels.py", "test_stacked.py", "test_mvue.py",
+                 "test_bench_sharded.py")
+
+
 def pytest_collection_modifyitems(config, items):
   del config
+  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+  # A stable sort by module: each module's tests stay together, in order,
+  # so a module-scoped fixture is built once per worker.
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
