@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices (for pmap / sharding tests), x64 off, the
-`gpu` marker skipped where no GPU is present, and one persistent compilation
-cache for the whole run.
+`gpu` marker skipped where no GPU is present, XLA's CPU code unoptimised, one
+persistent compilation cache for the whole run, and the slowest modules
+first.
 
 The cache: on a CPU most of the suite's time is XLA compiling (59 programs,
 ~85% of `test_bench_model_runs_on_cpu`'s time), and many programs are
@@ -11,8 +12,9 @@ compile the programs the others have. A folder made here, in the process
 that pytest starts, and named by an environment variable that the workers
 and the subprocesses inherit, lets each program compile once per run. JAX
 keys an entry on the program and the compile options, so a hit runs what a
-compilation would have produced; programs with host callbacks or custom
-partitioning are never cached. A folder named by the caller
+compilation would have produced; programs with host callbacks are never
+cached, and a custom-partitioned program's key holds its callback's address
+(found again only in the process that wrote it). A folder named by the caller
 (`JAX_COMPILATION_CACHE_DIR` set before pytest starts) is used instead and
 kept.
 """
@@ -26,6 +28,14 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# LLVM's optimisation of the CPU code off: the tests' programs run for
+# milliseconds, and their compilation is most of the suite's time
+# (test_bench_model_runs_on_cpu[dense]: 45 s of CPU time instead of 61-69 s,
+# test_pallas_kernels.py, its kernels interpreted, faster too; 2026-11-27 on
+# the 2-core CPU machine). The workers and subprocesses inherit it, so
+# programs compared across processes are compiled alike.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="jsparse24-tests-xla-cache-")
