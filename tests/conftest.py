@@ -1,19 +1,71 @@
-"""Test setup: 8 fake CPU devices (for pmap / sharding tests), x64 off, and
-the `gpu` marker skipped where no GPU is present."""
+"""Test setup: 8 fake CPU devices (for pmap / sharding tests), x64 off, the
+`gpu` marker skipped where no GPU is present, XLA's CPU code unoptimised, one
+persistent compilation cache for the whole run, and the slowest modules
+first.
 
+The cache: on a CPU most of the suite's time is XLA compiling (59 programs,
+~85% of `test_bench_model_runs_on_cpu`'s time), and many programs are
+compiled again and again: each call of an example's or a benchmark's `main`
+builds new jitted closures that JAX's in-memory cache cannot recognise, and
+the xdist workers and the subprocesses (`tests/triton_removal.py`) each
+compile the programs the others have. A folder made here, in the process
+that pytest starts, and named by an environment variable that the workers
+and the subprocesses inherit, lets each program compile once per run. JAX
+keys an entry on the program and the compile options, so a hit runs what a
+compilation would have produced; programs with host callbacks are never
+cached, and a custom-partitioned program's key holds its callback's address
+(found again only in the process that wrote it). A folder named by the caller
+(`JAX_COMPILATION_CACHE_DIR` set before pytest starts) is used instead and
+kept.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must be set before jax initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# LLVM's optimisation of the CPU code off: the tests' programs run for
+# milliseconds, and their compilation is most of the suite's time
+# (test_bench_model_runs_on_cpu[dense]: 45 s of CPU time instead of 61-69 s,
+# test_pallas_kernels.py, its kernels interpreted, faster too; 2026-11-27 on
+# the 2-core CPU machine). The workers and subprocesses inherit it, so
+# programs compared across processes are compiled alike.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="jsparse24-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# Every program, however quick to compile: the many small ones add up.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The modules whose tests take longest on a CPU, longest first (the summed
+# `--durations` of their tests on the 2-core CPU machine, 2026-11-27). They
+# run first: under `--dist worksteal` the worker that finishes early takes
+# over the other's queue from its end, so the run ends on short tests
+# instead of one worker waiting for the other's last long one.
+SLOWEST_FIRST = ("test_multiprocess.py", "test_triton_fallback.py", "test_bench_model.py",
+                 "test_examples.py", "test_sharding.py", "test_optim.py",
+                 "test_pallas_kernels.py", "test_stacked.py", "test_mvue.py",
+                 "test_bench_sharded.py")
+
+
 def pytest_collection_modifyitems(config, items):
   del config
+  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+  # A stable sort by module: each module's tests stay together, in order,
+  # so a module-scoped fixture is built once per worker.
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
