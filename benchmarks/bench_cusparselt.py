@@ -7,7 +7,7 @@ Sections (one run, side by side; bf16 unless named; tables go to benchmarks/resu
             compression of `w` both ways (cuSPARSELt's Compress2 vs ours)
             against the byte floor (bytes / measured copy bandwidth), and
             PyTorch's per-step `to_sparse_semi_structured` of `w` and `w^T`.
-  forward   `x @ (w*m)` at the issue's three shapes: dense XLA, ours with the
+  forward   `x @ (w*m)` at three shapes: dense XLA, ours with the
             weight already compressed, ours with masking + compression
             included, PyTorch `F.linear` on a cuSPARSELt weight, FLOP floors.
   step      one linear-layer training step (y, dx, dw), masking and compression

@@ -6,7 +6,8 @@ A developer tool (it calls `pallas_kernels` directly, and needs neither
 jsparse24 nor Flax): checks `decode24.decode_matmul` against its reference
 on odd shapes, then times candidate `DecodeConfig`s at (K, N) = 8192 x 8192
 for M = 16 and M = 64 against dense XLA, and prints the best ones at the
-issue's four target shapes, with the measured copy bandwidth. Each timed
+four target shapes (4096², 4096 x 16384, 16384 x 4096, 8192²), with the
+measured copy bandwidth. Each timed
 call multiplies by several weights in turn (one jitted function), together
 well over the L2 cache, as the layers of a model do: one weight reused call
 after call would be read from L2.
