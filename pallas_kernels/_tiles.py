@@ -9,6 +9,8 @@ lanes is the `[R, C/n]` tile of columns `l, l+n, l+2n, ...`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -126,3 +128,27 @@ def keep_from_meta(meta: jax.Array) -> list[jax.Array]:
     i0, i1 = rule.code_indices(code)
     keep += [(i0 == l) | (i1 == l) for l in range(4)]
   return keep
+
+
+def check_operands(fn: str, x: jax.Array, values: jax.Array, meta: jax.Array,
+                   k: int) -> tuple[int, int]:
+  """The checks both sparse-operand matmuls (`spmm24`, `decode24`) make of
+  `x [M, K]` and a compressed weight's arrays (values `[N, K/2]`, metadata
+  `uint8[N, ceil(K/8)]`): shapes that agree and one supported dtype, each
+  failure named by `fn`. Returns `(M, N)`."""
+  if x.ndim != 2:
+    raise ValueError(f"{fn}: `x` must be [M, K], got shape {x.shape}.")
+  m, kx = x.shape
+  n = values.shape[0]
+  if kx != k or k % 4 or not k:
+    raise ValueError(f"{fn}: x.shape[1] = {kx} must equal k = {k}, a positive multiple of 4.")
+  if (values.shape != (n, k // 2) or meta.shape != (n, math.ceil(k / 8))
+      or meta.dtype != jnp.uint8):
+    raise ValueError(
+        f"{fn}: expected values [N, {k // 2}] and uint8 meta [N, {math.ceil(k / 8)}],"
+        f" got {values.dtype}{list(values.shape)} and {meta.dtype}{list(meta.shape)}.")
+  if x.dtype != values.dtype:
+    raise TypeError(f"{fn}: x ({x.dtype}) and values ({values.dtype}) must share a dtype.")
+  if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    raise TypeError(f"{fn}: dtype must be bfloat16, float16 or float32, got {x.dtype}.")
+  return m, n

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -255,22 +254,7 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   Meant for few rows (its defaults are tuned up to M = 64); `spmm24.sparse_matmul`
   is the kernel for larger M.
   """
-  fn = "decode_matmul"
-  if x.ndim != 2:
-    raise ValueError(f"{fn}: `x` must be [M, K], got shape {x.shape}.")
-  m, kx = x.shape
-  n = values.shape[0]
-  if kx != k or k % 4 or not k:
-    raise ValueError(f"{fn}: x.shape[1] = {kx} must equal k = {k}, a positive multiple of 4.")
-  if (values.shape != (n, k // 2) or meta.shape != (n, math.ceil(k / 8))
-      or meta.dtype != jnp.uint8):
-    raise ValueError(
-        f"{fn}: expected values [N, {k // 2}] and uint8 meta [N, {math.ceil(k / 8)}],"
-        f" got {values.dtype}{list(values.shape)} and {meta.dtype}{list(meta.shape)}.")
-  if x.dtype != values.dtype:
-    raise TypeError(f"{fn}: x ({x.dtype}) and values ({values.dtype}) must share a dtype.")
-  if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-    raise TypeError(f"{fn}: dtype must be bfloat16, float16 or float32, got {x.dtype}.")
+  m, n = _tiles.check_operands("decode_matmul", x, values, meta, k)
   if not m or not n:
     return jnp.zeros((m, n), x.dtype)
   cfg, splits, per = _plan(config or DecodeConfig.default(m, k, n), m, k, n,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -104,21 +103,7 @@ def sparse_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   M and N can be anything (tails are padded); K must be a multiple of 4 (it is
   zero-padded to whole `block_k` tiles when it is not one).
   """
-  fn = "sparse_matmul"
-  if x.ndim != 2:
-    raise ValueError(f"{fn}: `x` must be [M, K], got shape {x.shape}.")
-  m, kx = x.shape
-  n = values.shape[0]
-  if kx != k or k % 4:
-    raise ValueError(f"{fn}: x.shape[1] = {kx} must equal k = {k}, a multiple of 4.")
-  if values.shape != (n, k // 2) or meta.shape != (n, math.ceil(k / 8)) or meta.dtype != jnp.uint8:
-    raise ValueError(
-        f"{fn}: expected values [N, {k // 2}] and uint8 meta [N, {math.ceil(k / 8)}],"
-        f" got {values.dtype}{list(values.shape)} and {meta.dtype}{list(meta.shape)}.")
-  if x.dtype != values.dtype:
-    raise TypeError(f"{fn}: x ({x.dtype}) and values ({values.dtype}) must share a dtype.")
-  if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-    raise TypeError(f"{fn}: dtype must be bfloat16, float16 or float32, got {x.dtype}.")
+  m, n = _tiles.check_operands("sparse_matmul", x, values, meta, k)
   cfg = _fit(config or MatmulConfig.default(m, k, n), m, k, n)
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   mp, np_, kp = -m % bm + m, -n % bn + n, -k % bk + k

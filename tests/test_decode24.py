@@ -12,7 +12,7 @@ import pytest
 import jsparse24
 from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends.pallas import interpret_mode
-from pallas_kernels import decode24
+from pallas_kernels import decode24, spmm24
 
 _TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
@@ -72,6 +72,15 @@ def test_decode_matmul_rejects_bad_input():
   with pytest.raises(ValueError, match="fma=True takes M <= 1"):
     decode24.decode_matmul(x, sp.values, sp.meta, k=16, interpret=True,
                            config=decode24.DecodeConfig(fma=True))
+
+
+@pytest.mark.parametrize("kernel", ["decode_matmul", "sparse_matmul"])
+def test_both_sparse_operand_kernels_name_themselves_for_an_empty_k(kernel):
+  # sparse_matmul used to fail inside its padded slices with a JAX slicing error.
+  fn = {"decode_matmul": decode24.decode_matmul, "sparse_matmul": spmm24.sparse_matmul}[kernel]
+  x = jnp.ones((2, 0), jnp.bfloat16)
+  with pytest.raises(ValueError, match=f"{kernel}: .*k = 0, a positive multiple of 4"):
+    fn(x, jnp.ones((3, 0), jnp.bfloat16), jnp.ones((3, 0), jnp.uint8), k=0, interpret=True)
 
 
 def test_sparse_dot_on_a_sparse24_takes_the_decode_kernel():
