@@ -131,8 +131,7 @@ def main(argv=None):
           f" `pallas_kernels/decode24.py`, default tiles, up to DECODE_MAX_M ="
           f" {pallas_backend.DECODE_MAX_M} rows) against XLA's `x @ w` and against"
           f" decompress + XLA;"
-          f" each timed call
-          f" cycles through several weights (200 MB together, at most 16). GB/s and % copy"
+          f" each timed call cycles through several weights (200 MB together, at most 16). GB/s and % copy"
           f" count compressed values + metadata + x + y.\n\n"
           + _common.table(["M", "K", "N", "dense XLA ms", "decompress + XLA ms", "decode ms",
                            "decode over dense", "decode over decompress", "GB/s",
