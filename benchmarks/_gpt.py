@@ -85,7 +85,9 @@ class Block(nn.Module):
     heads = d // HEAD_DIM
     h = nn.LayerNorm(dtype=self.dtype, name="ln_attn")(x)
     qkv = nn.Dense(3 * d, use_bias=False, dtype=self.dtype, name="qkv")(h)
-    q, k, v = jnp.unstack(qkv.reshape(batch, seq, 3, heads, HEAD_DIM), axis=2)
+    # Head-major columns (head, then q/k/v): a column-parallel split of
+    # `qkv` hands each device whole heads, so attention needs no exchange.
+    q, k, v = jnp.unstack(qkv.reshape(batch, seq, heads, 3, HEAD_DIM), axis=3)
     a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
     x = x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="out")(a.reshape(batch, seq, d))
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)

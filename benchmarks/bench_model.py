@@ -510,9 +510,12 @@ def breakdown(cfg: dict, result: dict, sparse_parts: dict) -> dict:
 # --- layouts (--layouts) ----------------------------------------------------------------
 
 
-# Megatron tensor parallelism of each block's MLP under the layouts "tp" and
-# "2d" (`jsparse24.layouts`): `up` column-parallel, `down` row-parallel.
-TENSOR_PARALLEL = {"blocks/up": "column", "blocks/down": "row"}
+# Megatron tensor parallelism of each block under the layouts "tp" and "2d"
+# (`jsparse24.layouts`): `qkv` and `up` column-parallel (attention splits by
+# heads, as `_gpt`'s head-major `qkv` columns allow), `out` and `down`
+# row-parallel: two all-reduces per block.
+TENSOR_PARALLEL = {"blocks/qkv": "column", "blocks/out": "row", "blocks/up": "column",
+                   "blocks/down": "row"}
 ONE_GPU = "1 GPU"  # the placement every layout's scaling is measured against
 
 
@@ -525,14 +528,15 @@ def make_layout(name: str, devices, model_devices: int | None) -> jsparse24.layo
 
 
 def sparse_model(cfg: dict, model: nn.Module, layout: jsparse24.layouts.Layout):
-  """The 2:4 model: the four layers of every block 2:4, the MLP's with the
-  layout's `kernel_sharding` (each device prunes, compresses and multiplies
-  its own block under "tp" and "2d"; None otherwise)."""
+  """The 2:4 model: the four layers of every block 2:4, each with the
+  layout's `kernel_sharding` for its tensor-parallel role (each device
+  prunes, compresses and multiplies its own block under "tp" and "2d";
+  None otherwise)."""
   options = sparse_options(cfg)
   return jsparse24.sparsify(model, [
-      (r".*/up", {**options, "kernel_sharding": layout.kernel_sharding("column")}),
-      (r".*/down", {**options, "kernel_sharding": layout.kernel_sharding("row")}),
-      (SPARSE_LAYERS, options)])
+      (rf".*/{path.split('/')[-1]}",
+       {**options, "kernel_sharding": layout.kernel_sharding(role)})
+      for path, role in TENSOR_PARALLEL.items()])
 
 
 def one_device_losses(cfg: dict, ctx: dict) -> dict[str, float]:
@@ -734,8 +738,9 @@ def layouts_notes(cfg: dict) -> str:
       f" the GPUs, params and optimizer state replicated. fsdp: params and AdamW state sharded"
       f" over the GPUs at rest (last axis), gathered inside the step; the 2:4 kernels stay"
       f" sharded (each GPU compresses its own columns, the compressed arrays are gathered)."
-      f" tp: Megatron tensor parallelism of each block's MLP (`up` column-parallel, `down`"
-      f" row-parallel; the 2:4 layers' `kernel_sharding`), everything else replicated, the"
+      f" tp: Megatron tensor parallelism of each block (`qkv` and `up` column-parallel, so"
+      f" attention splits by heads; `out` and `down` row-parallel; the 2:4 layers'"
+      f" `kernel_sharding`), everything else replicated, the"
       f" batch split over the data axis. 2d: tp over the model axis and FSDP over the data"
       f" axis. {ONE_GPU}: the same model on one GPU at {batch // n}x{seq} tokens per step,"
       f" the rows per GPU of data parallelism; scaling = tokens/s over {n} GPUs ({batch}x{seq}"

@@ -24,10 +24,10 @@ H = 4 * D
 # CPU time to compile.
 # Device 0's block of each array, per layout on 4 devices: data parallel holds
 # everything whole; FSDP splits every last axis over 4; tp (1 x 4) splits the
-# MLP kernels (up on its outputs, down on its inputs) and their AdamW moments
-# and masks (packed [N, K/8]) alike, nothing else; 2d (2 x 2) splits the MLP
-# kernels over model on one axis and over data on the other, the rest over
-# data.
+# block's kernels (qkv and up on their outputs, out and down on their inputs)
+# and their AdamW moments and masks (packed [N, K/8]) alike, nothing else; 2d
+# (2 x 2) splits them over model on one axis and over data on the other, the
+# rest over data.
 WHOLE = {"params/blocks/qkv/kernel": [LAYERS, D, 3 * D], "params/blocks/up/kernel": [LAYERS, D, H],
          "params/blocks/down/kernel": [LAYERS, H, D], "params/embed/embedding": [VOCAB, D],
          "adamw_mu/blocks/up/kernel": [LAYERS, D, H], "mask/blocks/up": [LAYERS, H, D // 8]}
@@ -39,11 +39,12 @@ BLOCKS = {
              "params/embed/embedding": [VOCAB, D // 4],
              "adamw_mu/blocks/up/kernel": [LAYERS, D, H // 4],
              "mask/blocks/up": [LAYERS, H // 4, D // 8]},
-    "tp": {**WHOLE, "params/blocks/up/kernel": [LAYERS, D, H // 4],
+    "tp": {**WHOLE, "params/blocks/qkv/kernel": [LAYERS, D, 3 * D // 4],
+           "params/blocks/up/kernel": [LAYERS, D, H // 4],
            "params/blocks/down/kernel": [LAYERS, H // 4, D],
            "adamw_mu/blocks/up/kernel": [LAYERS, D, H // 4],
            "mask/blocks/up": [LAYERS, H // 4, D // 8]},
-    "2d": {**WHOLE, "params/blocks/qkv/kernel": [LAYERS, D, 3 * D // 2],
+    "2d": {**WHOLE, "params/blocks/qkv/kernel": [LAYERS, D // 2, 3 * D // 2],
            "params/blocks/up/kernel": [LAYERS, D // 2, H // 2],
            "params/blocks/down/kernel": [LAYERS, H // 2, D // 2],
            "params/embed/embedding": [VOCAB, D // 2],
