@@ -109,7 +109,8 @@ def main(argv=None):
                      io / t_sparse / 1e9, 100 * io / t_sparse / bw])
         raw.append(dict(m=m, k=k, n=n, dense_ms=t_dense * 1e3, decompress_ms=t_decompress * 1e3,
                         decode_ms=t_sparse * 1e3, rotate=r, rel_err=err))
-        print(f"M={m:4d} K={k:5d} N={n:5d}: dense {t_dense * 1e3:.4f} ms, decode"
+        print(f"M={m:4d} K={k:5d} N={n:5d}: dense {t_dense * 1e3:.4f} ms, decompress + XLA"
+              f" {t_decompress * 1e3:.4f} ms, decode"
               f" {t_sparse * 1e3:.4f} ms ({t_dense / t_sparse:.2f}x), {io / t_sparse / 1e9:.0f}"
               f" GB/s = {100 * io / t_sparse / bw:.0f}% of copy; rel err {err:.2g}", flush=True)
       del sps, ws

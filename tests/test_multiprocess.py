@@ -224,8 +224,16 @@ def test_gpu_processes_compute_what_one_process_does(tmp_path, layout):
                 " already taken 75% of every GPU's memory for itself.")
   flags = ["--size", "gpu", "--steps", "100", "--eval-every", "100"]
   launch = dict(layouts=(layout,), worker_flags=["--losses-only"], flags=flags, timeout_s=1800)
-  one = _launch(tmp_path, "one", 1, env_of=lambda i, port: {}, distributed=False, **launch)
-  four = _launch(tmp_path, "four", 4, env_of=lambda i, port: {"CUDA_VISIBLE_DEVICES": str(i)},
+  # Bit-equal runs need the same kernels in both: XLA's autotuner picks GEMM
+  # algorithms by timing them (run to run, the pick can change), and its
+  # scatters (the embedding's gradient) add with atomics unless deterministic.
+  # The cuSPARSELt algorithms come from one algorithm cache file
+  # (`jsparse24.backends._cusparselt_build.algorithm_cache`): the first run
+  # records its searches there, the 4 processes read them.
+  xla = {"XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"}
+  one = _launch(tmp_path, "one", 1, env_of=lambda i, port: xla, distributed=False, **launch)
+  four = _launch(tmp_path, "four", 4,
+                 env_of=lambda i, port: {**xla, "CUDA_VISIBLE_DEVICES": str(i)},
                  distributed=True, **launch)
   (m1, _), (m4, _) = _results(one, layout), _results(four, layout)
   failures = []
@@ -234,7 +242,10 @@ def test_gpu_processes_compute_what_one_process_does(tmp_path, layout):
   for run in ("dense", "2:4"):
     l1, l4 = np.array(m1[run]["losses"]), np.array(m4[run]["losses"])
     t1, t4 = m1[run]["tokens_per_s"], m4[run]["tokens_per_s"]
-    same = "equal" if np.array_equal(l1, l4) else f"max |diff| {np.max(np.abs(l1 - l4)):.3g}"
+    differ = np.flatnonzero(l1 != l4)
+    same = ("equal" if np.array_equal(l1, l4) else
+            f"max |diff| {np.max(np.abs(l1 - l4)):.3g}, first at loss {differ[0]} of {len(l1)}"
+            f" ({l1[differ[0]]!r} against {l4[differ[0]]!r})")
     print(f"{layout:>6} {run:>5} | {t1:>20,.0f} {t4:>19,.0f} {t4 / t1:>6.3f} | {same}")
     if same != "equal":
       failures.append(f"{layout} {run}: losses differ, {same}")

@@ -78,24 +78,30 @@ DECODE_MAX_M = 16
 # every M measured (0: at none; the margin covers the spread of one timing).
 # A shape between grid points takes the grid point below it, K or N below the
 # grid never; a GPU or grid point not measured never (decompress + XLA).
-# NVIDIA H200 (2026-11-27): the products of benchmarks/bench_decode.py at
-# d_model 2048 and 4096, M = 1, 4, 16, `pallas` against `auto (xla)`
-# (benchmarks/results/nvidia-h200.md, "decode with a KV cache"): 1.09-6.6x
-# at (K, N) = (2048, 6144), (4096, 12288), (4096, 16384), (16384, 4096);
-# (2048, 8192) 1.03x at M = 16; (4096, 4096) 1.57x at M = 1, 0.67x at M = 4;
-# (2048, 2048) and (8192, 2048) below 1.03x. Against dense XLA the kernel
-# stays below 1x almost everywhere (median 0.83x over M = 1-4 and K, N of
-# 2048-16384, "decode kernel sweep, M = 1, 2, 4"; 0.92-0.93x at M = 16 at
-# the target shapes): a product on a compressed weight is slower than on
-# the dense weight, and faster than decompressing it.
+# NVIDIA H200 (2026-11-27, benchmarks/results/nvidia-h200.md, "decode
+# kernel sweep against decompress + XLA, M = 1-32"): 3.5x of decompress + XLA
+# (median; 0.98-4.8x), and 0.86x of dense XLA on the decompressed weight
+# (median over M = 1-16): a product on a compressed weight is slower than on
+# the dense weight, and much faster than decompressing it. M = 64-256 not
+# measured against decompress + XLA: never.
+# NVIDIA H100 80GB HBM3 (2026-11-27, benchmarks/results/nvidia-h100-80gb-hbm3.md,
+# "decode with a KV cache", d_model 4096): no sweep yet; the row holds the
+# model's four products, `pallas` against `auto (xla)` at M = 1, 4, 16, 64:
+# (4096, 12288) 2.4-4.1x, (4096, 16384) 3.0-4.2x, (16384, 4096) 1.4-4.1x;
+# (4096, 4096) 1.04x and 1.45x at M = 1 and 4, 1.00x at M = 16. The other
+# grid points were not measured: never.
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
-    "NVIDIA H200": ((0, 16, 4, 0),    # 2048
-                    (0, 1, 16, 16),   # 4096
-                    (0, 0, 0, 0),     # 8192
-                    (0, 16, 0, 0)),   # 16384
+    "NVIDIA H200": ((8, 32, 32, 32),    # 2048
+                    (32, 32, 32, 32),   # 4096
+                    (16, 32, 32, 32),   # 8192
+                    (16, 32, 32, 32)),  # 16384
+    "NVIDIA H100 80GB HBM3": ((0, 0, 0, 0),     # 2048
+                              (0, 4, 64, 64),   # 4096
+                              (0, 0, 0, 0),     # 8192
+                              (0, 64, 0, 0)),   # 16384
 }
 
 
