@@ -55,6 +55,15 @@ from pallas_kernels import prune_rule
 DENSITY = 0.5  # 2 of 4 kept
 
 
+def _namespace(step):
+  """NumPy for a step known on the host (a Python or NumPy int or array),
+  else jax.numpy. A training loop asks for each step's phase on the host before
+  dispatching the step (`bool(schedule.sparse(i))`); computed on the device,
+  that `bool` would wait for every step already queued there, and the GPU
+  would idle while the host dispatches the next one."""
+  return np if isinstance(step, (int, np.integer, np.ndarray)) else jnp
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskSchedule:
   """When masks are rebuilt and when layers are sparse. Steps are 0-based.
@@ -72,7 +81,9 @@ class MaskSchedule:
     dense_after: steps `>= dense_after` run dense again (final dense
       fine-tuning); None = sparse to the end.
 
-  `sparse(step)` and `rebuild(step)` accept Python ints and traced arrays.
+  `sparse(step)` and `rebuild(step)` accept Python ints and traced arrays;
+  for a Python or NumPy int they answer with a NumPy bool, computed on the
+  host (`_namespace`).
   `always_sparse`: whether no step is dense (no warm-up, no `dense_after`).
   """
 
@@ -100,20 +111,22 @@ class MaskSchedule:
             f"MaskSchedule: {name}={v} is before the end of the dense warm-up"
             f" (warmup_steps={self.warmup_steps}).")
 
-  def sparse(self, step) -> jax.Array:
+  def sparse(self, step) -> jax.Array | np.ndarray:
     # int32 steps: results are strongly typed bools, so a state made by
     # `init` (Python step 0) and one made by `update` (traced step) have the
     # same types and a jitted train step compiles once.
-    step = jnp.asarray(step, jnp.int32)
+    xp = _namespace(step)
+    step = xp.asarray(step, xp.int32)
     on = step >= self.warmup_steps
     if self.dense_after is not None:
       on = on & (step < self.dense_after)
     return on
 
-  def rebuild(self, step) -> jax.Array:
-    step = jnp.asarray(step, jnp.int32)
+  def rebuild(self, step) -> jax.Array | np.ndarray:
+    xp = _namespace(step)
+    step = xp.asarray(step, xp.int32)
     first = (step == self.warmup_steps) & (self.warmup_steps > 0)
-    periodic = jnp.asarray(False)
+    periodic = xp.asarray(False)
     if self.rebuild_every is not None:
       since = step - self.warmup_steps
       periodic = (since > 0) & (since % self.rebuild_every == 0)
