@@ -531,7 +531,8 @@ def sparse_model(cfg: dict, model: nn.Module, layout: jsparse24.layouts.Layout):
   """The 2:4 model: the four layers of every block 2:4, each with the
   layout's `kernel_sharding` for its tensor-parallel role (each device
   prunes, compresses and multiplies its own block under "tp" and "2d";
-  None otherwise)."""
+  under "data" the whole kernel, so that each device's backend is chosen
+  for its own rows; None under "fsdp")."""
   options = sparse_options(cfg)
   return jsparse24.sparsify(model, [
       (rf".*/{path.split('/')[-1]}",

@@ -9,7 +9,8 @@ shardings of its inputs (and, for FSDP and 2d, constraints inside the step):
 
 * `--layout data`: each batch split over the devices, params and optimizer
   state replicated. The 2:4 products run on each device's own rows (no
-  activation is gathered; `jsparse24` gives its custom calls a sharding rule).
+  activation is gathered), and the automatic choice picks each product's
+  backend for those rows (`jsparse24.layouts.Layout.kernel_sharding`).
 * `--layout fsdp`: params and optimizer state sharded over the devices at
   rest (on the last axis where it divides), gathered whole inside the step for
   the products (`with_sharding_constraint`), gradients reduce-scattered;
@@ -211,8 +212,10 @@ def global_batch(lm, data, step: int, args, sharding: NamedSharding) -> tuple[ja
 
 def mlp_shardings(layout) -> tuple:
   """The MLP layers' `kernel_sharding` (train_lm's `MLP.shardings`): their
-  split under `--layout tp` and `2d`, none otherwise."""
-  if layout.name not in ("tp", "2d"):
+  split under `--layout tp` and `2d`, the whole kernel with the rows split
+  under `data` (the automatic choice then sees each device's rows), none
+  under `fsdp`."""
+  if layout.name == "fsdp":
     return ()
   return tuple((name, layout.kernel_sharding(role)) for name, role in MLP_ROLES.items())
 

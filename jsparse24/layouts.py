@@ -8,7 +8,9 @@ constraints inside the step (`Layout.constrain`) and the 2:4 layers'
 (`jsparse24.optim.masks_like_kernels`). `LAYOUTS`:
 
 * `"data"`: each batch split over the mesh's `data` axis; params and
-  optimizer state replicated.
+  optimizer state replicated. The 2:4 layers' `kernel_sharding` says so
+  (the kernel whole, x's rows split): the automatic choice of each
+  product's backend then sees the rows one device multiplies.
 * `"fsdp"`: every array of the state sharded over `data` at rest (its last
   axis, where it divides), gathered whole inside the step for the products,
   gradients reduce-scattered. The 2:4 kernels stay sharded in the step: each
@@ -46,6 +48,8 @@ Example (tensor parallelism over 1 device, to run anywhere):
   [P('model', None), P(None, 'model')]
   >>> layout.kernel_sharding("column").spec
   P(None, 'model')
+  >>> layouts.Layout("data", layouts.make_mesh("data", jax.devices()[:1])).kernel_sharding("row").spec
+  P(None, None)
 """
 
 from __future__ import annotations
@@ -219,10 +223,17 @@ class Layout:
   def kernel_sharding(self, role: str) -> NamedSharding | None:
     """The `kernel_sharding` of a 2:4 layer of `role` (`"column"`,
     `"row"`): its `[K, N]` kernel's split over `model` under `"tp"` and
-    `"2d"`; None under `"data"` and `"fsdp"`."""
+    `"2d"`; under `"data"` the kernel whole on every device, so that x's
+    rows split over `data` and each device's product, and the automatic
+    choice of its backend, sees that device's rows (a layer that gains at
+    16k rows on one GPU may lose at 4k rows on each of four); None under
+    `"fsdp"`, whose 2:4 kernels stay sharded into the step (each device
+    compresses its own columns)."""
     if role not in ROLES:
       raise ValueError(f"Layout.kernel_sharding: role={role!r}; expected one of {ROLES}.")
-    if self.name not in ("tp", "2d"):
+    if self.name == "data":
+      return NamedSharding(self.mesh, P(None, None))
+    if self.name == "fsdp":
       return None
     return NamedSharding(self.mesh, TP_SPECS[role])
 

@@ -126,6 +126,27 @@ def test_data_parallel_equals_one_device_and_gathers_nothing(implementation, axi
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_data_layout_choice_sees_each_devices_rows(implementation, monkeypatch):
+  """`jsparse24.layouts`' "data" layout gives the 2:4 layers a kernel
+  sharding (kernel whole, rows split): the backend is chosen for the B*T/8
+  rows one device multiplies, not for all B*T, and the step still computes
+  what one device does, gathering nothing."""
+  rows = []
+  select = jsparse24.backends.select
+  monkeypatch.setattr(jsparse24.backends, "select",
+                      lambda impl, problem: (rows.append(problem.m), select(impl, problem))[1])
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  whole = jsparse24.layouts.Layout("data", mesh).kernel_sharding("column")
+  with interpret_mode():
+    ref, got, hlo = _run(implementation, mesh, lambda a: P(),
+                         model=_MLP(implementation, whole, whole))
+  _assert_same(ref, got)
+  assert _collectives(hlo)["all-gather"] == []
+  # The single-device reference chose for all rows, the layout for its share.
+  assert sorted(set(rows)) == [B * T // 8, B * T], rows
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_fsdp_gathers_weights_only(implementation):
   """Weights sharded on their output axis at rest and gathered for the
   products (the step constrains them whole, as an FSDP step does for
