@@ -7,12 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jsparse24._format import Mask24
+from jsparse24._format import Mask24, Sparse24
 from jsparse24._ops import sparse_or_dense_dot
 from jsparse24._options import SparsityOptions
 
 
-def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array | Sparse24, bias: jax.Array | None,
                          mask: Mask24 | None, active: jax.Array | None, opts: SparsityOptions,
                          *, precision: Any, preferred_element_type: Any = None,
                          key: jax.Array | None = None, fn: str = "SparseDense") -> jax.Array:
@@ -21,7 +21,9 @@ def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   `kernel` by magnitude now. `inputs` and `bias` are already promoted to the
   compute dtype; `kernel` is in its parameter dtype (float32 in mixed
   precision) and is cast to the compute dtype inside the product, which then
-  returns its gradient in the parameter dtype directly. `opts`: the layer's
+  returns its gradient in the parameter dtype directly. `kernel` may also be
+  a `Sparse24` in the compute dtype (a compressed layer: `mask` and `active`
+  None, `opts.weight_grad` "dense"). `opts`: the layer's
   options, `transposable` resolved (`resolve_transposable`); `key`: as in
   `sparse_dot`; `fn`: the layer, for errors."""
   out_dtype = inputs.dtype if preferred_element_type is None else preferred_element_type

@@ -17,6 +17,16 @@ Per layer (with `mask_source="collection"`, the default):
 With `mask_source="dynamic"` both are None and the kernel is pruned by
 magnitude at every call. This mirrors `jsparse24.linen`, where the same state
 lives in the `"sparsity"` collection.
+
+To serve a trained model, `compress_params(model)` replaces, in place, the
+kernel of every active layer by its `Sparse24` (values + metadata, 56% of the
+bfloat16 bytes without the transposed copy), as `jsparse24.compress_params`
+does for Linen params: the kernel stays an `nnx.Param` (holding a pytree),
+the layer's `mask` and `active` become None (the mask is in the metadata),
+and `SparseLinear` multiplies by it through `jsparse24.sparse_dot`, whose
+automatic choice takes the Pallas decode kernel at few rows where that
+measured faster. `nnx.split`/`merge`/`jit` and Orbax carry such a model like
+any other.
 """
 
 from __future__ import annotations
@@ -28,12 +38,14 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
-from jsparse24._format import Mask24
+from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
+from jsparse24._ops import compress
 from jsparse24._options import SparsityOptions, resolve_transposable
 from jsparse24.linen import MVUE_RNG, mask_like_kernel
 
@@ -68,6 +80,10 @@ class SparseLinear(nnx.Module):
   `jsparse24.sparse_dot`. `preferred_element_type` sets the output dtype; the
   sparse product accumulates in float32 but rounds to the promoted input dtype
   before that cast.
+
+  After `compress_params(model)` the kernel holds a `Sparse24` and the layer
+  multiplies by it (`jsparse24.sparse_dot` with the layer's
+  `implementation`, None: the automatic choice for a compressed weight).
 
   Example:
     >>> import jax.numpy as jnp
@@ -172,13 +188,27 @@ class SparseLinear(nnx.Module):
       setattr(self, field.name, getattr(opts, field.name))
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
-    """`inputs @ (kernel * mask) + bias` over the last axis of `inputs`."""
+    """`inputs @ (kernel * mask) + bias` over the last axis of `inputs`; with
+    a compressed kernel (`compress_params`), `inputs @ kernel + bias`."""
     if out_sharding is not None:
       raise NotImplementedError(
           "SparseLinear: `out_sharding` is not supported (jsparse24.sparse_dot"
           " takes no output sharding); constrain the output yourself.")
-    kernel = self.kernel[...]
+    kernel = self.kernel.get_value()
     bias = self.bias[...] if self.bias is not None else None
+    if isinstance(kernel, Sparse24):
+      return self._compressed(inputs, kernel, bias)
+    if self.mask is None and self.mask_source == "collection":
+      # Without this check the product would prune the kernel by magnitude at
+      # every call (mask=None), not use the mask the layer was trained with.
+      raise ValueError(
+          "SparseLinear: this layer takes its 2:4 mask from `layer.mask`"
+          " (mask_source='collection'), but its mask is None and its kernel is"
+          " dense. A layer compressed by jsparse24.nnx.compress_params has no"
+          " mask (it is in the Sparse24's metadata): give it back its Sparse24"
+          " kernel, or a mask, layer.mask = SparsityMask(jsparse24.Mask24."
+          "from_weights(layer.kernel[...], transposable=layer.transposable)) and"
+          " layer.active = SparsityMask(jnp.array(True)).")
     # nnx.Linear's promotion decides the compute dtype; the kernel itself
     # goes in uncast (sparse_dense_forward casts it inside the product).
     inputs, _, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
@@ -189,6 +219,22 @@ class SparseLinear(nnx.Module):
         SparsityOptions.of(self), precision=self.precision,
         preferred_element_type=self.preferred_element_type,
         key=self.mvue_rngs() if self.mvue_rngs is not None else None, fn="SparseLinear")
+
+  def _compressed(self, inputs: jax.Array, sp: Sparse24, bias: jax.Array | None) -> jax.Array:
+    """The product with a kernel compressed by `compress_params`."""
+    # The compute dtype is the one the dense kernel gives (nnx.Linear's
+    # promotion); the kept values are cast to it here, as Linen's SparseDense
+    # does, since sparse_dot computes in the dtype of `x` and `w` together.
+    inputs, values, bias = self.promote_dtype((inputs, sp.values, bias), dtype=self.dtype)
+    sp = dataclasses.replace(
+        sp, values=values,
+        values_t=None if sp.values_t is None else sp.values_t.astype(values.dtype))
+    # A Sparse24's gradient is that of its kept values: the MVUE estimate of
+    # a dense `dw` has nothing to apply to, and no key is drawn.
+    opts = dataclasses.replace(SparsityOptions.of(self), weight_grad="dense")
+    return sparse_dense_forward(inputs, sp, bias, None, None, opts, precision=self.precision,
+                                preferred_element_type=self.preferred_element_type,
+                                fn="SparseLinear")
 
 
 def rebuild_masks(model: nnx.Module) -> None:
@@ -201,7 +247,12 @@ def rebuild_masks(model: nnx.Module) -> None:
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"rebuild_masks: `model` must be an nnx.Module, got {type(model).__name__}.")
-  for _, layer in nnx.iter_modules(model):
+  for path, layer in nnx.iter_modules(model):
+    if isinstance(layer, SparseLinear) and isinstance(layer.kernel.get_value(), Sparse24):
+      raise TypeError(
+          f"nnx.rebuild_masks: the kernel of layer {_name(path)!r} is a Sparse24"
+          f" (compressed by nnx.compress_params); masks are rebuilt from dense"
+          f" kernels: rebuild them before compressing.")
     if isinstance(layer, SparseLinear) and layer.mask is not None:
       old = layer.mask.get_value()
       layer.mask.set_value(Mask24.from_weights(layer.kernel[...],
@@ -225,10 +276,114 @@ def masks_like_kernels(model: nnx.Module) -> None:
                                             name, "nnx.masks_like_kernels"))
 
 
+def compress_params(model: nnx.Module, *, transposed: bool | None = None) -> None:
+  """Replaces, in place, the kernel of every active `SparseLinear` in `model`
+  by its `Sparse24` (values + metadata), compressed with the layer's own mask;
+  the NNX form of `jsparse24.compress_params`. The model then computes with
+  the compressed weights: its outputs are those of `kernel * mask`.
+
+  Each compressed layer keeps `nnx.Param` as the kernel's type (holding the
+  `Sparse24` pytree; the kernel's metadata is not carried over, since the
+  compressed arrays are laid out `[N, K/2]`), and its `mask` and `active`
+  become None: the mask is the `Sparse24`'s metadata
+  (`layer.kernel.get_value().mask()`), and serving does not read a second
+  copy. Left dense: layers in a dense phase (`active` False), and layers with
+  `mask_source="dynamic"` (no stored mask). A stack of layers (`nnx.vmap`)
+  becomes one stacked `Sparse24`, so all its layers must be active or none.
+
+  Call it outside `nnx.jit`: it decides per layer, from the concrete
+  `active` flags, whether to compress (a traced flag raises a `TypeError`),
+  and it changes the model's structure. A restored checkpoint of a
+  compressed model needs a compressed model as its target: build and
+  compress one, then restore `nnx.state(model)` into it.
+
+  A compressed model is for inference. `nnx.grad` over its `Param`s raises
+  JAX's `TypeError` on the integer metadata; `nnx.grad(..., allow_int=True)`
+  differentiates in the kept values (as `jax.grad` does through
+  `jsparse24.compress_params` output), and gradients in the inputs or in
+  other Variables (`nnx.DiffState`) need nothing special. Masks are no longer
+  rebuilt (`rebuild_masks` raises): fine-tune before compressing.
+
+  Args:
+    model: an `nnx.Module` holding `SparseLinear` layers.
+    transposed: None (default): store the transposed copy where the mask is
+      transposable, as `jsparse24.compress_params` does; False: the forward
+      operand alone, which is all that inference reads (a transposable mask's
+      copy doubles the kept values' bytes); True: always, and raise for a
+      plain mask.
+
+  Example:
+    >>> import jax.numpy as jnp, jsparse24
+    >>> from flax import nnx
+    >>> from jsparse24 import nnx as jnnx
+    >>> layer = jnnx.SparseLinear(16, 8, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    >>> y = layer(jnp.ones((1, 16), jnp.bfloat16))
+    >>> jnnx.compress_params(layer, transposed=False)
+    >>> isinstance(layer.kernel.get_value(), jsparse24.Sparse24), layer.mask
+    (True, None)
+    >>> bool((layer(jnp.ones((1, 16), jnp.bfloat16)) == y).all())
+    True
+  """
+  fn = "nnx.compress_params"
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"{fn}: `model` must be an nnx.Module, got {type(model).__name__}.")
+  if transposed not in (None, False, True):
+    raise TypeError(f"{fn}: `transposed` must be None, False or True, got {transposed!r}.")
+  stored, chosen = 0, []
+  # Every layer is checked before any is changed: an error leaves the model whole.
+  for path, layer in nnx.iter_modules(model):
+    if not isinstance(layer, SparseLinear):
+      continue
+    if isinstance(layer.kernel.get_value(), Sparse24):
+      raise TypeError(
+          f"{fn}: the kernel of layer {_name(path)!r} is already a Sparse24 (was the"
+          f" model compressed twice?); pass a model with dense kernels.")
+    if layer.mask is None:
+      continue
+    stored += 1
+    try:
+      flags = np.asarray(layer.active.get_value())
+    except jax.errors.TracerArrayConversionError as e:
+      raise TypeError(
+          f"{fn}: the 'active' flag of layer {_name(path)!r} is traced; call"
+          f" {fn} outside nnx.jit (it decides per layer whether to compress, and"
+          f" changes the model's structure).") from e
+    if flags.any() and not flags.all():
+      raise ValueError(
+          f"{fn}: layer {_name(path)!r} is a stack whose layers are partly sparse and"
+          f" partly dense (active={flags.tolist()}); one stacked kernel cannot be"
+          f" partly compressed.")
+    mask = layer.mask.get_value()
+    if transposed and not mask.transposable:
+      raise ValueError(
+          f"{fn}: transposed=True, but the mask of layer {_name(path)!r} is not"
+          f" transposable (2:4 along K only), so its transpose is not 2:4; pass"
+          f" transposed=None (a transposed copy where the mask allows) or False.")
+    if flags.all():
+      chosen.append((layer, mask))
+  if not stored:
+    raise ValueError(
+        f"{fn}: `model` has no SparseLinear with a stored mask (mask_source="
+        f"'collection'), so there is nothing to compress; layers with"
+        f" mask_source='dynamic' prune their kernel at every call.")
+  for layer, mask in chosen:
+    keep_transpose = mask.transposable if transposed is None else transposed
+    layer.kernel = nnx.Param(compress(layer.kernel.get_value(), mask,
+                                      transposed=keep_transpose))
+    layer.mask = nnx.data(None)
+    layer.active = nnx.data(None)
+
+
+def _name(path) -> str:
+  """A layer's path in errors: `blocks/0/up`."""
+  return "/".join(str(p) for p in path) or "(the model itself)"
+
+
 def masks_state(model: nnx.Module) -> nnx.State:
   """The `SparsityMask` variables of `model` (masks and `active` flags), for
   checkpointing or `nnx.update`."""
   return nnx.state(model, SparsityMask)
 
 
-__all__ = ["SparseLinear", "SparsityMask", "masks_like_kernels", "masks_state", "rebuild_masks"]
+__all__ = ["SparseLinear", "SparsityMask", "compress_params", "masks_like_kernels", "masks_state",
+           "rebuild_masks"]
