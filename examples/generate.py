@@ -7,7 +7,8 @@ What it does:
    `--out/checkpoints/{dense,sparse}` (train_lm's layout). Where either is
    missing it first trains both by calling `train_lm.main` with the same
    flags, so `--size`, `--steps`, `--d-model`, ... are train_lm's (see its
-   `--help`): the checkpoint only loads into the model those flags describe;
+   `--help`; without `--size`, the preset train_lm picks on this platform):
+   the checkpoint only loads into the model those flags describe;
 2. ships the 2:4 model as a user would: its params cast to the compute dtype
    and compressed by `jsparse24.compress_params` (each MLP kernel becomes a
    `Sparse24`, values + 4-bit metadata); the layers' default implementation
@@ -419,6 +420,7 @@ def parse_args(argv: Sequence[str] | None):
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args, targs, train_argv = parse_args(argv)
+  print(f"preset {targs.size} ({targs.size_reason})")
   print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}, devices {jax.devices()}")
   dense_run, sparse_run = load_runs(targs, train_argv)
   print(f"loaded {targs.out}: dense at step {dense_run.step}, 2:4 at step {sparse_run.step};"

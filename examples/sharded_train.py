@@ -54,11 +54,19 @@ steps and at the end (train_lm's flags; nothing is validated here);
 devices (the batches are a function of the seed and the step). A checkpoint
 restores into any layout and process count (Orbax reads each device's share).
 
+The model and step sizes are a train_lm preset, chosen as train_lm chooses
+(the first line printed says which, and why): without `--size`, "gpu" where
+JAX finds a GPU (d_model 4096, 2 blocks, 32 x 512 tokens per step over all
+devices: 8 sequences on each of 4 data-parallel GPUs), "small" elsewhere
+(d_model 128, 16 x 64 tokens). `--batch` counts the sequences of all processes
+and devices together, split evenly over the devices on the mesh's data axis (a
+multiple of them).
+
 One process, all its devices:
 
-    python examples/sharded_train.py --layout fsdp              # CPU, tiny
-    python examples/sharded_train.py --size gpu --layout data   # GPUs
-    python examples/sharded_train.py --size gpu --layout 2d     # GPUs
+    python examples/sharded_train.py --layout fsdp   # CPU: tiny; GPUs: the gpu preset
+    python examples/sharded_train.py --layout data   # GPUs
+    python examples/sharded_train.py --layout 2d     # GPUs
 
 On a CPU, ask for fake devices first:
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
@@ -73,7 +81,7 @@ N processes on one machine: every process gets the same flags but its
     done; wait
 
     for i in 0 1 2 3; do
-      CUDA_VISIBLE_DEVICES=$i python examples/sharded_train.py --size gpu --layout 2d \\
+      CUDA_VISIBLE_DEVICES=$i python examples/sharded_train.py --layout 2d \\
           --coordinator localhost:12355 --num-processes 4 --process-id $i &
     done; wait
 
@@ -85,7 +93,7 @@ of the three flags: `jax.distributed.initialize()` takes them from the
 launcher:
 
     srun --nodes 2 --ntasks-per-node 4 --gpus-per-task 1 \\
-        python examples/sharded_train.py --size gpu --layout 2d --cluster
+        python examples/sharded_train.py --layout 2d --cluster
 
 Without the flags or `--cluster` it is one process. CPU devices talk across
 processes through gloo (set here); GPUs through NCCL (XLA's default).
@@ -307,7 +315,8 @@ def train(lm, run, args, data, layout) -> dict:
                   else float("nan"))
   return {"loss_first": losses[0] if losses else float("nan"),
           "loss_last": float(np.mean(losses[-10:])) if losses else float("nan"),
-          "losses": list(losses), "start_step": first, "tokens_per_s": tokens_per_s,
+          "losses": list(losses), "start_step": first, "steps_run": run.step - first,
+          "timed_steps": timed_steps, "tokens_per_s": tokens_per_s,
           "params": run.params, "opt_state": run.opt_state}
 
 
@@ -326,8 +335,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       " 2 for 2d)")
   p.add_argument("--runs", choices=("both", "dense", "2:4"), default="both",
                  help="train the dense model, the 2:4 one, or both in turn (default: both)")
-  p.add_argument("--size", choices=sorted(lm.PRESETS), default="small",
-                 help="train_lm's preset (default: small)")
+  p.add_argument("--size", choices=sorted(lm.PRESETS), default=None,
+                 help="train_lm's preset (default: 'gpu' where JAX finds a GPU, 'small'"
+                      " elsewhere)")
   p.add_argument("--steps", type=int, default=None,
                  help="training steps of each run (default: the preset's)")
   p.add_argument("--batch", type=int, default=None,
@@ -347,11 +357,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
   p.add_argument("--process-id", type=int, default=None,
                  help="several processes: this one's id, 0 to --num-processes - 1")
   args, rest = p.parse_known_args(argv)
-  lm_args = lm.parse_args(["--size", args.size, "--out", args.out] + rest
+  joined = initialize_distributed(args, p)  # before anything touches a device
+  # After joining: without --size, train_lm's preset follows the platform,
+  # which asking JAX for its backend starts.
+  lm_args = lm.parse_args(["--out", args.out] + rest
+                          + (["--size", args.size] if args.size else [])
                           + (["--steps", str(args.steps)] if args.steps else [])
                           + (["--batch", str(args.batch)] if args.batch else []))
   lm_args.layout = args.layout
-  joined = initialize_distributed(args, p)  # before anything touches a device
+  log(f"preset {lm_args.size} ({lm_args.size_reason})")
 
   n = jax.device_count()  # every process's devices
   if args.model_devices is not None and args.layout not in ("tp", "2d"):
@@ -373,14 +387,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
       args.layout, jsparse24.layouts.make_mesh(args.layout, jax.devices(), model_devices
                                                if args.layout in ("tp", "2d") else None),
       TENSOR_PARALLEL)
-  data, _ = lm.load_text(lm.corpus_files(lm_args.corpus))
-  sample = jnp.zeros((1, lm_args.seq_len), jnp.int32)
   log(f"{jax.process_count()} process(es) ({joined}) x {jax.local_device_count()}"
       f" {jax.devices()[0].platform} device(s), layout {args.layout}"
       + (f" (mesh data x model = {data_devices} x {model_devices})"
          if args.layout in ("tp", "2d") else "") + ";"
       f" d_model {lm_args.d_model}, {lm_args.layers} layers, batch {lm_args.batch} x"
-      f" {lm_args.seq_len}, {lm_args.steps} steps")
+      f" {lm_args.seq_len} ({lm_args.batch // data_devices} rows on each of the {data_devices}"
+      f" devices of the data axis), --steps {lm_args.steps} per run")
+  data, _ = lm.load_text(lm.corpus_files(lm_args.corpus))
+  sample = jnp.zeros((1, lm_args.seq_len), jnp.int32)
 
   out = {}
   for name, sparse in (("dense", False), ("2:4", True)):
@@ -392,8 +407,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
       run.opt_state = jsparse24.optim.masks_like_kernels(run.opt_state, run.params)
     out[name] = train(lm, run, lm_args, data, layout)
     r = out[name]
-    log(f"{name:>5}: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} (mean of the last"
-        f" 10 steps), {r['tokens_per_s']:,.0f} tokens/s")
+    resumed = f", resumed at step {r['start_step']}" if r["start_step"] else ""
+    log(f"{name:>5}: {r['steps_run']} steps run (of --steps {lm_args.steps}{resumed}); loss"
+        f" {r['loss_first']:.3f} -> {r['loss_last']:.3f} (mean of the last 10 steps);"
+        f" {r['tokens_per_s']:,.0f} tokens/s over the {r['timed_steps']} timed steps")
   ratio = out["2:4"]["tokens_per_s"] / out["dense"]["tokens_per_s"] if len(out) == 2 else math.nan
   if math.isfinite(ratio):
     log(f"2:4 / dense tokens/s: {ratio:.3f}x (timed from the step after the first sparse one)")

@@ -105,6 +105,66 @@ def test_train_lm_reports_no_speed_up_where_no_sparse_kernel_ran(train_lm):
   assert ("sess" "ion") not in printed.lower()  # runs and steps, no diary words
 
 
+def test_train_lm_says_which_preset_it_chose_and_what_its_counts_count(train_lm):
+  # On a CPU, without --size: the CPU preset, said first; the final table
+  # says what its step count counts.
+  _, out, _ = train_lm
+  printed = (out / "stdout.txt").read_text()
+  assert printed.splitlines()[0] == (
+      "preset small (JAX's backend is 'cpu', no GPU; --size gpu for the GPU preset)"), printed
+  for run in ("dense", "2:4"):
+    row = rf"^\s*{re.escape(run)} \|.*\| 30 steps run \(of 30\), \d"
+    assert re.search(row, printed, re.M), (run, printed)
+
+
+def test_train_lm_takes_the_gpu_preset_on_a_gpu(monkeypatch):
+  """Without --size the preset follows JAX's backend; --size, and any flag
+  given, win over it."""
+  module = load_example("train_lm")
+  cpu = module.parse_args([])
+  assert (cpu.size, cpu.d_model, cpu.batch * cpu.seq_len) == ("small", 128, 1024)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  gpu = module.parse_args([])
+  assert gpu.size == "gpu" and gpu.size_reason == "JAX found a GPU; --size small for the CPU preset"
+  assert {k: getattr(gpu, k) for k in module.PRESETS["gpu"]} == module.PRESETS["gpu"]
+  small = module.parse_args(["--size", "small"])
+  assert (small.size, small.size_reason, small.d_model) == ("small", "--size small", 128)
+  narrow = module.parse_args(["--d-model", "256"])
+  assert (narrow.size, narrow.d_model, narrow.batch) == ("gpu", 256, module.PRESETS["gpu"]["batch"])
+
+
+def test_sharded_train_takes_train_lms_preset_for_the_platform(monkeypatch, capsys, tmp_path):
+  """Without --size, train_lm's choice for the platform (the gpu preset where
+  JAX reports a GPU), said first; --size wins. The gpu preset's 32 sequences
+  split evenly over the 8 devices. Stopped where the data would be read."""
+  sharded, lm = load_example("sharded_train"), load_example("train_lm")
+
+  class Stop(Exception):
+    pass
+
+  corpora = []
+
+  def corpus_files(corpus):
+    corpora.append(corpus)
+    raise Stop
+
+  monkeypatch.setattr(lm, "corpus_files", corpus_files)
+  monkeypatch.setattr(sharded, "_train_lm", lambda: lm)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  for flags, size in (([], "gpu"), (["--size", "small"], "small")):
+    capsys.readouterr()
+    with pytest.raises(Stop):
+      sharded.main(flags + ["--out", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("preset gpu (JAX found a GPU; --size small for the CPU preset)"
+                        if size == "gpu" else "preset small (--size small)"), lines
+    preset = lm.PRESETS[size]
+    assert (f"d_model {preset['d_model']}, {preset['layers']} layers, batch {preset['batch']} x"
+            f" {preset['seq_len']} ({preset['batch'] // 8} rows on each of the 8 devices of the"
+            f" data axis)") in lines[1], lines
+  assert corpora == ["stdlib", "small"]
+
+
 def test_train_lm_throughput_counts_only_the_timed_stretches():
   run = load_example("train_lm").Run("x", None, None, False)
   run.segments = [(1, 3, 1.0), (3, 10, 2.0), (11, 20, 3.0)]  # (first step, end step, s)
@@ -138,9 +198,11 @@ def test_train_lm_writes_plot_and_checkpoint(train_lm):
   assert (out / "checkpoints" / "dense" / "30").is_dir()
 
 
-def test_train_lm_resume_continues_from_the_saved_step(train_lm):
+def test_train_lm_resume_continues_from_the_saved_step(train_lm, capsys):
   module, out, first = train_lm
+  capsys.readouterr()
   result = module.main(TINY_LM[:1] + ["40"] + TINY_LM[2:] + ["--out", str(out), "--resume"])
+  assert "| 10 steps run (of 40, resumed at step 30), " in capsys.readouterr().out
   assert result["start_step_sparse"] == 30
   assert result["start_step_dense"] == 30
   assert result["final_step"] == 40
@@ -177,7 +239,7 @@ def test_patch_model_sparsifies_only_the_mlps():
 
 
 @pytest.mark.parametrize("layout", ["data", "fsdp", "tp", "2d"])
-def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path):
+def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
   """8 fake CPU devices: both runs learn, and their state stays in the layout's
   shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
   kernels column- and row-parallel over 4 model devices for tp, and over 2
@@ -198,8 +260,11 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path):
          "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2",
          "--out", str(tmp_path)]
         + (["--model-devices", "4"] if layout == "tp" else []))
+  printed = capsys.readouterr().out
   for run in ("dense", "2:4"):
     r = out[run]
+    assert r["steps_run"] == 30 and 0 < r["timed_steps"] < 30, r["timed_steps"]
+    assert f"{run:>5}: 30 steps run (of --steps 30); loss" in printed, printed
     assert r["loss_last"] < r["loss_first"] - 0.5, (run, r["loss_first"], r["loss_last"])
     assert r["tokens_per_s"] > 0
     kernel = r["params"]["block_0"]["mlp"]["up"]["kernel"]
