@@ -1,6 +1,7 @@
 """Whole model: a GPT-style decoder trained dense and 2:4 sparse, side by side.
 
     PYTHONPATH=. python benchmarks/bench_model.py [--widths 1024,2048] [--remat] [--json PATH]
+    PYTHONPATH=. python benchmarks/bench_model.py --small
 
 The model (`benchmarks/_gpt.py`, shared with `profile_model.py`) is written
 the way LLM users write one, and made sparse without editing it:
@@ -32,6 +33,11 @@ compute-bound kernels slower from then on (see `setup_width`), which a dense
 model in its own process never pays. Tables are printed and written to
 benchmarks/results/<gpu>.md.
 
+`--small`: where users start, a row per shape in place of a row per width:
+d_model 128 and 256 x 2 blocks at 1,024 to 4,096 tokens per step, then the
+shapes that examples/train_lm.py and examples/sharded_train.py train by
+default on a GPU, on the examples' byte vocabulary (`small_rows`).
+
 `--devices N` alone: data parallel over N GPUs, the same tables.
 `--devices N --layouts data,fsdp,tp,2d`: per width, the dense and 2:4 models
 in each layout of `jsparse24.layouts` over N GPUs (`--batch` rows) and on
@@ -47,9 +53,11 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib.util
 import json
 import math
 import pathlib
+import sys
 import time
 import traceback
 import flax.linen as nn
@@ -71,6 +79,57 @@ from benchmarks._gpt import (GPT, HEAD_DIM, LR, MASK_DECAY, MASK_KINDS, POLICY_N
 # 57 GiB pool), more than the estimate counts: 12 blocks fit both models.
 DEFAULTS = {512: (8, False), 1024: (24, False), 2048: (12, False), 4096: (8, True), 8192: (2, True)}
 POOL_GIB = 0.75 * 78  # JAX preallocates 75% of the GPU; an 80 GB H100 shows JAX ~78 GiB
+
+# --small: where users start. d_model 128 and 256 with the examples' 2 blocks at
+# 1,024, 2,048 and 4,096 tokens per step (sequences of 64 bytes, as in
+# train_lm's CPU preset, which is the first d_model 128 row), then the shapes
+# that examples/train_lm.py and examples/sharded_train.py train by default on
+# a GPU (`small_rows`), all on the examples' byte vocabulary.
+SMALL_WIDTHS = (128, 256)
+SMALL_BATCHES = (16, 32, 64)
+SMALL_SEQ = 64
+SMALL_LAYERS = 2
+# sharded_train's row: one GPU's share of its default run, data parallel over
+# this many GPUs (each multiplies its own rows of every product).
+SHARDED_GPUS = 4
+
+
+def _train_lm():
+  """examples/train_lm.py as a module: its presets are the examples' shapes
+  (sharded_train trains train_lm's model at them too)."""
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
+  spec = importlib.util.spec_from_file_location("train_lm", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules.setdefault("train_lm", module)  # its dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
+def small_rows() -> tuple[list[dict], int]:
+  """(rows, vocabulary) of `--small`: each row {"d_model", "layers", "batch",
+  "seq", "label"}. The examples' rows take train_lm's preset for a GPU
+  (`DEFAULT_SIZES`), so that they follow the examples' defaults."""
+  lm = _train_lm()
+  small = lm.PRESETS["small"]
+  rows = []
+  for d in SMALL_WIDTHS:
+    for batch in SMALL_BATCHES:
+      shape = (d, SMALL_LAYERS, batch, SMALL_SEQ)
+      example = shape == (small["d_model"], small["layers"], small["batch"], small["seq_len"])
+      rows.append({"d_model": d, "layers": SMALL_LAYERS, "batch": batch, "seq": SMALL_SEQ,
+                   "label": "train_lm's CPU default (--size small)" if example else "small end"})
+  size = lm.DEFAULT_SIZES["gpu"]
+  gpu = lm.PRESETS[size]
+  if gpu["batch"] % SHARDED_GPUS:
+    raise ValueError(f"small_rows: train_lm's {size!r} preset has {gpu['batch']} sequences per"
+                     f" step, not a multiple of SHARDED_GPUS {SHARDED_GPUS}: choose a divisor.")
+  for batch, label in ((gpu["batch"], f"train_lm's GPU default (--size {size})"),
+                       (gpu["batch"] // SHARDED_GPUS,
+                        f"sharded_train's GPU default (--size {size}), the rows of 1 of"
+                        f" {SHARDED_GPUS} GPUs")):
+    rows.append({"d_model": gpu["d_model"], "layers": gpu["layers"], "batch": batch,
+                 "seq": gpu["seq_len"], "label": label})
+  return rows, lm.VOCAB
 
 
 def memory_estimate(params: int, d: int, layers: int, remat: bool, tokens: int,
@@ -229,7 +288,7 @@ def setup_width(cfg: dict, result: dict) -> dict:
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   pool, whose = (limit / 2**30, "this device's") if limit else (POOL_GIB, "an 80 GB H100's")
   parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
-  print(f"[d_model {d}] {layers} blocks{' (remat)' if remat else ''}, {d // HEAD_DIM} heads,"
+  print(f"{_tag(result)} {layers} blocks{' (remat)' if remat else ''}, {d // HEAD_DIM} heads,"
         f" {n_params / 1e6:,.0f}M params; memory estimate {mem['total'] / 2**30:.1f} GiB"
         f" ({parts}); {whose} pool {pool:.1f} GiB"
         + (": MAY NOT FIT" if mem["total"] / 2**30 > pool else ""), flush=True)
@@ -241,7 +300,7 @@ def setup_width(cfg: dict, result: dict) -> dict:
           (batch // cfg["devices"], seq, k), (k, n), jnp.bfloat16,
           transposable=n % 4 == 0 if transposable is None else transposable)
       for kind, (k, n) in layer_shapes(d).items()}
-  print(f"[d_model {d}] automatic 2:4 backend per layer: {result['implementations']}", flush=True)
+  print(f"{_tag(result)} automatic 2:4 backend per layer: {result['implementations']}", flush=True)
   return {"model": model, "key_init": key_init, "tokens": tokens, "dense_shapes": dense_shapes,
           "whole": functools.partial(jax.device_put, device=NamedSharding(mesh, P())),
           "adamw": optax.adamw(LR, weight_decay=WEIGHT_DECAY)}
@@ -249,7 +308,7 @@ def setup_width(cfg: dict, result: dict) -> dict:
 
 def _phase(result: dict, name: str) -> None:
   result["phase"] = name
-  print(f"[d_model {result['d_model']}] {name}", flush=True)
+  print(f"{_tag(result)} {name}", flush=True)
 
 
 def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> None:
@@ -268,14 +327,14 @@ def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> Non
       params, opt_state, tokens)
   params, opt_state, loss = step(params, opt_state, tokens)
   dense = result["dense"] = {"compile_s": compile_s, "first_loss": float(loss)}
-  print(f"[d_model {d}] dense: train step compiled in {compile_s:.1f} s, first-step loss"
+  print(f"{_tag(result)} dense: train step compiled in {compile_s:.1f} s, first-step loss"
         f" {dense['first_loss']:.4f}", flush=True)
 
   _phase(result, "dense: timing")
   run, state = _common.threaded(step, params, opt_state)
   dense["step_ms"] = step_timer(run, tokens) * 1e3
   dense["tokens_per_s"] = cfg["batch"] * cfg["seq"] / dense["step_ms"] * 1e3
-  print(f"[d_model {d}] dense: {dense['step_ms']:.2f} ms/step, {dense['tokens_per_s']:,.0f}"
+  print(f"{_tag(result)} dense: {dense['step_ms']:.2f} ms/step, {dense['tokens_per_s']:,.0f}"
         f" tokens/s", flush=True)
   _phase(result, "dense: AdamW alone")
   dense["optimizer_ms"] = time_optimizer(timer, adamw, state["params"], state["opt"]) * 1e3
@@ -309,7 +368,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
     raise AssertionError("the 2:4 model's initial params differ from the dense model's")
   result["mask_shapes"] = {path: list(m.shape)
                            for path, m in masks_by_layer(variables["sparsity"]).items()}
-  print(f"[d_model {d}] 2:4 masks (path: stacked shape): {result['mask_shapes']}", flush=True)
+  print(f"{_tag(result)} 2:4 masks (path: stacked shape): {result['mask_shapes']}", flush=True)
   rebuild_every = cfg["rebuild_every"]
   schedule = jsparse24.optim.MaskSchedule(rebuild_every=rebuild_every)
   tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"], schedule, decay=MASK_DECAY),
@@ -329,7 +388,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   params, opt_state, loss = step(params, opt_state, tokens)
   sp = result["sparse"] = {"compile_s": compile_s, "first_loss": float(loss),
                            "reference_loss": reference}
-  print(f"[d_model {d}] 2:4: train step compiled in {compile_s:.1f} s, first-step loss"
+  print(f"{_tag(result)} 2:4: train step compiled in {compile_s:.1f} s, first-step loss"
         f" {sp['first_loss']:.4f} (dense model on the masked kernels {reference:.4f};"
         f" dense model {dense['first_loss']:.4f})", flush=True)
   if not (math.isfinite(sp["first_loss"])
@@ -351,7 +410,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   if last != 0:
     raise AssertionError(f"a timed 2:4 step rebuilt the masks (last_rebuild={last})")
   result["ratio"] = sp["tokens_per_s"] / dense["tokens_per_s"]
-  print(f"[d_model {d}] 2:4: {sp['step_ms']:.2f} ms/step, {sp['tokens_per_s']:,.0f} tokens/s,"
+  print(f"{_tag(result)} 2:4: {sp['step_ms']:.2f} ms/step, {sp['tokens_per_s']:,.0f} tokens/s,"
         f" {result['ratio']:.3f}x dense", flush=True)
 
   _phase(result, f"2:4: timing a rebuild step (count pinned at {rebuild})")
@@ -364,7 +423,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   sp["rebuild_extra_ms_per_step"] = (sp["rebuild_step_ms"] - sp["step_ms"]) / rebuild_every
   result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
                                                       + sp["rebuild_extra_ms_per_step"])
-  print(f"[d_model {d}] 2:4 rebuild step: {sp['rebuild_step_ms']:.2f} ms, amortised over"
+  print(f"{_tag(result)} 2:4 rebuild step: {sp['rebuild_step_ms']:.2f} ms, amortised over"
         f" {rebuild_every} steps {sp['rebuild_extra_ms_per_step']:.3f} ms/step", flush=True)
   _phase(result, "2:4: mask_update + AdamW alone")
   sp["optimizer_ms"] = time_optimizer(timer, tx, state["params"], state["opt"], plain) * 1e3
@@ -375,7 +434,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   run, state = _common.threaded(ctx.pop("dense_step"), params, jax.jit(adamw.init)(params))
   dense["step_ms_after_sparse"] = step_timer(run, tokens) * 1e3
   dense["after_sparse"] = dense["step_ms_after_sparse"] / dense["step_ms"] - 1
-  print(f"[d_model {d}] dense again: {dense['step_ms_after_sparse']:.2f} ms/step"
+  print(f"{_tag(result)} dense again: {dense['step_ms_after_sparse']:.2f} ms/step"
         f" ({dense['after_sparse']:+.1%} over its timing before any 2:4 step; not used in the"
         f" ratio)", flush=True)
   del params, run, state
@@ -390,7 +449,7 @@ def attempt(result: dict, fn, *args, label: str | None = None) -> bool:
   """`fn(*args)`; an exception (an out-of-memory too) is recorded in
   `result` ("status", "error") and printed, and the run goes on to the next
   width or layout. Frees the buffers and compiled programs after."""
-  label = label or f"[d_model {result['d_model']}]"
+  label = label or _tag(result)
   t0 = time.time()
   try:
     fn(*args)
@@ -407,29 +466,40 @@ def attempt(result: dict, fn, *args, label: str | None = None) -> bool:
   return ok
 
 
-def run_widths(cfg: dict, widths: dict[int, dict], timer, step_timer) -> list[dict]:
-  """Every width's dense model, then every width's 2:4 model (the comment
-  above `setup_width` says why). `widths`: d_model -> {"layers", "remat"}."""
-  results, contexts = [], {}
+def run_widths(cfg: dict, rows: list[dict], timer, step_timer) -> list[dict]:
+  """Every row's dense model, then every row's 2:4 model (the comment above
+  `setup_width` says why). `rows`: {"d_model", "layers", "remat", "batch",
+  "seq"} and, under --small, "label"; a row's batch x seq replaces `cfg`'s
+  (several rows may share a width)."""
+  results, contexts, row_cfgs = [], {}, {}
 
-  def dense_part(result):
-    contexts[result["d_model"]] = setup_width(cfg, result)
-    run_dense(cfg, timer, result, contexts[result["d_model"]], step_timer)
+  def dense_part(i, result):
+    contexts[i] = setup_width(row_cfgs[i], result)
+    run_dense(row_cfgs[i], timer, result, contexts[i], step_timer)
 
-  for d, shape in widths.items():
-    result = {"d_model": d, **shape, "status": "ok"}
+  for i, row in enumerate(rows):
+    result = {**row, "status": "ok"}
     results.append(result)
-    if not attempt(result, dense_part, result):
-      contexts.pop(d, None)
+    row_cfgs[i] = {**cfg, "batch": row["batch"], "seq": row["seq"]}
+    if not attempt(result, dense_part, i, result):
+      contexts.pop(i, None)
   # The 2:4 models that run no cuSPARSELt product (the automatic choice at
   # the narrow widths) first, in a process that has not paid the tax either.
-  def uses_cusparselt(result):
-    return "cusparselt" in result.get("implementations", {}).values()
+  def uses_cusparselt(i):
+    return "cusparselt" in results[i].get("implementations", {}).values()
 
-  for result in sorted(results, key=uses_cusparselt):
-    if result["d_model"] in contexts:
-      attempt(result, run_sparse, cfg, timer, result, contexts.pop(result["d_model"]), step_timer)
+  for i in sorted(range(len(results)), key=uses_cusparselt):
+    if i in contexts:
+      attempt(results[i], run_sparse, row_cfgs[i], timer, results[i], contexts.pop(i),
+              step_timer)
   return results
+
+
+def _tag(result: dict) -> str:
+  """The prefix of a row's progress lines: its width, and under --small (rows
+  that share a width) its batch x seq too."""
+  shape = f", {result['batch']}x{result['seq']}" if "label" in result else ""
+  return f"[d_model {result['d_model']}{shape}]"
 
 
 def has_breakdown(cfg: dict, remat: bool) -> bool:
@@ -458,10 +528,10 @@ def breakdown_parts(cfg: dict, timer, result: dict, sparse: bool) -> dict:
                       passes)
     layers[kind] = {"ms": t["step"] * 1e3,
                     "compress_ms": t["compress"] * 1e3 if "compress" in t else None}
-    print(f"[d_model {d}] {'2:4' if sparse else 'dense'} {kind} {k}x{n}: {t['step'] * 1e3:.3f} ms"
+    print(f"{_tag(result)} {'2:4' if sparse else 'dense'} {kind} {k}x{n}: {t['step'] * 1e3:.3f} ms"
           + (f" ({result['implementations'][kind]})" if sparse else ""), flush=True)
   attention = time_attention(timer, d, batch, seq, cfg["attention"], passes) * 1e3
-  print(f"[d_model {d}] {'2:4' if sparse else 'dense'} model's process: attention"
+  print(f"{_tag(result)} {'2:4' if sparse else 'dense'} model's process: attention"
         f" {attention:.3f} ms per block", flush=True)
   return {"layers": layers, "attention_ms": attention * result["layers"]}
 
@@ -775,20 +845,40 @@ def _blocks(r: dict) -> str:
   return f"{r['layers']}{' (remat)' if r['remat'] else ''}"
 
 
+def _millions(n: int) -> str:
+  """A parameter count in millions, to 2 decimals below 10M (--small's narrow
+  models have less than 1M)."""
+  return f"{n / 1e6:,.{0 if n >= 1e7 else 2}f}M"
+
+
+def _shape_cells(r: dict) -> list:
+  return [r["d_model"], _blocks(r), f"{r['batch']}x{r['seq']}"]
+
+
+def _labelled(headers: list[str], rows: list[list], results: list[dict]) -> str:
+  """`_common.table`, with each row's label first where the rows have one
+  (--small: what each shape stands for)."""
+  if not any("label" in r for r in results):
+    return _common.table(headers, rows)
+  return _common.table(["row"] + headers,
+                       [[r.get("label", "")] + row for r, row in zip(results, rows)])
+
+
 def main_table(results: list[dict]) -> str:
-  rows = [[r["d_model"], _blocks(r), _get(r, "dense", "step_ms"),
+  rows = [[*_shape_cells(r), _get(r, "dense", "step_ms"),
            _get(r, "dense", "tokens_per_s"), _get(r, "dense", "step_ms_after_sparse"),
            _percent(_get(r, "dense", "after_sparse")),
            _get(r, "sparse", "step_ms"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
            _get(r, "sparse", "rebuild_step_ms"), _get(r, "sparse", "rebuild_extra_ms_per_step"),
            _get(r, "ratio_with_rebuilds"), r["status"]]
           for r in results]
-  return _common.table(["d_model", "blocks", "dense ms/step", "dense tokens/s",
-                        "dense ms/step again, after the 2:4 steps (not in the ratio)",
-                        "again / first - 1", "2:4 ms/step",
-                        "2:4 tokens/s", "ratio (2:4 / dense tokens/s)", "2:4 rebuild step ms",
-                        "rebuild extra ms/step (amortised)", "ratio with rebuilds", "status"],
-                       rows)
+  return _labelled(["d_model", "blocks", "tokens per step (batch x seq)", "dense ms/step",
+                    "dense tokens/s",
+                    "dense ms/step again, after the 2:4 steps (not in the ratio)",
+                    "again / first - 1", "2:4 ms/step",
+                    "2:4 tokens/s", "ratio (2:4 / dense tokens/s)", "2:4 rebuild step ms",
+                    "rebuild extra ms/step (amortised)", "ratio with rebuilds", "status"],
+                   rows, results)
 
 
 def breakdown_tables(r: dict) -> str:
@@ -812,7 +902,9 @@ def breakdown_tables(r: dict) -> str:
                  p["sparse_ms"], p["dense_ms"] / p["sparse_ms"], _na(p["compress_ms"])]
                 for kind, p in b["layers"].items()]
   return (f"d_model {r['d_model']}, {r['layers']} blocks{' with remat' if r['remat'] else ''},"
-          f" {r['params'] / 1e6:,.0f}M params"
+          f" {r['batch']}x{r['seq']} tokens per step"
+          + (f" ({r['label']})" if "label" in r else "") + ","
+          f" {_millions(r['params'])} params"
           f" (memory estimate {r['memory_estimate_gib']['total']:.1f} GiB); ms per step, summed"
           f" over all blocks:\n\n"
           + _common.table(["part", "dense ms", "2:4 ms", "2:4 - dense ms"], rows)
@@ -825,14 +917,27 @@ def breakdown_tables(r: dict) -> str:
 
 
 def summary_table(results: list[dict]) -> str:
-  rows = [[r["d_model"], _blocks(r),
-           f"{r['params'] / 1e6:,.0f}M" if "params" in r else "FAILED",
+  rows = [[*_shape_cells(r),
+           _millions(r["params"]) if "params" in r else "FAILED",
            _get(r, "dense", "tokens_per_s"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
            *((_get(r, "breakdown", "mask_update_pct"), _get(r, "breakdown", "ceiling_measured"))
              if "breakdown" in r or r["status"] != "ok" else ("n/a", "n/a"))]
           for r in results]
-  return _common.table(["d_model", "blocks", "params", "dense tokens/s", "2:4 tokens/s", "ratio",
-                        "mask_update overhead % of 2:4 step", "ceiling (b)"], rows)
+  return _labelled(["d_model", "blocks", "tokens per step (batch x seq)", "params",
+                    "dense tokens/s", "2:4 tokens/s", "ratio",
+                    "mask_update overhead % of 2:4 step", "ceiling (b)"], rows, results)
+
+
+SMALL_NOTES = (
+    "random tokens, batch x seq per row as the tables say (`--small`: d_model"
+    f" {' and '.join(map(str, SMALL_WIDTHS))} x {SMALL_LAYERS} blocks at"
+    f" {', '.join(f'{b * SMALL_SEQ:,}' for b in SMALL_BATCHES)} tokens per step, then the"
+    " shapes that `examples/train_lm.py` and `examples/sharded_train.py` train by default on"
+    " a GPU, read from train_lm's presets: train_lm's whole step, and sharded_train's rows"
+    f" on one GPU of a data-parallel run over {SHARDED_GPUS}). The rows share the examples'"
+    " width, depth, tokens per step and byte vocabulary, not their model: here all four"
+    " linear layers of a block are 2:4 (there the MLP's two), heads of 128, no biases, bf16"
+    " compute.")
 
 
 def notes(cfg: dict) -> str:
@@ -843,12 +948,14 @@ def notes(cfg: dict) -> str:
       f" {cfg['attention'] or 'None: XLA'}), heads of {HEAD_DIM}, GELU MLP, vocabulary"
       f" {cfg['vocab']},"
       f" dense output head; bf16 compute, f32 params; AdamW (lr {LR}, weight decay"
-      f" {WEIGHT_DECAY}); {cfg['batch']}x{cfg['seq']} = {cfg['batch'] * cfg['seq']:,} random"
-      f" tokens per step. Remat: `nn.remat` around the block, policy"
+      f" {WEIGHT_DECAY}); "
+      + (SMALL_NOTES if cfg["small"] else
+         f"{cfg['batch']}x{cfg['seq']} = {cfg['batch'] * cfg['seq']:,} random tokens per step.")
+      + f" Remat: `nn.remat` around the block, policy"
       f" {POLICY_NOTES[cfg['remat_policy']]}."
-      f" Default depths fit JAX's default memory pool on"
-      f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`."
-      f" 2:4 = the same model through `jsparse24.sparsify(model,"
+      + ("" if cfg["small"] else f" Default depths fit JAX's default memory pool on"
+                                 f" an 80 GB H100 ({POOL_GIB:.1f} GiB) by `memory_estimate`.")
+      + f" 2:4 = the same model through `jsparse24.sparsify(model,"
       f" {{{SPARSE_LAYERS!r}: {sparse_options(cfg)}}})` (mask kind: {cfg['mask']}; the"
       f" backend is the automatic choice{', named per layer below' if cfg['devices'] == 1 else ''})"
       f" and"
@@ -886,10 +993,49 @@ def notes(cfg: dict) -> str:
       f" and optimizer replaced by the ones measured in the 2:4 model's phase."))
 
 
+def _rows(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
+  """The rows to time, {"d_model", "layers", "remat", "batch", "seq"} (and
+  "label" under --small): --small's, or every --widths at --batch x --seq,
+  blocks and remat per width by --layers, --remat and `DEFAULTS`. Fills in
+  the defaults of --widths, --batch, --seq and --vocab; errors through `p`."""
+  if args.small:
+    fixed = [flag for flag, value in (("--layers", args.layers), ("--batch", args.batch),
+                                      ("--seq", args.seq), ("--layouts", args.layouts))
+             if value is not None]
+    if fixed:
+      p.error(f"--small times its own rows (blocks, batch x seq): drop {', '.join(fixed)},"
+              f" or --small.")
+    small, vocab = small_rows()
+    args.vocab = args.vocab or vocab
+    widths = sorted({r["d_model"] for r in small})
+    chosen = [int(w) for w in args.widths.split(",")] if args.widths else widths
+    if set(chosen) - set(widths):
+      p.error(f"--widths {args.widths}: --small has rows of d_model {widths} only.")
+    # The examples train without remat.
+    return [{**r, "remat": args.remat == "on"} for r in small if r["d_model"] in chosen]
+  args.widths = args.widths or "512,1024,2048,4096,8192"
+  args.seq, args.batch, args.vocab = args.seq or 2048, args.batch or 8, args.vocab or 32768
+  widths = [int(w) for w in args.widths.split(",")]
+  if args.layers is None and any(w not in DEFAULTS for w in widths):
+    p.error(f"--layers is needed for widths without a default depth ({sorted(DEFAULTS)})")
+  if args.layers is None:
+    layers = {w: DEFAULTS[w][0] for w in widths}
+  else:
+    values = [int(v) for v in args.layers.split(",")]
+    if len(values) not in (1, len(widths)):
+      p.error(f"--layers: give one value, or one per width ({len(widths)})")
+    layers = dict(zip(widths, values * len(widths) if len(values) == 1 else values))
+  return [{"d_model": w, "layers": layers[w],
+           "remat": args.remat == "on" or (args.remat == "auto" and DEFAULTS.get(w, (0, False))[1]),
+           "batch": args.batch, "seq": args.seq} for w in widths]
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--widths", default="512,1024,2048,4096,8192", help="d_model values, comma-separated")
+  p.add_argument("--widths", default=None,
+                 help="d_model values, comma-separated (default: 512,1024,2048,4096,8192; with"
+                      " --small: its rows of these widths, default all)")
   p.add_argument("--layers", default=None,
                  help="blocks: one value for every width, or one per width (default: " + ", ".join(
                      f"{d}: {n}{' with remat' if r else ''}" for d, (n, r) in DEFAULTS.items())
@@ -903,9 +1049,16 @@ def main(argv=None) -> dict:
                       " (jsparse24.checkpoint_policies); 'dots-jax' is JAX's dot policy, under"
                       " which the 2:4 model recomputes its products; 'dots-compressed' is"
                       " 'dots' and 'compressed' together")
-  p.add_argument("--seq", type=int, default=2048)
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--vocab", type=int, default=32768)
+  p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 2048)")
+  p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8)")
+  p.add_argument("--vocab", type=int, default=None,
+                 help="vocabulary (default: 32768; with --small, the examples' 256 bytes)")
+  p.add_argument("--small", action="store_true",
+                 help="the small end instead of --widths x --batch x --seq: d_model"
+                      f" {' and '.join(map(str, SMALL_WIDTHS))} x {SMALL_LAYERS} blocks at"
+                      f" {', '.join(str(b * SMALL_SEQ) for b in SMALL_BATCHES)} tokens per step,"
+                      " then the shapes examples/train_lm.py and examples/sharded_train.py"
+                      " train by default on a GPU (one row each); no remat unless --remat on")
   p.add_argument("--rebuild-every", type=int, default=100, help="R: mask rebuild period (>= 2)")
   p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
                  help="dot_product_attention implementation (auto: cudnn on a GPU, else XLA)")
@@ -929,13 +1082,16 @@ def main(argv=None) -> dict:
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   args = p.parse_args(argv)
 
-  widths = [int(w) for w in args.widths.split(",")]
+  rows = _rows(p, args)
+  widths = list(dict.fromkeys(r["d_model"] for r in rows))
   if any(w % HEAD_DIM for w in widths):
     p.error(f"--widths: every d_model must be a multiple of the head size {HEAD_DIM}")
   if not 1 <= args.devices <= len(jax.local_devices()):
     p.error(f"--devices {args.devices}: this machine has {len(jax.local_devices())}")
-  if args.batch % args.devices:
-    p.error(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
+  indivisible = sorted({r["batch"] for r in rows if r["batch"] % args.devices})
+  if indivisible:
+    p.error(f"--batch {', '.join(map(str, indivisible))} must be a multiple of --devices"
+            f" {args.devices}")
   layouts = args.layouts.split(",") if args.layouts else []
   unknown = [name for name in layouts if name not in jsparse24.layouts.LAYOUTS]
   if unknown:
@@ -955,20 +1111,11 @@ def main(argv=None) -> dict:
               f" the data axis of --layouts {name}")
   if args.rebuild_every < 2:
     p.error("--rebuild-every must be >= 2 (with 1 every step rebuilds)")
-  if args.layers is None and any(w not in DEFAULTS for w in widths):
-    p.error(f"--layers is needed for widths without a default depth ({sorted(DEFAULTS)})")
-  if args.layers is None:
-    layers = {w: DEFAULTS[w][0] for w in widths}
-  else:
-    values = [int(v) for v in args.layers.split(",")]
-    if len(values) not in (1, len(widths)):
-      p.error(f"--layers: give one value, or one per width ({len(widths)})")
-    layers = dict(zip(widths, values * len(widths) if len(values) == 1 else values))
-  remat = {w: args.remat == "on" or (args.remat == "auto" and DEFAULTS.get(w, (0, False))[1])
-           for w in widths}
   attention = {"auto": "cudnn" if jax.default_backend() == "gpu" else None,
                "cudnn": "cudnn", "xla": "xla"}[args.attention]
-  cfg = {"widths": widths, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
+  # Under --small each row has its own batch x seq (the rows' "batch", "seq").
+  cfg = {"widths": widths, "small": args.small, "seq": args.seq, "batch": args.batch,
+         "vocab": args.vocab,
          "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask,
          "weight_grad": args.weight_grad, "devices": args.devices,
          "remat_policy": args.remat_policy, "layouts": layouts,
@@ -987,12 +1134,12 @@ def main(argv=None) -> dict:
   print(env, flush=True)
   print(f"backends: {jsparse24.available_implementations()}", flush=True)
 
-  shapes = {d: {"layers": layers[d], "remat": remat[d]} for d in widths}
   if layouts:
+    shapes = {r["d_model"]: {"layers": r["layers"], "remat": r["remat"]} for r in rows}
     results = run_layouts(cfg, shapes, step_timer)
     tables = "".join(f"{layouts_table(r, cfg)}\n\n" for r in results)
   else:
-    results = run_widths(cfg, shapes, timer, step_timer)
+    results = run_widths(cfg, rows, timer, step_timer)
     tables = (f"{main_table(results)}\n\n"
               + "".join(f"{breakdown_tables(r)}\n\n" for r in results if "breakdown" in r)
               + f"Summary:\n\n{summary_table(results)}\n")
@@ -1003,8 +1150,12 @@ def main(argv=None) -> dict:
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}", flush=True)
   if not args.no_write:
+    tokens = sorted({r["batch"] * r["seq"] for r in rows})
     title = (f"Whole model: GPT-style decoder, d_model {','.join(map(str, widths))},"
-             f" {args.batch}x{args.seq} tokens per step, {args.mask} masks"
+             + (f" the small end and the examples' GPU defaults (--small), {tokens[0]:,} to"
+                f" {tokens[-1]:,} tokens per step" if args.small
+                else f" {args.batch}x{args.seq} tokens per step")
+             + f", {args.mask} masks"
              + (", MVUE weight gradient" if args.weight_grad == "mvue" else "")
              + (f", layouts {args.layouts} over {args.devices} GPUs" if layouts
                 else f", data parallel over {args.devices} GPUs" if args.devices > 1 else "")

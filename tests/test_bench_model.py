@@ -89,3 +89,74 @@ def test_bench_model_remat_policy_that_saves_something(capsys, policy):
   assert bench_model.POLICY_NOTES[policy] in bench_model.notes(out["config"])
   assert r["sparse"]["first_loss"] == pytest.approx(r["sparse"]["reference_loss"], rel=1e-2)
   assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith("| n/a | n/a |")
+
+
+def test_bench_model_small_rows_are_the_small_end_and_the_examples_defaults():
+  """--small: d_model 128 and 256 at 1k-4k tokens per step, and the shapes of
+  the examples' defaults, read from train_lm's presets (one of the small end's
+  rows is train_lm's CPU preset)."""
+  rows, vocab = bench_model.small_rows()
+  lm = bench_model._train_lm()  # pylint: disable=protected-access
+  assert vocab == lm.VOCAB == 256
+  assert all(r["layers"] == 2 for r in rows)
+  small_end = [r for r in rows if r["d_model"] in (128, 256)]
+  assert sorted((r["d_model"], r["batch"] * r["seq"]) for r in small_end) == [
+      (d, t) for d in (128, 256) for t in (1024, 2048, 4096)]
+  shape = lambda r: (r["d_model"], r["layers"], r["batch"], r["seq"])  # noqa: E731
+  cpu = [r for r in rows if r["label"] == "train_lm's CPU default (--size small)"]
+  small = lm.PRESETS["small"]
+  assert [shape(r) for r in cpu] == [(small["d_model"], small["layers"], small["batch"],
+                                      small["seq_len"])]
+  gpu = lm.PRESETS[lm.DEFAULT_SIZES["gpu"]]
+  assert [shape(r) for r in rows[len(small_end):]] == [
+      (gpu["d_model"], gpu["layers"], batch, gpu["seq_len"])
+      for batch in (gpu["batch"], gpu["batch"] // bench_model.SHARDED_GPUS)]
+  assert rows[-2]["label"] == "train_lm's GPU default (--size gpu)"
+  assert rows[-1]["label"] == "sharded_train's GPU default (--size gpu), the rows of 1 of 4 GPUs"
+
+
+def test_bench_model_small_times_each_row_at_its_own_tokens(capsys, monkeypatch):
+  """--small through main(), each model's timing replaced by a fake (the tests
+  above run the real ones): every row is set up at its own batch x seq
+  (rows share a width) on the examples' vocabulary, every dense model runs
+  before any 2:4 one, and the tables say each row's shape and label."""
+  calls = []
+
+  def fake_dense(cfg, timer, result, ctx, step_timer=None):
+    del timer, step_timer
+    calls.append(("dense", result["d_model"], tuple(ctx["tokens"].shape), cfg["vocab"]))
+    ms = 1e-3 * cfg["batch"] * cfg["seq"]
+    result["dense"] = {"step_ms": ms, "tokens_per_s": 1e6, "step_ms_after_sparse": ms,
+                       "after_sparse": 0.0}
+
+  def fake_sparse(cfg, timer, result, ctx, step_timer=None):
+    del timer, step_timer
+    calls.append(("2:4", result["d_model"], tuple(ctx["tokens"].shape), cfg["vocab"]))
+    ms = 2e-3 * cfg["batch"] * cfg["seq"]
+    result["sparse"] = {"step_ms": ms, "tokens_per_s": 5e5, "rebuild_step_ms": ms,
+                        "rebuild_extra_ms_per_step": 0.0}
+    result["ratio"] = result["ratio_with_rebuilds"] = result["dense"]["step_ms"] / ms
+
+  monkeypatch.setattr(bench_model, "run_dense", fake_dense)
+  monkeypatch.setattr(bench_model, "run_sparse", fake_sparse)
+  out = bench_model.main(["--small", "--quick", "--no-write"])
+  rows, _ = bench_model.small_rows()
+  want = [(r["d_model"], (r["batch"], r["seq"] + 1), 256) for r in rows]
+  assert [c[1:] for c in calls] == want + want  # on CPU no row has a cuSPARSELt product
+  assert [c[0] for c in calls] == ["dense"] * len(rows) + ["2:4"] * len(rows)
+  assert [(r["d_model"], r["batch"], r["seq"], r["remat"]) for r in out["widths"]] == [
+      (r["d_model"], r["batch"], r["seq"], False) for r in rows]
+  assert all(r["status"] == "ok" and r["ratio"] == 0.5 for r in out["widths"])
+  assert out["config"]["small"] and out["config"]["vocab"] == 256
+  lines = capsys.readouterr().out.rstrip().splitlines()
+  assert lines[-len(rows) - 2].startswith("| row | d_model | blocks | tokens per step")
+  assert lines[-len(rows)].startswith("| train_lm's CPU default (--size small) | 128 | 2 | 16x64 |")
+  assert lines[-1].startswith("| sharded_train's GPU default (--size gpu), the rows of 1 of 4"
+                              " GPUs | 4096 | 2 | 8x512 |")
+  # --widths picks rows of --small; its rows' shapes cannot be changed.
+  calls.clear()
+  bench_model.main(["--small", "--widths", "256", "--quick", "--no-write"])
+  assert [c[1:3] for c in calls if c[0] == "dense"] == [(256, (b, 65)) for b in (16, 32, 64)]
+  for flags in (["--batch", "4"], ["--widths", "512"]):
+    with pytest.raises(SystemExit):
+      bench_model.main(["--small", *flags, "--no-write"])
