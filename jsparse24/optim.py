@@ -105,6 +105,15 @@ class SparsityRamp:
     end: steps `>= end` have the `target` share (`end > start`).
     initial: the share of 2:4 layers up to `start`, in [0, 1].
     target: the share from `end` on, in [`initial`, 1]; 1 = every layer.
+
+  Example:
+    >>> import jsparse24
+    >>> ramp = jsparse24.optim.SparsityRamp(start=0, end=8)
+    >>> [int(ramp.count(step, 6)) for step in range(10)]  # of 6 layers
+    [0, 0, 1, 2, 3, 4, 5, 6, 6, 6]
+    >>> schedule = jsparse24.optim.MaskSchedule(rebuild_every=4, ramp=ramp)
+    >>> [schedule.phase(step) for step in (0, 4, 8)]  # for masks(opt_state, sparse=...)
+    [False, None, True]
   """
 
   start: int
