@@ -13,6 +13,11 @@ count:
   masks (dense warm-up, then a magnitude rebuild every `--rebuild-every` steps,
   frozen for the last 20% of training) and adds a masked decay to the pruned
   weights; the forward pass reads the masks with `jsparse24.optim.masks`.
+  With `--sparsity-ramp START,END` the MLP layers go 2:4 a few at a time
+  (`jsparse24.optim.SparsityRamp`: a cosine ramp of the share of 2:4 layers
+  from none at step START to all at step END, the layers whose masks remove
+  the least of their weights first) instead of all at the end of the
+  warm-up.
   With `--mvue` its MLP kernels learn from the output gradient pruned 2:4 by
   the minimum-variance unbiased rule (`SparseDense(weight_grad="mvue")`, one
   key per step folded from the seed, so `--resume` continues bit for bit).
@@ -325,8 +330,9 @@ class Run:
     return {"params": params}
 
   def phase(self, step: int) -> bool | None:
-    """Whether step `step` is sparse (host-side, for the jitted step)."""
-    return None if self.schedule is None else bool(self.schedule.sparse(step))
+    """Whether step `step` is sparse (host-side, for the jitted step); None
+    while a ramp has some layers 2:4 and others dense."""
+    return None if self.schedule is None else self.schedule.phase(step)
 
 
 def loss_fn(model, variables, x, y, rngs=None):
@@ -564,6 +570,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  help="dense steps before the first 2:4 mask (default: 10%% of --steps)")
   p.add_argument("--rebuild-every", type=int,
                  help="steps between mask rebuilds (default: 10%% of --steps)")
+  p.add_argument("--sparsity-ramp", metavar="START,END",
+                 help="2:4 run: the MLP layers go 2:4 a few at a time along a cosine ramp from"
+                      " step START (none) to END (all), least sensitive first"
+                      " (jsparse24.optim.SparsityRamp); none before --mask-warmup either;"
+                      " default: all at once after --mask-warmup")
   p.add_argument("--mask", choices=("default", "plain", "transposable"), default="default",
                  help="2:4 mask kind of the sparse layers ('default': SparseDense's)")
   p.add_argument("--decay", type=float, default=2e-4,
@@ -584,6 +595,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.mask_warmup = args.steps // 10
   if args.rebuild_every is None:
     args.rebuild_every = max(1, args.steps // 10)
+  if args.sparsity_ramp is not None:
+    try:
+      args.sparsity_ramp = jsparse24.optim.SparsityRamp(
+          *(int(v) for v in args.sparsity_ramp.split(",", 1)))
+    except (TypeError, ValueError) as e:
+      p.error(f"--sparsity-ramp {args.sparsity_ramp!r}: two steps START,END with"
+              f" 0 <= START < END ({e})")
   if args.d_model % 4 or args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} must be a multiple of 4 (2:4 groups) and of --heads.")
   if min(args.steps, args.batch, args.seq_len, args.eval_every, args.layers) < 1:
@@ -615,7 +633,7 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
   if sparse:
     schedule = jsparse24.optim.MaskSchedule(
         warmup_steps=args.mask_warmup, rebuild_every=args.rebuild_every,
-        freeze_after=max(args.mask_warmup, int(0.8 * args.steps)))
+        freeze_after=max(args.mask_warmup, int(0.8 * args.steps)), ramp=args.sparsity_ramp)
     tx = optax.chain(
         jsparse24.optim.mask_update(variables["sparsity"], schedule, decay=args.decay),
         optimizer)

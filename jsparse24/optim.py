@@ -31,6 +31,24 @@ time, and the compiled step has no conditional around each product. (On a
 GPU every such conditional copies its predicate to the host and stalls the
 launch queue: docs/design_notes.md, "No branch around the product for a
 schedule's dense phase".)
+
+Gradual sparsity. A schedule with a `SparsityRamp` makes the layers 2:4 a
+few at a time: the share of 2:4 layers grows along a cosine curve, and where
+it grows the dense layers whose masks remove the least of their weights
+(`pruned_norm`, rescored whenever their masks are rebuilt) go 2:4 first, and
+stay 2:4. Which layers are 2:4 is then a run-time value, which costs:
+- while the ramp mixes dense and 2:4 layers (`MaskSchedule.phase(step)` is
+  None), every product carries its run-time switch, as in a dense phase;
+  before the ramp (no layer 2:4) and after it (every layer, `target=1`)
+  `phase` answers False or True and `masks(opt_state, sparse=phase)` drops
+  the switches;
+- every step, whatever the phase: a `lax.cond` that scores the layers whose
+  masks were rebuilt (one pass over their weights on the steps that
+  rebuild, none otherwise; on a GPU the conditional waits for its predicate
+  on the host), and a per-layer select of every mask between its old and
+  rebuilt bits (one elementwise pass over the packed masks, 1 bit per
+  weight), because a layer entering 2:4 gets a fresh mask while the 2:4
+  layers keep the schedule's rebuild cadence.
 """
 
 from __future__ import annotations
@@ -65,6 +83,93 @@ def _namespace(step):
 
 
 @dataclasses.dataclass(frozen=True)
+class SparsityRamp:
+  """Gradual sparsity: the share of the model's 2:4 layers along a cosine
+  curve, from `initial` at step `start` to `target` at step `end`.
+
+  A 2:4 layer is dense or 2:4, so the ramp counts layers: at step `s`,
+  `count(s, layers) = floor(share(s) * layers + 0.5)` of the model's
+  `layers` 2:4 layers are sparse (a stack of layers under `nn.scan` counts
+  each of its layers), the others dense. Which ones `mask_update` decides
+  (module docstring): the least sensitive first, and a layer once sparse
+  stays sparse. Give it to a `MaskSchedule` (`ramp=`), whose warm-up, rebuild
+  cadence, freeze and dense tail still hold: no layer is sparse outside
+  `schedule.sparse(step)`.
+
+  The cosine (as in `optax.cosine_decay_schedule`, rising) starts and ends
+  flat: the first layers go sparse slowly while the model adapts, most of
+  them in the middle of the window, the last ones slowly again.
+
+  Attributes:
+    start: the ramp's first step; steps `<= start` have the `initial` share.
+    end: steps `>= end` have the `target` share (`end > start`).
+    initial: the share of 2:4 layers up to `start`, in [0, 1].
+    target: the share from `end` on, in [`initial`, 1]; 1 = every layer.
+
+  Example:
+    >>> import jsparse24
+    >>> ramp = jsparse24.optim.SparsityRamp(start=0, end=8)
+    >>> [int(ramp.count(step, 6)) for step in range(10)]  # of 6 layers
+    [0, 0, 1, 2, 3, 4, 5, 6, 6, 6]
+    >>> schedule = jsparse24.optim.MaskSchedule(rebuild_every=4, ramp=ramp)
+    >>> [schedule.phase(step) for step in (0, 4, 8)]  # for masks(opt_state, sparse=...)
+    [False, None, True]
+  """
+
+  start: int
+  end: int
+  initial: float = 0.0
+  target: float = 1.0
+
+  def __post_init__(self):
+    for name in ("start", "end"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"SparsityRamp: {name} must be an int, got {type(v).__name__} {v!r}.")
+    for name in ("initial", "target"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"SparsityRamp: {name} must be a share of layers in [0, 1], got"
+            f" {type(v).__name__} {v!r}.")
+    if not 0 <= self.start < self.end:
+      raise ValueError(
+          f"SparsityRamp: need 0 <= start < end, got start={self.start}, end={self.end}"
+          f" (a switch at one step is MaskSchedule(warmup_steps=...) without a ramp).")
+    if not 0.0 <= self.initial <= self.target <= 1.0:
+      raise ValueError(
+          f"SparsityRamp: need 0 <= initial <= target <= 1 (shares of the 2:4 layers,"
+          f" growing), got initial={self.initial}, target={self.target}.")
+
+  def share(self, step) -> jax.Array | np.ndarray:
+    """The share of 2:4 layers at `step` (float32; exactly `initial` up to
+    `start` and `target` from `end` on). Host steps are answered on the host
+    (`_namespace`)."""
+    xp = _namespace(step)
+    step = xp.asarray(step, xp.int32)
+    t = xp.clip((step - self.start) / (self.end - self.start), 0.0, 1.0)
+    rise = (1.0 - xp.cos(np.pi * t)) / 2.0
+    share = self.initial + (self.target - self.initial) * rise
+    share = xp.where(step <= self.start, self.initial, xp.where(step >= self.end, self.target,
+                                                                 share))
+    return share.astype(xp.float32)
+
+  def count(self, step, layers: int) -> jax.Array | np.ndarray:
+    """How many of `layers` 2:4 layers are sparse at `step` (int32,
+    non-decreasing in `step`). A traced step reads a table that the host
+    computed with the host's arithmetic, so that the device's count and the
+    host's (`MaskSchedule.phase`) never differ by a rounding."""
+    if _namespace(step) is np:
+      return self._host_count(np.asarray(step), layers)
+    table = jnp.asarray(self._host_count(np.arange(self.start, self.end + 1), layers))
+    return table[jnp.clip(jnp.asarray(step, jnp.int32) - self.start, 0, self.end - self.start)]
+
+  def _host_count(self, steps: np.ndarray, layers: int) -> np.ndarray:
+    share = self.share(steps).astype(np.float64)
+    return np.floor(share * layers + 0.5).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
 class MaskSchedule:
   """When masks are rebuilt and when layers are sparse. Steps are 0-based.
 
@@ -80,17 +185,23 @@ class MaskSchedule:
       masks are those of the initial weights.
     dense_after: steps `>= dense_after` run dense again (final dense
       fine-tuning); None = sparse to the end.
+    ramp: a `SparsityRamp`: the layers go 2:4 one by one over its window,
+      inside the steps that `sparse(step)` allows; None = every layer at
+      once.
 
   `sparse(step)` and `rebuild(step)` accept Python ints and traced arrays;
   for a Python or NumPy int they answer with a NumPy bool, computed on the
-  host (`_namespace`).
-  `always_sparse`: whether no step is dense (no warm-up, no `dense_after`).
+  host (`_namespace`). With a ramp, `sparse(step)` says whether layers may
+  be 2:4 at `step`; `phase(step)` says whether all of them are.
+  `always_sparse`: whether no step is dense (no warm-up, no `dense_after`,
+  no ramp).
   """
 
   warmup_steps: int = 0
   rebuild_every: int | None = None
   freeze_after: int | None = None
   dense_after: int | None = None
+  ramp: SparsityRamp | None = None
 
   def __post_init__(self):
     for name in ("warmup_steps", "rebuild_every", "freeze_after", "dense_after"):
@@ -110,6 +221,10 @@ class MaskSchedule:
         raise ValueError(
             f"MaskSchedule: {name}={v} is before the end of the dense warm-up"
             f" (warmup_steps={self.warmup_steps}).")
+    if self.ramp is not None and not isinstance(self.ramp, SparsityRamp):
+      raise TypeError(
+          f"MaskSchedule: ramp must be a SparsityRamp or None, got {type(self.ramp).__name__}"
+          f" {self.ramp!r} (e.g. SparsityRamp(start=100, end=600)).")
 
   def sparse(self, step) -> jax.Array | np.ndarray:
     # int32 steps: results are strongly typed bools, so a state made by
@@ -134,9 +249,26 @@ class MaskSchedule:
         periodic = periodic & (step < self.freeze_after)
     return (first | periodic) & self.sparse(step)
 
+  def phase(self, step: int) -> bool | None:
+    """This host step's phase for `masks(opt_state, sparse=...)`: True where
+    every layer is 2:4, False where none is, None where a ramp mixes them
+    (the layers then read their run-time flags). Without a ramp,
+    `bool(sparse(step))`."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+      raise TypeError(
+          f"MaskSchedule.phase: `step` must be a host int (the step about to be"
+          f" dispatched), got {type(step).__name__} {step!r}.")
+    if not self.sparse(step):
+      return False
+    if self.ramp is None:
+      return True
+    share = float(self.ramp.share(step))
+    # count(step, n) is 0 for every n only at share 0, and n only at share 1.
+    return False if share == 0.0 else True if share == 1.0 else None
+
   @property
   def always_sparse(self) -> bool:
-    return self.warmup_steps == 0 and self.dense_after is None
+    return self.warmup_steps == 0 and self.dense_after is None and self.ramp is None
 
 
 class MaskUpdateState(NamedTuple):
@@ -151,7 +283,13 @@ class MaskUpdateState(NamedTuple):
       changed at the last rebuild (0 before any).
     layer_sparsity: per layer, the fraction of weights pruned in the forward
       pass at this step (0.5 when sparse, 0 in dense phases).
-    last_rebuild: the step whose masks were last rebuilt (0 = at `init`).
+    last_rebuild: the step whose masks were last rebuilt (0 = at `init`;
+      with a ramp, also the steps that rebuild the dense layers' masks for
+      the layers entering 2:4).
+    score: with a `SparsityRamp`, per layer, the share of its weights'
+      norm that its mask removes, `||w * (1 - mask)|| / ||w||` (float32, the
+      stack's axes), from the weights its mask was last rebuilt from: the
+      dense layers with the lowest scores go 2:4 first. None without a ramp.
   """
 
   count: jax.Array
@@ -159,6 +297,7 @@ class MaskUpdateState(NamedTuple):
   flip_rate: Any
   layer_sparsity: Any
   last_rebuild: jax.Array
+  score: Any = None
 
 
 def _per_layer(fn, masks: Mapping) -> dict:
@@ -219,6 +358,11 @@ def mask_update(
   # with 0 here; it is applied, adding nothing where it is 0.
   uses_decay = not isinstance(decay, (int, float)) or decay != 0.0
 
+  ramp = schedule.ramp
+  # The ramp counts each layer of a stack (nn.scan) as one layer.
+  n_layers = sum(int(np.prod(_stack_shape(layer)))
+                 for layer in layers_by_path(sparsity).values())
+
   def set_active(masks, active):
     if schedule.always_sparse:  # no run-time switch (module docstring)
       return _with_active(masks, lambda layer: None)
@@ -233,10 +377,25 @@ def mask_update(
   def sparsity_of(masks, active):
     return per_layer_value(masks, jnp.where(active, 1 - DENSITY, 0.0))
 
+  def sparsity_per_layer(masks):
+    return _per_layer(lambda layer: jnp.where(layer["active"], 1 - DENSITY, 0.0).astype(
+        jnp.float32), masks)
+
   def init_fn(params):
-    masks = set_active(rebuild_masks(params, template), schedule.sparse(0))
-    return MaskUpdateState(jnp.zeros((), jnp.int32), masks, per_layer_value(masks, 0.0),
-                           sparsity_of(masks, schedule.sparse(0)), jnp.zeros((), jnp.int32))
+    masks = rebuild_masks(params, template)
+    zero = jnp.zeros((), jnp.int32)
+    if ramp is None:
+      masks = set_active(masks, schedule.sparse(0))
+      return MaskUpdateState(zero, masks, per_layer_value(masks, 0.0),
+                             sparsity_of(masks, schedule.sparse(0)), zero)
+    held = _by_path(lambda layer, _, path: layer["mask"], masks, masks)
+    kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), masks, params)
+    score = {path: pruned_norm(kernels[path], held[path]) for path in held}
+    dense = {path: jnp.zeros(_stack_shape({"mask": m}), jnp.bool_) for path, m in held.items()}
+    active = _grow(dense, score, ramp.count(0, n_layers), schedule.sparse(0))
+    masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
+    return MaskUpdateState(zero, masks, per_layer_value(masks, 0.0), sparsity_per_layer(masks),
+                           zero, _map_layers(lambda _, __, path: score[path], masks, masks))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -259,6 +418,17 @@ def mask_update(
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
                        params)
     old_flips = _by_path(lambda _, f, path: f, state.masks, state.flip_rate)
+    if ramp is not None:
+      # Layers enter 2:4 where the ramp's count grows: the dense layers'
+      # masks (and scores) are rebuilt then, so that the entering layers
+      # are chosen by, and start from, masks of the current weights; the
+      # 2:4 layers' masks keep the schedule's cadence.
+      was_active = _by_path(lambda layer, _, path: layer["active"], state.masks, state.masks)
+      held_sparse = sum(jnp.sum(a, dtype=jnp.int32) for a in was_active.values())
+      count = ramp.count(nxt, n_layers)
+      grow = schedule.sparse(nxt) & (count > held_sparse)
+      per_layer = {path: do_rebuild | (grow & ~a) for path, a in was_active.items()}
+      do_rebuild = do_rebuild | grow
     # The kernel counts the flips as it rebuilds (none otherwise): no pass
     # over the masks for the statistics on a step that rebuilds nothing.
     flagged = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
@@ -282,6 +452,19 @@ def mask_update(
                    {path: old_flips[path] for path in slow}))
       new_masks.update(slow_masks)
       flips.update(slow_flips)
+    if ramp is not None:
+      new_masks = {path: _select_layers(per_layer[path], new, old_masks[path])
+                   for path, new in new_masks.items()}
+      flips = {path: jnp.where(per_layer[path], flip, old_flips[path])
+               for path, flip in flips.items()}
+      old_score = _by_path(lambda _, s, path: s, state.masks, state.score)
+      # Scores only where masks were rebuilt: one pass over those weights,
+      # inside a conditional (module docstring).
+      score = jax.lax.cond(
+          do_rebuild,
+          lambda: {path: jnp.where(per_layer[path], pruned_norm(kernels[path], new_masks[path]),
+                                   old_score[path]) for path in old_score},
+          lambda: dict(old_score))
     masks = _map_layers(lambda layer, _, path: {**layer, "mask": new_masks[path]},
                         state.masks, state.masks)
     flip = _map_layers(lambda _, __, path: flips[path], state.masks, state.masks)
@@ -294,20 +477,74 @@ def mask_update(
     # optimizer's updates depend on the rebuild"). `optimization_barrier`
     # does not order them for XLA's copy removal; a data dependency does.
     # Flip rates are fractions, so `after` is always True, but XLA cannot
-    # fold it.
+    # fold it. Scores read the weights too; they are never negative (NaN
+    # for NaN weights, which `< 0` leaves True as well).
     after = sum(jnp.sum(f) for f in jax.tree.leaves(flip)) >= 0
+    if ramp is not None:
+      after = after & ~(sum(jnp.sum(s) for s in score.values()) < 0)
     if uses_decay:
       updates = _add_masked_decay(updates, params, state.masks,
                                   jnp.asarray(decay_fn(step), jnp.float32), after)
     else:
       updates = _ordered_after(updates, state.masks, after)
-    active = schedule.sparse(nxt)
-    masks = set_active(masks, active)
     last = jnp.where(do_rebuild, nxt, state.last_rebuild).astype(jnp.int32)
-    return updates, MaskUpdateState(optax.safe_increment(step), masks, flip,
-                                    sparsity_of(masks, active), last)
+    if ramp is None:
+      active = schedule.sparse(nxt)
+      masks = set_active(masks, active)
+      return updates, MaskUpdateState(optax.safe_increment(step), masks, flip,
+                                      sparsity_of(masks, active), last)
+    active = _grow(was_active, score, count, schedule.sparse(nxt))
+    masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
+    return updates, MaskUpdateState(
+        optax.safe_increment(step), masks, flip, sparsity_per_layer(masks), last,
+        _map_layers(lambda _, __, path: score[path], masks, masks))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def pruned_norm(kernel: jax.Array, mask: Mask24) -> jax.Array:
+  """`||w * (1 - mask)|| / ||w||` per layer of a stack (float32, the stack's
+  axes; 0 for an all-zero weight): the share of a layer's weight norm that
+  its 2:4 mask removes, the score by which a `SparsityRamp` orders the
+  layers. Chosen because it measures what going 2:4 changes in the layer
+  itself, relative to its size, from what every layer has at a rebuild (its
+  weights and its new mask): a layer whose weights are already nearly 2:4
+  loses little and goes first. Gradient scores would need the loss's
+  gradient of the layer's output, which one mini-batch gives noisily, and
+  the flip rate says how unsettled a mask is, not what it costs (it is 0
+  before the second rebuild)."""
+  w = jnp.asarray(kernel).astype(jnp.float32)
+  kept = typed_like(Mask24.unpack, w, mask)  # typed like it (Explicit axes)
+  sq = w * w
+  removed = jnp.sum(jnp.where(kept, 0.0, sq), axis=(-2, -1))
+  total = jnp.sum(sq, axis=(-2, -1))
+  return jnp.sqrt(jnp.where(total > 0, removed / jnp.where(total > 0, total, 1.0), 0.0))
+
+
+def _grow(active: Mapping, score: Mapping, count, allowed) -> dict:
+  """Per layer path, the flags with enough dense layers made 2:4 for
+  `count` 2:4 layers in all, the lowest scores first (ties to the first
+  layer in the tree's order, then along the stack), all False where
+  `allowed` is False. Flags already True stay True."""
+  paths = list(active)
+  shapes = [tuple(jnp.shape(active[p])) for p in paths]
+  flat_active = jnp.concatenate([jnp.ravel(active[p]) for p in paths])
+  flat_score = jnp.concatenate([jnp.ravel(score[p]) for p in paths]).astype(jnp.float32)
+  needed = jnp.asarray(count, jnp.int32) - jnp.sum(flat_active, dtype=jnp.int32)
+  # Scores lie in [0, 1]: 2 puts the sparse layers after every dense one,
+  # 1.5 a NaN score (NaN weights) after every finite one.
+  key = jnp.where(flat_active, 2.0, jnp.nan_to_num(flat_score, nan=1.5))
+  order = jnp.argsort(key, stable=True)
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+  flat = (flat_active | (rank < needed)) & jnp.asarray(allowed, jnp.bool_)
+  ends = np.cumsum([int(np.prod(s)) for s in shapes])
+  return {p: part.reshape(s) for p, part, s in zip(paths, jnp.split(flat, ends[:-1]), shapes)}
+
+
+def _select_layers(take_new: jax.Array, new: Mask24, old: Mask24) -> Mask24:
+  """Per layer of a stack, `new`'s packed bits where `take_new`, else `old`'s."""
+  flag = jnp.reshape(take_new, jnp.shape(take_new) + (1,) * (new.packed.ndim - jnp.ndim(take_new)))
+  return dataclasses.replace(new, packed=jnp.where(flag, new.packed, old.packed))
 
 
 def _mask_typed_like(new: Mask24, old: Mask24) -> Mask24:
@@ -509,13 +746,14 @@ def masks(opt_state, sparse: bool | None = None) -> dict:
   switch at all), False constant False flags (dense; XLA folds the forward
   pass's switches, the backward pass keeps its own, which reads the flags as
   a residual). It must be the schedule's own phase, computed on the host,
-  with the step jitted once per phase:
+  with the step jitted once per phase; `schedule.phase(i)` gives it, and
+  None while a `SparsityRamp` has some layers 2:4 and others dense:
 
       @functools.partial(jax.jit, static_argnames="sparse")
       def step(params, opt_state, batch, sparse):
           variables = {"params": params, "sparsity": masks(opt_state, sparse)}
           ...
-      step(params, opt_state, batch, sparse=bool(schedule.sparse(i)))
+      step(params, opt_state, batch, sparse=schedule.phase(i))
   """
   held = _find_state(opt_state, "masks").masks
   if sparse is None:
@@ -545,7 +783,12 @@ def masks_like_kernels(opt_state, params: Mapping):
 
 
 def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
-  """`{"layer/path": {"flip_rate": ..., "sparsity": ...}}` for logging."""
+  """`{"layer/path": {"flip_rate": ..., "sparsity": ...}}` for logging, one
+  value per layer (an array over the stack for stacked layers). `sparsity`
+  is the layer's state: 0.5 where it is 2:4, 0 where it is dense. With a
+  `SparsityRamp`, also `"score"`: the share of its weights' norm that its
+  mask removes (`MaskUpdateState.score`), by which the dense layers are
+  ordered."""
   state = _find_state(opt_state, "stats")
 
   def by_path(tree):
@@ -553,9 +796,11 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
             for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
   sparsity = by_path(state.layer_sparsity)
-  return {path: {"flip_rate": flip, "sparsity": sparsity[path]}
+  score = {} if state.score is None else by_path(state.score)
+  return {path: {"flip_rate": flip, "sparsity": sparsity[path],
+                 **({"score": score[path]} if path in score else {})}
           for path, flip in by_path(state.flip_rate).items()}
 
 
-__all__ = ["MaskSchedule", "MaskUpdateState", "mask_update", "masks", "masks_like_kernels",
-           "stats", "with_masks"]
+__all__ = ["MaskSchedule", "MaskUpdateState", "SparsityRamp", "mask_update", "masks",
+           "masks_like_kernels", "stats", "with_masks"]

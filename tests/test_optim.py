@@ -220,18 +220,21 @@ def test_masked_decay_keeps_frozendict_and_fuses():
     optim.mask_update(variables["sparsity"], decay=0.5).update(missing, state[0], missing)
 
 
+@pytest.mark.parametrize("ramp", [None, optim.SparsityRamp(start=2, end=6)])
 @pytest.mark.parametrize("decay", [0.0, 0.1])
 @pytest.mark.parametrize("flagged", [False, True])
-def test_donated_train_step_copies_no_kernel(request, decay, flagged):
+def test_donated_train_step_copies_no_kernel(request, decay, flagged, ramp):
   """A jitted train step that donates params and optimizer state (as training
   loops do) copies no sparse kernel: the optimizer's in-place write of the new
   params is ordered after the rebuild's read of the old ones (inside the
   conditional, or the flagged kernel's; `flagged_rebuilds`). Without that
-  order XLA copied every kernel before each step."""
+  order XLA copied every kernel before each step. With a ramp, the scores'
+  read of the kernels is ordered too."""
   import re  # pylint: disable=g-import-not-at-top
   if flagged:
     request.getfixturevalue("flagged_rebuilds")
-  model, tx, variables, x, y = _setup(optim.MaskSchedule(rebuild_every=4), decay=decay)
+  model, tx, variables, x, y = _setup(optim.MaskSchedule(rebuild_every=4, ramp=ramp),
+                                      decay=decay)
   params = variables["params"]
 
   def step(params, state):
@@ -572,3 +575,185 @@ def test_masks_with_a_static_phase_drop_the_run_time_switch():
       params, state = new[0], new[1]
   with pytest.raises(TypeError, match="masks: `sparse` must be None or a Python bool"):
     optim.masks(state, jnp.array(True))
+
+
+# --- gradual sparsity (SparsityRamp) -------------------------------------------
+
+
+def test_ramp_share_and_count_follow_the_cosine():
+  ramp = optim.SparsityRamp(start=2, end=10, initial=0.25, target=1.0)
+  steps = np.arange(14)
+  t = np.clip((steps - 2) / 8, 0, 1)
+  want_share = 0.25 + 0.75 * (1 - np.cos(np.pi * t)) / 2
+  with jax.transfer_guard("disallow"):  # host steps answered on the host
+    share = np.array([float(ramp.share(int(i))) for i in steps])
+    counts = {n: [int(ramp.count(int(i), n)) for i in steps] for n in (1, 3, 7, 48)}
+  np.testing.assert_allclose(share, want_share, rtol=1e-6)
+  assert share[2] == 0.25 and share[10] == 1.0 and share[6] == 0.625  # ends, mid-point
+  for n, c in counts.items():
+    np.testing.assert_array_equal(c, np.floor(want_share * n + 0.5))
+    assert c[0] == round(0.25 * n) and c[-1] == n  # reaches the target: every layer
+    assert all(a <= b for a, b in zip(c, c[1:]))  # monotone
+  assert counts[7] == [2, 2, 2, 2, 3, 3, 4, 5, 6, 7, 7, 7, 7, 7]
+  # Traced steps read the host's table: the same counts, exactly.
+  traced = jax.jit(jax.vmap(lambda i: ramp.count(i, 7)))(jnp.arange(-3, 20))
+  np.testing.assert_array_equal(traced, [2] * 3 + counts[7] + [7] * 6)
+  half = optim.SparsityRamp(start=0, end=4, target=0.5)
+  assert [int(half.count(i, 6)) for i in range(6)] == [0, 0, 2, 3, 3, 3]
+
+
+def test_schedule_phase_with_a_ramp():
+  """`phase` is the static phase for `masks(opt_state, sparse=...)`: False
+  where no layer is 2:4, True where all are, None while the ramp mixes."""
+  ramp = optim.SparsityRamp(start=4, end=8)
+  s = optim.MaskSchedule(warmup_steps=2, dense_after=12, ramp=ramp)
+  assert [s.phase(i) for i in range(14)] == [False] * 5 + [None] * 3 + [True] * 4 + [False] * 2
+  assert not s.always_sparse
+  assert [optim.MaskSchedule(warmup_steps=2).phase(i) for i in range(4)] == [False, False, True, True]
+  partial = optim.MaskSchedule(ramp=optim.SparsityRamp(start=0, end=2, initial=0.5, target=0.5))
+  assert [partial.phase(i) for i in range(3)] == [None] * 3
+  with pytest.raises(TypeError, match="MaskSchedule.phase: `step` must be a host int"):
+    s.phase(jnp.int32(3))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(start=5, end=5), "start < end"), (dict(start=-1, end=5), "start < end"),
+    (dict(start=0, end=5, initial=0.6, target=0.5), "initial <= target"),
+    (dict(start=0, end=5, target=1.5), "initial <= target"),
+])
+def test_ramp_rejects_bad_values(kw, match):
+  with pytest.raises(ValueError, match=match):
+    optim.SparsityRamp(**kw)
+  with pytest.raises(TypeError, match="SparsityRamp: end must be an int"):
+    optim.SparsityRamp(start=0, end=5.0)
+  with pytest.raises(TypeError, match="MaskSchedule: ramp must be a SparsityRamp"):
+    optim.MaskSchedule(ramp=(0, 5))
+
+
+def near_24(w, transposable: bool, eps: float = 1e-3):
+  """`w` with the weights that its 2:4 mask prunes scaled by `eps`: its mask
+  stays the same and removes almost nothing (a score near `eps`)."""
+  mask = jsparse24.prune_24(w, transposable=transposable)
+  return jnp.where(mask, w, eps * w)
+
+
+def _score(kernel, mask) -> np.ndarray:
+  """`||w * (1 - mask)|| / ||w||` per layer of a stack, in numpy."""
+  w = np.asarray(kernel, np.float64)
+  m = np.asarray(mask.unpack())
+  return np.sqrt(np.sum((w * ~m) ** 2, axis=(-2, -1)) / np.sum(w ** 2, axis=(-2, -1)))
+
+
+@pytest.mark.parametrize("first", ["up", "down"])
+def test_ramp_sparsifies_the_layer_whose_mask_removes_least_first(first):
+  """Of the two layers, the one built to be nearly 2:4 goes 2:4 when the
+  ramp's count reaches 1, whichever it is (not the tree's order); the other
+  when it reaches 2. Scores are the removed share of the norm."""
+  ramp = optim.SparsityRamp(start=0, end=4)  # 2 layers: counts 0, 0, 1, 2, 2
+  schedule = optim.MaskSchedule(ramp=ramp)
+  _, _, variables, _, _ = _setup(schedule)
+  params = jax.tree.map(lambda a: a, variables["params"])
+  params[first]["kernel"] = near_24(params[first]["kernel"], transposable=first == "down")
+  tx = optim.mask_update(variables["sparsity"], schedule)
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  other = {"up": "down", "down": "up"}[first]
+  seen = []
+  for step in range(5):
+    stats = optim.stats(state)
+    for name in ("up", "down"):
+      np.testing.assert_allclose(float(stats[name]["score"]),
+                                 _score(params[name]["kernel"], optim.masks(state)[name]["mask"]),
+                                 rtol=1e-5)
+    assert float(stats[first]["score"]) < 2e-3 < 0.2 < float(stats[other]["score"])
+    seen.append(sorted(n for n in ("up", "down") if bool(optim.masks(state)[n]["active"])))
+    assert [float(stats[n]["sparsity"]) for n in seen[-1]] == [0.5] * len(seen[-1])
+    _, state = jax.jit(tx.update)(grads, state, params)
+  assert seen == [[], [], [first], ["down", "up"], ["down", "up"]]
+
+
+def test_ramp_keeps_sparse_layers_sparse_and_reorders_dense_ones_at_rebuilds():
+  """A layer once 2:4 stays 2:4 when its weights later make it the most
+  sensitive; the order of the dense layers follows their latest scores. At a
+  step where a layer enters 2:4 (no scheduled rebuild), the dense layers'
+  masks are rebuilt from the current weights and the 2:4 layers' are kept;
+  at a scheduled rebuild every mask is."""
+  ramp = optim.SparsityRamp(start=0, end=2)  # 2 layers: counts 0, 1, 2
+  schedule = optim.MaskSchedule(rebuild_every=3, ramp=ramp)
+  _, _, variables, _, _ = _setup(schedule)
+  base = variables["params"]
+
+  def with_easy(name, scale=1.0):
+    p = jax.tree.map(lambda a: a * scale, base)
+    p[name]["kernel"] = near_24(p[name]["kernel"], transposable=name == "down")
+    return p
+
+  tx = optim.mask_update(variables["sparsity"], schedule)
+  update = jax.jit(tx.update)
+  grads = jax.tree.map(jnp.zeros_like, base)
+  state = tx.init(with_easy("up"))  # at init "up" would go first ...
+  # ... but before the step where the count reaches 1, "down" is the easy one.
+  params = with_easy("down", scale=-1.5)
+  _, state = update(grads, state, params)
+  masks = optim.masks(state)
+  assert bool(masks["down"]["active"]) and not bool(masks["up"]["active"])
+  for name in ("up", "down"):  # both rebuilt: both were dense
+    np.testing.assert_array_equal(masks[name]["mask"].unpack(), jsparse24.prune_24(
+        params[name]["kernel"], transposable=name == "down"))
+  # "down" is now the sensitive one; it stays 2:4 and its mask is kept while
+  # "up" enters with a mask of the current weights.
+  held_down = masks["down"]["mask"].unpack()
+  params = with_easy("up", scale=0.5)
+  params["down"]["kernel"] = jax.random.normal(jax.random.key(9), params["down"]["kernel"].shape)
+  _, state = update(grads, state, params)
+  masks = optim.masks(state)
+  assert bool(masks["down"]["active"]) and bool(masks["up"]["active"])
+  np.testing.assert_array_equal(masks["down"]["mask"].unpack(), held_down)
+  np.testing.assert_array_equal(masks["up"]["mask"].unpack(),
+                                jsparse24.prune_24(params["up"]["kernel"]))
+  assert float(optim.stats(state)["down"]["score"]) < 2e-3  # its score of step 1, kept
+  assert int(state.last_rebuild) == 2
+  _, state = update(grads, state, params)  # step 3: the scheduled rebuild, every mask
+  masks = optim.masks(state)
+  assert bool(masks["down"]["active"]) and bool(masks["up"]["active"])
+  np.testing.assert_array_equal(masks["down"]["mask"].unpack(), jsparse24.prune_24(
+      params["down"]["kernel"], transposable=True))
+  assert float(optim.stats(state)["down"]["score"]) > 0.2  # rescored at the rebuild
+  assert int(state.last_rebuild) == 3
+
+
+def test_ramp_training_step_compiles_once_and_the_static_phase_agrees():
+  """init and update give identically typed states (one compilation), and
+  after the ramp `masks(state, sparse=schedule.phase(i))` computes what the
+  run-time flags compute."""
+  ramp = optim.SparsityRamp(start=1, end=4)
+  schedule = optim.MaskSchedule(rebuild_every=2, ramp=ramp)
+  model, tx, variables, x, y = _setup(schedule, decay=1e-3)
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def step(params, state, sparse):
+    loss, grads = jax.value_and_grad(_loss, argnums=1)(
+        model, params, optim.masks(state, sparse), x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  params, state = variables["params"], tx.init(variables["params"])
+  for i in range(6):
+    phase = schedule.phase(i)
+    new = step(params, state, phase)
+    if phase is not None:
+      ref = step(params, state, None)
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    params, state = new[0], new[1]
+  assert step._cache_size() == 3  # pylint: disable=protected-access  # None, False, True
+  assert [float(s["sparsity"]) for s in optim.stats(state).values()] == [0.5, 0.5]
+
+
+def test_ramp_checkpoint_restore_resumes_bit_for_bit(tmp_path):
+  """Through the ramp (layers entering 2:4 at steps 2 and 4, a rebuild at
+  3): 6 steps straight equal 3, an Orbax save/restore, and 3 more."""
+  schedule = optim.MaskSchedule(rebuild_every=3, ramp=optim.SparsityRamp(start=1, end=5))
+  model, tx, variables, x, y = _setup(schedule, decay=1e-3)
+  _, state = check_orbax_resume_bit_for_bit(tmp_path, model, tx, variables["params"], x, y)
+  assert [float(s["sparsity"]) for s in optim.stats(state).values()] == [0.5, 0.5]

@@ -495,3 +495,90 @@ def test_checkpoint_policies_under_nnx_remat(policy, products):
     jaxpr = jax.make_jaxpr(lambda st: jax.tree.leaves(grads(st)))(state).jaxpr
   got = _count_pallas_calls(jaxpr, "spmm")
   assert got == products, got
+
+
+def _layer_scores(params, sparsity) -> dict[tuple[str, int], float]:
+  """`||w * (1 - mask)|| / ||w||` of every stacked layer, in numpy."""
+  out = {}
+  for name in ("up", "down"):
+    for i, m in enumerate(_slices(sparsity["blocks"][name]["mask"])):
+      w = np.asarray(params["blocks"][name]["kernel"][i], np.float64)
+      out[name, i] = float(np.sqrt(np.sum((w * ~m) ** 2) / np.sum(w ** 2)))
+  return out
+
+
+def _with_eps(params, eps: dict[tuple[str, int], float]):
+  """`params` with layer (name, i)'s pruned weights scaled by eps[name, i]
+  (its 2:4 mask unchanged, removing less the smaller eps is)."""
+  params = jax.tree.map(lambda a: a, params)
+  for name in ("up", "down"):
+    kernel = params["blocks"][name]["kernel"]
+    layers = []
+    for i in range(L):
+      mask = jsparse24.prune_24(kernel[i], transposable=name == "down")
+      layers.append(jnp.where(mask, kernel[i], eps.get((name, i), 1.0) * kernel[i]))
+    params["blocks"][name]["kernel"] = jnp.stack(layers)
+  return params
+
+
+def test_ramp_on_a_stack_counts_each_layer_and_keeps_sparse_layers_sparse():
+  """A stack of 3 blocks (6 stacked 2:4 layers) under a ramp with a rebuild
+  every step (every layer rescored): each stacked layer is a layer of the
+  count, the lowest scores go 2:4 first, per element of the stack; layers
+  once 2:4 stay 2:4 when new weights make them the most sensitive, and the
+  mixed stack computes what the layers do one by one."""
+  schedule = optim.MaskSchedule(rebuild_every=1, ramp=optim.SparsityRamp(start=0, end=8))
+  model, tx, params, x, _ = _setup(schedule, 0.0)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  update = jax.jit(tx.update)
+
+  def sparse_layers(state):
+    masks = optim.masks(state)["blocks"]
+    return {(name, i) for name in ("up", "down") for i in range(L)
+            if bool(masks[name]["active"][i])}
+
+  p0 = _with_eps(params, {("down", 2): 0.01, ("up", 1): 0.05, ("down", 0): 0.2})
+  state = tx.init(p0)
+  for _ in range(3):  # counts 0, 0, 1, 2
+    _, state = update(grads, state, p0)
+  scores = _layer_scores(p0, optim.masks(state))
+  first = set(sorted(scores, key=scores.get)[:2])
+  assert first == {("down", 2), ("up", 1)}  # not the tree's or the stack's order
+  assert sparse_layers(state) == first
+  stats = optim.stats(state)
+  for name in ("up", "down"):
+    np.testing.assert_allclose(stats[f"blocks/{name}"]["score"],
+                               [scores[name, i] for i in range(L)], rtol=1e-5)
+    np.testing.assert_array_equal(stats[f"blocks/{name}"]["sparsity"],
+                                  [0.5 * ((name, i) in first) for i in range(L)])
+
+  # The 2:4 layers become the most sensitive (plain random weights), the
+  # dense ones nearly 2:4 in a new order.
+  p1 = _with_eps(p0, {("up", 0): 0.3, ("up", 2): 0.02, ("down", 1): 0.01, ("down", 0): 0.1})
+  p1["blocks"]["up"]["kernel"] = p1["blocks"]["up"]["kernel"].at[1].set(
+      jax.random.normal(jax.random.key(5), (D, H)))
+  p1["blocks"]["down"]["kernel"] = p1["blocks"]["down"]["kernel"].at[2].set(
+      jax.random.normal(jax.random.key(6), (H, D)))
+  for _ in range(2):  # counts 3, 4
+    _, state = update(grads, state, p1)
+  scores = _layer_scores(p1, optim.masks(state))
+  assert set(sorted(scores, key=scores.get)[-2:]) == first  # now the most sensitive ...
+  assert sparse_layers(state) == first | {("down", 1), ("up", 2)}  # ... and still 2:4
+  masks = _stack_masks(optim.masks(state))
+  active = sparse_layers(state)
+  mixed = {name: [m if (name, i) in active else np.ones_like(m) for i, m in enumerate(masks[name])]
+           for name in masks}
+  np.testing.assert_allclose(
+      model.apply({"params": p1, "sparsity": optim.masks(state)}, x),
+      _unrolled(p1["blocks"], mixed, x), **TOL)
+  for _ in range(3):  # counts 5, 6, 6
+    _, state = update(grads, state, p1)
+  assert len(sparse_layers(state)) == 2 * L
+
+
+def test_ramp_on_a_stack_resumes_bit_for_bit(tmp_path):
+  schedule = optim.MaskSchedule(rebuild_every=2, ramp=optim.SparsityRamp(start=0, end=6))
+  model, tx, params0, x, y = _setup(schedule, 1e-3)
+  _, state = check_orbax_resume_bit_for_bit(tmp_path, model, tx, params0, x, y)
+  assert [np.asarray(s["sparsity"]).tolist() for s in optim.stats(state).values()] == [
+      [0.5] * L, [0.5] * L]
