@@ -761,7 +761,7 @@ def masks(opt_state, sparse: bool | None = None) -> dict:
   if not isinstance(sparse, (bool, np.bool_)):
     raise TypeError(
         f"masks: `sparse` must be None or a Python bool (this step's phase, e.g."
-        f" bool(schedule.sparse(step)) on the host), got {type(sparse).__name__}"
+        f" schedule.phase(step) on the host), got {type(sparse).__name__}"
         f" {sparse!r}; a traced value would keep the run-time switch.")
   if sparse:
     return _with_active(held, lambda layer: None)
