@@ -111,8 +111,9 @@ def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax
   """Switch Transformer's auxiliary loss, `E * sum_e f_e * P_e` averaged over
   groups, with `f_e` the share of the group's tokens that chose expert e
   (among their top k) and `P_e` the mean router probability of e.
-  Minimal (1 for top-1, k for top-k) when both are uniform; its gradient
-  reaches the router through `P_e` only (`f_e` is a count)."""
+  It is 1 (k for top-k) when both are uniform, the balance it pushes the
+  router towards; its gradient reaches the router through `P_e` only
+  (`f_e` is a count)."""
   num_experts = probs.shape[-1]
   chose = jnp.max(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=-2)
   share = jnp.mean(chose, axis=-2)  # [G, E]
@@ -137,7 +138,7 @@ class SparseMoE(nn.Module):
   `expert_capacity(S, num_experts, top_k, capacity_factor)` tokens; the
   choices past it are dropped (`route`). The dispatch and combine tensors
   are `[groups, S, E, capacity]`, quadratic in S: reshape long inputs into
-  groups of about a thousand tokens.
+  more, shorter groups.
 
   Two intermediates are sown (`apply(..., mutable=["intermediates"])`):
   `load_balancing_loss` (`load_balancing_loss`), which the training loss
