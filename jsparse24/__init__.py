@@ -7,7 +7,9 @@ Public API (everything else is internal):
   `weight_grad="mvue"`: an unbiased 2:4-pruned output gradient for `dw`,
   `mvue_24` and its `mvue_24_probabilities`)
 * Flax Linen: `SparseDense`, `sparsify` (patch an existing model's `Dense`
-  layers by module-path regex), `rebuild_masks`, `compress_params`
+  layers by module-path regex), `rebuild_masks`, `compress_params`;
+  `SparseMoE`, a mixture-of-experts feed-forward layer with 2:4 experts
+  (`jsparse24.moe`: its routing, capacity and auxiliary loss)
 * Flax NNX: `jsparse24.nnx.SparseLinear`
 * optax: `jsparse24.optim` (the mask-update transform and its schedule;
   `optim.with_masks(optimizer, sparsity, schedule)` chains it before an
@@ -34,6 +36,7 @@ from jsparse24.backends import BackendUnavailableError
 from jsparse24.backends._autodiff import COMPRESSED as CHECKPOINT_NAME
 from jsparse24.linen import (SparseDense, compress_params, masks_like_kernels, rebuild_masks,
                              sparsify)
+from jsparse24.moe import SparseMoE
 
 __version__ = "0.1.0"
 
@@ -49,6 +52,7 @@ __all__ = [
     "Mask24",
     "Sparse24",
     "SparseDense",
+    "SparseMoE",
     "available_implementations",
     "checkpoint_policies",
     "compress",

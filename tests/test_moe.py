@@ -1,0 +1,221 @@
+"""`jsparse24.SparseMoE`: the 2:4 mixture-of-experts layer against a plain-jnp
+reference whose routing is a token-by-token loop (forward and gradients),
+its masks per expert through `init`, `optim.mask_update` and
+`compress_params`, and what capacity drops.
+"""
+
+import dataclasses
+import typing
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jsparse24
+from jsparse24 import optim
+from jsparse24._options import SparsityOptions
+
+E, D, H = 4, 12, 20  # experts, model width, expert hidden width (multiples of 4)
+G, S = 3, 7          # routing groups, tokens per group
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _x(seed, shape=(G, S, D)):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _masks(sparsity):
+  """Each expert's dense bool masks, unpacked from its own slice of the stack."""
+  return {name: np.stack([np.asarray(jax.tree.map(lambda a: a[e], layer["mask"]).unpack())
+                          for e in range(E)])
+          for name, layer in sparsity["experts"].items()}
+
+
+def _routing(probs, top_k, capacity):
+  """bool [G, S, E]: which (token, expert) choices are kept, one token at a
+  time: all first choices in token order, then all second choices, each
+  taking a slot while its expert has one."""
+  probs = np.asarray(probs)
+  keep = np.zeros(probs.shape, bool)
+  for g in range(probs.shape[0]):
+    order = np.argsort(-probs[g], axis=-1, kind="stable")[:, :top_k]
+    used = np.zeros(probs.shape[-1], int)
+    for rank in range(top_k):
+      for s in range(probs.shape[1]):
+        e = order[s, rank]
+        if used[e] < capacity:
+          keep[g, s, e] = True
+          used[e] += 1
+  return keep
+
+
+def _probs(params, x):
+  return jax.nn.softmax(x @ params["router"]["kernel"], axis=-1)
+
+
+def _reference(params, masks, x, keep, *, gradient, activation=nn.gelu):
+  """sum over kept experts e of p_e(x) * expert_e(x), each expert's kernels
+  masked; with "ste" the masked kernel's gradient is the dense one."""
+  def kernel(name, e):
+    w, m = params["experts"][name]["kernel"][e], masks[name][e]
+    return w + jax.lax.stop_gradient(w * m - w) if gradient == "ste" else w * m
+
+  def bias(name, e):
+    b = params["experts"][name].get("bias")
+    return 0.0 if b is None else b[e]
+
+  probs = _probs(params, x)
+  out = jnp.zeros_like(x)
+  for e in range(E):
+    h = activation(x @ kernel("up", e) + bias("up", e))
+    y = h @ kernel("down", e) + bias("down", e)
+    out = out + (keep[..., e] * probs[..., e])[..., None] * y
+  return out
+
+
+@pytest.mark.parametrize("top_k,capacity_factor,gradient,use_bias", [
+    (1, 1.0, "ste", False),
+    (2, 0.75, "masked", True),  # tight: second choices and some first ones dropped
+    (2, 2.0, "ste", False),     # room for every choice
+])
+def test_forward_and_gradients_match_the_reference(top_k, capacity_factor, gradient, use_bias):
+  model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=top_k,
+                              capacity_factor=capacity_factor, gradient=gradient,
+                              use_bias=use_bias)
+  x = _x(0)
+  v = model.init(jax.random.key(1), x)
+  # Fresh values everywhere (biases are zero at init).
+  leaves, tree = jax.tree.flatten(v["params"])
+  params = tree.unflatten([jax.random.normal(jax.random.key(10 + i), a.shape) * 0.5
+                           for i, a in enumerate(leaves)])
+  variables = {"params": params, "sparsity": v["sparsity"]}
+  masks = _masks(v["sparsity"])
+  capacity = jsparse24.moe.expert_capacity(S, E, top_k, capacity_factor)
+  keep = _routing(_probs(params, x), top_k, capacity)
+  choices = G * S * top_k
+  if capacity_factor < 1:
+    assert keep.sum() < choices  # the case does drop
+  elif capacity_factor >= E / top_k:
+    assert keep.sum() == choices
+
+  y, state = model.apply(variables, x, mutable=["intermediates"])
+  np.testing.assert_allclose(y, _reference(params, masks, x, keep, gradient=gradient), **TOL)
+  np.testing.assert_allclose(state["intermediates"]["dropped"][0], 1 - keep.sum() / choices,
+                             rtol=1e-6)
+
+  cot = _x(2)
+  got = jax.grad(lambda p, x: jnp.sum(model.apply({"params": p, "sparsity": v["sparsity"]}, x)
+                                      * cot), (0, 1))(params, x)
+  want = jax.grad(lambda p, x: jnp.sum(_reference(p, masks, x, keep, gradient=gradient) * cot),
+                  (0, 1))(params, x)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
+
+
+def test_a_token_over_capacity_contributes_nothing():
+  """Every token prefers expert 0 (capacity 2 of the group's 7): the first
+  two come out as that expert's output times its gate, the others as 0."""
+  model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=1, capacity_factor=1.0)
+  x = jnp.abs(_x(3, (1, S, D))) + 0.1
+  v = model.init(jax.random.key(4), x)
+  params = jax.tree.map(lambda a: a, v["params"])
+  params["router"]["kernel"] = jnp.zeros((D, E)).at[:, 0].set(1.0)
+  y, state = model.apply({"params": params, "sparsity": v["sparsity"]}, x,
+                         mutable=["intermediates"])
+  capacity = jsparse24.moe.expert_capacity(S, E, 1, 1.0)
+  assert capacity == 2
+  keep = np.zeros((1, S, E), bool)
+  keep[0, :capacity, 0] = True
+  want = _reference(params, _masks(v["sparsity"]), x, keep, gradient="ste")
+  np.testing.assert_allclose(y, want, **TOL)
+  assert np.all(np.abs(np.asarray(y[0, :capacity])) > 0)
+  np.testing.assert_array_equal(y[0, capacity:], 0.0)
+  np.testing.assert_allclose(state["intermediates"]["dropped"][0], (S - capacity) / S, rtol=1e-6)
+
+
+def test_load_balancing_loss_is_switch_transformers():
+  """E * sum_e (share of tokens choosing e) * (mean probability of e), per
+  group, averaged; 1 for top-1 routing that is uniform in both."""
+  probs = jax.nn.softmax(_x(5, (2, S, E)), axis=-1)
+  _, experts = jax.lax.top_k(probs, 2)
+  chose = np.zeros((2, S, E))
+  for g in range(2):
+    for s in range(S):
+      chose[g, s, np.asarray(experts[g, s])] = 1
+  want = E * np.mean(np.sum(chose.mean(1) * np.asarray(probs).mean(1), axis=-1))
+  np.testing.assert_allclose(jsparse24.moe.load_balancing_loss(probs, experts), want, rtol=1e-6)
+  uniform = jnp.full((1, E, E), 1.0 / E)
+  np.testing.assert_allclose(
+      jsparse24.moe.load_balancing_loss(uniform, jnp.arange(E).reshape(1, E, 1)), 1.0, rtol=1e-6)
+
+
+def test_masks_are_per_expert_and_mask_update_rebuilds_each_from_its_weights():
+  model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2)
+  v = model.init(jax.random.key(6), _x(0))
+  params = v["params"]
+  old = _masks(v["sparsity"])
+  for name in ("up", "down"):
+    assert v["sparsity"]["experts"][name]["mask"].shape == params["experts"][name]["kernel"].shape
+    # Each expert its own initial weights (split rngs), hence its own masks.
+    assert not np.array_equal(old[name][0], old[name][1]), name
+    for e in range(E):
+      np.testing.assert_array_equal(
+          old[name][e], jsparse24.prune_24(params["experts"][name]["kernel"][e], transposable=True))
+
+  tx = optax.chain(optim.mask_update(v["sparsity"], optim.MaskSchedule(rebuild_every=1)),
+                   optax.sgd(0.1))
+  state = tx.init(params)
+  # New weights, different for every expert: the step's rebuild reads them.
+  moved = jax.tree.map(lambda a: a, params)
+  for i, name in enumerate(("up", "down")):
+    kernel = params["experts"][name]["kernel"]
+    moved["experts"][name]["kernel"] = jax.random.normal(jax.random.key(20 + i), kernel.shape)
+  _, state = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), state, moved)
+  new = _masks(optim.masks(state))
+  for name in ("up", "down"):
+    for e in range(E):
+      kernel = moved["experts"][name]["kernel"][e]
+      np.testing.assert_array_equal(new[name][e], jsparse24.prune_24(kernel, transposable=True))
+      assert np.any(new[name][e] != old[name][e]), (name, e)
+  assert optim.stats(state)["experts/up"]["flip_rate"].shape == (E,)
+
+
+def test_compress_params_per_expert_gives_the_masked_outputs():
+  model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2, use_bias=True)
+  x = _x(7)
+  v = model.init(jax.random.key(8), x)
+  compressed = jsparse24.compress_params(v["params"], v["sparsity"])
+  for name, shape in (("up", (E, D, H)), ("down", (E, H, D))):
+    kernel = compressed["experts"][name]["kernel"]
+    assert isinstance(kernel, jsparse24.Sparse24) and tuple(kernel.shape) == shape
+    assert kernel.has_transpose
+    for e in range(E):
+      np.testing.assert_array_equal(
+          jsparse24.decompress(jax.tree.map(lambda a: a[e], kernel)),  # pylint: disable=cell-var-from-loop
+          v["params"]["experts"][name]["kernel"][e] * _masks(v["sparsity"])[name][e])
+  np.testing.assert_allclose(model.apply({"params": compressed}, x), model.apply(v, x), **TOL)
+
+
+def test_sparsity_fields_are_sparse_dense_ones():
+  """The options of both expert kernels keep SparseDense's names, defaults
+  and types (all of SparsityOptions but kernel_sharding)."""
+  fields = {f.name: f for f in dataclasses.fields(jsparse24.SparseMoE)}
+  hints = typing.get_type_hints(jsparse24.SparseMoE)
+  option_hints = typing.get_type_hints(SparsityOptions)
+  for option in dataclasses.fields(SparsityOptions):
+    if option.name == "kernel_sharding":
+      assert option.name not in fields
+      continue
+    assert fields[option.name].default == option.default, option.name
+    assert hints[option.name] == option_hints[option.name], option.name
+
+
+def test_errors_name_the_layer_and_the_fix():
+  with pytest.raises(ValueError, match=r"SparseDense 'experts/up'.*input width 10"):
+    jsparse24.SparseMoE(num_experts=E, hidden=H).init(jax.random.key(0), _x(0, (2, 5, 10)))
+  with pytest.raises(ValueError, match=r"SparseMoE: top_k=5 must lie in \[1, num_experts=4\]"):
+    jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=5).init(jax.random.key(0), _x(0))
+  with pytest.raises(ValueError, match=r"SparseMoE: `inputs` must be \[..., S, d\]"):
+    jsparse24.SparseMoE(num_experts=E, hidden=H).init(jax.random.key(0), jnp.ones(D))
