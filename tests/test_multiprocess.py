@@ -103,9 +103,9 @@ def _cpu_env(devices: int, cache: pathlib.Path):
   """`devices` CPU devices per process. This process's XLA flags but its
   device count (tests/conftest.py's: the compilations are most of a
   launch's time; every launch compiles alike, so their bits compare), and a
-  persistent compilation cache: the restart's
-  process 0 finds the first pair's programs there (JAX writes it from
-  process 0 only, and process 1's programs have other keys)."""
+  persistent compilation cache: the restart's process 0 finds the first
+  pair's programs there (JAX writes it from process 0 only, and process 1's
+  programs have other keys)."""
   compile_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                            if "device_count" not in f)
 
