@@ -22,6 +22,8 @@ kept.
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Must be set before jax initialises its backends.
@@ -36,6 +38,25 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # programs compared across processes are compiled alike.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# XLA's CPU fusion emitters off where this jaxlib has the switch (jax 0.10.2
+# does, 0.12 dropped it): their fusions take twice as long to compile as the
+# older emitters' (test_bench_model_runs_on_cpu[dense]: 26 s instead of 16.5
+# s; one launch of tests/multiprocess_worker.py: 20 s of compilation instead
+# of 10; 2026-11-27 on the 2-core CPU machine). XLA aborts the process on a
+# flag it does not know, hence the question to a child process first.
+FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag: str) -> bool:
+  """Whether this jaxlib's XLA starts with `flag` in XLA_FLAGS."""
+  env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        capture_output=True, timeout=120, check=False).returncode == 0
+
+
+if ("xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+    and _xla_knows(FUSION_EMITTERS_OFF)):
+  os.environ["XLA_FLAGS"] += " " + FUSION_EMITTERS_OFF
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="jsparse24-tests-xla-cache-")
@@ -49,15 +70,17 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-# The modules whose tests take longest on a CPU, longest first (the summed
-# `--durations` of their tests on the 2-core CPU machine, 2026-11-27). They
-# run first: under `--dist worksteal` the worker that finishes early takes
-# over the other's queue from its end, so the run ends on short tests
-# instead of one worker waiting for the other's last long one.
-SLOWEST_FIRST = ("test_multiprocess.py", "test_triton_fallback.py", "test_bench_model.py",
-                 "test_examples.py", "test_sharding.py", "test_optim.py",
-                 "test_pallas_kernels.py", "test_stacked.py", "test_mvue.py",
-                 "test_bench_sharded.py")
+# The modules whose tests take longest on a CPU, longest first: the one test
+# of over 2 minutes (test_multiprocess.py), then by the summed `--durations`
+# of their tests (a run of the whole suite on the 2-core CPU machine,
+# 2026-11-27). They run first: under `--dist worksteal` the worker that
+# finishes early takes over the other's queue from its end, so the run ends
+# on short tests instead of one worker waiting for the other's last long one.
+SLOWEST_FIRST = ("test_multiprocess.py", "test_examples.py", "test_sharding.py",
+                 "test_pallas_kernels.py", "test_optim.py", "test_mvue.py",
+                 "test_bench_model.py", "test_cusparselt.py", "test_stacked.py",
+                 "test_bench_layouts.py", "test_generate.py", "test_triton_fallback.py",
+                 "test_prune_format.py", "test_decode24.py", "test_bench_sharded.py")
 
 
 def pytest_collection_modifyitems(config, items):

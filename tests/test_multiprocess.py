@@ -100,15 +100,18 @@ def _launch(tmp_path: pathlib.Path, name: str, processes: int, *, env_of, distri
 
 
 def _cpu_env(devices: int, cache: pathlib.Path):
-  """`devices` CPU devices per process. XLA's backend optimisation off (the
-  compilations are most of a launch's time; every launch compiles alike, so
-  their bits compare), and a persistent compilation cache: the restart's
-  process 0 finds the first pair's programs there (JAX writes it from
-  process 0 only, and process 1's programs have other keys)."""
+  """`devices` CPU devices per process. This process's XLA flags but its
+  device count (tests/conftest.py's: the compilations are most of a
+  launch's time; every launch compiles alike, so their bits compare), and a
+  persistent compilation cache: the restart's process 0 finds the first
+  pair's programs there (JAX writes it from process 0 only, and process 1's
+  programs have other keys)."""
+  compile_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                           if "device_count" not in f)
+
   def env_of(i, port):
     del i, port
-    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"
-                         " --xla_backend_optimization_level=0",
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {compile_flags}",
             "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache)}
   return env_of
 
