@@ -53,11 +53,9 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import importlib.util
 import json
 import math
 import pathlib
-import sys
 import time
 import traceback
 import flax.linen as nn
@@ -94,22 +92,12 @@ SMALL_LAYERS = 2
 SHARDED_GPUS = 4
 
 
-def _train_lm():
-  """examples/train_lm.py as a module: its presets are the examples' shapes
-  (sharded_train trains train_lm's model at them too)."""
-  path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
-  spec = importlib.util.spec_from_file_location("train_lm", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault("train_lm", module)  # its dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
-
-
 def small_rows() -> tuple[list[dict], int]:
   """(rows, vocabulary) of `--small`: each row {"d_model", "layers", "batch",
   "seq", "label"}. The examples' rows take train_lm's preset for a GPU
   (`DEFAULT_SIZES`), so that they follow the examples' defaults."""
-  lm = _train_lm()
+  # Imported here: only --small needs the examples (and their extra, tqdm).
+  from examples import train_lm as lm  # pylint: disable=g-import-not-at-top
   small = lm.PRESETS["small"]
   rows = []
   for d in SMALL_WIDTHS:

@@ -96,7 +96,7 @@ def test_bench_model_small_rows_are_the_small_end_and_the_examples_defaults():
   the examples' defaults, read from train_lm's presets (one of the small end's
   rows is train_lm's CPU preset)."""
   rows, vocab = bench_model.small_rows()
-  lm = bench_model._train_lm()  # pylint: disable=protected-access
+  from examples import train_lm as lm  # pylint: disable=g-import-not-at-top
   assert vocab == lm.VOCAB == 256
   assert all(r["layers"] == 2 for r in rows)
   small_end = [r for r in rows if r["d_model"] in (128, 256)]
