@@ -83,7 +83,13 @@ DECODE_MAX_M = 16
 # (median; 0.98-4.8x), and 0.86x of dense XLA on the decompressed weight
 # (median over M = 1-16): a product on a compressed weight is slower than on
 # the dense weight, and much faster than decompressing it. M = 64-256 not
-# measured against decompress + XLA: never.
+# measured against decompress + XLA: never. One cell is not the sweep's:
+# (4096, 4096) takes the kernel at M = 1 only, because the whole model
+# measured slower with it at M = 4 and 16, though the product alone measured
+# faster (bench_decode, d_model 4096 x 8, the `out` projection after
+# attention: decode step 4.04 and 9.85 ms at batch 4 and 16 against 2.97 and
+# 4.15 ms with that product decompressed; nvidia-h200.md, "decode with a KV
+# cache", 2026-11-27); the cause is not known.
 # NVIDIA H100 80GB HBM3 (2026-11-27, benchmarks/results/nvidia-h100-80gb-hbm3.md,
 # "decode with a KV cache", d_model 4096): no sweep yet; the row holds the
 # model's four products, `pallas` against `auto (xla)` at M = 1, 4, 16, 64:
@@ -95,7 +101,7 @@ DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((8, 32, 32, 32),    # 2048
-                    (32, 32, 32, 32),   # 4096
+                    (32, 1, 32, 32),    # 4096
                     (16, 32, 32, 32),   # 8192
                     (16, 32, 32, 32)),  # 16384
     "NVIDIA H100 80GB HBM3": ((0, 0, 0, 0),     # 2048
