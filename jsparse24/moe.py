@@ -39,7 +39,8 @@ from jsparse24.linen import COLLECTION, MVUE_RNG, SparseDense
 
 class _Expert(nn.Module):
   """One expert, `down(activation(up(x)))`; `SparseMoE` stacks it over the
-  experts with `nn.vmap`."""
+  experts with `nn.vmap`. `up` and `down` are `SparseDense`, or `nn.Dense`
+  (same fields and params) when not `sparse`."""
 
   hidden: int
   features: int
@@ -51,14 +52,18 @@ class _Expert(nn.Module):
   kernel_init: Any
   bias_init: Any
   options: SparsityOptions  # both kernels'
+  sparse: bool
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-              precision=self.precision, kernel_init=self.kernel_init, bias_init=self.bias_init,
-              **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)})
-    h = SparseDense(self.hidden, name="up", **kw)(x)
-    return SparseDense(self.features, name="down", **kw)(self.activation(h))
+              precision=self.precision, kernel_init=self.kernel_init, bias_init=self.bias_init)
+    linear = nn.Dense
+    if self.sparse:
+      kw.update({f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)})
+      linear = SparseDense
+    h = linear(self.hidden, name="up", **kw)(x)
+    return linear(self.features, name="down", **kw)(self.activation(h))
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -149,6 +154,10 @@ class SparseMoE(nn.Module):
   The sparsity fields are `SparseDense`'s, applied to both expert kernels;
   `kernel_sharding` (tensor parallelism of a single kernel) has no
   counterpart here: sharding the experts is expert parallelism.
+  `sparse=False` makes the experts `nn.Dense` (no masks, no `"sparsity"`
+  collection): the dense baseline, with the same params tree, the same
+  initial values for the same key and the same routing code, as `nn.Dense`
+  is `SparseDense`'s.
 
   Example:
     >>> import jax, jax.numpy as jnp, jsparse24
@@ -180,6 +189,7 @@ class SparseMoE(nn.Module):
   implementation: str | None = None
   mask_source: Literal["collection", "dynamic"] = "collection"
   weight_grad: Literal["dense", "mvue"] = "dense"
+  sparse: bool = True  # False: nn.Dense experts (the dense baseline)
 
   @nn.compact
   def __call__(self, inputs: Float[Array, "... S d"]) -> Float[Array, "... S d"]:
@@ -220,7 +230,8 @@ class SparseMoE(nn.Module):
         implementation=self.implementation, mask_source=self.mask_source,
         weight_grad=self.weight_grad)
     experts = stack(self.hidden, d, self.activation, self.use_bias, self.dtype, self.param_dtype,
-                    self.precision, self.kernel_init, self.bias_init, options, name="experts")
+                    self.precision, self.kernel_init, self.bias_init, options, self.sparse,
+                    name="experts")
     expert_out = experts(expert_in)
     expert_out = jnp.reshape(expert_out, (self.num_experts, groups, capacity, d))
     y = jnp.einsum("gsec,egcd->gsd", combine.astype(expert_out.dtype), expert_out)
