@@ -21,12 +21,10 @@ layer inside a model passes its input gradient on), and an AdamW update.
   cuSPARSELt, that is a `lax.map` of one cuSPARSELt call per expert and
   product (cuSPARSELt's batching rule). tests/test_bench_moe.py checks on
   CPU that the products reach `sparse_dot` under that vmap.
-* dense: the same `SparseMoE` with its two expert products computed as
-  `nn.Dense` computes them (`dense_products`, an `nn.intercept_methods`
-  interceptor: the mirror image of `jsparse24.sparsify`): the router, the
-  routing, the dispatch and combine einsums and the params tree are the
-  layer's own code in both models, and the init params are the same. Under
-  `nn.vmap` the dense products are one batched XLA matmul each.
+* dense: the same layer with `sparse=False` (its experts `nn.Dense`): the
+  router, the routing, the dispatch and combine einsums are the same code in
+  both, the params tree and the init params the same. Under `nn.vmap` the
+  dense products are one batched XLA matmul each.
 * routing alone: either model's step with each expert's two products
   replaced by their input (`identity_products`; each expert is then
   `gelu(x)`), gradients and AdamW on the router only: router, softmax,
@@ -65,31 +63,17 @@ from benchmarks._gpt import LR, MASK_DECAY, WEIGHT_DECAY, at_count
 
 AUX_WEIGHT = 0.01  # Switch Transformer's weight of the load-balancing loss
 QUICK_SHAPE = {"d_model": 32, "experts": 4, "top_k": 2, "tokens": 128, "group": 32}
+EXPERT_LAYERS = ("up", "down")  # SparseMoE's expert kernels (the router is "router")
 FULL_SHAPE = {"d_model": 4096, "experts": 8, "top_k": 2, "tokens": 16384, "group": 2048}
 
 
-def dense_products(next_fun, args, kwargs, context):
-  """`nn.intercept_methods` interceptor: a `jsparse24.SparseDense` computes
-  what `nn.Dense` with the same fields computes (same params, no mask)."""
-  module = context.module
-  if type(module) is not jsparse24.SparseDense or context.method_name != "__call__":  # pylint: disable=unidiomatic-typecheck
-    return next_fun(*args, **kwargs)
-  (inputs,) = args
-  kernel = module.param("kernel", module.kernel_init, (inputs.shape[-1], module.features),
-                        module.param_dtype)
-  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
-          if module.use_bias else None)
-  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
-  y = jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                          precision=module.precision)
-  return y if bias is None else y + bias
-
-
 def identity_products(next_fun, args, kwargs, context):
-  """`nn.intercept_methods` interceptor: a `jsparse24.SparseDense` returns its
+  """`nn.intercept_methods` interceptor: each expert's `up` and `down`
+  (`jsparse24.SparseDense`, or `nn.Dense` with `sparse=False`) returns its
   input, creating no params: the experts of a `SparseMoE` become
-  `activation(x)`, which leaves the routing, dispatch and combine alone."""
-  if (type(context.module) is not jsparse24.SparseDense  # pylint: disable=unidiomatic-typecheck
+  `activation(x)`, which leaves the router, routing, dispatch and combine."""
+  module = context.module
+  if (type(module) not in (jsparse24.SparseDense, nn.Dense) or module.name not in EXPERT_LAYERS
       or context.method_name != "__call__"):
     return next_fun(*args, **kwargs)
   return args[0]
@@ -112,14 +96,14 @@ def make_step(apply, tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def moe_apply(model, interceptor=None, sparse: bool = False):
+def moe_apply(model, interceptor=None):
   """`apply(params, opt_state, x) -> (y, load_balancing_loss)` of `model`:
-  with the 2:4 masks of `opt_state` when `sparse`, under `interceptor` when
-  given (the products are traced inside its context)."""
+  with the 2:4 masks of `opt_state` when `model.sparse`, under `interceptor`
+  when given (the products are traced inside its context)."""
 
   def apply(params, opt_state, x):
     variables = {"params": params}
-    if sparse:
+    if model.sparse and interceptor is None:
       variables["sparsity"] = jsparse24.optim.masks(opt_state)
     with nn.intercept_methods(interceptor) if interceptor else contextlib.nullcontext():
       y, state = model.apply(variables, x, mutable=["intermediates"])
@@ -162,6 +146,7 @@ def run(cfg: dict, timer, step_timer) -> dict:
   model = jsparse24.SparseMoE(num_experts=e, hidden=hidden, top_k=k,
                               capacity_factor=cfg["capacity_factor"], dtype=jnp.bfloat16,
                               implementation=cfg["implementation"])
+  dense_model = model.clone(sparse=False)
   key_x, key_t, key_init = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(key_x, (groups, group, d), jnp.bfloat16)
   target = jax.random.normal(key_t, (groups, group, d), jnp.bfloat16)
@@ -180,14 +165,13 @@ def run(cfg: dict, timer, step_timer) -> dict:
 
   # Dense, before any 2:4 product has run in this process.
   print("dense: init, compile, first step", flush=True)
-  with nn.intercept_methods(dense_products):
-    params = jax.jit(model.init)(key_init, x)["params"]
+  params = jax.jit(dense_model.init)(key_init, x)["params"]
   out["params"] = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
   fingerprint = jax.tree.leaves(jax.tree.map(float, _fingerprint(params)))
   shapes = jax.tree.map(lambda a: (a.shape, a.dtype), params)
   opt_state = jax.jit(adamw.init)(params)
   dense_step, compile_s = _common.compile_step(
-      make_step(moe_apply(model, dense_products), adamw), params, opt_state, x, target)
+      make_step(moe_apply(dense_model), adamw), params, opt_state, x, target)
   params, opt_state, loss, _ = dense_step(params, opt_state, x, target)
   dense = out["dense"] = {"compile_s": compile_s, "first_loss": float(loss)}
   print(f"dense: compiled in {compile_s:.1f} s, first-step loss {dense['first_loss']:.4f}",
@@ -199,7 +183,7 @@ def run(cfg: dict, timer, step_timer) -> dict:
   print(f"dense: {dense['step_ms']:.2f} ms/step, {dense['tokens_per_s']:,.0f} tokens/s",
         flush=True)
   print("dense: routing alone", flush=True)
-  dense["routing_ms"] = time_routing(model, state["params"], step_timer, x, target) * 1e3
+  dense["routing_ms"] = time_routing(dense_model, state["params"], step_timer, x, target) * 1e3
   print(f"dense: routing + dispatch + combine alone {dense['routing_ms']:.2f} ms/step",
         flush=True)
   del params, opt_state, runner, state
@@ -220,7 +204,7 @@ def run(cfg: dict, timer, step_timer) -> dict:
   opt_state = jax.jit(tx.init)(params)
   del variables
   # The 2:4 layer must compute the dense layer on the masked kernels.
-  dense_apply = moe_apply(model, dense_products)
+  dense_apply = moe_apply(dense_model)
 
   def reference_loss(p, o, x, target):
     y, aux = dense_apply(masked_params(p, jsparse24.optim.masks(o)), o, x)
@@ -229,7 +213,7 @@ def run(cfg: dict, timer, step_timer) -> dict:
 
   reference = float(jax.jit(reference_loss)(params, opt_state, x, target))
   sparse_step, compile_s = _common.compile_step(
-      make_step(moe_apply(model, sparse=True), tx), params, opt_state, x, target)
+      make_step(moe_apply(model), tx), params, opt_state, x, target)
   params, opt_state, loss, _ = sparse_step(params, opt_state, x, target)
   sp = out["sparse"] = {"compile_s": compile_s, "first_loss": float(loss),
                         "reference_loss": reference}
@@ -266,8 +250,7 @@ def run(cfg: dict, timer, step_timer) -> dict:
   del params, opt_state, runner, state, sparse_step
 
   print("dense: timing again, after the 2:4 steps", flush=True)
-  with nn.intercept_methods(dense_products):
-    params = jax.jit(model.init)(key_init, x)["params"]
+  params = jax.jit(dense_model.init)(key_init, x)["params"]
   runner, _ = _common.threaded(dense_step, params, jax.jit(adamw.init)(params))
   dense["step_ms_after_sparse"] = step_timer(runner, x, target) * 1e3
   dense["after_sparse"] = dense["step_ms_after_sparse"] / dense["step_ms"] - 1
@@ -307,8 +290,8 @@ def notes(cfg: dict, r: dict) -> str:
       f" the layer as it is (expert products on {r['implementations']}, `sparse_dot` under"
       f" `vmap` over the experts: on cuSPARSELt a `lax.map` of one call per expert) with"
       f" `with_masks(adamw, MaskSchedule(rebuild_every={cfg['rebuild_every']}),"
-      f" decay={MASK_DECAY})`; dense = the same layer with its expert products computed as"
-      f" `nn.Dense` does (`dense_products`): identical routing code and init params. Routing"
+      f" decay={MASK_DECAY})`; dense = the same layer with `sparse=False` (`nn.Dense`"
+      f" experts): identical routing code and init params. Routing"
       f" alone = the step with each expert's products replaced by their input (router"
       f" gradients and AdamW only). Steps donate their state and are timed in runs of >= 1 s"
       f" (median of 5); the 2:4 steps with mask_update's count pinned to a step that does not"
