@@ -22,6 +22,15 @@ count:
   the minimum-variance unbiased rule (`SparseDense(weight_grad="mvue")`, one
   key per step folded from the seed, so `--resume` continues bit for bit).
 
+`--moe E,K`: the feed-forward layer of every block is a mixture of experts,
+`jsparse24.SparseMoE` (E experts of hidden width 4 x d_model, each token
+routed to its top K, capacity factor 1.25, each sequence a routing group):
+2:4 experts with masks per expert in the 2:4 run, the same layer with
+`sparse=False` (`nn.Dense` experts, same params) in the dense run. Both add
+`--moe-aux-weight` times the layers' mean load-balancing loss (Switch
+Transformer's, sown by `SparseMoE`) to the training loss; the losses
+reported are the cross-entropy alone.
+
 The text ships with Python: a fixed list of standard-library modules
 (`--corpus`: 8 files, ~0.6 MB, in the small preset; every `.py` file of the
 standard library, ~30 MB, in the gpu preset; the first 90% of each file trains,
@@ -114,6 +123,7 @@ CORPORA["large"] = CORPORA["small"] + tuple("""
     importlib/_bootstrap_external.py
 """.split())
 VOCAB = 256  # bytes
+MOE_CAPACITY_FACTOR = 1.25  # SparseMoE's default, which --moe uses
 VAL_FRACTION = 0.1
 
 # "stdlib": every .py file of the standard library (sorted paths, without
@@ -250,6 +260,7 @@ class Block(nn.Module):
   transposable: bool | None = None
   weight_grad: str = "dense"
   mlp_shardings: tuple = ()
+  moe: tuple[int, int] | None = None  # (experts, top k): the MLP is a SparseMoE
 
   @nn.compact
   def __call__(self, x, mask):
@@ -257,6 +268,13 @@ class Block(nn.Module):
     x = x + nn.MultiHeadDotProductAttention(
         num_heads=self.heads, dtype=self.dtype, deterministic=True, name="attn")(h, mask=mask)
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
+    if self.moe is not None:
+      experts, top_k = self.moe
+      kind = {} if self.transposable is None else {"transposable": self.transposable}
+      # [batch, seq, d]: each sequence is one routing group.
+      return x + jsparse24.SparseMoE(experts, 4 * self.d_model, top_k, dtype=self.dtype,
+                                     sparse=self.sparse_mlp, weight_grad=self.weight_grad,
+                                     name="mlp", **kind)(h)
     return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
                    self.weight_grad, self.mlp_shardings, name="mlp")(h)
 
@@ -275,6 +293,7 @@ class CharLM(nn.Module):
   transposable: bool | None = None
   weight_grad: str = "dense"  # of the sparse MLP layers: "dense" or "mvue"
   mlp_shardings: tuple = ()  # tensor parallelism of the 2:4 MLP layers (MLP.shardings)
+  moe: tuple[int, int] | None = None  # (experts, top k): every MLP a SparseMoE (Block.moe)
 
   @nn.compact
   def __call__(self, tokens):
@@ -285,7 +304,7 @@ class CharLM(nn.Module):
     mask = nn.make_causal_mask(tokens)
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
-                self.weight_grad, self.mlp_shardings, name=f"block_{i}")(x, mask)
+                self.weight_grad, self.mlp_shardings, self.moe, name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -313,6 +332,8 @@ class Run:
   # The 2:4 run's MaskSchedule: each step is jitted for its phase (dense
   # warm-up or sparse), so no product switches at run time (optim.masks).
   schedule: Any = None
+  # --moe: the weight of the MoE layers' load-balancing loss in the training loss.
+  aux_weight: float = 0.0
   # Training-step time only (no compilation, evaluation or checkpointing):
   # (first step, end step, seconds) of each stretch timed between two syncs.
   segments: list = dataclasses.field(default_factory=list)
@@ -335,9 +356,16 @@ class Run:
     return None if self.schedule is None else self.schedule.phase(step)
 
 
-def loss_fn(model, variables, x, y, rngs=None):
-  logits = model.apply(variables, x, rngs=rngs)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def loss_fn(model, variables, x, y, rngs=None, aux_weight: float = 0.0):
+  """Mean next-byte cross-entropy; plus `aux_weight` times the mean of the
+  load-balancing losses that the model's `SparseMoE` layers sow, if any."""
+  logits, state = model.apply(variables, x, rngs=rngs, mutable=["intermediates"])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  if not aux_weight:
+    return loss
+  aux = [v for path, v in jax.tree_util.tree_leaves_with_path(state)
+         if path[-2].key == "load_balancing_loss"]
+  return loss + aux_weight * jnp.mean(jnp.stack(aux))
 
 
 def make_steps(run: Run):
@@ -351,7 +379,8 @@ def make_steps(run: Run):
   @functools.partial(jax.jit, static_argnames="phase")
   def train_step(params, opt_state, x, y, step, phase=None):
     def objective(p):
-      return loss_fn(run.model, run.variables(p, opt_state, phase), x, y, rngs(step))
+      return loss_fn(run.model, run.variables(p, opt_state, phase), x, y, rngs(step),
+                     run.aux_weight)
 
     loss, grads = jax.value_and_grad(objective)(params)
     updates, opt_state = run.tx.update(grads, opt_state, params)
@@ -468,13 +497,19 @@ def sparse_layer_backends(args) -> dict[str, str]:
   shapes (`jsparse24.selected_implementation`): where it is "xla" for every
   layer, the 2:4 model multiplies with masked dense products and its speed
   says nothing about 2:4 kernels."""
-  d, tokens = args.d_model, args.batch * args.seq_len
+  d, rows, prefix = args.d_model, args.batch * args.seq_len, "mlp"
+  if args.moe is not None:
+    # Each expert multiplies its slots of every sequence (routing group).
+    experts, top_k = args.moe
+    rows = args.batch * jsparse24.moe.expert_capacity(args.seq_len, experts, top_k,
+                                                      MOE_CAPACITY_FACTOR)
+    prefix = "mlp/experts"
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   transposable = mask_transposable(args)
-  return {name: jsparse24.selected_implementation(
-              (tokens, k), (k, n), dtype,
+  return {f"{prefix}/{name}": jsparse24.selected_implementation(
+              (rows, k), (k, n), dtype,
               transposable=n % 4 == 0 if transposable is None else transposable)
-          for name, (k, n) in {"mlp/up": (d, 4 * d), "mlp/down": (4 * d, d)}.items()}
+          for name, (k, n) in {"up": (d, 4 * d), "down": (4 * d, d)}.items()}
 
 
 def mlp_bytes(params, sparsity) -> dict[str, int]:
@@ -582,6 +617,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--mvue", action="store_true",
                  help="2:4 run: the MLP kernels' gradients from the output gradient pruned 2:4"
                       " by the minimum-variance unbiased rule (SparseDense(weight_grad='mvue'))")
+  p.add_argument("--moe", metavar="E,K",
+                 help="the MLP of every block a mixture of E experts, each token routed to"
+                      " its top K (jsparse24.SparseMoE; the dense run: sparse=False)")
+  p.add_argument("--moe-aux-weight", type=float, default=0.01,
+                 help="--moe: weight of the load-balancing loss (Switch Transformer's 0.01)")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
   p.add_argument("--out", default=os.path.join("runs", "train_lm"), help="output folder")
   p.add_argument("--resume", action="store_true",
@@ -602,6 +642,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except (TypeError, ValueError) as e:
       p.error(f"--sparsity-ramp {args.sparsity_ramp!r}: two steps START,END with"
               f" 0 <= START < END ({e})")
+  if args.moe is not None:
+    try:
+      experts, top_k = (int(v) for v in args.moe.split(","))
+    except ValueError:
+      p.error(f"--moe {args.moe!r}: two integers E,K (experts, top k), e.g. 8,2")
+    if not 1 <= top_k <= experts:
+      p.error(f"--moe {args.moe}: K={top_k} must lie in [1, E={experts}]")
+    args.moe = (experts, top_k)
   if args.d_model % 4 or args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} must be a multiple of 4 (2:4 groups) and of --heads.")
   if min(args.steps, args.batch, args.seq_len, args.eval_every, args.layers) < 1:
@@ -619,8 +667,11 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
   transposable = mask_transposable(args)
   weight_grad = "mvue" if sparse and args.mvue else "dense"
+  if args.moe is not None and mlp_shardings:
+    raise ValueError("make_run: --moe has no tensor-parallel MLP layers (`mlp_shardings`):"
+                     " shard an MoE over its experts, or drop --moe.")
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
-                 transposable, weight_grad, mlp_shardings)
+                 transposable, weight_grad, mlp_shardings, args.moe)
   key = jax.random.key(args.seed)
   variables = jax.jit(model.init, out_shardings=_placed(state_sharding, model.init, key,
                                                         sample))(key, sample)
@@ -642,7 +693,8 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
   params = variables["params"]
   mvue_key = jax.random.fold_in(jax.random.key(args.seed), 1) if weight_grad == "mvue" else None
   opt_state = jax.jit(tx.init, out_shardings=_placed(state_sharding, tx.init, params))(params)
-  return Run(name, model, tx, sparse, params, opt_state, mvue_key=mvue_key, schedule=schedule)
+  return Run(name, model, tx, sparse, params, opt_state, mvue_key=mvue_key, schedule=schedule,
+             aux_weight=args.moe_aux_weight if args.moe is not None else 0.0)
 
 
 def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
@@ -668,7 +720,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f" seq {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr},"
         f" {args.dtype}; 2:4 MLP ({args.mask} masks): dense warm-up {args.mask_warmup} steps, rebuild"
         f" every {args.rebuild_every}, decay {args.decay}"
-        + (", MVUE weight gradients" if args.mvue else ""))
+        + (", MVUE weight gradients" if args.mvue else "")
+        + (f"; every MLP a SparseMoE of {args.moe[0]} experts, top-{args.moe[1]} (load-balancing"
+           f" loss weight {args.moe_aux_weight})" if args.moe else ""))
 
   os.makedirs(args.out, exist_ok=True)
   sample = jnp.zeros((1, args.seq_len), jnp.int32)
@@ -747,13 +801,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   stats = jsparse24.optim.stats(sparse.opt_state)
   last_rebuild = int(optax.tree_utils.tree_get(sparse.opt_state, "last_rebuild"))
-  flip = float(np.mean([float(s["flip_rate"]) for s in stats.values()]))
-  density = float(np.mean([float(s["sparsity"]) for s in stats.values()]))
+  # Stacked layers (--moe's experts) have one value per expert.
+  flip = float(np.mean([np.mean(s["flip_rate"]) for s in stats.values()]))
+  density = float(np.mean([np.mean(s["sparsity"]) for s in stats.values()]))
   print(f"2:4 masks: {len(stats)} layers, sparsity {density:.2f}, mean flip rate"
         f" {flip:.4f} at the last rebuild (step {last_rebuild})")
   masks = jsparse24.optim.masks(sparse.opt_state)
   masks_are_24 = all(
-      bool(jsparse24.is_24(m.unpack(), axis=0))
+      bool(jsparse24.is_24(m.unpack(), axis=-2))
       for m in jax.tree.leaves(masks, is_leaf=lambda a: isinstance(a, jsparse24.Mask24))
       if isinstance(m, jsparse24.Mask24))
 

@@ -39,7 +39,8 @@ from jsparse24.linen import COLLECTION, MVUE_RNG, SparseDense
 
 class _Expert(nn.Module):
   """One expert, `down(activation(up(x)))`; `SparseMoE` stacks it over the
-  experts with `nn.vmap`."""
+  experts with `nn.vmap`. `up` and `down` are `SparseDense`, or `nn.Dense`
+  (same fields and params) when not `sparse`."""
 
   hidden: int
   features: int
@@ -51,14 +52,18 @@ class _Expert(nn.Module):
   kernel_init: Any
   bias_init: Any
   options: SparsityOptions  # both kernels'
+  sparse: bool
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-              precision=self.precision, kernel_init=self.kernel_init, bias_init=self.bias_init,
-              **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)})
-    h = SparseDense(self.hidden, name="up", **kw)(x)
-    return SparseDense(self.features, name="down", **kw)(self.activation(h))
+              precision=self.precision, kernel_init=self.kernel_init, bias_init=self.bias_init)
+    linear = nn.Dense
+    if self.sparse:
+      kw.update({f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)})
+      linear = SparseDense
+    h = linear(self.hidden, name="up", **kw)(x)
+    return linear(self.features, name="down", **kw)(self.activation(h))
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -121,6 +126,30 @@ def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax
   return num_experts * jnp.mean(jnp.sum(share * prob, axis=-1))
 
 
+def moe_forward(inputs: Float[Array, "... S d"], router: Callable[[jax.Array], jax.Array],
+                experts: Callable[[jax.Array], jax.Array], num_experts: int, top_k: int,
+                capacity_factor: float, dtype: Any):
+  """The MoE layer's forward pass, shared by the Linen and NNX `SparseMoE`:
+  `router(x [G, S, d]) -> logits [G, S, E]`, `route`, the dispatch einsum to
+  `[E, G * capacity, d]`, `experts` (stacked over E) and the combine einsum.
+  Returns `(y, load_balancing_loss, dropped)` (the share of the top-k
+  choices dropped for capacity)."""
+  *lead, s, d = jnp.shape(inputs)
+  x = jnp.reshape(inputs, (-1, s, d))
+  groups = x.shape[0]
+  capacity = expert_capacity(s, num_experts, top_k, capacity_factor)
+  probs = jax.nn.softmax(router(x).astype(jnp.float32), axis=-1)
+  dispatch, combine, chosen = route(probs, top_k, capacity)
+  aux = load_balancing_loss(probs, chosen)
+  dropped = 1.0 - jnp.sum(dispatch) / (groups * s * top_k)
+  # [E, groups * capacity, d]: each expert's tokens of every group in one product.
+  expert_in = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dtype), x.astype(dtype))
+  expert_out = experts(jnp.reshape(expert_in, (num_experts, groups * capacity, d)))
+  expert_out = jnp.reshape(expert_out, (num_experts, groups, capacity, d))
+  y = jnp.einsum("gsec,egcd->gsd", combine.astype(expert_out.dtype), expert_out)
+  return jnp.reshape(y, (*lead, s, d)), aux, dropped
+
+
 class SparseMoE(nn.Module):
   """A mixture-of-experts feed-forward layer with 2:4 sparse experts.
 
@@ -149,6 +178,10 @@ class SparseMoE(nn.Module):
   The sparsity fields are `SparseDense`'s, applied to both expert kernels;
   `kernel_sharding` (tensor parallelism of a single kernel) has no
   counterpart here: sharding the experts is expert parallelism.
+  `sparse=False` makes the experts `nn.Dense` (no masks, no `"sparsity"`
+  collection): the dense baseline, with the same params tree, the same
+  initial values for the same key and the same routing code, as `nn.Dense`
+  is `SparseDense`'s.
 
   Example:
     >>> import jax, jax.numpy as jnp, jsparse24
@@ -180,6 +213,7 @@ class SparseMoE(nn.Module):
   implementation: str | None = None
   mask_source: Literal["collection", "dynamic"] = "collection"
   weight_grad: Literal["dense", "mvue"] = "dense"
+  sparse: bool = True  # False: nn.Dense experts (the dense baseline)
 
   @nn.compact
   def __call__(self, inputs: Float[Array, "... S d"]) -> Float[Array, "... S d"]:
@@ -194,34 +228,22 @@ class SparseMoE(nn.Module):
     if not self.capacity_factor > 0:
       raise ValueError(f"{fn}: capacity_factor={self.capacity_factor} must be > 0"
                        f" (1.0: an even share of the tokens per expert).")
-    *lead, s, d = jnp.shape(inputs)
-    x = jnp.reshape(inputs, (-1, s, d))
-    groups = x.shape[0]
-    capacity = expert_capacity(s, self.num_experts, self.top_k, self.capacity_factor)
-
-    logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32,
-                      param_dtype=self.param_dtype, kernel_init=self.router_init,
-                      precision=self.precision, name="router")(x)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    dispatch, combine, experts = route(probs, self.top_k, capacity)
-    self.sow("intermediates", "load_balancing_loss", load_balancing_loss(probs, experts))
-    self.sow("intermediates", "dropped",
-             1.0 - jnp.sum(dispatch) / (groups * s * self.top_k))
-
-    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    stack = nn.vmap(_Expert, variable_axes={"params": 0, COLLECTION: 0},
-                    split_rngs={"params": True, MVUE_RNG: True}, in_axes=0, out_axes=0,
-                    axis_size=self.num_experts)
-    # [E, groups * capacity, d]: each expert's tokens of every group in one product.
-    expert_in = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dtype), x.astype(dtype))
-    expert_in = jnp.reshape(expert_in, (self.num_experts, groups * capacity, d))
     options = SparsityOptions.checked(
         fn, gradient=self.gradient, transposable=self.transposable,
         implementation=self.implementation, mask_source=self.mask_source,
         weight_grad=self.weight_grad)
-    experts = stack(self.hidden, d, self.activation, self.use_bias, self.dtype, self.param_dtype,
-                    self.precision, self.kernel_init, self.bias_init, options, name="experts")
-    expert_out = experts(expert_in)
-    expert_out = jnp.reshape(expert_out, (self.num_experts, groups, capacity, d))
-    y = jnp.einsum("gsec,egcd->gsd", combine.astype(expert_out.dtype), expert_out)
-    return jnp.reshape(y, (*lead, s, d))
+    router = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32,
+                      param_dtype=self.param_dtype, kernel_init=self.router_init,
+                      precision=self.precision, name="router")
+    stack = nn.vmap(_Expert, variable_axes={"params": 0, COLLECTION: 0},
+                    split_rngs={"params": True, MVUE_RNG: True}, in_axes=0, out_axes=0,
+                    axis_size=self.num_experts)
+    experts = stack(self.hidden, jnp.shape(inputs)[-1], self.activation, self.use_bias,
+                    self.dtype, self.param_dtype, self.precision, self.kernel_init,
+                    self.bias_init, options, self.sparse, name="experts")
+    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
+    y, aux, dropped = moe_forward(inputs, router, experts, self.num_experts, self.top_k,
+                                  self.capacity_factor, dtype)
+    self.sow("intermediates", "load_balancing_loss", aux)
+    self.sow("intermediates", "dropped", dropped)
+    return y

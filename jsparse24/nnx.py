@@ -385,5 +385,110 @@ def masks_state(model: nnx.Module) -> nnx.State:
   return nnx.state(model, SparsityMask)
 
 
-__all__ = ["SparseLinear", "SparsityMask", "compress_params", "masks_like_kernels", "masks_state",
+class _Expert(nnx.Module):
+  """One expert of `SparseMoE`, `down(activation(up(x)))`; stacked over the
+  experts with `nnx.vmap`."""
+
+  def __init__(self, features: int, hidden: int, activation, *, rngs: nnx.Rngs, **kw):
+    self.up = SparseLinear(features, hidden, rngs=rngs, **kw)
+    self.down = SparseLinear(hidden, features, rngs=rngs, **kw)
+    self.activation = activation
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down(self.activation(self.up(x)))
+
+
+class SparseMoE(nnx.Module):
+  """The NNX form of `jsparse24.SparseMoE`: a mixture-of-experts feed-forward
+  layer whose `[E, K, N]` expert kernels are 2:4 per expert.
+
+  `self.router` is an `nnx.Linear` (float32); `self.experts` one `_Expert`
+  (`up`, `down`: `SparseLinear`) stacked over the experts with `nnx.vmap`,
+  so that `experts.up.kernel` is `[E, in_features, hidden]` and
+  `experts.up.mask` a stacked `Mask24` with one mask per expert.
+  `rebuild_masks` rebuilds each expert's masks from its own kernels and
+  `compress_params` gives one stacked `Sparse24` per kernel, as for any
+  `nnx.vmap` stack. The forward pass is `jsparse24.moe.moe_forward`, the
+  Linen layer's: the same routing, capacity and dispatch. The
+  load-balancing loss and the dropped share are sown as `nnx.Intermediate`s
+  (`load_balancing_loss`, `dropped`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jsparse24 import nnx as jnnx
+    >>> moe = jnnx.SparseMoE(16, num_experts=4, hidden=32, rngs=nnx.Rngs(0))
+    >>> moe.experts.up.kernel.shape
+    (4, 16, 32)
+    >>> moe(jnp.ones((2, 6, 16))).shape
+    (2, 6, 16)
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      *,
+      num_experts: int,
+      hidden: int,
+      top_k: int = 2,
+      capacity_factor: float = 1.25,
+      activation: Any = jax.nn.gelu,
+      use_bias: bool = False,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      precision: Any = None,
+      kernel_init: Any = default_kernel_init,
+      bias_init: Any = default_bias_init,
+      router_init: Any = default_kernel_init,
+      rngs: nnx.Rngs,
+      gradient: Literal["ste", "masked"] = "ste",
+      transposable: bool | None = None,
+      implementation: str | None = None,
+      mask_source: Literal["collection", "dynamic"] = "collection",
+      weight_grad: Literal["dense", "mvue"] = "dense",
+  ):
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"nnx.SparseMoE: top_k={top_k} must lie in [1, num_experts="
+                       f"{num_experts}].")
+    if not capacity_factor > 0:
+      raise ValueError(f"nnx.SparseMoE: capacity_factor={capacity_factor} must be > 0"
+                       f" (1.0: an even share of the tokens per expert).")
+    self.router = nnx.Linear(in_features, num_experts, use_bias=False, dtype=jnp.float32,
+                             param_dtype=param_dtype, precision=precision,
+                             kernel_init=router_init, rngs=rngs)
+    kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
+              kernel_init=kernel_init, bias_init=bias_init, gradient=gradient,
+              transposable=transposable, implementation=implementation,
+              mask_source=mask_source, weight_grad=weight_grad)
+
+    @nnx.split_rngs(splits=num_experts)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _Expert(in_features, hidden, activation, rngs=rngs, **kw)
+
+    self.experts = make(rngs)
+    self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+    self.dtype, self.param_dtype = dtype, param_dtype
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if jnp.ndim(inputs) < 2:
+      raise ValueError(
+          f"nnx.SparseMoE: `inputs` must be [..., S, d] (tokens S in routing groups), got"
+          f" shape {jnp.shape(inputs)}; add a leading axis for a single group.")
+
+    @nnx.vmap(in_axes=(0, 0), out_axes=0)
+    def run(expert, x):
+      return expert(x)
+
+    # Imported here: jsparse24.moe imports jsparse24.linen, which this module imports too.
+    from jsparse24.moe import moe_forward  # pylint: disable=g-import-not-at-top
+    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
+    y, aux, dropped = moe_forward(inputs, self.router, lambda x: run(self.experts, x),
+                                  self.num_experts, self.top_k, self.capacity_factor, dtype)
+    self.sow(nnx.Intermediate, "load_balancing_loss", aux)
+    self.sow(nnx.Intermediate, "dropped", dropped)
+    return y
+
+
+__all__ = ["SparseLinear", "SparseMoE", "SparsityMask", "compress_params", "masks_like_kernels", "masks_state",
            "rebuild_masks"]

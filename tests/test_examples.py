@@ -328,3 +328,44 @@ def test_train_lm_mvue_learns_and_resumes_bit_for_bit(train_lm, tmp_path):
   resumed = module.main(TINY_LM + ["--mvue", "--out", str(tmp_path / "a"), "--resume"])
   assert resumed["start_step_sparse"] == 15
   jax.tree.map(np.testing.assert_array_equal, resumed["params"], straight["params"])
+
+
+def test_train_lm_moe_trains_2_4_experts_and_a_dense_moe(tmp_path, capsys):
+  """--moe E,K: every block's MLP is a SparseMoE, 2:4 with masks per expert
+  in the 2:4 run, nn.Dense experts (sparse=False, same params) in the dense
+  run; both learn."""
+  module = load_example("train_lm")
+  flags = TINY_LM[:1] + ["10"] + TINY_LM[2:3] + ["5"] + TINY_LM[4:]
+  result = module.main(flags + ["--moe", "4,2", "--out", str(tmp_path)])
+  assert result["sparse_layers"] == ["block_0/mlp/experts/down", "block_0/mlp/experts/up"]
+  masks = result["sparsity_collection"]["block_0"]["mlp"]["experts"]
+  for name, shape in (("up", (4, 32, 128)), ("down", (4, 128, 32))):
+    mask = np.asarray(masks[name]["mask"].unpack())
+    assert mask.shape == shape, name
+    for e in range(4):
+      assert bool(jsparse24.is_24(mask[e], axis=0)), (name, e)
+    assert not np.array_equal(mask[0], mask[1]), name  # each expert its own mask
+  assert result["masks_are_24"]
+  for run in ("dense", "sparse"):
+    val = result[f"val_losses_{run}"]
+    assert all(math.isfinite(v) for v in val) and val[-1] < val[0], (run, val)
+  assert result["val_loss_compressed"] == pytest.approx(result["val_loss_masked"], abs=1e-4)
+  assert "every MLP a SparseMoE of 4 experts, top-2" in capsys.readouterr().out
+
+
+def test_train_lm_moe_loss_adds_the_load_balancing_loss():
+  """The training loss is the cross-entropy plus --moe-aux-weight times the
+  mean of the MoE layers' load-balancing losses; the dense run's MoE has no
+  masks."""
+  module = load_example("train_lm")
+  model = module.CharLM(module.VOCAB, 16, 2, 2, 8, False, moe=(4, 2))
+  x = jax.random.randint(jax.random.key(0), (3, 8), 0, module.VOCAB)
+  y = jnp.roll(x, -1, axis=1)
+  variables = model.init(jax.random.key(1), x)
+  assert set(variables) == {"params"}  # sparse=False: nn.Dense experts
+  _, state = model.apply(variables, x, mutable=["intermediates"])
+  aux = [state["intermediates"][f"block_{i}"]["mlp"]["load_balancing_loss"][0] for i in range(2)]
+  plain = module.loss_fn(model, variables, x, y)
+  np.testing.assert_allclose(module.loss_fn(model, variables, x, y, aux_weight=0.5),
+                             plain + 0.5 * np.mean(aux), rtol=1e-6)
+  assert all(float(a) > 0.5 for a in aux)  # ~K for a balanced router: the term is not zero

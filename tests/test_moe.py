@@ -219,3 +219,33 @@ def test_errors_name_the_layer_and_the_fix():
     jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=5).init(jax.random.key(0), _x(0))
   with pytest.raises(ValueError, match=r"SparseMoE: `inputs` must be \[..., S, d\]"):
     jsparse24.SparseMoE(num_experts=E, hidden=H).init(jax.random.key(0), jnp.ones(D))
+
+
+def test_sparse_false_is_the_dense_layer_on_the_same_params():
+  """`sparse=False`: the experts are nn.Dense, with the 2:4 layer's params
+  tree and initial values (same key) and no masks; forward and gradients
+  are the reference's with every weight kept."""
+  sparse = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2, use_bias=True)
+  dense = sparse.clone(sparse=False)
+  x = _x(11)
+  v = sparse.init(jax.random.key(12), x)
+  dv = dense.init(jax.random.key(12), x)
+  assert set(dv) == {"params"}
+  jax.tree.map(np.testing.assert_array_equal, dv["params"], v["params"])
+  leaves, tree = jax.tree.flatten(v["params"])
+  params = tree.unflatten([jax.random.normal(jax.random.key(30 + i), a.shape) * 0.5
+                           for i, a in enumerate(leaves)])
+  kept = {name: np.ones((E, *params["experts"][name]["kernel"].shape[1:]), bool)
+          for name in ("up", "down")}
+  capacity = jsparse24.moe.expert_capacity(S, E, 2, 1.25)
+  keep = _routing(_probs(params, x), 2, capacity)
+  np.testing.assert_allclose(dense.apply({"params": params}, x),
+                             _reference(params, kept, x, keep, gradient="masked"), **TOL)
+  cot = _x(13)
+  got = jax.grad(lambda p: jnp.sum(dense.apply({"params": p}, x) * cot))(params)
+  want = jax.grad(lambda p: jnp.sum(_reference(p, kept, x, keep, gradient="masked") * cot))(
+      params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
+  # ... and the 2:4 layer differs from it on the same params.
+  assert not np.allclose(sparse.apply({"params": params, "sparsity": v["sparsity"]}, x),
+                         dense.apply({"params": params}, x), rtol=1e-3, atol=1e-3)

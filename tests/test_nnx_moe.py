@@ -1,0 +1,71 @@
+"""`jsparse24.nnx.SparseMoE` against the plain-jnp reference of
+tests/test_moe.py (forward, gradients), its masks per expert through
+`nnx.rebuild_masks`, and `nnx.compress_params`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jsparse24
+from jsparse24 import nnx as jnnx
+from tests.test_moe import TOL, E, D, H, G, S, _reference, _routing, _probs, _x
+
+
+def _model(**kw):
+  return jnnx.SparseMoE(D, num_experts=E, hidden=H, rngs=nnx.Rngs(0), **kw)
+
+
+def _params(m):
+  return {"router": {"kernel": m.router.kernel[...]},
+          "experts": {name: {"kernel": getattr(m.experts, name).kernel[...]}
+                      for name in ("up", "down")}}
+
+
+def _masks(m):
+  return {name: np.asarray(getattr(m.experts, name).mask.get_value().unpack())
+          for name in ("up", "down")}
+
+
+def test_forward_and_gradients_match_the_reference():
+  m = _model(top_k=2, capacity_factor=0.75)
+  x = _x(0)
+  params, masks = _params(m), _masks(m)
+  keep = _routing(_probs(params, x), 2, jsparse24.moe.expert_capacity(S, E, 2, 0.75))
+  np.testing.assert_allclose(m(x), _reference(params, masks, x, keep, gradient="ste"), **TOL)
+  cot = _x(2)
+  got = nnx.grad(lambda m: jnp.sum(m(x) * cot))(m)
+  want = jax.grad(lambda p: jnp.sum(_reference(p, masks, x, keep, gradient="ste") * cot))(params)
+  np.testing.assert_allclose(got["router"]["kernel"][...], want["router"]["kernel"], **TOL)
+  for name in ("up", "down"):
+    np.testing.assert_allclose(got["experts"][name]["kernel"][...],
+                               want["experts"][name]["kernel"], **TOL)
+
+
+def test_masks_are_per_expert_and_rebuild_from_each_experts_kernel():
+  m = _model()
+  masks = _masks(m)
+  for name in ("up", "down"):
+    kernel = getattr(m.experts, name).kernel[...]
+    assert not np.array_equal(masks[name][0], masks[name][1])
+    for e in range(E):
+      np.testing.assert_array_equal(masks[name][e],
+                                    jsparse24.prune_24(kernel[e], transposable=True))
+    getattr(m.experts, name).kernel[...] = jax.random.normal(jax.random.key(5), kernel.shape)
+  jnnx.rebuild_masks(m)
+  new = _masks(m)
+  for name in ("up", "down"):
+    kernel = getattr(m.experts, name).kernel[...]
+    for e in range(E):
+      np.testing.assert_array_equal(new[name][e],
+                                    jsparse24.prune_24(kernel[e], transposable=True))
+
+
+def test_compress_params_per_expert_gives_the_masked_outputs():
+  m = _model()
+  x = _x(7)
+  y = m(x)
+  jnnx.compress_params(m)
+  kernel = m.experts.up.kernel.get_value()
+  assert isinstance(kernel, jsparse24.Sparse24) and tuple(kernel.shape) == (E, D, H)
+  np.testing.assert_allclose(m(x), y, **TOL)
