@@ -217,7 +217,12 @@ def val_batches(data: np.ndarray, n: int, batch: int, seq_len: int):
 
 
 class MLP(nn.Module):
-  """The block's feed-forward layers: 2:4 sparse when `sparse`."""
+  """The block's feed-forward layers: 2:4 sparse when `sparse`. `activation`:
+  "gelu", or "relu2" (squared ReLU, whose outputs are mostly zero: the
+  feed-forward of Haziza et al. 2025, arXiv 2503.16672). `input_sparsity`
+  ("off", "masked", "ste"): in the sparse model, `down`'s input (the
+  activations) pruned 2:4 at every step and its kernel dense, `up` keeping
+  2:4 weights (`jsparse24.SparseDense(input_sparsity=...)`)."""
 
   hidden: int
   sparse: bool
@@ -227,19 +232,25 @@ class MLP(nn.Module):
   # Tensor parallelism (examples/sharded_train.py): ((layer name,
   # NamedSharding of its kernel), ...) for the 2:4 layers' `kernel_sharding`.
   shardings: tuple = ()
+  activation: str = "gelu"
+  input_sparsity: str = "off"
 
   @nn.compact
   def __call__(self, x):
     kw = {name: {} for name in ("up", "down")}
-    linear = nn.Dense
+    linear = {name: nn.Dense for name in ("up", "down")}
     if self.sparse:
       kind = {} if self.transposable is None else {"transposable": self.transposable}
-      linear = functools.partial(jsparse24.SparseDense, weight_grad=self.weight_grad, **kind)
+      linear = {name: functools.partial(jsparse24.SparseDense, weight_grad=self.weight_grad,
+                                        **kind) for name in ("up", "down")}
       for name, sharding in self.shardings:
         kw[name] = {"kernel_sharding": sharding}
-    h = linear(self.hidden, dtype=self.dtype, name="up", **kw["up"])(x)
-    h = nn.gelu(h)
-    return linear(x.shape[-1], dtype=self.dtype, name="down", **kw["down"])(h)
+      if self.input_sparsity != "off":
+        linear["down"] = functools.partial(jsparse24.SparseDense, mask_source="none",
+                                           input_sparsity=self.input_sparsity)
+    h = linear["up"](self.hidden, dtype=self.dtype, name="up", **kw["up"])(x)
+    h = jnp.square(nn.relu(h)) if self.activation == "relu2" else nn.gelu(h)
+    return linear["down"](x.shape[-1], dtype=self.dtype, name="down", **kw["down"])(h)
 
 
 class Block(nn.Module):
@@ -250,6 +261,8 @@ class Block(nn.Module):
   transposable: bool | None = None
   weight_grad: str = "dense"
   mlp_shardings: tuple = ()
+  activation: str = "gelu"  # of the MLP (MLP.activation)
+  input_sparsity: str = "off"  # of the 2:4 MLP's down projection (MLP.input_sparsity)
 
   @nn.compact
   def __call__(self, x, mask):
@@ -258,7 +271,8 @@ class Block(nn.Module):
         num_heads=self.heads, dtype=self.dtype, deterministic=True, name="attn")(h, mask=mask)
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
     return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
-                   self.weight_grad, self.mlp_shardings, name="mlp")(h)
+                   self.weight_grad, self.mlp_shardings, self.activation, self.input_sparsity,
+                   name="mlp")(h)
 
 
 class CharLM(nn.Module):
@@ -275,6 +289,8 @@ class CharLM(nn.Module):
   transposable: bool | None = None
   weight_grad: str = "dense"  # of the sparse MLP layers: "dense" or "mvue"
   mlp_shardings: tuple = ()  # tensor parallelism of the 2:4 MLP layers (MLP.shardings)
+  activation: str = "gelu"  # MLP.activation
+  input_sparsity: str = "off"  # MLP.input_sparsity
 
   @nn.compact
   def __call__(self, tokens):
@@ -285,7 +301,8 @@ class CharLM(nn.Module):
     mask = nn.make_causal_mask(tokens)
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
-                self.weight_grad, self.mlp_shardings, name=f"block_{i}")(x, mask)
+                self.weight_grad, self.mlp_shardings, self.activation, self.input_sparsity,
+                name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -471,10 +488,13 @@ def sparse_layer_backends(args) -> dict[str, str]:
   d, tokens = args.d_model, args.batch * args.seq_len
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   transposable = mask_transposable(args)
-  return {name: jsparse24.selected_implementation(
-              (tokens, k), (k, n), dtype,
-              transposable=n % 4 == 0 if transposable is None else transposable)
-          for name, (k, n) in {"mlp/up": (d, 4 * d), "mlp/down": (4 * d, d)}.items()}
+  out = {name: jsparse24.selected_implementation(
+             (tokens, k), (k, n), dtype,
+             transposable=n % 4 == 0 if transposable is None else transposable)
+         for name, (k, n) in {"mlp/up": (d, 4 * d), "mlp/down": (4 * d, d)}.items()}
+  if args.sparse_activations != "off":
+    out["mlp/down"] = "xla"  # the one backend with the 2:4-activation product
+  return out
 
 
 def mlp_bytes(params, sparsity) -> dict[str, int]:
@@ -582,6 +602,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--mvue", action="store_true",
                  help="2:4 run: the MLP kernels' gradients from the output gradient pruned 2:4"
                       " by the minimum-variance unbiased rule (SparseDense(weight_grad='mvue'))")
+  p.add_argument("--ffn-activation", choices=("gelu", "relu2"), default="gelu",
+                 help="the MLP's activation in both runs: gelu, or relu2 (squared ReLU,"
+                      " mostly zeros: the feed-forward that 2:4 activations suit)")
+  p.add_argument("--sparse-activations", choices=("off", "masked", "ste"), default="off",
+                 help="2:4 activations in the 2:4 run: mlp/down's input pruned 2:4 at every"
+                      " step and its kernel dense (mlp/up keeps 2:4 weights); the input's"
+                      " gradient masked like the forward or straight-through"
+                      " (SparseDense(input_sparsity=...)); best with --ffn-activation relu2")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
   p.add_argument("--out", default=os.path.join("runs", "train_lm"), help="output folder")
   p.add_argument("--resume", action="store_true",
@@ -620,7 +648,8 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
   transposable = mask_transposable(args)
   weight_grad = "mvue" if sparse and args.mvue else "dense"
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
-                 transposable, weight_grad, mlp_shardings)
+                 transposable, weight_grad, mlp_shardings, args.ffn_activation,
+                 args.sparse_activations)
   key = jax.random.key(args.seed)
   variables = jax.jit(model.init, out_shardings=_placed(state_sharding, model.init, key,
                                                         sample))(key, sample)
@@ -668,7 +697,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f" seq {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr},"
         f" {args.dtype}; 2:4 MLP ({args.mask} masks): dense warm-up {args.mask_warmup} steps, rebuild"
         f" every {args.rebuild_every}, decay {args.decay}"
-        + (", MVUE weight gradients" if args.mvue else ""))
+        + (", MVUE weight gradients" if args.mvue else "")
+        + f"; MLP activation {args.ffn_activation}"
+        + (f"; 2:4 activations into mlp/down ({args.sparse_activations} gradient, dense"
+           f" kernel)" if args.sparse_activations != "off" else ""))
 
   os.makedirs(args.out, exist_ok=True)
   sample = jnp.zeros((1, args.seq_len), jnp.int32)

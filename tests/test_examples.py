@@ -328,3 +328,24 @@ def test_train_lm_mvue_learns_and_resumes_bit_for_bit(train_lm, tmp_path):
   resumed = module.main(TINY_LM + ["--mvue", "--out", str(tmp_path / "a"), "--resume"])
   assert resumed["start_step_sparse"] == 15
   jax.tree.map(np.testing.assert_array_equal, resumed["params"], straight["params"])
+
+
+def test_train_lm_squared_relu_with_24_activations(tmp_path):
+  """--ffn-activation relu2 --sparse-activations masked: both runs train a
+  squared-ReLU MLP; in the 2:4 run mlp/up keeps 2:4 weights (a mask) and
+  mlp/down takes 2:4 activations with a dense kernel (no mask), and both
+  learn."""
+  module = load_example("train_lm")
+  args = ["--steps", "12", "--eval-every", "6", "--d-model", "32", "--layers", "1",
+          "--heads", "2", "--seq-len", "32", "--batch", "8", "--eval-batches", "2",
+          "--lr", "1e-2", "--ffn-activation", "relu2", "--sparse-activations", "masked",
+          "--out", str(tmp_path)]
+  with contextlib.redirect_stdout(io.StringIO()) as printed:
+    result = module.main(args)
+  assert "MLP activation relu2; 2:4 activations into mlp/down (masked" in printed.getvalue()
+  assert result["sparse_layers"] == ["block_0/mlp/up"]
+  assert set(result["sparsity_collection"]["block_0"]["mlp"]) == {"up"}
+  assert result["sparse_layer_backends"]["mlp/down"] == "xla"
+  for run in ("dense", "sparse"):
+    val = result[f"val_losses_{run}"]
+    assert all(math.isfinite(v) for v in val) and val[-1] < val[0], (run, val)
