@@ -226,8 +226,17 @@ def val_batches(data: np.ndarray, n: int, batch: int, seq_len: int):
 # --- model --------------------------------------------------------------------
 
 
+# The MLP's activation by --ffn-activation (the experts' too under --moe).
+ACTIVATIONS = {"gelu": nn.gelu, "relu2": lambda h: jnp.square(nn.relu(h))}
+
+
 class MLP(nn.Module):
-  """The block's feed-forward layers: 2:4 sparse when `sparse`."""
+  """The block's feed-forward layers: 2:4 sparse when `sparse`. `activation`:
+  "gelu", or "relu2" (squared ReLU, whose outputs are mostly zero: the
+  feed-forward of Haziza et al. 2025, arXiv 2503.16672). `input_sparsity`
+  ("off", "masked", "ste"): in the sparse model, `down`'s input (the
+  activations) pruned 2:4 at every step and its kernel dense, `up` keeping
+  2:4 weights (`jsparse24.SparseDense(input_sparsity=...)`)."""
 
   hidden: int
   sparse: bool
@@ -237,19 +246,25 @@ class MLP(nn.Module):
   # Tensor parallelism (examples/sharded_train.py): ((layer name,
   # NamedSharding of its kernel), ...) for the 2:4 layers' `kernel_sharding`.
   shardings: tuple = ()
+  activation: str = "gelu"
+  input_sparsity: str = "off"
 
   @nn.compact
   def __call__(self, x):
     kw = {name: {} for name in ("up", "down")}
-    linear = nn.Dense
+    linear = {name: nn.Dense for name in ("up", "down")}
     if self.sparse:
       kind = {} if self.transposable is None else {"transposable": self.transposable}
-      linear = functools.partial(jsparse24.SparseDense, weight_grad=self.weight_grad, **kind)
+      linear = {name: functools.partial(jsparse24.SparseDense, weight_grad=self.weight_grad,
+                                        **kind) for name in ("up", "down")}
       for name, sharding in self.shardings:
         kw[name] = {"kernel_sharding": sharding}
-    h = linear(self.hidden, dtype=self.dtype, name="up", **kw["up"])(x)
-    h = nn.gelu(h)
-    return linear(x.shape[-1], dtype=self.dtype, name="down", **kw["down"])(h)
+      if self.input_sparsity != "off":
+        linear["down"] = functools.partial(jsparse24.SparseDense, mask_source="none",
+                                           input_sparsity=self.input_sparsity)
+    h = linear["up"](self.hidden, dtype=self.dtype, name="up", **kw["up"])(x)
+    h = ACTIVATIONS[self.activation](h)
+    return linear["down"](x.shape[-1], dtype=self.dtype, name="down", **kw["down"])(h)
 
 
 class Block(nn.Module):
@@ -261,6 +276,8 @@ class Block(nn.Module):
   weight_grad: str = "dense"
   mlp_shardings: tuple = ()
   moe: tuple[int, int] | None = None  # (experts, top k): the MLP is a SparseMoE
+  activation: str = "gelu"  # of the MLP (MLP.activation)
+  input_sparsity: str = "off"  # of the 2:4 MLP's down projection (MLP.input_sparsity)
 
   @nn.compact
   def __call__(self, x, mask):
@@ -273,10 +290,12 @@ class Block(nn.Module):
       kind = {} if self.transposable is None else {"transposable": self.transposable}
       # [batch, seq, d]: each sequence is one routing group.
       return x + jsparse24.SparseMoE(experts, 4 * self.d_model, top_k, dtype=self.dtype,
+                                     activation=ACTIVATIONS[self.activation],
                                      sparse=self.sparse_mlp, weight_grad=self.weight_grad,
                                      name="mlp", **kind)(h)
     return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
-                   self.weight_grad, self.mlp_shardings, name="mlp")(h)
+                   self.weight_grad, self.mlp_shardings, self.activation, self.input_sparsity,
+                   name="mlp")(h)
 
 
 class CharLM(nn.Module):
@@ -294,6 +313,8 @@ class CharLM(nn.Module):
   weight_grad: str = "dense"  # of the sparse MLP layers: "dense" or "mvue"
   mlp_shardings: tuple = ()  # tensor parallelism of the 2:4 MLP layers (MLP.shardings)
   moe: tuple[int, int] | None = None  # (experts, top k): every MLP a SparseMoE (Block.moe)
+  activation: str = "gelu"  # MLP.activation
+  input_sparsity: str = "off"  # MLP.input_sparsity
 
   @nn.compact
   def __call__(self, tokens):
@@ -304,7 +325,8 @@ class CharLM(nn.Module):
     mask = nn.make_causal_mask(tokens)
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
-                self.weight_grad, self.mlp_shardings, self.moe, name=f"block_{i}")(x, mask)
+                self.weight_grad, self.mlp_shardings, self.moe, self.activation,
+                self.input_sparsity, name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -506,10 +528,13 @@ def sparse_layer_backends(args) -> dict[str, str]:
     prefix = "mlp/experts"
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   transposable = mask_transposable(args)
-  return {f"{prefix}/{name}": jsparse24.selected_implementation(
-              (rows, k), (k, n), dtype,
-              transposable=n % 4 == 0 if transposable is None else transposable)
-          for name, (k, n) in {"up": (d, 4 * d), "down": (4 * d, d)}.items()}
+  out = {f"{prefix}/{name}": jsparse24.selected_implementation(
+             (rows, k), (k, n), dtype,
+             transposable=n % 4 == 0 if transposable is None else transposable)
+         for name, (k, n) in {"up": (d, 4 * d), "down": (4 * d, d)}.items()}
+  if args.sparse_activations != "off":
+    out["mlp/down"] = "xla"  # the one backend with the 2:4-activation product
+  return out
 
 
 def mlp_bytes(params, sparsity) -> dict[str, int]:
@@ -622,6 +647,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       " its top K (jsparse24.SparseMoE; the dense run: sparse=False)")
   p.add_argument("--moe-aux-weight", type=float, default=0.01,
                  help="--moe: weight of the load-balancing loss (Switch Transformer's 0.01)")
+  p.add_argument("--ffn-activation", choices=("gelu", "relu2"), default="gelu",
+                 help="the MLP's activation in both runs: gelu, or relu2 (squared ReLU,"
+                      " mostly zeros: the feed-forward that 2:4 activations suit)")
+  p.add_argument("--sparse-activations", choices=("off", "masked", "ste"), default="off",
+                 help="2:4 activations in the 2:4 run: mlp/down's input pruned 2:4 at every"
+                      " step and its kernel dense (mlp/up keeps 2:4 weights); the input's"
+                      " gradient masked like the forward or straight-through"
+                      " (SparseDense(input_sparsity=...)); best with --ffn-activation relu2")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
   p.add_argument("--out", default=os.path.join("runs", "train_lm"), help="output folder")
   p.add_argument("--resume", action="store_true",
@@ -667,11 +700,16 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
   transposable = mask_transposable(args)
   weight_grad = "mvue" if sparse and args.mvue else "dense"
+  if args.moe is not None and args.sparse_activations != "off":
+    raise ValueError(f"make_run: --sparse-activations {args.sparse_activations} applies to the"
+                     f" dense MLP's down projection; SparseMoE's experts have no 2:4"
+                     f" activations yet: drop --moe or --sparse-activations.")
   if args.moe is not None and mlp_shardings:
     raise ValueError("make_run: --moe has no tensor-parallel MLP layers (`mlp_shardings`):"
                      " shard an MoE over its experts, or drop --moe.")
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
-                 transposable, weight_grad, mlp_shardings, args.moe)
+                 transposable, weight_grad, mlp_shardings, args.moe, args.ffn_activation,
+                 args.sparse_activations)
   key = jax.random.key(args.seed)
   variables = jax.jit(model.init, out_shardings=_placed(state_sharding, model.init, key,
                                                         sample))(key, sample)
@@ -722,7 +760,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f" every {args.rebuild_every}, decay {args.decay}"
         + (", MVUE weight gradients" if args.mvue else "")
         + (f"; every MLP a SparseMoE of {args.moe[0]} experts, top-{args.moe[1]} (load-balancing"
-           f" loss weight {args.moe_aux_weight})" if args.moe else ""))
+           f" loss weight {args.moe_aux_weight})" if args.moe else "")
+        + f"; MLP activation {args.ffn_activation}"
+        + (f"; 2:4 activations into mlp/down ({args.sparse_activations} gradient, dense"
+           f" kernel)" if args.sparse_activations != "off" else ""))
 
   os.makedirs(args.out, exist_ok=True)
   sample = jnp.zeros((1, args.seq_len), jnp.int32)

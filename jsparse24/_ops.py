@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ def sparse_dot(
     weight_grad: Literal["dense", "mvue"] = "dense",
     key: jax.Array | None = None,
     weight_sharding: jax.sharding.NamedSharding | None = None,
+    input_sparsity: Literal["off", "masked", "ste"] = "off",
 ) -> Float[Array, "... N"]:
   """`x @ (w * mask)` with `w` 2:4 sparse along K, differentiable.
 
@@ -89,6 +91,15 @@ def sparse_dot(
       gathered for the product (correct; the speed of data parallelism and
       FSDP only). The backend is chosen for each device's block. Also for
       a `Sparse24` `w` (each device multiplies by its block of it).
+    input_sparsity: `"off"` (default), or 2:4 activations: `x` is pruned 2:4
+      along K by magnitude (`prune_24(x, axis=-1)`) and `w` is a dense `[K,
+      N]` array multiplied as it is (`mask` must be None, the weight-only
+      options at their defaults): `y = prune(x) @ w`. The input's gradient
+      is `"masked"` (`(dy @ w^T) * mask`, the derivative of the pruned
+      product) or `"ste"` (`dy @ w^T`); `dw = prune(x)^T @ dy` (exact).
+      Reverse mode only; the `"xla"` backend (masked dense arrays and
+      XLA's products) for now. Sources and approximations: the
+      `jsparse24._input_sparse` module docstring.
 
   Returns:
     `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in
@@ -104,7 +115,8 @@ def sparse_dot(
   fn = "sparse_dot"
   opts = SparsityOptions.checked(fn, gradient=gradient, transposable=transposable,
                                  implementation=implementation, weight_grad=weight_grad,
-                                 kernel_sharding=weight_sharding)
+                                 kernel_sharding=weight_sharding, input_sparsity=input_sparsity,
+                                 mask_source="collection" if input_sparsity == "off" else "none")
   return _dot(fn, x, w, mask, None, opts, precision=precision, key=key)
 
 
@@ -140,6 +152,8 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
   x = jnp.asarray(x)
   if x.ndim < 1:
     raise ValueError(f"{fn}: `x` must be [..., K], got a scalar.")
+  if opts.input_sparsity != "off":
+    return _input_sparse_dot(fn, x, w, mask, active, opts, precision=precision, dtype=dtype)
 
   if isinstance(w, Sparse24):
     if mask is not None:
@@ -200,6 +214,42 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
   # `w` keeps its dtype: the backend casts it to x's (Backend.dot).
   y = backend.dot(x2, w, mask, active, cfg, key if weight_grad == "mvue" else None)
   return y.reshape(*lead, w.shape[1])
+
+
+def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype):
+  """`prune(x) @ w` with `w` dense (`opts.input_sparsity`, checked with the
+  other options when they were made)."""
+  arg = f"input_sparsity={opts.input_sparsity!r}"
+  if isinstance(w, Sparse24):
+    raise ValueError(f"{fn}: with {arg} `w` is the dense operand; got a Sparse24 (a"
+                     f" compressed 2:4 weight). Pass the dense weight.")
+  if mask is not None:
+    raise ValueError(f"{fn}: with {arg} the input is pruned and `w` stays dense; pass"
+                     f" mask=None (a weight mask would make both operands sparse).")
+  if active is not None:
+    raise ValueError(f"{fn}: with {arg} there is no weight mask to switch off; a dense"
+                     f" phase of a schedule does not apply.")
+  if opts.kernel_sharding is not None:
+    raise ValueError(f"{fn}: {arg} has no tensor-parallel products yet; pass"
+                     f" weight_sharding=None (data parallelism and FSDP work as for"
+                     f" nn.Dense).")
+  _checks.check_float(fn, "w", w)
+  w = jnp.asarray(w)
+  if w.ndim != 2:
+    raise ValueError(f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}; for stacked"
+                     f" weights use jax.vmap.")
+  _checks.check_nonempty(fn, "w", w.shape, (0, 1), "K or N")
+  _check_contraction(fn, x, w.shape)
+  if x.shape[-1] % 4:
+    raise ValueError(
+        f"{fn}: with {arg} x is pruned 2:4 along K = x.shape[-1] = {x.shape[-1]}, which"
+        f" must be a multiple of 4 (pad x's last axis and w's first with zeros).")
+  dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
+  problem = dataclasses.replace(_problem(x.shape, w.shape, dtype, False), input_sparse=True)
+  backend = backends.select(opts.implementation, problem)
+  x2 = x.astype(dtype).reshape(-1, x.shape[-1])
+  y = backend.dot_input_sparse(x2, w, opts.input_sparsity, precision)
+  return y.reshape(*x.shape[:-1], w.shape[1])
 
 
 def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, transposable,

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 GRADIENT_MODES = ("ste", "masked")
 WEIGHT_GRADS = ("dense", "mvue")
-MASK_SOURCES = ("collection", "dynamic")
+MASK_SOURCES = ("collection", "dynamic", "none")
+INPUT_SPARSITY = ("off", "masked", "ste")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,9 @@ class SparsityOptions:
     mask_source: `"collection"`: the mask is the layer's entry in the
       `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
       by `jsparse24.optim`); `"dynamic"`: prune the kernel by magnitude at
-      every call (no collection needed).
+      every call (no collection needed); `"none"`: the kernel stays dense
+      (no mask anywhere), for a layer whose input is pruned instead
+      (`input_sparsity`), and only then.
     weight_grad: `"dense"`, or `"mvue"`: the kernel's gradient from the
       output gradient pruned 2:4 along the tokens by the minimum-variance
       unbiased rule (`jsparse24.sparse_dot`). Its randomness comes from the
@@ -49,21 +52,62 @@ class SparsityOptions:
       `P("model", None)` row-parallel); each device prunes, compresses and
       multiplies its own block (`sparse_dot`'s `weight_sharding`). None:
       a kernel sharded at rest is gathered for the product.
+    input_sparsity: 2:4 activations (`sparse_dot(..., input_sparsity=)`): `"off"`
+      (the default), or the layer's input `x[..., K]` pruned 2:4 along K by
+      magnitude at every call, `y = prune(x) @ kernel`, with the input's
+      gradient `"masked"` (`dx = (dy @ kernel^T) * mask`, the derivative of
+      the pruned product) or `"ste"` (`dx = dy @ kernel^T`,
+      straight-through). The sparse tensor cores take one sparse operand,
+      so the kernel is then dense: it needs `mask_source="none"` (and the
+      weight-only options at their defaults); put 2:4 weights on another
+      layer (in a squared-ReLU feed-forward: the up projection 2:4 weights,
+      the down projection 2:4 activations).
   """
 
   gradient: Literal["ste", "masked"] = "ste"
   transposable: bool | None = None
   implementation: str | None = None
-  mask_source: Literal["collection", "dynamic"] = "collection"
+  mask_source: Literal["collection", "dynamic", "none"] = "collection"
   weight_grad: Literal["dense", "mvue"] = "dense"
   kernel_sharding: Any = None
+  input_sparsity: Literal["off", "masked", "ste"] = "off"
 
   def __post_init__(self):
     for name, allowed in (("gradient", GRADIENT_MODES), ("weight_grad", WEIGHT_GRADS),
-                          ("mask_source", MASK_SOURCES)):
+                          ("mask_source", MASK_SOURCES), ("input_sparsity", INPUT_SPARSITY)):
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"unknown {name}={value!r}; expected one of {allowed}.")
+    self._check_input_sparsity()
+
+  def _check_input_sparsity(self) -> None:
+    """One sparse operand per product: 2:4 activations take a dense kernel,
+    said explicitly (`mask_source="none"`), and a dense kernel only goes with
+    them."""
+    pruned = self.input_sparsity != "off"
+    if pruned and self.mask_source != "none":
+      raise ValueError(
+          f"input_sparsity={self.input_sparsity!r} prunes the input 2:4, and the sparse"
+          f" tensor cores take one sparse operand, so the kernel stays dense: set"
+          f" mask_source='none' (got {self.mask_source!r}); 2:4 weights go on another"
+          f" layer, e.g. the up projection of the feed-forward.")
+    if not pruned and self.mask_source == "none":
+      raise ValueError(
+          "mask_source='none' (a dense kernel) is for layers with input_sparsity='masked'"
+          " or 'ste'; with neither the layer is a plain dense layer: use nn.Dense /"
+          " nnx.Linear, or leave it out of the sparsify rules.")
+    if not pruned:
+      return
+    for name, default in (("gradient", "ste"), ("weight_grad", "dense")):
+      if getattr(self, name) != default:
+        raise ValueError(
+            f"{name}={getattr(self, name)!r} is an option of a 2:4 kernel; with"
+            f" input_sparsity={self.input_sparsity!r} the kernel is dense and its gradient"
+            f" exact: leave {name} at {default!r}.")
+    if self.transposable:
+      raise ValueError(
+          f"transposable=True is an option of a 2:4 kernel; with input_sparsity="
+          f"{self.input_sparsity!r} the kernel is dense: leave transposable at None.")
 
   @classmethod
   def checked(cls, fn: str, **options: Any) -> SparsityOptions:
@@ -77,10 +121,15 @@ class SparsityOptions:
   def of(cls, obj: Any) -> SparsityOptions:
     """The options held by `obj`'s attributes of the same names (a
     `SparseDense`)."""
-    return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
+    return cls.checked(type(obj).__name__,
+                       **{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
 
 
-def resolve_transposable(transposable: bool | None, features: int) -> bool:
+def resolve_transposable(transposable: bool | None, features: int,
+                         mask_source: str = "collection") -> bool:
   """The mask kind of a layer with `features` outputs: `transposable`, or
-  with None, transposable where `features` is a multiple of 4."""
+  with None, transposable where `features` is a multiple of 4 (False for a
+  dense kernel, `mask_source="none"`)."""
+  if mask_source == "none":
+    return False
   return features % 4 == 0 if transposable is None else bool(transposable)

@@ -49,8 +49,8 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
                         (jnp.shape(inputs)[-1], module.features), module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
-  opts = dataclasses.replace(opts, transposable=resolve_transposable(opts.transposable,
-                                                                    module.features))
+  opts = dataclasses.replace(opts, transposable=resolve_transposable(
+      opts.transposable, module.features, opts.mask_source))
   mask, active = _layer_mask(module, kernel, opts)
   # nn.Dense's promotion decides the compute dtype; the kernel itself goes
   # in uncast (sparse_dense_forward casts it inside the product).
@@ -88,10 +88,12 @@ def _check_widths(module: nn.Module, width: int, opts: SparsityOptions) -> None:
                  f" match {'/'.join(module.path)!r}" if _patched(module)
                  else "or make this layer an nn.Dense")
   if width % 4:
+    what = ("the input is pruned 2:4 along" if opts.input_sparsity != "off"
+            else "2:4 sparsity keeps 2 of every 4 consecutive inputs (the")
     raise ValueError(
-        f"{_layer_name(module)}: the input width {width} is not a multiple of 4; 2:4"
-        f" sparsity keeps 2 of every 4 consecutive inputs (the kernel's contraction"
-        f" axis). Pad the inputs' last axis to {width + -width % 4}, {leave_dense}.")
+        f"{_layer_name(module)}: the input width {width} is not a multiple of 4; {what}"
+        f" kernel's contraction axis). Pad the inputs' last axis to {width + -width % 4},"
+        f" {leave_dense}.")
   if opts.transposable and module.features % 4:
     raise ValueError(
         f"{_layer_name(module)}: transposable=True needs the output width (features="
@@ -141,8 +143,9 @@ def _kind(x: Any) -> str:
 
 
 def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
-  """(mask, active) for this layer: (None, None) when pruning dynamically."""
-  if opts.mask_source == "dynamic":
+  """(mask, active) for this layer: (None, None) when pruning dynamically
+  or with a dense kernel (`mask_source="none"`)."""
+  if opts.mask_source in ("dynamic", "none"):
     return None, None
   # The layer's own entry, read as a Mapping before `has_variable` would
   # test `"mask" in` whatever it is (an array raises there).
@@ -224,9 +227,10 @@ class SparseDense(nn.Module):
   gradient: Literal["ste", "masked"] = "ste"
   transposable: bool | None = None
   implementation: str | None = None
-  mask_source: Literal["collection", "dynamic"] = "collection"
+  mask_source: Literal["collection", "dynamic", "none"] = "collection"
   weight_grad: Literal["dense", "mvue"] = "dense"
   kernel_sharding: Any = None
+  input_sparsity: Literal["off", "masked", "ste"] = "off"
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -268,7 +272,7 @@ def _normalize_rules(rules: Rules) -> tuple[tuple[re.Pattern, SparsityOptions], 
         raise ValueError(
             f"sparsify: rule {pattern!r} has unknown option(s) {sorted(unknown)};"
             f" expected some of {names}.")
-      opts = SparsityOptions(**opts)
+      opts = SparsityOptions.checked(f"sparsify: rule {pattern!r}", **opts)
     out.append((compiled, opts))
   if not out:
     raise ValueError("sparsify: `rules` is empty.")

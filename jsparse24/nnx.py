@@ -68,9 +68,12 @@ class SparseLinear(nnx.Module):
   mean what they mean in `jsparse24.linen.SparsityOptions`: `gradient`
   (`"ste"` or `"masked"`), `transposable`, `implementation`,
   `mask_source` (`"collection"`: a `SparsityMask` made from the initial
-  kernel; `"dynamic"`: prune the kernel by magnitude at every call) and
-  `weight_grad` (`"mvue"`: the layer keeps a fork of `rngs["mvue"]`, or of
-  the default stream, and draws one key per call from it).
+  kernel; `"dynamic"`: prune the kernel by magnitude at every call;
+  `"none"`: a dense kernel, with `input_sparsity`), `weight_grad`
+  (`"mvue"`: the layer keeps a fork of `rngs["mvue"]`, or of the default
+  stream, and draws one key per call from it) and `input_sparsity`
+  (`"masked"` / `"ste"`: the input pruned 2:4 at every call, the kernel
+  dense; `jsparse24.sparse_dot`).
   `transposable=None` (the default) is transposable where `out_features` is
   a multiple of 4, as in `jsparse24.SparseDense`. The layer keeps them as
   attributes of the same names (`transposable` resolved).
@@ -116,20 +119,22 @@ class SparseLinear(nnx.Module):
       gradient: Literal["ste", "masked"] = "ste",
       transposable: bool | None = None,
       implementation: str | None = None,
-      mask_source: Literal["collection", "dynamic"] = "collection",
+      mask_source: Literal["collection", "dynamic", "none"] = "collection",
       weight_grad: Literal["dense", "mvue"] = "dense",
       kernel_sharding: Any = None,
+      input_sparsity: Literal["off", "masked", "ste"] = "off",
   ):
     opts = SparsityOptions.checked(
         "SparseLinear", gradient=gradient, transposable=transposable,
         implementation=implementation, mask_source=mask_source, weight_grad=weight_grad,
-        kernel_sharding=kernel_sharding)
-    opts = dataclasses.replace(opts, transposable=resolve_transposable(transposable,
-                                                                      out_features))
+        kernel_sharding=kernel_sharding, input_sparsity=input_sparsity)
+    opts = dataclasses.replace(opts, transposable=resolve_transposable(
+        transposable, out_features, opts.mask_source))
     if in_features % 4:
+      what = ("the input is pruned 2:4 along" if opts.input_sparsity != "off"
+              else "2:4 sparsity keeps 2 of every 4 consecutive input features (the")
       raise ValueError(
-          f"SparseLinear: in_features={in_features} is not a multiple of 4; 2:4"
-          f" sparsity keeps 2 of every 4 consecutive input features (the"
+          f"SparseLinear: in_features={in_features} is not a multiple of 4; {what}"
           f" contraction axis of the kernel). Pad the inputs' last axis to"
           f" {in_features + -in_features % 4}, or make this layer an nnx.Linear.")
     if transposable and out_features % 4:

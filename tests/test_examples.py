@@ -369,3 +369,24 @@ def test_train_lm_moe_loss_adds_the_load_balancing_loss():
   np.testing.assert_allclose(module.loss_fn(model, variables, x, y, aux_weight=0.5),
                              plain + 0.5 * np.mean(aux), rtol=1e-6)
   assert all(float(a) > 0.5 for a in aux)  # ~K for a balanced router: the term is not zero
+
+
+def test_train_lm_squared_relu_with_24_activations(tmp_path):
+  """--ffn-activation relu2 --sparse-activations masked: both runs train a
+  squared-ReLU MLP; in the 2:4 run mlp/up keeps 2:4 weights (a mask) and
+  mlp/down takes 2:4 activations with a dense kernel (no mask), and both
+  learn."""
+  module = load_example("train_lm")
+  args = ["--steps", "12", "--eval-every", "6", "--d-model", "32", "--layers", "1",
+          "--heads", "2", "--seq-len", "32", "--batch", "8", "--eval-batches", "2",
+          "--lr", "1e-2", "--ffn-activation", "relu2", "--sparse-activations", "masked",
+          "--out", str(tmp_path)]
+  with contextlib.redirect_stdout(io.StringIO()) as printed:
+    result = module.main(args)
+  assert "MLP activation relu2; 2:4 activations into mlp/down (masked" in printed.getvalue()
+  assert result["sparse_layers"] == ["block_0/mlp/up"]
+  assert set(result["sparsity_collection"]["block_0"]["mlp"]) == {"up"}
+  assert result["sparse_layer_backends"]["mlp/down"] == "xla"
+  for run in ("dense", "sparse"):
+    val = result[f"val_losses_{run}"]
+    assert all(math.isfinite(v) for v in val) and val[-1] < val[0], (run, val)

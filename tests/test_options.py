@@ -20,7 +20,7 @@ OPTIONS = {f.name: f for f in dataclasses.fields(SparsityOptions)}
 # kernel's sharding is the weight's.
 DOT_NAMES = {"gradient": "gradient", "transposable": "transposable",
              "implementation": "implementation", "weight_grad": "weight_grad",
-             "kernel_sharding": "weight_sharding"}
+             "kernel_sharding": "weight_sharding", "input_sparsity": "input_sparsity"}
 
 
 def _type(annotation, namespace):

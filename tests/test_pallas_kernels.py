@@ -493,3 +493,48 @@ def test_scan_compress_kernels_read_the_cast_kernel():
              if a.shape in ((32, 64), (64, 32))]
   assert len(kernels) >= 2, _pallas_call_inputs(jaxpr.jaxpr)
   assert all(a.dtype == jnp.bfloat16 for a in kernels), kernels
+
+
+# --- 2:4 activations: x[M, K] pruned along its contiguous axis -------------
+
+
+@pytest.mark.parametrize("config", [None, PruneConfig(block_k=32, block_n=16)])
+@pytest.mark.parametrize("shape,dtype", [
+    ((1, 8), jnp.float32), ((3, 12), jnp.bfloat16), ((17, 36), jnp.float16),
+    ((40, 132), jnp.bfloat16)])
+def test_input_prune_compress_is_bit_identical(shape, dtype, config):
+  """Rows of x compressed along K equal the Sparse24 of x^T read as a [K, M]
+  weight (NaN, inf, a zero row and a tie among them)."""
+  from pallas_kernels import input_prune24
+  x = _weights(sum(shape), shape[::-1], dtype).T if min(shape) > 5 else _weights(
+      sum(shape), shape, dtype, specials=False)
+  values, meta = input_prune24.prune_compress_rows(x, config=config, interpret=True)
+  ref_values, ref_meta, _, _ = prune_compress_reference(x.T)
+  for a, b in ((values, ref_values), (meta, ref_meta)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_input_prune_compress_cusparselt_layout_holds_the_rows():
+  """layout="cusparselt": the values in the buffer's leading M rows, the
+  codes as the metadata pass reads them (the Sparse24 bytes, two groups per
+  byte); the metadata rows are the caller's and not compared."""
+  from pallas_kernels import input_prune24
+  x = jax.random.normal(jax.random.key(3), (128, 192), jnp.float32).astype(jnp.bfloat16)
+  buf, codes = input_prune24.prune_compress_rows(x, interpret=True, layout="cusparselt")
+  ref_values, ref_meta, _, _ = prune_compress_reference(x.T)
+  assert buf.shape == (128 + 16, 96) and codes.shape == (128, 24)
+  np.testing.assert_array_equal(_bits(buf[:128]), _bits(ref_values))
+  np.testing.assert_array_equal(_bits(codes), _bits(ref_meta))
+
+
+@pytest.mark.parametrize("shape,dtype,layout,match", [
+    ((4, 6), jnp.float32, "sparse24", "multiple of 4"),
+    ((64, 64), jnp.float32, "cusparselt", "bfloat16 or float16"),
+    ((60, 64), jnp.bfloat16, "cusparselt", "multiples of 64"),
+    ((4, 8), jnp.float32, "rows", "layout must be one of"),
+])
+def test_input_prune_compress_checks_its_inputs(shape, dtype, layout, match):
+  from pallas_kernels import input_prune24
+  with pytest.raises((ValueError, TypeError), match=f"prune_compress_rows: .*{match}"):
+    input_prune24.prune_compress_rows(jnp.ones(shape, dtype), interpret=True, layout=layout)

@@ -60,6 +60,9 @@ class Problem:
   # The weight arrives compressed (a `Sparse24`, e.g. from `compress_params`):
   # no pruning or compression is paid per call.
   compressed: bool = False
+  # The input is pruned 2:4 and the weight dense (`input_sparsity`):
+  # `Backend.dot_input_sparse`.
+  input_sparse: bool = False
 
 
 class Backend(abc.ABC):
@@ -139,6 +142,13 @@ class Backend(abc.ABC):
     product for it overrides this)."""
     del self
     return _products.mvue_weight_grad_xla(x, dy, w, key, precision)
+
+  def dot_input_sparse(self, x: jax.Array, w: jax.Array, gradient: str,
+                       precision: Any) -> jax.Array:
+    """`prune_24(x, axis=-1) * x @ w` for `x[M, K]` in the compute dtype
+    and a dense `w[K, N]` (cast inside; `dw` in its dtype), with the input
+    gradient `gradient` ("masked" or "ste"): `jsparse24._input_sparse`."""
+    raise NotImplementedError(f"the {self.name!r} backend has no 2:4-activation product")
 
   @abc.abstractmethod
   def forward_compressed(self, x: jax.Array, sp: Sparse24, precision: Any) -> jax.Array:

@@ -349,6 +349,10 @@ class PallasBackend(Backend):
     return interpreting()
 
   def check_supported(self, problem: Problem) -> None:
+    if problem.input_sparse:
+      raise NotImplementedError(
+          "2:4 activations (input_sparsity) run on the 'xla' backend for now; the"
+          " sparse-tensor-core product with x as the sparse operand is not built yet")
     if problem.dtype not in DTYPES:
       raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
+from jsparse24._input_sparse import input_sparse_product
 from jsparse24._prune import prune_24
 from jsparse24._sharding import is_explicit, typed_like
 from jsparse24.backends._products import accumulation_dtype, matmul, weight_grad
@@ -92,6 +93,9 @@ class XlaBackend(Backend):
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     return matmul(x, decompress(sp), precision)
+
+  def dot_input_sparse(self, x, w, gradient, precision):
+    return input_sparse_product(x, w, gradient, precision)
 
   def dot_compressed(self, x, sp: Sparse24, precision, split=None):
     # Plain ops: JAX differentiates them itself (forward mode too), and XLA

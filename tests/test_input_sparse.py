@@ -1,0 +1,176 @@
+"""2:4 activations (`input_sparsity`): the product `prune(x) @ w` and its
+gradients against the plain-`jnp` reference (`jsparse24._input_sparse`) and
+against JAX's own derivative of the masked product; the option through the
+layers; the combinations that raise."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jsparse24
+from jsparse24 import nnx as jnnx
+from jsparse24._input_sparse import input_mask, input_sparse_reference
+
+TOL = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+def _rand(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _close(a, b, dtype, k):
+  tol = TOL[dtype] * math.sqrt(k) * 4
+  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                             rtol=tol, atol=tol)
+
+
+def _vjp(x, w, dy, gradient, **kw):
+  y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity=gradient, **kw),
+                   x, w)
+  return (y, *vjp(dy))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("gradient", ["masked", "ste"])
+@pytest.mark.parametrize("m,k,n", [(1, 8, 5), (3, 12, 7), (17, 32, 9), (16, 64, 33)])
+def test_forward_and_gradients_match_the_reference(dtype, gradient, m, k, n):
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
+  y, dx, dw = jax.jit(_vjp, static_argnums=3)(x, w, dy, gradient)
+  ry, rdx, rdw = input_sparse_reference(x, w, dy, gradient=gradient)
+  assert y.dtype == dx.dtype == dw.dtype == dtype
+  _close(y, ry, dtype, k)
+  _close(dx, rdx, dtype, n)
+  _close(dw, rdw, dtype, m)
+
+
+def test_forward_multiplies_the_pruned_input_exactly():
+  """Every group of 4 along K keeps its 2 largest |x| (ties to the lower
+  index) and only those reach y: integer inputs make the products exact."""
+  x = jnp.array([[1., -4., 3., 0., 2., 2., -2., 5.],
+                 [0., 0., 0., 0., 7., 1., 1., 1.]])
+  w = jnp.arange(24.).reshape(8, 3)
+  kept = jnp.array([[0, 1, 1, 0, 1, 0, 0, 1], [1, 1, 0, 0, 1, 1, 0, 0]], bool)
+  assert bool(jnp.all(input_mask(x) == kept))
+  y = jsparse24.sparse_dot(x, w, input_sparsity="masked")
+  np.testing.assert_array_equal(y, jnp.where(kept, x, 0) @ w)
+  np.testing.assert_array_equal(y, input_sparse_reference(x, w))
+
+
+@pytest.mark.parametrize("gradient", ["masked", "ste"])
+def test_gradients_are_jax_derivatives_of_the_stated_rule(gradient):
+  """An oracle independent of the reference: JAX's own derivative of the
+  masked product with the mask held fixed ("masked"), or of a product whose
+  input passes the gradient straight through ("ste")."""
+  x, w, dy = _rand(0, (5, 16)), _rand(1, (16, 6)), _rand(2, (5, 6))
+  m = input_mask(x)
+  if gradient == "masked":
+    oracle = lambda x, w: jnp.where(m, x, 0) @ w  # noqa: E731
+  else:
+    oracle = lambda x, w: (x + jax.lax.stop_gradient(jnp.where(m, x, 0) - x)) @ w  # noqa: E731
+  y, dx, dw = _vjp(x, w, dy, gradient)
+  oy, ovjp = jax.vjp(oracle, x, w)
+  odx, odw = ovjp(dy)
+  np.testing.assert_allclose(y, oy, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dx, odx, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dw, odw, rtol=1e-6, atol=1e-6)
+  if gradient == "masked":
+    assert bool(jnp.all(jnp.where(m, True, dx == 0)))
+  else:
+    assert bool(jnp.all(dx[~m] != 0))
+
+
+def test_leading_axes_vmap_and_grad():
+  x, w = _rand(0, (2, 3, 16)), _rand(1, (16, 5))
+  f = lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity="masked")  # noqa: E731
+  flat = f(x.reshape(6, 16), w).reshape(2, 3, 5)
+  np.testing.assert_allclose(f(x, w), flat, rtol=1e-6)
+  np.testing.assert_allclose(jax.vmap(f, (0, None))(x, w), flat, rtol=1e-6)
+  loss = lambda w, x: (f(x, w) ** 2).sum()  # noqa: E731
+  g_batched = jax.grad(lambda w: jax.vmap(loss, (None, 0))(w, x).sum())(w)
+  g_flat = jax.grad(loss)(w, x.reshape(6, 16))
+  np.testing.assert_allclose(g_batched, g_flat, rtol=1e-5, atol=1e-5)
+  per_example = jax.vmap(jax.grad(loss), (None, 0))(w, x)
+  np.testing.assert_allclose(per_example.sum(0), g_flat, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_kernel_with_bfloat16_compute():
+  """A layer's float32 kernel in a bfloat16 product: y in bfloat16, dw in
+  float32 (the kernel's dtype), as nn.Dense gives them."""
+  x, w = _rand(0, (4, 16), jnp.bfloat16), _rand(1, (16, 8))
+  layer = jsparse24.SparseDense(8, dtype=jnp.bfloat16, mask_source="none",
+                                input_sparsity="masked")
+  variables = layer.init(jax.random.key(0), x)
+  params = {"params": {"kernel": w, "bias": jnp.zeros(8)}}
+  assert set(variables) == {"params"}
+  y = layer.apply(params, x)
+  assert y.dtype == jnp.bfloat16
+  g = jax.grad(lambda p: layer.apply(p, x).astype(jnp.float32).sum())(params)
+  assert g["params"]["kernel"].dtype == jnp.float32
+  _, _, rdw = input_sparse_reference(x, w.astype(jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16))
+  _close(g["params"]["kernel"], rdw, jnp.bfloat16, 4)
+
+
+def test_layers_and_rules_agree():
+  """SparseDense, nnx.SparseLinear and an nn.Dense patched by a sparsify rule
+  give the same output for the same kernel, and none keeps a mask."""
+  x = _rand(0, (3, 16))
+  opts = {"mask_source": "none", "input_sparsity": "ste"}
+  dense = nn.Dense(6)
+  params = dense.init(jax.random.key(1), x)
+  want = input_sparse_reference(x, params["params"]["kernel"]) + params["params"]["bias"]
+  got_linen = jsparse24.SparseDense(6, **opts).apply(params, x)
+  patched = jsparse24.sparsify(dense, {".*": opts})
+  variables = patched.init(jax.random.key(1), x)
+  assert set(variables) == {"params"}
+  got_rule = patched.apply(params, x)
+  layer = jnnx.SparseLinear(16, 6, rngs=nnx.Rngs(1), **opts)
+  layer.kernel.set_value(params["params"]["kernel"])
+  layer.bias.set_value(params["params"]["bias"])
+  assert layer.mask is None and layer.transposable is False
+  for got in (got_linen, got_rule, layer(x)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"input_sparsity": "masked"}, "set mask_source='none'"),
+    ({"mask_source": "none"}, "mask_source='none' .* is for layers with input_sparsity"),
+    ({"mask_source": "none", "input_sparsity": "ste", "gradient": "masked"},
+     "leave gradient at 'ste'"),
+    ({"mask_source": "none", "input_sparsity": "ste", "weight_grad": "mvue"},
+     "leave weight_grad at 'dense'"),
+    ({"mask_source": "none", "input_sparsity": "ste", "transposable": True},
+     "leave transposable at None"),
+    ({"mask_source": "none", "input_sparsity": "dense"}, "unknown input_sparsity='dense'"),
+])
+def test_combinations_that_make_no_sense_raise(kw, match):
+  x = jnp.ones((2, 8))
+  with pytest.raises(ValueError, match=f"SparseDense: .*{match}"):
+    jsparse24.SparseDense(4, **kw).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=f"SparseLinear: .*{match}"):
+    jnnx.SparseLinear(8, 4, rngs=nnx.Rngs(0), **kw)
+  with pytest.raises(ValueError, match=f"sparsify: rule '.\\*': .*{match}"):
+    jsparse24.sparsify(nn.Dense(4), {".*": kw})
+
+
+def test_sparse_dot_refuses_a_second_sparse_operand():
+  x, w = jnp.ones((2, 8)), jnp.ones((8, 4))
+  with pytest.raises(ValueError, match="sparse_dot: with input_sparsity='masked' .* mask=None"):
+    jsparse24.sparse_dot(x, w, jsparse24.prune_24(w), input_sparsity="masked")
+  with pytest.raises(ValueError, match="sparse_dot: with input_sparsity='ste' `w` is the dense"):
+    jsparse24.sparse_dot(x, jsparse24.compress(w), input_sparsity="ste")
+  with pytest.raises(ValueError, match="sparse_dot: .*leave gradient at 'ste'"):
+    jsparse24.sparse_dot(x, w, gradient="masked", input_sparsity="ste")
+  with pytest.raises(ValueError, match="multiple of 4"):
+    jsparse24.sparse_dot(jnp.ones((2, 6)), jnp.ones((6, 4)), input_sparsity="masked")
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "cusparselt"])
+def test_backends_without_the_product_raise_by_name(implementation):
+  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  with pytest.raises(jsparse24.BackendUnavailableError, match=implementation):
+    jsparse24.sparse_dot(x, w, input_sparsity="masked", implementation=implementation)
