@@ -387,11 +387,14 @@ def masks_state(model: nnx.Module) -> nnx.State:
 
 class _Expert(nnx.Module):
   """One expert of `SparseMoE`, `down(activation(up(x)))`; stacked over the
-  experts with `nnx.vmap`."""
+  experts with `nnx.vmap`. `up` and `down` are `SparseLinear`, or
+  `nnx.Linear` when not `sparse` (`kw` then holds no sparsity options)."""
 
-  def __init__(self, features: int, hidden: int, activation, *, rngs: nnx.Rngs, **kw):
-    self.up = SparseLinear(features, hidden, rngs=rngs, **kw)
-    self.down = SparseLinear(hidden, features, rngs=rngs, **kw)
+  def __init__(self, features: int, hidden: int, activation, *, sparse: bool,
+               rngs: nnx.Rngs, **kw):
+    linear = SparseLinear if sparse else nnx.Linear
+    self.up = linear(features, hidden, rngs=rngs, **kw)
+    self.down = linear(hidden, features, rngs=rngs, **kw)
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -409,7 +412,11 @@ class SparseMoE(nnx.Module):
   `rebuild_masks` rebuilds each expert's masks from its own kernels and
   `compress_params` gives one stacked `Sparse24` per kernel, as for any
   `nnx.vmap` stack. The forward pass is `jsparse24.moe.moe_forward`, the
-  Linen layer's: the same routing, capacity and dispatch. The
+  Linen layer's: the same routing, capacity and dispatch.
+  `sparse=False` makes the experts `nnx.Linear` (no masks): the dense
+  baseline, with the same `Param`s and the same initial values for the same
+  `rngs` (`SparseLinear` draws `nnx.Linear`'s keys in its order); the
+  sparsity options are then unused. The
   load-balancing loss and the dropped share are sown as `nnx.Intermediate`s
   (`load_balancing_loss`, `dropped`).
 
@@ -446,6 +453,7 @@ class SparseMoE(nnx.Module):
       implementation: str | None = None,
       mask_source: Literal["collection", "dynamic"] = "collection",
       weight_grad: Literal["dense", "mvue"] = "dense",
+      sparse: bool = True,
   ):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"nnx.SparseMoE: top_k={top_k} must lie in [1, num_experts="
@@ -457,14 +465,15 @@ class SparseMoE(nnx.Module):
                              param_dtype=param_dtype, precision=precision,
                              kernel_init=router_init, rngs=rngs)
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
-              kernel_init=kernel_init, bias_init=bias_init, gradient=gradient,
-              transposable=transposable, implementation=implementation,
-              mask_source=mask_source, weight_grad=weight_grad)
+              kernel_init=kernel_init, bias_init=bias_init)
+    if sparse:
+      kw.update(gradient=gradient, transposable=transposable, implementation=implementation,
+                mask_source=mask_source, weight_grad=weight_grad)
 
     @nnx.split_rngs(splits=num_experts)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-      return _Expert(in_features, hidden, activation, rngs=rngs, **kw)
+      return _Expert(in_features, hidden, activation, sparse=sparse, rngs=rngs, **kw)
 
     self.experts = make(rngs)
     self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor

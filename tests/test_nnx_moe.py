@@ -69,3 +69,28 @@ def test_compress_params_per_expert_gives_the_masked_outputs():
   kernel = m.experts.up.kernel.get_value()
   assert isinstance(kernel, jsparse24.Sparse24) and tuple(kernel.shape) == (E, D, H)
   np.testing.assert_allclose(m(x), y, **TOL)
+
+
+def test_sparse_false_is_the_dense_layer_on_the_same_params():
+  """`sparse=False`: nnx.Linear experts with the 2:4 layer's Params and
+  initial values (same rngs) and no masks; forward and gradients are the
+  reference's with every weight kept, and differ from the 2:4 layer's."""
+  sparse, dense = _model(top_k=2), _model(top_k=2, sparse=False)
+  assert isinstance(dense.experts.up, nnx.Linear)
+  assert not jax.tree.leaves(nnx.state(dense, jnnx.SparsityMask))
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(dense, nnx.Param),
+               nnx.state(sparse, nnx.Param))
+  x = _x(11)
+  params = _params(dense)
+  kept = {name: np.ones(params["experts"][name]["kernel"].shape, bool) for name in ("up", "down")}
+  keep = _routing(_probs(params, x), 2, jsparse24.moe.expert_capacity(S, E, 2, 1.25))
+  np.testing.assert_allclose(dense(x), _reference(params, kept, x, keep, gradient="masked"),
+                             **TOL)
+  cot = _x(13)
+  got = nnx.grad(lambda m: jnp.sum(m(x) * cot))(dense)
+  want = jax.grad(lambda p: jnp.sum(_reference(p, kept, x, keep, gradient="masked") * cot))(
+      params)
+  for name in ("up", "down"):
+    np.testing.assert_allclose(got["experts"][name]["kernel"][...],
+                               want["experts"][name]["kernel"], **TOL)
+  assert not np.allclose(sparse(x), dense(x), rtol=1e-3, atol=1e-3)
