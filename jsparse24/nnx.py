@@ -416,9 +416,19 @@ class SparseMoE(nnx.Module):
   `sparse=False` makes the experts `nnx.Linear` (no masks): the dense
   baseline, with the same `Param`s and the same initial values for the same
   `rngs` (`SparseLinear` draws `nnx.Linear`'s keys in its order); the
-  sparsity options are then unused. The
-  load-balancing loss and the dropped share are sown as `nnx.Intermediate`s
-  (`load_balancing_loss`, `dropped`).
+  sparsity options are then unused.
+
+  Each call stores two `nnx.Intermediate` scalars on the layer (declared at
+  construction, so that the module's structure stays fixed under
+  `nnx.jit`, `nnx.scan` and `nnx.vmap`): `load_balancing_loss`, which the
+  training loss should add (Switch uses 0.01 times it) or the router may send
+  every token to a few experts, and `dropped`, the share of the top-k
+  choices dropped for capacity. Read them after the call inside the loss
+  function, `moe.load_balancing_loss[...]` or, for every layer of a model,
+  `nnx.state(model, nnx.Intermediate)`: the value is the traced one of the
+  call, so its gradient reaches the router. (`Module.sow` outside
+  `nnx.capture` is deprecated from flax 0.12.8, and flax 0.12.1, which
+  jsparse24 supports, has no `nnx.capture`.)
 
   Example:
     >>> import jax.numpy as jnp
@@ -478,6 +488,8 @@ class SparseMoE(nnx.Module):
     self.experts = make(rngs)
     self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
     self.dtype, self.param_dtype = dtype, param_dtype
+    self.load_balancing_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
+    self.dropped = nnx.Intermediate(jnp.zeros((), jnp.float32))
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     if jnp.ndim(inputs) < 2:
@@ -494,9 +506,18 @@ class SparseMoE(nnx.Module):
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     y, aux, dropped = moe_forward(inputs, self.router, lambda x: run(self.experts, x),
                                   self.num_experts, self.top_k, self.capacity_factor, dtype)
-    self.sow(nnx.Intermediate, "load_balancing_loss", aux)
-    self.sow(nnx.Intermediate, "dropped", dropped)
+    self._record("load_balancing_loss", aux)
+    self._record("dropped", dropped)
     return y
+
+  def _record(self, name: str, value: jax.Array) -> None:
+    """Stores `value` in the `nnx.Intermediate` `name`, recreating it if it
+    was taken off the layer (`nnx.pop(model, nnx.Intermediate)`)."""
+    variable = getattr(self, name, None)
+    if isinstance(variable, nnx.Variable):
+      variable.set_value(value)
+    else:
+      setattr(self, name, nnx.Intermediate(value))
 
 
 __all__ = ["SparseLinear", "SparseMoE", "SparsityMask", "compress_params", "masks_like_kernels", "masks_state",

@@ -1,6 +1,9 @@
 """`jsparse24.nnx.SparseMoE` against the plain-jnp reference of
 tests/test_moe.py (forward, gradients), its masks per expert through
-`nnx.rebuild_masks`, and `nnx.compress_params`."""
+`nnx.rebuild_masks`, `nnx.compress_params`, `sparse=False` and the stored
+load-balancing loss."""
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +97,28 @@ def test_sparse_false_is_the_dense_layer_on_the_same_params():
     np.testing.assert_allclose(got["experts"][name]["kernel"][...],
                                want["experts"][name]["kernel"], **TOL)
   assert not np.allclose(sparse(x), dense(x), rtol=1e-3, atol=1e-3)
+
+
+def test_load_balancing_loss_is_reachable_with_its_gradient_and_no_warning():
+  """The loss of the last call is on the layer, under nnx.jit and nnx.grad
+  (its gradient reaches the router), without sow's DeprecationWarning; it
+  comes back after nnx.pop."""
+  m = _model(top_k=2)
+  x = _x(14)
+  params = _params(m)
+  probs = _probs(params, x)
+  want = jsparse24.moe.load_balancing_loss(probs, jax.lax.top_k(probs, 2)[1])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    nnx.jit(lambda m, x: m(x))(m, x)
+    np.testing.assert_allclose(m.load_balancing_loss[...], want, rtol=1e-6)
+    assert float(m.dropped[...]) >= 0.0
+    got = nnx.grad(lambda m: m(x).sum() * 0 + m.load_balancing_loss[...])(m)
+  want_grad = jax.grad(lambda w: jsparse24.moe.load_balancing_loss(
+      jax.nn.softmax(x @ w, axis=-1), jax.lax.top_k(probs, 2)[1]))(params["router"]["kernel"])
+  assert np.any(np.asarray(want_grad) != 0)
+  np.testing.assert_allclose(got["router"]["kernel"][...], want_grad, rtol=1e-5, atol=1e-7)
+  popped = nnx.pop(m, nnx.Intermediate)
+  assert set(popped) == {"load_balancing_loss", "dropped"}
+  m(x)
+  np.testing.assert_allclose(m.load_balancing_loss[...], want, rtol=1e-6)
