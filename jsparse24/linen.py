@@ -33,9 +33,12 @@ COLLECTION = "sparsity"
 MVUE_RNG = "mvue"
 
 
-def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) -> jax.Array:
+def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions,
+                 outer: Sequence[_Outer] = ()) -> jax.Array:
   """The forward of `nn.Dense` with a 2:4 sparse kernel, for any module that
-  has `nn.Dense`'s fields (`SparseDense`, or an `nn.Dense` being patched)."""
+  has `nn.Dense`'s fields (`SparseDense`, or an `nn.Dense` being patched).
+  `outer`: the enclosing module calls, outermost first, where `sparsify`
+  intercepts them (`_Outer`)."""
   if module.dot_general is not None or module.dot_general_cls is not None:
     raise ValueError(
         f"{module.path}: a custom `dot_general` cannot be combined with 2:4"
@@ -51,7 +54,7 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions) ->
           if module.use_bias else None)
   opts = dataclasses.replace(opts, transposable=resolve_transposable(
       opts.transposable, module.features, opts.mask_source))
-  mask, active = _layer_mask(module, kernel, opts)
+  mask, active = _layer_mask(module, kernel, opts, outer)
   # nn.Dense's promotion decides the compute dtype; the kernel itself goes
   # in uncast (sparse_dense_forward casts it inside the product).
   inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
@@ -142,15 +145,21 @@ def _kind(x: Any) -> str:
   return f"a {type(x).__name__}"
 
 
-def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
+def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions,
+                outer: Sequence[_Outer] = ()):
   """(mask, active) for this layer: (None, None) when pruning dynamically
   or with a dense kernel (`mask_source="none"`)."""
   if opts.mask_source in ("dynamic", "none"):
     return None, None
+  if module.is_initializing() and not module.scope.is_mutable_collection(COLLECTION):
+    return _init_outside(module, kernel, opts, outer)
   # The layer's own entry, read as a Mapping before `has_variable` would
   # test `"mask" in` whatever it is (an array raises there).
   own = None if module.is_initializing() else module.scope.variables().get(COLLECTION)
   if not module.is_initializing() and not (isinstance(own, Mapping) and "mask" in own):
+    lifted = _read_outside(module, kernel, outer)
+    if lifted is not None:
+      return _checked_mask(module, kernel, opts, *lifted)
     raise ValueError(
         f"layer {'/'.join(module.path)!r} takes its 2:4 mask from the"
         f" {COLLECTION!r} collection, but {_found_in_collection(module)}. Pass"
@@ -165,6 +174,13 @@ def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
       COLLECTION, "mask",
       lambda: Mask24.from_weights(kernel, transposable=opts.transposable)).value
   active = module.variable(COLLECTION, "active", lambda: jnp.array(True)).value
+  return _checked_mask(module, kernel, opts, mask, active)
+
+
+def _checked_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions, mask: Any,
+                  active: Any):
+  """`(mask, active)`, once `mask` is known to be a `Mask24` that fits the
+  layer's kernel and options."""
   if not isinstance(mask, Mask24):
     raise TypeError(
         f"{_layer_name(module)}: the 'mask' in the {COLLECTION!r} collection"
@@ -178,6 +194,130 @@ def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions):
         f" does not fit this layer (kernel {kernel.shape},"
         f" transposable={opts.transposable}).")
   return mask, active
+
+
+# --- layers under a lifted transform that does not carry the masks ------------
+#
+# Flax MoE code stacks its experts with `nn.vmap(..., variable_axes={"params":
+# 0})` (flaxformer's MoE layer does): inside, only "params" is mapped, and the
+# "sparsity" collection is neither readable nor writable. `sparsify` does not
+# edit that `nn.vmap`; instead the masks of such a layer live, stacked like its
+# kernel, in the nearest enclosing module that sees the collection (the paths
+# are the same as if the vmap carried them, `experts/wi/mask [E, ...]`), and
+# each expert's slice is handed into the vmap by `_per_element`.
+
+
+@dataclasses.dataclass
+class _Outer:
+  """A module call that `sparsify` intercepted, enclosing the layers it runs;
+  `pending` holds the layers below it, by path relative to it, whose masks
+  it must create once the call returns (init under a lifted transform)."""
+
+  module: nn.Module
+  pending: dict[tuple[str, ...], bool] = dataclasses.field(default_factory=dict)
+
+  def relative(self, module: nn.Module) -> tuple[str, ...] | None:
+    """`module`'s path below this one, or None if it is not below it."""
+    own, path = tuple(self.module.path), tuple(module.path)
+    return path[len(own):] if path[:len(own)] == own and len(path) > len(own) else None
+
+  def create_pending(self) -> None:
+    """Creates the stacked `{"mask", "active"}` entry of every pending layer
+    from its stacked kernel, as this module's variables: the entry that an
+    `nn.vmap` carrying the collection would have made (`nn.vmap` splits the
+    params rng, so each expert's mask is its own kernel's)."""
+    for rel, transposable in self.pending.items():
+      kernel = self.module.scope.variables()["params"]
+      for key in rel:
+        kernel = kernel[key]
+      kernel = kernel["kernel"]
+      scope = self.module.scope
+      for key in rel:
+        scope = scope.push(key, reuse=True)
+      if not scope.has_variable(COLLECTION, "mask"):
+        scope.put_variable(COLLECTION, "mask",
+                           Mask24.from_weights(kernel, transposable=transposable))
+        scope.put_variable(COLLECTION, "active", jnp.ones(kernel.shape[:-2], bool))
+    self.pending.clear()
+
+
+def _init_outside(module: nn.Module, kernel: jax.Array, opts: SparsityOptions,
+                  outer: Sequence[_Outer]):
+  """At init, for a layer whose own scope cannot hold the collection (under
+  an `nn.vmap` without it in `variable_axes`): the nearest enclosing call
+  that can creates the stacked masks when it returns (`_Outer.create_pending`);
+  this call computes with the mask of the initial kernel, the very mask
+  created there."""
+  for call in reversed(outer):
+    rel = call.relative(module)
+    if rel is not None and call.module.scope.is_mutable_collection(COLLECTION):
+      call.pending[rel] = opts.transposable
+      return Mask24.from_weights(kernel, transposable=opts.transposable), None
+  raise ValueError(
+      f"{_layer_name(module)}: its masks cannot be created: the {COLLECTION!r}"
+      f" collection is not mutable in `init` here, nor in any enclosing module. Call"
+      f" `init` without restricting `mutable`, or list {COLLECTION!r} in the"
+      f" variable_axes of the lifted transform (nn.vmap, nn.scan) around it.")
+
+
+def _read_outside(module: nn.Module, kernel: jax.Array, outer: Sequence[_Outer]):
+  """`(mask, active)` of a layer under an `nn.vmap` that does not carry the
+  collection, this element's slice of the stacked entry of the nearest
+  enclosing call that holds one at the layer's path; None if none does."""
+  for call in reversed(outer):
+    rel = call.relative(module)
+    node = call.module.scope.variables().get(COLLECTION) if rel is not None else None
+    for key in rel or ():
+      node = node.get(key) if isinstance(node, Mapping) else None
+    if not (isinstance(node, Mapping) and isinstance(node.get("mask"), Mask24)):
+      continue
+    mask, active = node["mask"], node.get("active")
+    stack = tuple(mask.shape[:-2])
+    if len(stack) != 1 or tuple(mask.shape[-2:]) != tuple(jnp.shape(kernel)):
+      raise ValueError(
+          f"{_layer_name(module)}: the {COLLECTION!r} collection holds its mask at"
+          f" {'/'.join(module.path)!r} with shape {tuple(mask.shape)}, outside the lifted"
+          f" transform it runs under, which does not carry the collection; sparsify"
+          f" slices such a mask for one nn.vmap over a kernel {tuple(jnp.shape(kernel))}"
+          f" (a mask [E, *kernel]). Add {COLLECTION!r}: 0 to the variable_axes of the"
+          f" nn.vmap and nn.scan around the layer.")
+    return _per_element(module, kernel, (mask, active), stack[0])
+  return None
+
+
+def _per_element(module: nn.Module, kernel: jax.Array, stacked: Any, size: int):
+  """Each element's slice of `stacked` (leading axis `size`) inside the
+  `jax.vmap` that maps `kernel`: a `custom_vmap` whose rule declares the
+  whole stack batched along axis 0, so no gather runs. Raises unless that
+  rule ran, i.e. unless `kernel` is mapped by a vmap of `size` elements
+  (the function itself, traced first, returns element 0's slice)."""
+  ran = []
+
+  @jax.custom_batching.custom_vmap
+  def own(anchor, stacked):
+    del anchor
+    return jax.tree.map(lambda a: a[0], stacked)
+
+  @own.def_vmap
+  def _rule(axis_size, in_batched, anchor, stacked):
+    del anchor
+    if axis_size != size or any(jax.tree.leaves(in_batched[1])):
+      raise ValueError(
+          f"{_layer_name(module)}: its mask in the {COLLECTION!r} collection is a stack"
+          f" of {size}, but the vmap around the layer maps {axis_size} elements"
+          f"{' and the masks too' if any(jax.tree.leaves(in_batched[1])) else ''}; the"
+          f" stack belongs to an nn.vmap of {size} over the layer's kernel.")
+    ran.append(axis_size)
+    return stacked, jax.tree.map(lambda _: True, stacked)
+
+  out = own(jax.lax.stop_gradient(kernel), stacked)
+  if not ran:
+    raise ValueError(
+        f"{_layer_name(module)}: its mask in the {COLLECTION!r} collection is a stack of"
+        f" {size} kept outside the lifted transform the layer runs under, but its kernel"
+        f" is not mapped by a vmap there; list {COLLECTION!r} in that transform's"
+        f" variable_axes.")
+  return out
 
 
 def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
@@ -299,21 +439,38 @@ class Sparsified:
     return None
 
   @contextlib.contextmanager
-  def intercept(self, seen: list[str] | None = None):
+  def intercept(self, seen: list[str] | None = None, modules: dict[str, str] | None = None):
     """Within it, `nn.Dense` layers whose path (`"Block_0/mlp/up"`) fully
-    matches a rule's regex (first matching rule wins) run sparse."""
+    matches a rule's regex (first matching rule wins) run sparse. `seen`
+    collects the paths of the `nn.Dense` layers called, `modules` the type
+    of every other module called, by path.
+
+    An `nn.Dense` under an `nn.vmap` that maps only `"params"` (experts
+    stacked as flaxformer stacks them) keeps its masks stacked like its
+    kernel in the nearest enclosing module that sees the `"sparsity"`
+    collection, at the layer's own path, and runs with its element's slice."""
+
+    outer: list[_Outer] = []
 
     def interceptor(next_fun, args, kwargs, context):
       module = context.module
       if type(module) is not nn.Dense or context.method_name != "__call__":  # pylint: disable=unidiomatic-typecheck
-        return next_fun(*args, **kwargs)
+        if modules is not None and module.path:
+          modules.setdefault("/".join(module.path), type(module).__name__)
+        outer.append(_Outer(module))
+        try:
+          out = next_fun(*args, **kwargs)
+        finally:
+          call = outer.pop()
+        call.create_pending()
+        return out
       path = "/".join(module.path)
       if seen is not None:
         seen.append(path)
       opts = self._options_for(path)
       if opts is None:
         return next_fun(*args, **kwargs)
-      return _dense_layer(module, *args, opts, **kwargs)
+      return _dense_layer(module, *args, opts, tuple(outer), **kwargs)
 
     with nn.intercept_methods(interceptor):
       yield
@@ -343,17 +500,52 @@ class Sparsified:
           f" model's layers are {sorted(known)}. Each rule's regex must fully"
           f" match a layer's path (\"block_0/mlp/up\").")
 
+  def _check_no_raw_kernels(self, fn: str, seen: list[str], modules: dict[str, str],
+                            variables: Any) -> None:
+    """Raises for a rule that matches no `nn.Dense` but matches a parameter
+    that another module reads itself (`self.param`, an `[E, K, N]` expert
+    kernel in an einsum, as maxtext writes MoE layers), or that module's
+    path: `nn.Dense` calls are all that `sparsify` intercepts, so that
+    product stays dense unless the model is edited."""
+    params = variables.get("params") if isinstance(variables, Mapping) else None
+    if not isinstance(params, Mapping):
+      return
+    for pattern, _ in self.rules:
+      if any(pattern.fullmatch(path) for path in seen):
+        continue
+      for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        keys = tuple(map(str, _path_keys(key_path)))
+        owner = "/".join(keys[:-1])
+        kind = modules.get(owner)
+        if kind is None or jnp.ndim(leaf) < 2:
+          continue
+        if pattern.fullmatch("/".join(keys)) or pattern.fullmatch(owner):
+          raise ValueError(
+              f"sparsify: rule {pattern.pattern!r} matches no nn.Dense layer in `{fn}`,"
+              f" but the parameter {'/'.join(keys)!r}"
+              f" ({jnp.result_type(leaf)}{list(jnp.shape(leaf))}) of module {owner!r}"
+              f" ({kind}), which multiplies it itself (self.param, e.g. in an einsum):"
+              f" sparsify makes nn.Dense layers 2:4 by intercepting their calls and"
+              f" cannot reach that product without editing the model. Write the experts"
+              f" as nn.Dense layers stacked with nn.vmap (variable_axes={{'params': 0}},"
+              f" split_rngs={{'params': True}}) and give a rule for their path, or use"
+              f" jsparse24.SparseMoE (or jsparse24.SparseDense) in the model.")
+
   def init(self, *args, **kwargs):
     seen: list[str] = []
-    with self.intercept(seen):
+    modules: dict[str, str] = {}
+    with self.intercept(seen, modules):
       out = self.model.init(*args, **kwargs)
+    self._check_no_raw_kernels("init", seen, modules, out)
     self._check_rules_match("init", seen)
     return out
 
   def init_with_output(self, *args, **kwargs):
     seen: list[str] = []
-    with self.intercept(seen):
+    modules: dict[str, str] = {}
+    with self.intercept(seen, modules):
       out = self.model.init_with_output(*args, **kwargs)
+    self._check_no_raw_kernels("init_with_output", seen, modules, out[1])
     self._check_rules_match("init_with_output", seen)
     return out
 
@@ -379,6 +571,18 @@ def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
       of `SparsityOptions` fields or a `SparsityOptions`. The first matching
       rule wins. `init` and `apply` raise if a rule matches no `Dense` layer
       of the model.
+
+  Mixture-of-experts layers whose experts are `nn.Dense` layers stacked with
+  `nn.vmap(..., variable_axes={"params": 0})` (flaxformer's form) need no
+  change: a rule for the experts' path (`r".*/experts/(wi|wo)"`) makes each
+  expert's kernels 2:4 with masks of its own, stacked `[E, ...]` at the
+  layers' paths in the `"sparsity"` collection, so that
+  `jsparse24.optim.mask_update`, `rebuild_masks` and `compress_params` work
+  per expert, and the products run as `jsparse24.sparse_dot` under that
+  vmap. (`weight_grad="mvue"` needs the vmap to split the `"mvue"` rng too.)
+  Expert kernels that the model reads with `self.param` and multiplies
+  itself (maxtext's einsums) cannot be intercepted: `init` raises, naming
+  the parameter and the fix (`nn.Dense` experts, or `jsparse24.SparseMoE`).
 
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, jsparse24

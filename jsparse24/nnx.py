@@ -392,11 +392,14 @@ def masks_state(model: nnx.Module) -> nnx.State:
 
 class _Expert(nnx.Module):
   """One expert of `SparseMoE`, `down(activation(up(x)))`; stacked over the
-  experts with `nnx.vmap`."""
+  experts with `nnx.vmap`. `up` and `down` are `SparseLinear`, or
+  `nnx.Linear` when not `sparse` (`kw` then holds no sparsity options)."""
 
-  def __init__(self, features: int, hidden: int, activation, *, rngs: nnx.Rngs, **kw):
-    self.up = SparseLinear(features, hidden, rngs=rngs, **kw)
-    self.down = SparseLinear(hidden, features, rngs=rngs, **kw)
+  def __init__(self, features: int, hidden: int, activation, *, sparse: bool,
+               rngs: nnx.Rngs, **kw):
+    linear = SparseLinear if sparse else nnx.Linear
+    self.up = linear(features, hidden, rngs=rngs, **kw)
+    self.down = linear(hidden, features, rngs=rngs, **kw)
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -414,9 +417,23 @@ class SparseMoE(nnx.Module):
   `rebuild_masks` rebuilds each expert's masks from its own kernels and
   `compress_params` gives one stacked `Sparse24` per kernel, as for any
   `nnx.vmap` stack. The forward pass is `jsparse24.moe.moe_forward`, the
-  Linen layer's: the same routing, capacity and dispatch. The
-  load-balancing loss and the dropped share are sown as `nnx.Intermediate`s
-  (`load_balancing_loss`, `dropped`).
+  Linen layer's: the same routing, capacity and dispatch.
+  `sparse=False` makes the experts `nnx.Linear` (no masks): the dense
+  baseline, with the same `Param`s and the same initial values for the same
+  `rngs` (`SparseLinear` draws `nnx.Linear`'s keys in its order); the
+  sparsity options are then unused.
+
+  Each call stores two `nnx.Intermediate` scalars on the layer (declared at
+  construction, so that the module's structure stays fixed under
+  `nnx.jit`, `nnx.scan` and `nnx.vmap`): `load_balancing_loss`, which the
+  training loss should add (Switch uses 0.01 times it) or the router may send
+  every token to a few experts, and `dropped`, the share of the top-k
+  choices dropped for capacity. Read them after the call inside the loss
+  function, `moe.load_balancing_loss[...]` or, for every layer of a model,
+  `nnx.state(model, nnx.Intermediate)`: the value is the traced one of the
+  call, so its gradient reaches the router. (`Module.sow` outside
+  `nnx.capture` is deprecated from flax 0.12.8, and flax 0.12.1, which
+  jsparse24 supports, has no `nnx.capture`.)
 
   Example:
     >>> import jax.numpy as jnp
@@ -451,6 +468,7 @@ class SparseMoE(nnx.Module):
       implementation: str | None = None,
       mask_source: Literal["collection", "dynamic"] = "collection",
       weight_grad: Literal["dense", "mvue"] = "dense",
+      sparse: bool = True,
   ):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"nnx.SparseMoE: top_k={top_k} must lie in [1, num_experts="
@@ -462,18 +480,21 @@ class SparseMoE(nnx.Module):
                              param_dtype=param_dtype, precision=precision,
                              kernel_init=router_init, rngs=rngs)
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
-              kernel_init=kernel_init, bias_init=bias_init, gradient=gradient,
-              transposable=transposable, implementation=implementation,
-              mask_source=mask_source, weight_grad=weight_grad)
+              kernel_init=kernel_init, bias_init=bias_init)
+    if sparse:
+      kw.update(gradient=gradient, transposable=transposable, implementation=implementation,
+                mask_source=mask_source, weight_grad=weight_grad)
 
     @nnx.split_rngs(splits=num_experts)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-      return _Expert(in_features, hidden, activation, rngs=rngs, **kw)
+      return _Expert(in_features, hidden, activation, sparse=sparse, rngs=rngs, **kw)
 
     self.experts = make(rngs)
     self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
     self.dtype, self.param_dtype = dtype, param_dtype
+    self.load_balancing_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
+    self.dropped = nnx.Intermediate(jnp.zeros((), jnp.float32))
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     if jnp.ndim(inputs) < 2:
@@ -490,9 +511,18 @@ class SparseMoE(nnx.Module):
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     y, aux, dropped = moe_forward(inputs, self.router, lambda x: run(self.experts, x),
                                   self.num_experts, self.top_k, self.capacity_factor, dtype)
-    self.sow(nnx.Intermediate, "load_balancing_loss", aux)
-    self.sow(nnx.Intermediate, "dropped", dropped)
+    self._record("load_balancing_loss", aux)
+    self._record("dropped", dropped)
     return y
+
+  def _record(self, name: str, value: jax.Array) -> None:
+    """Stores `value` in the `nnx.Intermediate` `name`, recreating it if it
+    was taken off the layer (`nnx.pop(model, nnx.Intermediate)`)."""
+    variable = getattr(self, name, None)
+    if isinstance(variable, nnx.Variable):
+      variable.set_value(value)
+    else:
+      setattr(self, name, nnx.Intermediate(value))
 
 
 __all__ = ["SparseLinear", "SparseMoE", "SparsityMask", "compress_params", "masks_like_kernels", "masks_state",
