@@ -360,8 +360,8 @@ class Run:
   # Training-step time only (no compilation, evaluation or checkpointing):
   # (first step, end step, seconds) of each stretch timed between two syncs.
   segments: list = dataclasses.field(default_factory=list)
-  # The distinct static phases that `train` jitted the step for: one
-  # compiled program each.
+  # The distinct static arguments (phase, rebuild) that `train` jitted the
+  # step for: one compiled program each.
   programs: set = dataclasses.field(default_factory=set)
 
   def tokens_per_s(self, tokens_per_step: int, from_step: int = 0) -> float:
@@ -397,6 +397,18 @@ class Run:
       held = jsparse24.optim.sparse_layers(self.opt_state)
     return (False if not held else True if len(held) == len(names) else held), held
 
+  def static_rebuild(self, step: int) -> bool | None:
+    """With a ramp, whether the update of `step` rebuilds masks (the
+    host's `MaskSchedule.update_rebuilds`), for `mask_update`'s static
+    `mask_rebuild`: the step then has no conditional around the rebuild
+    and the ramp's scores. None (a run-time flag) without a ramp, where the
+    rebuild needs no conditional on a GPU (the flagged mask kernel) and one
+    program per phase is enough."""
+    if self.schedule is None or self.schedule.ramp is None:
+      return None
+    layers = len(jsparse24.optim.layer_names(self.opt_state))
+    return self.schedule.update_rebuilds(step, layers)
+
 
 def loss_fn(model, variables, x, y, rngs=None, aux_weight: float = 0.0):
   """Mean next-byte cross-entropy; plus `aux_weight` times the mean of the
@@ -422,14 +434,16 @@ def make_steps(run: Run):
   # new ones: donated, XLA writes the new ones in their buffers instead of
   # holding both (the d_model 4096 MoE run, 2.3B params, ran out of memory
   # on an H200 without donation).
-  @functools.partial(jax.jit, static_argnames="phase", donate_argnums=(0, 1))
-  def train_step(params, opt_state, x, y, step, phase=None):
+  @functools.partial(jax.jit, static_argnames=("phase", "rebuild"), donate_argnums=(0, 1))
+  def train_step(params, opt_state, x, y, step, phase=None, rebuild=None):
     def objective(p):
       return loss_fn(run.model, run.variables(p, opt_state, phase), x, y, rngs(step),
                      run.aux_weight)
 
     loss, grads = jax.value_and_grad(objective)(params)
-    updates, opt_state = run.tx.update(grads, opt_state, params)
+    # `rebuild` (Run.static_rebuild): mask_update's static mask_rebuild.
+    extra = {} if rebuild is None else {"mask_rebuild": rebuild}
+    updates, opt_state = run.tx.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state, loss
 
   @jax.jit
@@ -496,16 +510,17 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
 
   while run.step < args.steps:
     phase, held = run.static_phase(run.step, held)
-    compiles = phase not in run.programs
+    rebuild = run.static_rebuild(run.step)
+    compiles = (phase, rebuild) not in run.programs
     if compiles:
       close_stretch()
       seg_start = None
     x, y = train_batch(data, run.step, args.batch, args.seq_len, args.seed)
     run.params, run.opt_state, loss = train_step(run.params, run.opt_state, x, y, run.step,
-                                                 phase=phase)
+                                                 phase=phase, rebuild=rebuild)
     run.step += 1
     if compiles:
-      run.programs.add(phase)
+      run.programs.add((phase, rebuild))
       jax.block_until_ready(loss)
       seg_start, seg_t0 = run.step, time.perf_counter()
     window.append(loss)
@@ -863,11 +878,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f" {speed[run.name][0]:>10,.0f} {speed[run.name][1]:>22,.0f} |"
           f" {run.step - start} steps run (of {args.steps}{resumed}), {run.seconds:.1f} s")
   # One program per static phase (optim.masks): dense warm-up, 2:4, and
-  # with --sparsity-ramp each set of 2:4 layers it passes through.
+  # with --sparsity-ramp each set of 2:4 layers it passes through, each with
+  # and without a mask rebuild (Run.static_rebuild).
   print(f"train-step programs compiled: "
         + ", ".join(f"{run.name} {len(run.programs)}" for run in runs)
-        + (f" (the ramp: at most {len(jsparse24.optim.layer_names(sparse.opt_state)) + 1} for"
-           f" the 2:4 run)" if args.sparsity_ramp is not None else ""))
+        + (f" (with the ramp: at most 2 x (2:4 layers + 1) ="
+           f" {2 * (len(jsparse24.optim.layer_names(sparse.opt_state)) + 1)} for the 2:4 run)"
+           if args.sparsity_ramp is not None else ""))
   backends = sparse_layer_backends(args)
   if set(backends.values()) == {"xla"}:
     print(f"2:4 / dense tokens/s: no speed-up to report. No 2:4 kernel ran: the automatic"

@@ -278,6 +278,21 @@ class MaskSchedule:
     full = layers if self.ramp is None else self.ramp.count(step, layers)
     return xp.where(self.sparse(step), full, 0).astype(xp.int32)
 
+  def update_rebuilds(self, step: int, layers: int) -> bool:
+    """Whether `mask_update`'s update of host step `step` (the one that
+    prepares the masks of step `step + 1`) rebuilds any mask: where
+    `rebuild(step + 1)`, or where a ramp's `sparse_count` grows (the dense
+    layers' masks are rebuilt for the layers entering 2:4). For its static
+    `mask_rebuild` argument (`mask_update`), which leaves the rebuild's
+    conditionals out of the compiled step."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+      raise TypeError(
+          f"MaskSchedule.update_rebuilds: `step` must be a host int (the step about to"
+          f" be dispatched), got {type(step).__name__} {step!r}.")
+    grows = (self.ramp is not None
+             and self.sparse_count(step + 1, layers) > self.sparse_count(step, layers))
+    return bool(self.rebuild(step + 1)) or bool(grows)
+
   def changes(self, step: int, layers: int) -> bool:
     """Whether the set of 2:4 layers at host step `step` may differ from
     that of step `step - 1` (True at step 0): where `sparse_count` differs.
@@ -425,10 +440,16 @@ def mask_update(
     return MaskUpdateState(zero, masks, per_layer_value(masks, 0.0), sparsity_per_layer(masks),
                            zero, _map_layers(lambda _, __, path: score[path], masks, masks))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
+                **extra_args):
     del extra_args
     if params is None:
       raise ValueError("mask_update: `update` needs `params` (tx.update(grads, state, params)).")
+    if mask_rebuild is not None and not isinstance(mask_rebuild, (bool, np.bool_)):
+      raise TypeError(
+          f"mask_update: `mask_rebuild` must be None or a Python bool (the host's"
+          f" schedule.update_rebuilds(step, layers)), got {type(mask_rebuild).__name__}"
+          f" {mask_rebuild!r}; a traced value would keep the conditional.")
     _check_updates(updates, params, state.masks)
     step = state.count
     nxt = step + 1
@@ -457,10 +478,23 @@ def mask_update(
       grow = schedule.sparse(nxt) & (count > held_sparse)
       per_layer = {path: do_rebuild | (grow & ~a) for path, a in was_active.items()}
       do_rebuild = do_rebuild | grow
+    if mask_rebuild is not None:
+      do_rebuild = jnp.asarray(bool(mask_rebuild))
+
+    def when_rebuilding(rebuild, keep):
+      """`rebuild()` on the updates that rebuild masks, else `keep()`: by
+      a conditional on the run-time flag, or, where the host said which
+      (`mask_rebuild`), by tracing only the one that runs."""
+      if mask_rebuild is None:
+        return jax.lax.cond(do_rebuild, rebuild, keep)
+      return rebuild() if mask_rebuild else keep()
+
     # The kernel counts the flips as it rebuilds (none otherwise): no pass
-    # over the masks for the statistics on a step that rebuilds nothing.
-    flagged = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
-               for path, old in old_masks.items()}
+    # over the masks for the statistics on a step that rebuilds nothing. An
+    # update that the host knows rebuilds nothing calls no kernel.
+    flagged = {} if mask_rebuild is False else {
+        path: backends.rebuild_where(kernels[path], old, do_rebuild)
+        for path, old in old_masks.items()}
     flagged = {path: new for path, new in flagged.items() if new is not None}
     new_masks = {path: mask for path, (mask, _) in flagged.items()}
     flips = {path: jnp.where(do_rebuild, flip, old_flips[path])
@@ -474,8 +508,8 @@ def mask_update(
                for path in slow}
         return new, {path: flip_fraction(old_masks[path], new[path]) for path in slow}
 
-      slow_masks, slow_flips = jax.lax.cond(
-          do_rebuild, rebuilt,
+      slow_masks, slow_flips = when_rebuilding(
+          rebuilt,
           lambda: ({path: old_masks[path] for path in slow},
                    {path: old_flips[path] for path in slow}))
       new_masks.update(slow_masks)
@@ -487,9 +521,8 @@ def mask_update(
                for path, flip in flips.items()}
       old_score = _by_path(lambda _, s, path: s, state.masks, state.score)
       # Scores only where masks were rebuilt: one pass over those weights,
-      # inside a conditional (module docstring).
-      score = jax.lax.cond(
-          do_rebuild,
+      # inside a conditional unless the host said (module docstring).
+      score = when_rebuilding(
           lambda: {path: jnp.where(per_layer[path], pruned_norm(kernels[path], new_masks[path]),
                                    old_score[path]) for path in old_score},
           lambda: dict(old_score))

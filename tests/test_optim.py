@@ -911,3 +911,42 @@ def test_host_count_of_sparse_layers_matches_the_device_flags(schedule):
     _, state = update(grads, state, params)
   traced = jax.jit(jax.vmap(lambda i: schedule.sparse_count(i, n)))(jnp.arange(16))
   np.testing.assert_array_equal(traced, [schedule.sparse_count(i, n) for i in range(16)])
+
+
+@pytest.mark.parametrize("schedule", [
+    optim.MaskSchedule(warmup_steps=2, rebuild_every=3, freeze_after=10,
+                       ramp=optim.SparsityRamp(start=2, end=8)),
+    optim.MaskSchedule(warmup_steps=2, rebuild_every=4, dense_after=9)])
+def test_host_known_rebuilds_leave_the_conditionals_out(schedule):
+  """`schedule.update_rebuilds(step, n)` on the host says which updates
+  rebuild masks (`last_rebuild` moves exactly there); passed as the static
+  `mask_update(...).update(..., mask_rebuild=...)`, the update has no
+  conditional (the run-time flag has the rebuild's, and with a ramp the
+  scores') and computes the same state."""
+  model, tx, variables, x, y = _setup(schedule, decay=1e-3)
+  params, state = variables["params"], tx.init(variables["params"])
+  n = len(optim.layer_names(state))
+  update = jax.jit(tx.update, static_argnames="mask_rebuild")
+  grads_of = jax.jit(jax.grad(lambda p, s: _loss(model, p, optim.masks(s), x, y)))
+  conds = lambda **kw: str(jax.make_jaxpr(functools.partial(tx.update, **kw))(  # noqa: E731
+      grads_of(params, state), state, params)).count(" cond[")
+  assert conds() == (2 if schedule.ramp is not None else 1)
+  assert conds(mask_rebuild=True) == conds(mask_rebuild=False) == 0
+  rebuilt = []
+  for step in range(12):
+    grads = grads_of(params, state)
+    host = schedule.update_rebuilds(step, n)
+    ref_updates, ref = update(grads, state, params)
+    updates, state = update(grads, state, params, mask_rebuild=host)
+    # The same masks; values to the rounding of a differently fused decay term.
+    for a, b in zip(jax.tree.leaves((updates, state)), jax.tree.leaves((ref_updates, ref))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+    assert (int(state[0].last_rebuild) == step + 1) == host, step
+    rebuilt += [step + 1] * host
+    params = optax.apply_updates(params, updates)
+  if schedule.ramp is None:
+    assert rebuilt == [2, 6]  # the end of the warm-up, then every 4 (none after dense_after)
+  else:
+    assert {2, 5} <= set(rebuilt) and 11 not in rebuilt, rebuilt  # and where the count grows
+  with pytest.raises(TypeError, match="mask_update: `mask_rebuild` must be None or a Python"):
+    tx.update(grads, state, params, mask_rebuild=jnp.array(True))
