@@ -36,19 +36,35 @@ Gradual sparsity. A schedule with a `SparsityRamp` makes the layers 2:4 a
 few at a time: the share of 2:4 layers grows along a cosine curve, and where
 it grows the dense layers whose masks remove the least of their weights
 (`pruned_norm`, rescored whenever their masks are rebuilt) go 2:4 first, and
-stay 2:4. Which layers are 2:4 is then a run-time value, which costs:
-- while the ramp mixes dense and 2:4 layers (`MaskSchedule.phase(step)` is
-  None), every product carries its run-time switch, as in a dense phase;
-  before the ramp (no layer 2:4) and after it (every layer, `target=1`)
-  `phase` answers False or True and `masks(opt_state, sparse=phase)` drops
-  the switches;
-- every step, whatever the phase: a `lax.cond` that scores the layers whose
-  masks were rebuilt (one pass over their weights on the steps that
-  rebuild, none otherwise; on a GPU the conditional waits for its predicate
-  on the host), and a per-layer select of every mask between its old and
-  rebuilt bits (one elementwise pass over the packed masks, 1 bit per
-  weight), because a layer entering 2:4 gets a fresh mask while the 2:4
-  layers keep the schedule's rebuild cadence.
+stay 2:4. The state holds which layers are 2:4 as run-time flags; a training
+loop that tells the step what the host knows keeps run-time switches out of
+it:
+- the layers: while the ramp mixes dense and 2:4 layers
+  (`MaskSchedule.phase(step)` is None), `masks(opt_state,
+  sparse=sparse_layers(opt_state))` gives each layer a phase fixed at trace
+  time (None: 2:4, `STATIC_DENSE`: dense), and the step is jitted once per
+  set. Layers only enter 2:4, so a run passes through at most `layers + 1`
+  sets, and the host reads the set (one transfer of the flags, which waits
+  for the queued steps) only where `MaskSchedule.changes(step, layers)`.
+  With the state's flags instead (`sparse=None`) every product carries a
+  run-time switch (a conditional in the forward and one in the backward
+  pass); on a GPU each copies its predicate to the host and stalls the
+  launch queue, and the step becomes launch-bound (docs/design_notes.md,
+  "Gradual sparsity without run-time switches"). A stack of layers
+  (`nn.scan`) that the set holds partly keeps the switch of its own
+  products (`masks`);
+- the rebuild: a `lax.cond` scores the layers whose masks were rebuilt (one
+  pass over their weights on the steps that rebuild, none otherwise), every
+  step, whatever the phase, and on a CPU (or for weights the mask kernel
+  does not take) another rebuilds the masks. `update(...,
+  mask_rebuild=schedule.update_rebuilds(step, layers))`, a Python bool,
+  traces only the branch that runs: no conditional, at the price of one
+  program with and one without a rebuild per phase (at most `2 * (layers +
+  1)` with a ramp);
+- always: a per-layer select of every mask between its old and rebuilt
+  bits (one elementwise pass over the packed masks, 1 bit per weight),
+  because a layer entering 2:4 gets a fresh mask while the 2:4 layers keep
+  the schedule's rebuild cadence.
 """
 
 from __future__ import annotations
@@ -371,6 +387,15 @@ def mask_update(
   Steps are the transform's own updates: inside `optax.MultiSteps(tx, k)`
   (gradient accumulation) it runs once per k micro-steps, so the schedule
   counts optimizer steps, not micro-steps.
+
+  `update` takes one extra argument (passed on by `optax.chain`):
+  `mask_rebuild`, None (default) or a Python bool, whether this update
+  rebuilds any mask, as the host knows it
+  (`schedule.update_rebuilds(step, layers)`, `layers =
+  len(layer_names(opt_state))`). Given, the step has no conditional around
+  the rebuild or the ramp's scores (module docstring); it must be the
+  schedule's own answer, with the step jitted once per value (a static
+  argument): a wrong one skips or forces a rebuild, unchecked.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jsparse24
