@@ -17,7 +17,11 @@ count:
   (`jsparse24.optim.SparsityRamp`: a cosine ramp of the share of 2:4 layers
   from none at step START to all at step END, the layers whose masks remove
   the least of their weights first) instead of all at the end of the
-  warm-up.
+  warm-up. The step is then jitted for each set of 2:4 layers that the ramp
+  passes through, with and without a mask rebuild (at most 2 x (2:4 layers
+  + 1) programs; the report prints how many), so that no product switches
+  between its dense and 2:4 computations at run time
+  (`jsparse24.optim.masks`).
   With `--mvue` its MLP kernels learn from the output gradient pruned 2:4 by
   the minimum-variance unbiased rule (`SparseDense(weight_grad="mvue")`, one
   key per step folded from the seed, so `--resume` continues bit for bit).

@@ -23,6 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jsparse24._checks import is_concrete
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,6 @@ def resolve(active):
   conditional is traced for it."""
   if active is None or is_static_dense(active):
     return active
-  if isinstance(active, jax.core.Tracer) or jnp.ndim(active) != 0:
+  if not is_concrete(active) or jnp.ndim(active) != 0:
     return jnp.asarray(active, jnp.bool_)
   return None if bool(active) else STATIC_DENSE

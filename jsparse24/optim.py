@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jsparse24 import backends
+from jsparse24 import _checks, backends
 from jsparse24._format import Mask24
 from jsparse24._phase import STATIC_DENSE
 from jsparse24._sharding import explicit_sharding, typed_like
@@ -929,7 +929,7 @@ def sparse_layers(opt_state) -> frozenset[str]:
   state = _find_state(opt_state, "sparse_layers")
   names = _layer_names(state.masks)
   flags = {path: layer["active"] for path, layer in layers_by_path(state.masks).items()}
-  if any(isinstance(a, jax.core.Tracer) for a in flags.values()):
+  if not all(a is None or _checks.is_concrete(a) for a in flags.values()):
     raise TypeError(
         "sparse_layers: the state's 'active' flags are traced; call it outside jax.jit,"
         " on the state a jitted step returned.")

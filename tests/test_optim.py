@@ -869,6 +869,8 @@ def test_static_layer_set_names_and_refusals():
     optim.masks(state, set(names))
   with pytest.raises(TypeError, match="MaskSchedule.changes: `step` must be a host int"):
     optim.MaskSchedule().changes(jnp.int32(3), 3)
+  with pytest.raises(TypeError, match="sparse_layers: the state's 'active' flags are traced"):
+    jax.jit(optim.sparse_layers)(state)
 
 
 @pytest.mark.parametrize("schedule", [
