@@ -857,9 +857,9 @@ def masks(opt_state, sparse: bool | frozenset[str] | None = None) -> dict:
   Stacked layers (`nn.scan`, an MoE's experts under `nn.vmap`): the set
   names each layer of a stack (`"path[i]"`, `layer_names`). A stack that the
   set holds whole or not at all gets no switch; one partly 2:4 keeps a
-  run-time flag per layer of the stack (a constant, sliced by the scan into
-  the conditional of each of its products), since the scan traces one body
-  for all its layers. With a ramp over stacks, only the steps where a stack
+  run-time flag per layer of the stack (a constant, sliced by the scan or
+  vmap into the switch of each of its products), since the stack traces
+  one body for all its layers. With a ramp over stacks, only the steps where a stack
   is partly 2:4 pay that cost, and only for that stack.
   """
   state = _find_state(opt_state, "masks")
