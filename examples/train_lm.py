@@ -17,7 +17,11 @@ count:
   (`jsparse24.optim.SparsityRamp`: a cosine ramp of the share of 2:4 layers
   from none at step START to all at step END, the layers whose masks remove
   the least of their weights first) instead of all at the end of the
-  warm-up.
+  warm-up. The step is then jitted for each set of 2:4 layers that the ramp
+  passes through, with and without a mask rebuild (at most 2 x (2:4 layers
+  + 1) programs; the report prints how many), so that no product switches
+  between its dense and 2:4 computations at run time
+  (`jsparse24.optim.masks`).
   With `--mvue` its MLP kernels learn from the output gradient pruned 2:4 by
   the minimum-variance unbiased rule (`SparseDense(weight_grad="mvue")`, one
   key per step folded from the seed, so `--resume` continues bit for bit).
@@ -352,13 +356,17 @@ class Run:
   # resumed run draws the same pruning of the output gradients).
   mvue_key: Any = None
   # The 2:4 run's MaskSchedule: each step is jitted for its phase (dense
-  # warm-up or sparse), so no product switches at run time (optim.masks).
+  # warm-up, sparse, or while a ramp mixes them, the set of 2:4 layers), so
+  # no product switches at run time (optim.masks).
   schedule: Any = None
   # --moe: the weight of the MoE layers' load-balancing loss in the training loss.
   aux_weight: float = 0.0
   # Training-step time only (no compilation, evaluation or checkpointing):
   # (first step, end step, seconds) of each stretch timed between two syncs.
   segments: list = dataclasses.field(default_factory=list)
+  # The distinct static arguments (phase, rebuild) that `train` jitted the
+  # step for: one compiled program each.
+  programs: set = dataclasses.field(default_factory=set)
 
   def tokens_per_s(self, tokens_per_step: int, from_step: int = 0) -> float:
     """Training throughput over the timed stretches that start at `from_step`
@@ -367,7 +375,7 @@ class Run:
     steps, secs = sum(p[0] for p in parts), sum(p[1] for p in parts)
     return steps * tokens_per_step / secs if secs else float("nan")
 
-  def variables(self, params, opt_state, phase: bool | None = None) -> dict:
+  def variables(self, params, opt_state, phase: bool | frozenset | None = None) -> dict:
     if self.sparse:
       return {"params": params, "sparsity": jsparse24.optim.masks(opt_state, phase)}
     return {"params": params}
@@ -376,6 +384,34 @@ class Run:
     """Whether step `step` is sparse (host-side, for the jitted step); None
     while a ramp has some layers 2:4 and others dense."""
     return None if self.schedule is None else self.schedule.phase(step)
+
+  def static_phase(self, step: int, held: frozenset | None) -> tuple[Any, frozenset | None]:
+    """(the jitted step's static phase at `step`, the set of 2:4 layers
+    held for the next call). While a ramp mixes dense and 2:4 layers
+    (`phase` None) it is the set of 2:4 layers, read from the optimizer
+    state (a transfer that waits for the queued steps) only where the
+    schedule says it changes, so at most once per layer; as in
+    `jsparse24.optim.masks`, no product then switches at run time. An empty
+    or full set is the phase False or True, whose programs it shares."""
+    phase = self.phase(step)
+    if phase is not None or self.schedule is None:
+      return phase, held
+    names = jsparse24.optim.layer_names(self.opt_state)
+    if held is None or self.schedule.changes(step, len(names)):
+      held = jsparse24.optim.sparse_layers(self.opt_state)
+    return (False if not held else True if len(held) == len(names) else held), held
+
+  def static_rebuild(self, step: int) -> bool | None:
+    """With a ramp, whether the update of `step` rebuilds masks (the
+    host's `MaskSchedule.update_rebuilds`), for `mask_update`'s static
+    `mask_rebuild`: the step then has no conditional around the rebuild
+    and the ramp's scores. None (a run-time flag) without a ramp, where the
+    rebuild needs no conditional on a GPU (the flagged mask kernel) and one
+    program per phase is enough."""
+    if self.schedule is None or self.schedule.ramp is None:
+      return None
+    layers = len(jsparse24.optim.layer_names(self.opt_state))
+    return self.schedule.update_rebuilds(step, layers)
 
 
 def loss_fn(model, variables, x, y, rngs=None, aux_weight: float = 0.0):
@@ -398,14 +434,20 @@ def make_steps(run: Run):
       return None
     return {"mvue": run.mvue_key if step is None else jax.random.fold_in(run.mvue_key, step)}
 
-  @functools.partial(jax.jit, static_argnames="phase")
-  def train_step(params, opt_state, x, y, step, phase=None):
+  # The old params and optimizer state are dead once the step returns the
+  # new ones: donated, XLA writes the new ones in their buffers instead of
+  # holding both (the d_model 4096 MoE run, 2.3B params, ran out of memory
+  # on an H200 without donation).
+  @functools.partial(jax.jit, static_argnames=("phase", "rebuild"), donate_argnums=(0, 1))
+  def train_step(params, opt_state, x, y, step, phase=None, rebuild=None):
     def objective(p):
       return loss_fn(run.model, run.variables(p, opt_state, phase), x, y, rngs(step),
                      run.aux_weight)
 
     loss, grads = jax.value_and_grad(objective)(params)
-    updates, opt_state = run.tx.update(grads, opt_state, params)
+    # `rebuild` (Run.static_rebuild): mask_update's static mask_rebuild.
+    extra = {} if rebuild is None else {"mask_rebuild": rebuild}
+    updates, opt_state = run.tx.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state, loss
 
   @jax.jit
@@ -455,18 +497,34 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
   bar = tqdm(total=args.steps, initial=run.step, desc=f"{run.name:>5}", unit="step",
              dynamic_ncols=True)
   start = time.perf_counter()
-  # Throughput: stretches of steps between syncs, timed without the first
-  # step of this run (compilation), evaluations and checkpoints. Stretches
-  # also end at the last dense warm-up step and at the first sparse one (the
-  # cusparselt backend picks its algorithms on that step's first call), so
-  # that both runs can be compared over the same sparse steps.
-  first, seg_start, seg_t0 = run.step, None, None
+  # Throughput: stretches of steps between syncs, timed without
+  # evaluations, checkpoints, and the steps that run a program for the
+  # first time (its compilation; the cusparselt backend also picks its
+  # algorithms on a program's first call): the first step of this run, the
+  # first sparse step, and each step where a ramp's set of 2:4 layers first
+  # takes a new value. Stretches end before and start after each of these,
+  # and in both runs at the last dense warm-up step and the first sparse
+  # one, so that both can be compared over the same sparse steps.
+  seg_start, seg_t0, held, loss = None, None, None, None
+
+  def close_stretch():
+    if seg_start is not None and run.step > seg_start:
+      jax.block_until_ready(loss)
+      run.segments.append((seg_start, run.step, time.perf_counter() - seg_t0))
+
   while run.step < args.steps:
+    phase, held = run.static_phase(run.step, held)
+    rebuild = run.static_rebuild(run.step)
+    compiles = (phase, rebuild) not in run.programs
+    if compiles:
+      close_stretch()
+      seg_start = None
     x, y = train_batch(data, run.step, args.batch, args.seq_len, args.seed)
     run.params, run.opt_state, loss = train_step(run.params, run.opt_state, x, y, run.step,
-                                                 phase=run.phase(run.step))
+                                                 phase=phase, rebuild=rebuild)
     run.step += 1
-    if run.step == first + 1:
+    if compiles:
+      run.programs.add((phase, rebuild))
       jax.block_until_ready(loss)
       seg_start, seg_t0 = run.step, time.perf_counter()
     window.append(loss)
@@ -475,9 +533,8 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
       bar.set_postfix(loss=f"{float(loss):.3f}")
     boundary = run.step % args.eval_every == 0 or run.step == args.steps
     cut = boundary or run.step in (args.mask_warmup, args.mask_warmup + 1)
-    if cut and run.step > seg_start:
-      jax.block_until_ready(loss)
-      run.segments.append((seg_start, run.step, time.perf_counter() - seg_t0))
+    if cut:
+      close_stretch()
     if boundary:
       train_losses = [float(v) for v in window]
       window = []
@@ -824,6 +881,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"{run.name:>5} | {run.history['train'][-1]:>10.4f} {run.history['val'][-1]:>9.4f} |"
           f" {speed[run.name][0]:>10,.0f} {speed[run.name][1]:>22,.0f} |"
           f" {run.step - start} steps run (of {args.steps}{resumed}), {run.seconds:.1f} s")
+  # One program per static phase (optim.masks): dense warm-up, 2:4, and
+  # with --sparsity-ramp each set of 2:4 layers it passes through, each with
+  # and without a mask rebuild (Run.static_rebuild).
+  print(f"train-step programs compiled: "
+        + ", ".join(f"{run.name} {len(run.programs)}" for run in runs)
+        + (f" (with the ramp: at most 2 x (2:4 layers + 1) ="
+           f" {2 * (len(jsparse24.optim.layer_names(sparse.opt_state)) + 1)} for the 2:4 run)"
+           if args.sparsity_ramp is not None else ""))
   backends = sparse_layer_backends(args)
   if set(backends.values()) == {"xla"}:
     print(f"2:4 / dense tokens/s: no speed-up to report. No 2:4 kernel ran: the automatic"
@@ -888,6 +953,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "final_step": sparse.step,
       "tokens_per_s": {name: v[0] for name, v in speed.items()},
       "tokens_per_s_sparse_steps": {name: v[1] for name, v in speed.items()},
+      "train_step_programs": {run.name: len(run.programs) for run in runs},
       "sparse_layer_backends": backends,
       "mean_flip_rate": flip,
       "sparsity": density,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from jsparse24 import _checks, backends
+from jsparse24 import _checks, _phase, backends
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._options import SparsityOptions
 from jsparse24._sharding import is_explicit, weight_split
@@ -125,15 +125,18 @@ def sparse_or_dense_dot(x, w, mask, active, opts: SparsityOptions, *, precision,
   """`sparse_dot` with a layer's options `opts` (`mask_source` is the
   layer's to read: here `mask` is given, or None to prune now), or the
   plain dense `x @ w` (full `dw`) where the bool scalar `active` is False
-  (None: always sparse): the product of a layer in a schedule's dense
-  phases (internal; `SparseDense` and `nnx.SparseLinear` call it). `dtype`:
+  (None: always sparse; `STATIC_DENSE`, or a flag known while tracing:
+  decided at trace time, `jsparse24._phase`): the product of a layer in a
+  schedule's dense phases (internal; `SparseDense` and `nnx.SparseLinear`
+  call it). `dtype`:
   the compute dtype (the layer's promoted dtype); `w` stays in its own
   dtype and is cast inside the product, so that its gradient comes out in
   that dtype straight from the product.
 
-  The reference backend folds `active` into its mask (`mask | ~active`), one
-  elementwise op that XLA fuses: no branch. The others choose between the
-  sparse product and XLA's dense one inside their product (`Backend.dot`).
+  The reference backend folds a traced `active` into its mask (`mask |
+  ~active`), one elementwise op that XLA fuses: no branch. The others choose
+  between the sparse product and XLA's dense one inside their product
+  (`Backend.dot`), by a conditional where `active` is traced.
   """
   return _dot(fn, x, w, mask, active, opts, precision=precision, dtype=dtype, key=key,
               key_required=False)
@@ -209,8 +212,8 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
     w = jax.sharding.reshard(w, jax.sharding.NamedSharding(split.mesh, split.spec("kn")))
   lead = x.shape[:-1]
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
-  if active is not None:
-    active = jnp.asarray(active, jnp.bool_)
+  # A flag known while tracing picks its product here: no conditional.
+  active = _phase.resolve(active)
   # `w` keeps its dtype: the backend casts it to x's (Backend.dot).
   y = backend.dot(x2, w, mask, active, cfg, key if weight_grad == "mvue" else None)
   return y.reshape(*lead, w.shape[1])

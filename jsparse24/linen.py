@@ -4,7 +4,11 @@ Masks live in their own `"sparsity"` collection, beside `"params"`, one entry
 per sparse layer: `{"mask": Mask24, "active": bool[]}`. `"active"` is False in
 dense phases of a schedule (warm-up, final dense fine-tuning), and None where
 the layer has none (`mask_update` with an always-sparse schedule: no run-time
-switch between the sparse and dense products). The `params`
+switch between the sparse and dense products). `STATIC_DENSE` (a pytree with
+no leaves, which `jit`, `nn.scan` and `nn.vmap` pass through as static data)
+makes a layer dense with no run-time switch either: `jsparse24.optim.masks`
+gives it for a phase the host knows (`sparse=False`, or a layer left out of
+a static set of 2:4 layers). The `params`
 tree is exactly `nn.Dense`'s, so dense checkpoints load unchanged.
 """
 
@@ -27,6 +31,7 @@ from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
 from jsparse24._ops import compress, sparse_dot
 from jsparse24._options import SparsityOptions, resolve_transposable
+from jsparse24._phase import STATIC_DENSE, is_static_dense
 
 COLLECTION = "sparsity"
 # The rng stream of `weight_grad="mvue"` (`model.apply(..., rngs={"mvue": key})`).
@@ -779,7 +784,9 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
   chosen = {}
   for path, layer in layers_by_path(sparsity).items():
     try:
-      flags = np.asarray(True if layer.get("active") is None else layer["active"])
+      active = layer.get("active")
+      flags = np.asarray(True if active is None else False if is_static_dense(active)
+                         else active)
     except jax.errors.TracerArrayConversionError as e:
       raise TypeError(
           f"{fn}: the 'active' flags of layer {'/'.join(path)!r} are traced; call"

@@ -36,19 +36,35 @@ Gradual sparsity. A schedule with a `SparsityRamp` makes the layers 2:4 a
 few at a time: the share of 2:4 layers grows along a cosine curve, and where
 it grows the dense layers whose masks remove the least of their weights
 (`pruned_norm`, rescored whenever their masks are rebuilt) go 2:4 first, and
-stay 2:4. Which layers are 2:4 is then a run-time value, which costs:
-- while the ramp mixes dense and 2:4 layers (`MaskSchedule.phase(step)` is
-  None), every product carries its run-time switch, as in a dense phase;
-  before the ramp (no layer 2:4) and after it (every layer, `target=1`)
-  `phase` answers False or True and `masks(opt_state, sparse=phase)` drops
-  the switches;
-- every step, whatever the phase: a `lax.cond` that scores the layers whose
-  masks were rebuilt (one pass over their weights on the steps that
-  rebuild, none otherwise; on a GPU the conditional waits for its predicate
-  on the host), and a per-layer select of every mask between its old and
-  rebuilt bits (one elementwise pass over the packed masks, 1 bit per
-  weight), because a layer entering 2:4 gets a fresh mask while the 2:4
-  layers keep the schedule's rebuild cadence.
+stay 2:4. The state holds which layers are 2:4 as run-time flags; a training
+loop that tells the step what the host knows keeps run-time switches out of
+it:
+- the layers: while the ramp mixes dense and 2:4 layers
+  (`MaskSchedule.phase(step)` is None), `masks(opt_state,
+  sparse=sparse_layers(opt_state))` gives each layer a phase fixed at trace
+  time (None: 2:4, `STATIC_DENSE`: dense), and the step is jitted once per
+  set. Layers only enter 2:4, so a run passes through at most `layers + 1`
+  sets, and the host reads the set (one transfer of the flags, which waits
+  for the queued steps) only where `MaskSchedule.changes(step, layers)`.
+  With the state's flags instead (`sparse=None`) every product carries a
+  run-time switch (a conditional in the forward and one in the backward
+  pass); on a GPU each copies its predicate to the host and stalls the
+  launch queue, and the step becomes launch-bound (docs/design_notes.md,
+  "Gradual sparsity without run-time switches"). A stack of layers
+  (`nn.scan`) that the set holds partly keeps the switch of its own
+  products (`masks`);
+- the rebuild: a `lax.cond` scores the layers whose masks were rebuilt (one
+  pass over their weights on the steps that rebuild, none otherwise), every
+  step, whatever the phase, and on a CPU (or for weights the mask kernel
+  does not take) another rebuilds the masks. `update(...,
+  mask_rebuild=schedule.update_rebuilds(step, layers))`, a Python bool,
+  traces only the branch that runs: no conditional, at the price of one
+  program with and one without a rebuild per phase (at most `2 * (layers +
+  1)` with a ramp);
+- always: a per-layer select of every mask between its old and rebuilt
+  bits (one elementwise pass over the packed masks, 1 bit per weight),
+  because a layer entering 2:4 gets a fresh mask while the 2:4 layers keep
+  the schedule's rebuild cadence.
 """
 
 from __future__ import annotations
@@ -62,8 +78,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jsparse24 import backends
+from jsparse24 import _checks, backends
 from jsparse24._format import Mask24
+from jsparse24._phase import STATIC_DENSE
 from jsparse24._sharding import explicit_sharding, typed_like
 from jsparse24.linen import (_map_layers, check_sparsity, dense_kernel, layers_by_path,
                              map_sparse_kernels, masks_like_kernels as _masks_like_kernels,
@@ -266,6 +283,48 @@ class MaskSchedule:
     # count(step, n) is 0 for every n only at share 0, and n only at share 1.
     return False if share == 0.0 else True if share == 1.0 else None
 
+  def sparse_count(self, step, layers: int) -> jax.Array | np.ndarray:
+    """How many of the model's `layers` 2:4 layers (each layer of a stack
+    counted) are 2:4 at `step` (int32): `ramp.count(step, layers)` (all
+    `layers` without a ramp) where `sparse(step)`, else 0. It is the number
+    of True flags that `mask_update` holds for step `step`, since a layer
+    enters 2:4 only where this count grows and leaves only where
+    `sparse(step)` ends. Host steps are answered on the host (`_namespace`)."""
+    xp = _namespace(step)
+    full = layers if self.ramp is None else self.ramp.count(step, layers)
+    return xp.where(self.sparse(step), full, 0).astype(xp.int32)
+
+  def update_rebuilds(self, step: int, layers: int) -> bool:
+    """Whether `mask_update`'s update of host step `step` (the one that
+    prepares the masks of step `step + 1`) rebuilds any mask: where
+    `rebuild(step + 1)`, or where a ramp's `sparse_count` grows (the dense
+    layers' masks are rebuilt for the layers entering 2:4). For its static
+    `mask_rebuild` argument (`mask_update`), which leaves the rebuild's
+    conditionals out of the compiled step."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+      raise TypeError(
+          f"MaskSchedule.update_rebuilds: `step` must be a host int (the step about to"
+          f" be dispatched), got {type(step).__name__} {step!r}.")
+    grows = (self.ramp is not None
+             and self.sparse_count(step + 1, layers) > self.sparse_count(step, layers))
+    return bool(self.rebuild(step + 1)) or bool(grows)
+
+  def changes(self, step: int, layers: int) -> bool:
+    """Whether the set of 2:4 layers at host step `step` may differ from
+    that of step `step - 1` (True at step 0): where `sparse_count` differs.
+    A training loop that jits its step for the set of 2:4 layers
+    (`masks(opt_state, sparse=frozenset)`) reads the set
+    (`sparse_layers(opt_state)`, a transfer that waits for the steps queued
+    before it) only on these steps: at most `layers + 1` of them while the
+    schedule is sparse, and one where `dense_after` ends it."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+      raise TypeError(
+          f"MaskSchedule.changes: `step` must be a host int (the step about to be"
+          f" dispatched), got {type(step).__name__} {step!r}.")
+    if step == 0:
+      return True
+    return bool(self.sparse_count(step, layers) != self.sparse_count(step - 1, layers))
+
   @property
   def always_sparse(self) -> bool:
     return self.warmup_steps == 0 and self.dense_after is None and self.ramp is None
@@ -328,6 +387,15 @@ def mask_update(
   Steps are the transform's own updates: inside `optax.MultiSteps(tx, k)`
   (gradient accumulation) it runs once per k micro-steps, so the schedule
   counts optimizer steps, not micro-steps.
+
+  `update` takes one extra argument (passed on by `optax.chain`):
+  `mask_rebuild`, None (default) or a Python bool, whether this update
+  rebuilds any mask, as the host knows it
+  (`schedule.update_rebuilds(step, layers)`, `layers =
+  len(layer_names(opt_state))`). Given, the step has no conditional around
+  the rebuild or the ramp's scores (module docstring); it must be the
+  schedule's own answer, with the step jitted once per value (a static
+  argument): a wrong one skips or forces a rebuild, unchecked.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jsparse24
@@ -397,10 +465,16 @@ def mask_update(
     return MaskUpdateState(zero, masks, per_layer_value(masks, 0.0), sparsity_per_layer(masks),
                            zero, _map_layers(lambda _, __, path: score[path], masks, masks))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
+                **extra_args):
     del extra_args
     if params is None:
       raise ValueError("mask_update: `update` needs `params` (tx.update(grads, state, params)).")
+    if mask_rebuild is not None and not isinstance(mask_rebuild, (bool, np.bool_)):
+      raise TypeError(
+          f"mask_update: `mask_rebuild` must be None or a Python bool (the host's"
+          f" schedule.update_rebuilds(step, layers)), got {type(mask_rebuild).__name__}"
+          f" {mask_rebuild!r}; a traced value would keep the conditional.")
     _check_updates(updates, params, state.masks)
     step = state.count
     nxt = step + 1
@@ -429,10 +503,23 @@ def mask_update(
       grow = schedule.sparse(nxt) & (count > held_sparse)
       per_layer = {path: do_rebuild | (grow & ~a) for path, a in was_active.items()}
       do_rebuild = do_rebuild | grow
+    if mask_rebuild is not None:
+      do_rebuild = jnp.asarray(bool(mask_rebuild))
+
+    def when_rebuilding(rebuild, keep):
+      """`rebuild()` on the updates that rebuild masks, else `keep()`: by
+      a conditional on the run-time flag, or, where the host said which
+      (`mask_rebuild`), by tracing only the one that runs."""
+      if mask_rebuild is None:
+        return jax.lax.cond(do_rebuild, rebuild, keep)
+      return rebuild() if mask_rebuild else keep()
+
     # The kernel counts the flips as it rebuilds (none otherwise): no pass
-    # over the masks for the statistics on a step that rebuilds nothing.
-    flagged = {path: backends.rebuild_where(kernels[path], old, do_rebuild)
-               for path, old in old_masks.items()}
+    # over the masks for the statistics on a step that rebuilds nothing. An
+    # update that the host knows rebuilds nothing calls no kernel.
+    flagged = {} if mask_rebuild is False else {
+        path: backends.rebuild_where(kernels[path], old, do_rebuild)
+        for path, old in old_masks.items()}
     flagged = {path: new for path, new in flagged.items() if new is not None}
     new_masks = {path: mask for path, (mask, _) in flagged.items()}
     flips = {path: jnp.where(do_rebuild, flip, old_flips[path])
@@ -446,8 +533,8 @@ def mask_update(
                for path in slow}
         return new, {path: flip_fraction(old_masks[path], new[path]) for path in slow}
 
-      slow_masks, slow_flips = jax.lax.cond(
-          do_rebuild, rebuilt,
+      slow_masks, slow_flips = when_rebuilding(
+          rebuilt,
           lambda: ({path: old_masks[path] for path in slow},
                    {path: old_flips[path] for path in slow}))
       new_masks.update(slow_masks)
@@ -459,9 +546,8 @@ def mask_update(
                for path, flip in flips.items()}
       old_score = _by_path(lambda _, s, path: s, state.masks, state.score)
       # Scores only where masks were rebuilt: one pass over those weights,
-      # inside a conditional (module docstring).
-      score = jax.lax.cond(
-          do_rebuild,
+      # inside a conditional unless the host said (module docstring).
+      score = when_rebuilding(
           lambda: {path: jnp.where(per_layer[path], pruned_norm(kernels[path], new_masks[path]),
                                    old_score[path]) for path in old_score},
           lambda: dict(old_score))
@@ -734,7 +820,7 @@ def _check_placement(fn: str, opt_state, path) -> None:
         f" or optax.chain(jsparse24.optim.mask_update(...), optimizer).")
 
 
-def masks(opt_state, sparse: bool | None = None) -> dict:
+def masks(opt_state, sparse: bool | frozenset[str] | None = None) -> dict:
   """The `"sparsity"` collection for the next forward pass, from an optimizer
   state that contains a `mask_update` state (anywhere in a chain).
 
@@ -742,30 +828,118 @@ def masks(opt_state, sparse: bool | None = None) -> dict:
   schedule with dense phases keeps as run-time values: the compiled step
   then switches every product at run time (a conditional per product, which
   stalls a GPU; module docstring). A Python bool instead states this step's
-  phase for every layer: True gives `"active": None` (always sparse: no
-  switch at all), False constant False flags (dense; XLA folds the forward
-  pass's switches, the backward pass keeps its own, which reads the flags as
-  a residual). It must be the schedule's own phase, computed on the host,
-  with the step jitted once per phase; `schedule.phase(i)` gives it, and
-  None while a `SparsityRamp` has some layers 2:4 and others dense:
+  phase for every layer: True gives `"active": None` (2:4), False
+  `jsparse24.linen.STATIC_DENSE` (dense, nothing pruned or compressed): no
+  switch at all. A `frozenset` of layer names (`layer_names`) states which
+  layers are 2:4 this step, the others dense, as the state's flags hold them
+  while a `SparsityRamp` mixes the two: `sparse_layers(opt_state)` reads it.
+  Either must be the state's own phase, known on the host, with the step
+  jitted once per value (a static argument); a value that is not the
+  state's runs layers dense or 2:4 against the schedule, unchecked.
+  `schedule.phase(i)` gives the bool, and None while a ramp mixes the
+  layers; the set changes only on the steps where `schedule.changes(i,
+  len(layer_names(opt_state)))`, at most once per layer, so a run compiles
+  at most `layers + 1` programs for the ramp:
 
       @functools.partial(jax.jit, static_argnames="sparse")
       def step(params, opt_state, batch, sparse):
           variables = {"params": params, "sparsity": masks(opt_state, sparse)}
           ...
-      step(params, opt_state, batch, sparse=schedule.phase(i))
+      n, held = len(layer_names(opt_state)), None
+      for i in range(first, steps):
+          phase = schedule.phase(i)
+          if phase is None:  # a ramp mixes the layers: the set, read where it changes
+              if held is None or schedule.changes(i, n):
+                  held = sparse_layers(opt_state)
+              phase = held
+          params, opt_state = step(params, opt_state, batch, sparse=phase)
+
+  Stacked layers (`nn.scan`, an MoE's experts under `nn.vmap`): the set
+  names each layer of a stack (`"path[i]"`, `layer_names`). A stack that the
+  set holds whole or not at all gets no switch; one partly 2:4 keeps a
+  run-time flag per layer of the stack (a constant, sliced by the scan or
+  vmap into the switch of each of its products), since the stack traces
+  one body for all its layers. With a ramp over stacks, only the steps where a stack
+  is partly 2:4 pay that cost, and only for that stack.
   """
-  held = _find_state(opt_state, "masks").masks
+  state = _find_state(opt_state, "masks")
+  held = state.masks
   if sparse is None:
     return held
+  if isinstance(sparse, frozenset):
+    names = _layer_names(held)
+    unknown = sorted(sparse - {n for entries in names.values() for n in entries})
+    if unknown or not all(isinstance(n, str) for n in sparse):
+      raise ValueError(
+          f"masks: `sparse` names layers the model does not have: {unknown[:5]}; the"
+          f" names are those of jsparse24.optim.layer_names(opt_state) (e.g."
+          f" {[n for e in names.values() for n in e][:3]}), as"
+          f" jsparse24.optim.sparse_layers(opt_state) gives them.")
+
+    def static(layer, path):
+      flags = np.array([n in sparse for n in names[path]], bool)
+      if flags.all():
+        return None
+      if not flags.any():
+        return STATIC_DENSE
+      return flags.reshape(_stack_shape(layer))
+
+    return _map_layers(lambda layer, _, path: {**layer, "active": static(layer, path)},
+                       held, held)
   if not isinstance(sparse, (bool, np.bool_)):
     raise TypeError(
-        f"masks: `sparse` must be None or a Python bool (this step's phase, e.g."
-        f" schedule.phase(step) on the host), got {type(sparse).__name__}"
+        f"masks: `sparse` must be None, a Python bool (this step's phase, e.g."
+        f" schedule.phase(step) on the host) or a frozenset of 2:4 layer names"
+        f" (sparse_layers(opt_state) on the host), got {type(sparse).__name__}"
         f" {sparse!r}; a traced value would keep the run-time switch.")
   if sparse:
     return _with_active(held, lambda layer: None)
-  return _with_active(held, lambda layer: np.zeros(_stack_shape(layer), bool))
+  return _with_active(held, lambda layer: STATIC_DENSE)
+
+
+def _layer_names(sparsity: Mapping) -> dict[tuple[str, ...], tuple[str, ...]]:
+  """Per layer path, the names of its layers: the `/`-joined path, or
+  `path[i]` for each layer of a stack (its stack axes flattened in C
+  order, as `SparsityRamp` counts them)."""
+  out = {}
+  for path, layer in layers_by_path(sparsity).items():
+    name, shape = "/".join(path), _stack_shape(layer)
+    out[path] = (name,) if not shape else tuple(
+        f"{name}[{i}]" for i in range(int(np.prod(shape))))
+  return out
+
+
+def layer_names(opt_state) -> tuple[str, ...]:
+  """The names of the model's 2:4 layers, in the tree's order, each layer of
+  a stack named `"path[i]"` (flat index over the stack axes): the names that
+  `sparse_layers` returns and `masks(opt_state, sparse=frozenset(...))`
+  takes. Its length is the `layers` of `SparsityRamp.count` and
+  `MaskSchedule.sparse_count`."""
+  return tuple(n for names in _layer_names(_find_state(opt_state, "layer_names").masks).values()
+               for n in names)
+
+
+def sparse_layers(opt_state) -> frozenset[str]:
+  """The names (`layer_names`) of the layers that are 2:4 in the next step,
+  read from the state's flags: one transfer of a few bools to the host,
+  which waits for the steps already queued. For a static argument of the
+  jitted step (`masks(opt_state, sparse=...)`); read it where
+  `schedule.changes(step, layers)` says the set may have changed, not
+  every step. Call it outside `jax.jit`."""
+  state = _find_state(opt_state, "sparse_layers")
+  names = _layer_names(state.masks)
+  flags = {path: layer["active"] for path, layer in layers_by_path(state.masks).items()}
+  if not all(a is None or _checks.is_concrete(a) for a in flags.values()):
+    raise TypeError(
+        "sparse_layers: the state's 'active' flags are traced; call it outside jax.jit,"
+        " on the state a jitted step returned.")
+  # One transfer for every layer's flags (None: always 2:4).
+  host = jax.device_get({path: a for path, a in flags.items() if a is not None})
+  out = set()
+  for path, entries in names.items():
+    on = np.ravel(host[path]) if path in host else np.ones(len(entries), bool)
+    out.update(n for n, flag in zip(entries, on) if flag)
+  return frozenset(out)
 
 
 def masks_like_kernels(opt_state, params: Mapping):
@@ -802,5 +976,5 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
           for path, flip in by_path(state.flip_rate).items()}
 
 
-__all__ = ["MaskSchedule", "MaskUpdateState", "SparsityRamp", "mask_update", "masks",
-           "masks_like_kernels", "stats", "with_masks"]
+__all__ = ["MaskSchedule", "MaskUpdateState", "SparsityRamp", "layer_names", "mask_update",
+           "masks", "masks_like_kernels", "sparse_layers", "stats", "with_masks"]

@@ -390,3 +390,77 @@ def test_train_lm_squared_relu_with_24_activations(tmp_path):
   for run in ("dense", "sparse"):
     val = result[f"val_losses_{run}"]
     assert all(math.isfinite(v) for v in val) and val[-1] < val[0], (run, val)
+
+
+def test_train_lm_ramp_jits_a_program_per_set_of_2_4_layers(tmp_path, monkeypatch):
+  """--sparsity-ramp: while the ramp mixes dense and 2:4 layers, the 2:4
+  run's step is jitted for the set of 2:4 layers (no run-time switch per
+  product), read from the optimizer state where the schedule says it
+  changes, and for whether its update rebuilds masks (no conditional
+  around the rebuild and the scores): 2 MLP layers give 4 programs here
+  (of at most 2 x 3), and the losses are those of the run-time flags. No
+  step that compiled is timed."""
+  module = load_example("train_lm")
+  flags = ["--steps", "12", "--eval-every", "6", "--d-model", "32", "--layers", "1",
+           "--heads", "2", "--seq-len", "32", "--batch", "8", "--eval-batches", "2",
+           "--lr", "1e-2", "--mask-warmup", "2", "--rebuild-every", "4",
+           "--sparsity-ramp", "3,9"]
+  runs, calls = [], []
+  train = module.train
+  monkeypatch.setattr(module, "train", lambda run, *a, **k: (runs.append(run), train(run, *a, **k)))
+  static_phase, static_rebuild = module.Run.static_phase, module.Run.static_rebuild
+
+  def spy(self, step, held):
+    phase, held = static_phase(self, step, held)
+    calls.append((self.name, step, phase, static_rebuild(self, step)))
+    return phase, held
+
+  monkeypatch.setattr(module.Run, "static_phase", spy)
+  static = module.main(flags + ["--out", str(tmp_path / "static")])
+  assert static["train_step_programs"] == {"dense": 1, "2:4": 4}
+  sparse = [(phase, rebuild) for name, _, phase, rebuild in calls if name == "2:4"]
+  # Counts of 2 layers: 0 to step 4, 1 at steps 5 and 6, 2 from step 7;
+  # masks rebuilt for steps 2 (the end of the warm-up) and 6 (every 4), and
+  # where the count grows (5, 7): by the updates of steps 1, 4, 5 and 6.
+  assert [p for p, _ in sparse[:5]] == [False] * 5 and [p for p, _ in sparse[7:]] == [True] * 5
+  assert sparse[5][0] == sparse[6][0] and len(sparse[5][0]) == 1, sparse
+  assert sparse[5][0] <= {"block_0/mlp/up", "block_0/mlp/down"}
+  assert [step for step, (_, r) in enumerate(sparse) if r] == [1, 4, 5, 6]
+  for run in runs:
+    seen, compiled = set(), []
+    for name, step, phase, rebuild in calls:
+      if name == run.name and (phase, rebuild) not in seen:
+        seen.add((phase, rebuild))
+        compiled.append(step)
+    assert compiled == ([0] if run.name == "dense" else [0, 1, 5, 7]), (run.name, compiled)
+    assert run.segments, run.name
+    for first, end, _ in run.segments:
+      assert not any(first <= c < end for c in compiled), (run.name, run.segments, compiled)
+  # The same run with the run-time flags (one program while the ramp mixes).
+  monkeypatch.setattr(module.Run, "static_phase", lambda self, step, held: (self.phase(step), held))
+  monkeypatch.setattr(module.Run, "static_rebuild", lambda self, step: None)
+  flagged = module.main(flags + ["--out", str(tmp_path / "flags")])
+  assert flagged["train_step_programs"] == {"dense": 1, "2:4": 3}
+  for key in ("val_losses_sparse", "val_losses_dense"):
+    np.testing.assert_allclose(static[key], flagged[key], rtol=1e-5)
+  assert static["final_train_loss_sparse"] == pytest.approx(flagged["final_train_loss_sparse"],
+                                                             rel=1e-5)
+
+
+def test_train_lm_step_donates_params_and_optimizer_state():
+  """The jitted train step writes the new params and optimizer state into
+  the buffers of the old ones (donated: nothing reads them afterwards), so a
+  step holds one copy of the state, not two (the d_model 4096 MoE run ran
+  out of memory on an H200 without)."""
+  module = load_example("train_lm")
+  args = module.parse_args(TINY_LM)
+  sample = jnp.zeros((1, args.seq_len), jnp.int32)
+  x = jnp.zeros((args.batch, args.seq_len), jnp.int32)
+  for sparse in (False, True):
+    run = module.make_run("run", sparse, args, sample)
+    step, _ = module.make_steps(run)
+    memory = step.lower(run.params, run.opt_state, x, x, 0, phase=True if sparse else None
+                        ).compile().memory_analysis()
+    state = sum(a.nbytes for a in jax.tree.leaves((run.params, run.opt_state)))
+    # All but a few bytes (scalars that XLA writes fresh, e.g. step counters).
+    assert 0 <= state - memory.alias_size_in_bytes <= 16, (sparse, memory, state)

@@ -32,14 +32,17 @@ def _dot(impl, gradient, active):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("gradient", ["ste", "masked"])
-@pytest.mark.parametrize("active", [None, True, False])
+@pytest.mark.parametrize("active", [None, True, False, "static dense"])
 def test_jvp_linearize_and_jacfwd_agree_with_reverse_mode(impl, gradient, active):
+  """`active`: a traced flag (True, False), None (2:4) or STATIC_DENSE (dense,
+  decided while tracing: no conditional, no operand)."""
   x, w, xt, wt, mask = _data()
-  if active is not None and impl == "xla":
+  if isinstance(active, bool) and impl == "xla":
     pytest.skip("the reference backend has no separate dense-phase path")
-  act = None if active is None else jnp.asarray(active)
+  act = (jsparse24.linen.STATIC_DENSE if active == "static dense"
+         else None if active is None else jnp.asarray(active))
   f = lambda x, w: _dot(impl, gradient, act)(x, w, mask)  # noqa: E731
-  m = np.asarray(mask.unpack()) | (active is False)
+  m = np.asarray(mask.unpack()) | (active is False or active == "static dense")
   wm = np.where(m, np.asarray(w), 0.0)
   # The tangent: x_dot @ (w*m) + x @ w_dot, with w_dot * m where the gradient
   # is "masked" (the adjoint of the backward pass's dw), dense in a dense phase.

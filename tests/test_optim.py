@@ -564,16 +564,15 @@ def test_masks_with_a_static_phase_drop_the_run_time_switch():
       assert phase == (i >= 2)
       conds = {p: jax.jit(step, static_argnums=2).lower(params, state, p).compile()
                .as_text().count(" conditional(") for p in (None, phase)}
-      if phase:  # only the rebuild's conditional is left
-        assert conds == {None: 3, True: 1}, conds
-      else:  # XLA folds the forward's switch; the backward's (a residual) stays
-        assert conds == {None: 3, False: 2}, conds
+      # Only the rebuild's conditional is left (False: STATIC_DENSE, the
+      # dense product with no switch in the forward or backward pass).
+      assert conds == {None: 3, phase: 1}, conds
       new = jax.jit(step, static_argnums=2)(params, state, phase)
       ref = jax.jit(step, static_argnums=2)(params, state, None)
       jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6),
                    (new[0], new[2]), (ref[0], ref[2]))
       params, state = new[0], new[1]
-  with pytest.raises(TypeError, match="masks: `sparse` must be None or a Python bool"):
+  with pytest.raises(TypeError, match="masks: `sparse` must be None, a Python bool"):
     optim.masks(state, jnp.array(True))
 
 
@@ -757,3 +756,199 @@ def test_ramp_checkpoint_restore_resumes_bit_for_bit(tmp_path):
   model, tx, variables, x, y = _setup(schedule, decay=1e-3)
   _, state = check_orbax_resume_bit_for_bit(tmp_path, model, tx, variables["params"], x, y)
   assert [float(s["sparsity"]) for s in optim.stats(state).values()] == [0.5, 0.5]
+
+
+# --- static sets of 2:4 layers (masks(opt_state, sparse=frozenset)) --------------
+
+
+class _MixedNet(nn.Module):
+  """Two single layers and a stack of two (nn.scan), on a custom_vjp backend
+  ("pallas" in interpret mode): four 2:4 layers for a ramp, one of them
+  with the masked gradient."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jsparse24.SparseDense(16, name="a", implementation="pallas")(x)
+    x = jsparse24.SparseDense(16, name="b", implementation="pallas", gradient="masked")(
+        nn.relu(x))
+
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return jsparse24.SparseDense(16, implementation="pallas")(nn.relu(h)), None
+    return nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                   split_rngs={"params": True}, length=2)(name="stack")(x, None)[0]
+
+
+def test_static_layer_set_computes_what_the_flags_do_with_no_conditional():
+  """Through a ramp over 4 layers (a stack of 2 among them), at each step
+  `masks(state, sparse=sparse_layers(state))` gives the loss and gradients
+  of the state's run-time flags, and the gradient's jaxpr has no `cond`
+  where no stack is partly 2:4 (the run-time flags have a forward and a
+  backward one per product); a partly 2:4 stack keeps its own, fewer."""
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  model = _MixedNet()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  schedule = optim.MaskSchedule(warmup_steps=1, rebuild_every=3,
+                                ramp=optim.SparsityRamp(start=1, end=6))
+  with interpret_mode():
+    variables = model.init(jax.random.key(1), x)
+  tx = optax.chain(optim.mask_update(variables["sparsity"], schedule, decay=1e-3),
+                   optax.sgd(0.1))
+  names = optim.layer_names(tx.init(variables["params"]))
+  assert names == ("a", "b", "stack/SparseDense_0[0]", "stack/SparseDense_0[1]")
+  stacked = variables["params"]["stack"]["SparseDense_0"]["kernel"]
+  params = {**variables["params"], "stack": {"SparseDense_0": {
+      **variables["params"]["stack"]["SparseDense_0"],
+      "kernel": stacked.at[0].set(near_24(stacked[0], transposable=True))}}}
+
+  def loss(params, masks):
+    return jnp.sum(model.apply({"params": params, "sparsity": masks}, x) ** 2)
+
+  @jax.jit
+  def advance(params, state):
+    updates, state = tx.update(jax.grad(loss)(params, optim.masks(state)), state, params)
+    return optax.apply_updates(params, updates), state
+
+  grad = jax.value_and_grad(loss)
+  static = jax.jit(lambda p, s, sparse: grad(p, optim.masks(s, sparse)), static_argnums=2)
+  state = tx.init(params)
+  seen = []
+  with interpret_mode():
+    runtime_conds = _count_outside_kernels(
+        jax.make_jaxpr(lambda p, s: grad(p, optim.masks(s)))(params, state).jaxpr)
+    # A forward and a backward conditional per product (the stack's body once).
+    assert runtime_conds == 6, runtime_conds
+    for step in range(8):
+      held = optim.sparse_layers(state)
+      assert len(held) == schedule.sparse_count(step, len(names))
+      seen.append(held)
+      ref = jax.jit(lambda p, s: grad(p, optim.masks(s)))(params, state)
+      got = static(params, state, held)
+      jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6),
+                   got, ref)
+      conds = _count_outside_kernels(
+          jax.make_jaxpr(lambda p, s: grad(p, optim.masks(s, held)))(params, state).jaxpr)
+      stack = {n for n in held if n.startswith("stack/")}
+      if len(stack) == 1:  # the stack is partly 2:4: its products keep their flags
+        assert conds == 2, (held, conds)
+      else:
+        assert conds == 0, (held, conds)
+      params, state = advance(params, state)
+  assert [len(s) for s in seen] == [0, 0, 0, 1, 3, 4, 4, 4]
+  assert seen[3] == {"stack/SparseDense_0[0]"}  # nearly 2:4: first, the stack partly 2:4
+  assert all(a <= b for a, b in zip(seen, seen[1:]))  # layers never leave while sparse
+
+
+def test_static_layer_set_names_and_refusals():
+  """`masks(state, sparse=frozenset)`: whole stacks take None or
+  STATIC_DENSE (no leaves, so jit and nn.scan pass them as static data), a
+  partly 2:4 stack its constant flags; unknown names and other containers
+  are refused."""
+  model = _ScannedNet()
+  x = jnp.ones((8, 16))
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  with interpret_mode():
+    variables = model.init(jax.random.key(1), x)
+  tx = optim.mask_update(variables["sparsity"], optim.MaskSchedule(warmup_steps=2))
+  state = tx.init(variables["params"])
+  names = optim.layer_names(state)
+  assert names == tuple(f"ScanBlock_0/SparseDense_0[{i}]" for i in range(3))
+  assert optim.sparse_layers(state) == frozenset()  # the warm-up
+  active = lambda sparse: optim.masks(state, sparse)["ScanBlock_0"]["SparseDense_0"]["active"]  # noqa: E731
+  assert active(frozenset(names)) is None
+  assert active(frozenset()) is jsparse24.linen.STATIC_DENSE
+  assert active(False) is jsparse24.linen.STATIC_DENSE
+  np.testing.assert_array_equal(active(frozenset(names[1:2])), [False, True, False])
+  assert not jax.tree.leaves(jsparse24.linen.STATIC_DENSE)
+  with pytest.raises(ValueError, match=r"masks: `sparse` names layers the model does not have:"
+                                       r" \['ScanBlock_0/SparseDense_0'\].*layer_names"):
+    optim.masks(state, frozenset({"ScanBlock_0/SparseDense_0"}))
+  with pytest.raises(TypeError, match="masks: `sparse` must be None, a Python bool .* or a"
+                                      " frozenset"):
+    optim.masks(state, set(names))
+  with pytest.raises(TypeError, match="MaskSchedule.changes: `step` must be a host int"):
+    optim.MaskSchedule().changes(jnp.int32(3), 3)
+  with pytest.raises(TypeError, match="sparse_layers: the state's 'active' flags are traced"):
+    jax.jit(optim.sparse_layers)(state)
+
+
+@pytest.mark.parametrize("schedule", [
+    optim.MaskSchedule(warmup_steps=2, rebuild_every=4, dense_after=14,
+                       ramp=optim.SparsityRamp(start=3, end=11)),
+    optim.MaskSchedule(rebuild_every=3, ramp=optim.SparsityRamp(start=0, end=6, initial=0.2)),
+    optim.MaskSchedule(warmup_steps=3, dense_after=6)])
+def test_host_count_of_sparse_layers_matches_the_device_flags(schedule):
+  """`schedule.sparse_count(step, n)` on the host is the number of 2:4 flags
+  that `mask_update` holds at each step (5 stacked layers), and
+  `schedule.changes(step, n)` is True exactly where the set changes."""
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+          return jsparse24.SparseDense(8)(h), None
+      return nn.scan(Block, variable_axes={"params": 0, "sparsity": 0},
+                     split_rngs={"params": True}, length=5)()(x, None)[0]
+
+  variables = Stack().init(jax.random.key(0), jnp.ones((2, 8)))
+  tx = optim.mask_update(variables["sparsity"], schedule)
+  params = variables["params"]
+  grads = jax.tree.map(jnp.zeros_like, params)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  n = len(optim.layer_names(state))
+  assert n == 5
+  previous = None
+  for step in range(16):
+    held = optim.sparse_layers(state)
+    flags = int(np.sum(state.masks["ScanBlock_0"]["SparseDense_0"]["active"]))
+    assert len(held) == flags == int(schedule.sparse_count(step, n)), step
+    assert schedule.changes(step, n) == (held != previous), step
+    previous = held
+    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(step), p.shape),
+                          params)  # new weights, so that rebuilds and scores move
+    _, state = update(grads, state, params)
+  traced = jax.jit(jax.vmap(lambda i: schedule.sparse_count(i, n)))(jnp.arange(16))
+  np.testing.assert_array_equal(traced, [schedule.sparse_count(i, n) for i in range(16)])
+
+
+@pytest.mark.parametrize("schedule", [
+    optim.MaskSchedule(warmup_steps=2, rebuild_every=3, freeze_after=10,
+                       ramp=optim.SparsityRamp(start=2, end=8)),
+    optim.MaskSchedule(warmup_steps=2, rebuild_every=4, dense_after=9)])
+def test_host_known_rebuilds_leave_the_conditionals_out(schedule):
+  """`schedule.update_rebuilds(step, n)` on the host says which updates
+  rebuild masks (`last_rebuild` moves exactly there); passed as the static
+  `mask_update(...).update(..., mask_rebuild=...)`, the update has no
+  conditional (the run-time flag has the rebuild's, and with a ramp the
+  scores') and computes the same state."""
+  model, tx, variables, x, y = _setup(schedule, decay=1e-3)
+  params, state = variables["params"], tx.init(variables["params"])
+  n = len(optim.layer_names(state))
+  update = jax.jit(tx.update, static_argnames="mask_rebuild")
+  grads_of = jax.jit(jax.grad(lambda p, s: _loss(model, p, optim.masks(s), x, y)))
+  conds = lambda **kw: str(jax.make_jaxpr(functools.partial(tx.update, **kw))(  # noqa: E731
+      grads_of(params, state), state, params)).count(" cond[")
+  assert conds() == (2 if schedule.ramp is not None else 1)
+  assert conds(mask_rebuild=True) == conds(mask_rebuild=False) == 0
+  rebuilt = []
+  for step in range(12):
+    grads = grads_of(params, state)
+    host = schedule.update_rebuilds(step, n)
+    ref_updates, ref = update(grads, state, params)
+    updates, state = update(grads, state, params, mask_rebuild=host)
+    # The same masks; values to the rounding of a differently fused decay term.
+    for a, b in zip(jax.tree.leaves((updates, state)), jax.tree.leaves((ref_updates, ref))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+    assert (int(state[0].last_rebuild) == step + 1) == host, step
+    rebuilt += [step + 1] * host
+    params = optax.apply_updates(params, updates)
+  if schedule.ramp is None:
+    assert rebuilt == [2, 6]  # the end of the warm-up, then every 4 (none after dense_after)
+  else:
+    assert {2, 5} <= set(rebuilt) and 11 not in rebuilt, rebuilt  # and where the count grows
+  with pytest.raises(TypeError, match="mask_update: `mask_rebuild` must be None or a Python"):
+    tx.update(grads, state, params, mask_rebuild=jnp.array(True))

@@ -25,8 +25,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad, batching, mlir
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
+from jsparse24._phase import is_static_dense
 from jsparse24._sharding import product_sharding, unpartitioned
-from jsparse24.backends._products import accumulation_dtype, matmul, weight_grad
+from jsparse24.backends._products import (accumulation_dtype, dense_weight_grad, matmul,
+                                          weight_grad)
 from jsparse24.backends._tensor_parallel import (backward_dx, forward, forward_compressed,
                                                  mask_grad, prepare)
 
@@ -73,7 +75,9 @@ PRODUCT = "jsparse24_product"
 # `lax.cond` around two differentiable branches saves both branches'
 # residuals, the untaken one as zeros of the size of x, every step (slower,
 # and out of memory for large models: docs/design_notes.md, "No branch
-# around the product for a schedule's dense phase").
+# around the product for a schedule's dense phase"). `STATIC_DENSE` (a
+# phase known while tracing, `jsparse24._phase`) takes the dense branch's
+# computations with no conditional and no operand.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
 def custom_dot(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   return _custom_dot_fwd(x, w, mask, active, key, backend, cfg)[0]
@@ -86,6 +90,10 @@ def _custom_dot_fwd(x, w, mask, active, key, backend: Backend, cfg: DotConfig):
   # before a custom call (4 + 4), whose read then costs 4 bytes more
   # (docs/design_notes.md, "The weight enters the product uncast; the cast
   # is its own XLA op").
+  if is_static_dense(active):
+    # Nothing to prune or compress: the kernel is not 2:4 in this step.
+    y = checkpoint_name(matmul(x, w.astype(x.dtype), cfg.precision), PRODUCT)
+    return y, (x, w, None, key, active)
   operand = jax.tree.map(lambda a: checkpoint_name(a, COMPRESSED),
                          prepare(backend, w.astype(x.dtype), mask, cfg))
   sparse = lambda: forward(backend, x, operand, cfg)  # noqa: E731
@@ -112,6 +120,9 @@ def _backward(backend: Backend, cfg: DotConfig, res, dy):
   """(dx, dw) of the product from its residuals `(x, w, operand, key,
   active)` (`active` None: always sparse)."""
   x, w, operand, key, active = res
+  if is_static_dense(active):  # the dense branch's gradients below, unconditionally
+    dx = matmul(dy, w.astype(dy.dtype).T, cfg.precision)
+    return dx.astype(x.dtype), dense_weight_grad(x, dy, w, cfg.precision)
   sparse_dx = lambda: backward_dx(backend, dy, operand, cfg)  # noqa: E731
   if active is None:
     dx = sparse_dx()
@@ -135,16 +146,19 @@ def _tangent_value(backend: Backend, cfg: DotConfig, res, x_dot, w_dot):
         " jax.linearize, jax.jacfwd) is not supported: the MVUE weight gradient is a random"
         " estimate of reverse mode only. Use weight_grad='dense' for forward mode.")
   x, w, operand, _, active = res
+  dense = is_static_dense(active)
   terms = []
   if x_dot is not None:
-    if active is None:
+    if dense:
+      terms.append(matmul(x_dot, w.astype(x.dtype), cfg.precision))
+    elif active is None:
       terms.append(forward(backend, x_dot, operand, cfg))
     else:
       terms.append(jax.lax.cond(active, lambda: forward(backend, x_dot, operand, cfg),
                                 lambda: matmul(x_dot, w.astype(x.dtype), cfg.precision)))
   if w_dot is not None:
     w_dot = w_dot.astype(x.dtype)
-    if cfg.gradient == "masked":
+    if cfg.gradient == "masked" and not dense:
       masked = mask_grad(backend, w_dot, operand, cfg)
       w_dot = masked if active is None else jnp.where(active, masked, w_dot)
     terms.append(matmul(x, w_dot, cfg.precision))

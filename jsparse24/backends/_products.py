@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse24._mvue import mvue_24
+from jsparse24._phase import is_static_dense
 from jsparse24._sharding import weight_grad_sharding
 
 if TYPE_CHECKING:
@@ -35,9 +36,9 @@ def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, cfg: DotConfig,
   autodiff computes it); with `cfg.weight_grad == "mvue"`, `x^T
   mvue_24(dy, key)` (dy pruned 2:4 along M, unbiased;
   `backend.mvue_weight_grad`, by default XLA's dense product of the pruned
-  dy) where `active` (None: always) is True.
+  dy) where `active` (None: always; `STATIC_DENSE`: never) is True.
   """
-  if cfg.weight_grad != "mvue":
+  if cfg.weight_grad != "mvue" or is_static_dense(active):
     return dense_weight_grad(x, dy, w, cfg.precision)
   if key is None:
     # A layer applied without its rng stream: fine for inference, but the

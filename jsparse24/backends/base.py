@@ -96,8 +96,9 @@ class Backend(abc.ABC):
     """`x[M, K] @ (w*mask)[K, N]` computed in x's dtype, differentiable in
     `x` and `w` with `cfg.gradient`'s `dw` (in w's dtype; `w` may be wider
     than x, e.g. a float32 kernel with bfloat16 compute, and is cast inside).
-    `active`: None, or a bool scalar; where it is False the product is the
-    plain dense `x @ w` (full `dw`): a schedule's dense phase. With
+    `active`: None, a traced bool scalar, or `STATIC_DENSE`
+    (`jsparse24._phase`); where it is False or `STATIC_DENSE` the product is
+    the plain dense `x @ w` (full `dw`): a schedule's dense phase. With
     `cfg.weight_grad == "mvue"`, `dw = x^T mvue_24(dy, key)` while sparse."""
     return _autodiff.custom_dot(x, w, mask, active, key, self, cfg)
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._input_sparse import input_sparse_product
+from jsparse24._phase import is_static_dense
 from jsparse24._prune import prune_24
 from jsparse24._sharding import is_explicit, typed_like
 from jsparse24.backends._products import accumulation_dtype, matmul, weight_grad
@@ -75,6 +76,9 @@ class XlaBackend(Backend):
       w = jax.lax.with_sharding_constraint(
           w, NamedSharding(cfg.split.mesh, cfg.split.spec("kn")))
     wc = w.astype(x.dtype)  # nn.Dense's cast (a wider kernel computes in x's dtype)
+    if is_static_dense(active):  # known while tracing: nn.Dense's product, no mask
+      return jax.lax.dot_general(x, wc, (((x.ndim - 1,), (0,)), ((), ())),
+                                 precision=cfg.precision, **_out(cfg, "mn"))
     # One mask for both paths (mask=None prunes the cast kernel, as the
     # layer computes with it); typed like w under Explicit mesh axes.
     m = jax.lax.stop_gradient(typed_like(
