@@ -6,6 +6,7 @@ benchmarks/results/<gpu>.md (`write_section`, `table`, `environment`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -151,6 +152,20 @@ def threaded(step: Callable, params, opt_state, at: Callable | None = None):
     return state["params"], state["opt"]  # blocking on these waits for the whole step
 
   return run, state
+
+
+def timers(quick: bool) -> tuple[Callable, Callable]:
+  """(timer, step_timer): `bench` for parts, and for whole training steps
+  `bench` in runs of >= 1 s (median of 5), dispatched asynchronously as a
+  training loop does. Timed one at a time (a step takes longer than
+  `bench`'s default 0.05 s), each step's host dispatch is measured unhidden,
+  more of it for the 2:4 step's larger optimizer state (docs/design_notes.md,
+  "Steps are timed in runs of at least a second"). `quick` (a CPU smoke
+  test): one call each."""
+  if quick:
+    once = functools.partial(bench, min_time=0.0, repeats=1)
+    return once, once
+  return bench, functools.partial(bench, min_time=1.0, repeats=5)
 
 
 def compile_step(step, *args):

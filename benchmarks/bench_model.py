@@ -1108,16 +1108,7 @@ def main(argv=None) -> dict:
          "weight_grad": args.weight_grad, "devices": args.devices,
          "remat_policy": args.remat_policy, "layouts": layouts,
          "model_devices": args.model_devices}
-  timer = (functools.partial(_common.bench, min_time=0.0, repeats=1) if args.quick
-           else _common.bench)
-  # Whole steps run back to back for >= 1 s per timing, dispatched
-  # asynchronously as a training loop does. Timed one at a time (a step
-  # takes longer than `bench`'s default 0.05 s), each step's host dispatch
-  # is measured unhidden, more of it for the 2:4 step's larger optimizer
-  # state (docs/design_notes.md, "Steps are timed in runs of at least a
-  # second").
-  step_timer = timer if args.quick else functools.partial(_common.bench, min_time=1.0,
-                                                          repeats=5)
+  timer, step_timer = _common.timers(args.quick)
   env = _common.environment()
   print(env, flush=True)
   print(f"backends: {jsparse24.available_implementations()}", flush=True)

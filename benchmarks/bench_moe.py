@@ -334,10 +334,7 @@ def main(argv=None) -> dict:
     p.error(f"--top-k {cfg['top_k']} must lie in [1, --experts {cfg['experts']}]")
   if args.rebuild_every < 2:
     p.error("--rebuild-every must be >= 2 (with 1 every step rebuilds)")
-  timer = (functools.partial(_common.bench, min_time=0.0, repeats=1) if args.quick
-           else _common.bench)
-  step_timer = timer if args.quick else functools.partial(_common.bench, min_time=1.0,
-                                                          repeats=5)
+  timer, step_timer = _common.timers(args.quick)
   env = _common.environment()
   print(env, flush=True)
   print(f"backends: {jsparse24.available_implementations()}", flush=True)

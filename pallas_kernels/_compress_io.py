@@ -31,19 +31,21 @@ def check_weight(fn: str, w: jax.Array, need_n4: bool) -> None:
 LAYOUTS = ("sparse24", "cusparselt")  # layout="cusparselt": K, N multiples of CUSPARSELT_ALIGN
 
 
-def check_layout(fn: str, w: jax.Array, layout: str) -> bool:
-  """Checks `layout` against `w`; True for layout="cusparselt"."""
+def check_layout(fn: str, w: jax.Array, layout: str, *, name: str = "w",
+                 dims: str = "K and N", fix: str = "") -> bool:
+  """Checks `layout` against the 2-D operand `w` (its argument name `name`,
+  its axes `dims` and, for misaligned axes, the `fix` the message names);
+  True for layout="cusparselt"."""
   if layout not in LAYOUTS:
     raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}.")
   if layout == "sparse24":
     return False
   if w.dtype not in (jnp.bfloat16, jnp.float16):
-    raise TypeError(f"{fn}: layout='cusparselt' takes bfloat16 or float16 weights"
+    raise TypeError(f"{fn}: layout='cusparselt' takes a bfloat16 or float16 `{name}`"
                     f" (cuSPARSELt's 2:4 formats), got {w.dtype}.")
-  k, n = w.shape
-  if k % CUSPARSELT_ALIGN or n % CUSPARSELT_ALIGN:
-    raise ValueError(f"{fn}: layout='cusparselt' needs K and N multiples of"
-                     f" {CUSPARSELT_ALIGN}, got w of shape {w.shape}.")
+  if w.shape[0] % CUSPARSELT_ALIGN or w.shape[1] % CUSPARSELT_ALIGN:
+    raise ValueError(f"{fn}: layout='cusparselt' needs {dims} multiples of"
+                     f" {CUSPARSELT_ALIGN}{fix}, got {name} of shape {w.shape}.")
   return True
 
 

@@ -40,8 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _tiles
-from pallas_kernels._compress_io import LAYOUTS, with_pad_code
-from pallas_kernels.cusparselt_layout import CUSPARSELT_ALIGN
+from pallas_kernels._compress_io import check_layout, with_pad_code
 from pallas_kernels.prune_config import PruneConfig, fit_config
 
 # block_k: the tile's extent along K (the compressed axis), block_n: along M.
@@ -64,17 +63,7 @@ def _check(fn: str, x: jax.Array, layout: str) -> bool:
     raise TypeError(f"{fn}: `x` must be bfloat16, float16 or float32, got {x.dtype}.")
   if x.shape[1] % 4 or not x.shape[1]:
     raise ValueError(f"{fn}: K = x.shape[1] = {x.shape[1]} must be a positive multiple of 4.")
-  if layout not in LAYOUTS:
-    raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}.")
-  if layout == "sparse24":
-    return False
-  if x.dtype not in (jnp.bfloat16, jnp.float16):
-    raise TypeError(f"{fn}: layout='cusparselt' takes bfloat16 or float16 (cuSPARSELt's"
-                    f" 2:4 formats), got {x.dtype}.")
-  if x.shape[0] % CUSPARSELT_ALIGN or x.shape[1] % CUSPARSELT_ALIGN:
-    raise ValueError(f"{fn}: layout='cusparselt' needs M and K multiples of"
-                     f" {CUSPARSELT_ALIGN} (pad M with zero rows), got x of shape {x.shape}.")
-  return True
+  return check_layout(fn, x, layout, name="x", dims="M and K", fix=" (pad M with zero rows)")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "layout"))
