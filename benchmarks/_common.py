@@ -7,6 +7,7 @@ benchmarks/results/<gpu>.md (`write_section`, `table`, `environment`)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import re
@@ -166,6 +167,15 @@ def timers(quick: bool) -> tuple[Callable, Callable]:
     once = functools.partial(bench, min_time=0.0, repeats=1)
     return once, once
   return bench, functools.partial(bench, min_time=1.0, repeats=5)
+
+
+def write_json(path: str, obj) -> None:
+  """Writes `obj` as JSON (indent 1) to `path`, its folder made if missing,
+  and says so: a benchmark's `--json` output."""
+  out = pathlib.Path(path)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(obj, indent=1))
+  print(f"wrote {out}", flush=True)
 
 
 def compile_step(step, *args):

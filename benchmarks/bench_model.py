@@ -53,9 +53,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import math
-import pathlib
 import time
 import traceback
 import flax.linen as nn
@@ -1124,10 +1122,7 @@ def main(argv=None) -> dict:
               + f"Summary:\n\n{summary_table(results)}\n")
   out = {"environment": env, "config": cfg, "widths": results}
   if args.json:
-    path = pathlib.Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path}", flush=True)
+    _common.write_json(args.json, out)
   if not args.no_write:
     tokens = sorted({r["batch"] * r["seq"] for r in rows})
     title = (f"Whole model: GPT-style decoder, d_model {','.join(map(str, widths))},"

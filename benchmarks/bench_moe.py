@@ -47,9 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import math
-import pathlib
 import time
 
 import flax.linen as nn
@@ -342,10 +340,7 @@ def main(argv=None) -> dict:
   table = results_table(cfg, result)
   out = {"environment": env, "config": cfg, "result": result}
   if args.json:
-    path = pathlib.Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path}", flush=True)
+    _common.write_json(args.json, out)
   if not args.no_write:
     title = (f"MoE block training step ({time.strftime('%Y-%m-%d', time.gmtime())}):"
              f" {cfg['experts']} experts, top-{cfg['top_k']}, d_model {cfg['d_model']},"
