@@ -299,8 +299,9 @@ def _phase(result: dict, name: str) -> None:
 
 def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> None:
   """The dense model of one width (before any 2:4 step has run in this
-  process): its training step, AdamW alone, and the dense parts of the
-  breakdown. Fills `result["dense"]`; keeps the compiled step in `ctx`."""
+  process): its training step and, where the width has a breakdown, AdamW
+  alone and the breakdown's other dense parts. Fills `result["dense"]`;
+  keeps the compiled step in `ctx`."""
   step_timer = step_timer or timer
   d, tokens, whole, adamw = result["d_model"], ctx["tokens"], ctx["whole"], ctx["adamw"]
   model, key_init = ctx["model"], ctx["key_init"]
@@ -322,11 +323,16 @@ def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> Non
   dense["tokens_per_s"] = cfg["batch"] * cfg["seq"] / dense["step_ms"] * 1e3
   print(f"{_tag(result)} dense: {dense['step_ms']:.2f} ms/step, {dense['tokens_per_s']:,.0f}"
         f" tokens/s", flush=True)
-  _phase(result, "dense: AdamW alone")
-  dense["optimizer_ms"] = time_optimizer(timer, adamw, state["params"], state["opt"]) * 1e3
+  # AdamW alone is a part of the breakdown, and read by it only: a width
+  # without one (several devices, or a remat policy that saves something)
+  # compiles no optimizer-only program.
+  breaks_down = has_breakdown(cfg, result["remat"])
+  if breaks_down:
+    _phase(result, "dense: AdamW alone")
+    dense["optimizer_ms"] = time_optimizer(timer, adamw, state["params"], state["opt"]) * 1e3
   ctx["dense_step"] = step  # timed again after the 2:4 step (`run_sparse`)
   del params, opt_state, run, state
-  if has_breakdown(cfg, result["remat"]):
+  if breaks_down:
     _phase(result, "dense: breakdown parts (linear layers, attention)")
     result["breakdown_dense"] = breakdown_parts(cfg, timer, result, sparse=False)
   del result["phase"]
@@ -334,10 +340,11 @@ def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> Non
 
 def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> None:
   """The 2:4 model of one width, after `run_dense` of every width: its
-  training step (one that rebuilds nothing, and one that rebuilds),
-  mask_update + AdamW alone, the 2:4 parts of the breakdown; then the dense
-  step again, in this process that has now run the 2:4 steps. Fills
-  `result["sparse"]`, the ratios and the breakdown."""
+  training step (one that rebuilds nothing, and one that rebuilds), where
+  the width has a breakdown mask_update + AdamW alone and the 2:4 parts of
+  the breakdown; then the dense step again, in this process that has now
+  run the 2:4 steps. Fills `result["sparse"]`, the ratios and the
+  breakdown."""
   step_timer = step_timer or timer
   d, tokens, whole, adamw = result["d_model"], ctx["tokens"], ctx["whole"], ctx["adamw"]
   model, key_init, dense = ctx["model"], ctx["key_init"], result["dense"]
@@ -411,8 +418,9 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
                                                       + sp["rebuild_extra_ms_per_step"])
   print(f"{_tag(result)} 2:4 rebuild step: {sp['rebuild_step_ms']:.2f} ms, amortised over"
         f" {rebuild_every} steps {sp['rebuild_extra_ms_per_step']:.3f} ms/step", flush=True)
-  _phase(result, "2:4: mask_update + AdamW alone")
-  sp["optimizer_ms"] = time_optimizer(timer, tx, state["params"], state["opt"], plain) * 1e3
+  if "breakdown_dense" in result:  # a part of the breakdown, as AdamW alone in `run_dense`
+    _phase(result, "2:4: mask_update + AdamW alone")
+    sp["optimizer_ms"] = time_optimizer(timer, tx, state["params"], state["opt"], plain) * 1e3
   del params, opt_state, run, state, step
 
   _phase(result, "dense: timing again, in this process after the 2:4 steps")

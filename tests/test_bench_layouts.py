@@ -5,6 +5,8 @@ the layout's shardings; the harness runs every placement and derives the
 ratios and the scaling from one device."""
 
 import functools
+import types
+
 import jax
 import pytest
 
@@ -51,6 +53,15 @@ BLOCKS = {
            "adamw_mu/blocks/up/kernel": [LAYERS, D // 2, H // 2],
            "mask/blocks/up": [LAYERS, H // 2, D // 16]},
 }
+
+
+@pytest.fixture(autouse=True)
+def no_collection_between_placements(monkeypatch):
+  """`bench_model.attempt` collects garbage after each placement, so that a
+  GPU's next model finds the last one's buffers freed: nothing to free for
+  these tiny models, and CPU time spent in a test process full of traced
+  programs (tests/test_bench_model.py says how much)."""
+  monkeypatch.setattr(bench_model, "gc", types.SimpleNamespace(collect=lambda: 0))
 
 
 @pytest.fixture(scope="module")
