@@ -56,12 +56,14 @@ BLOCKS = {
 
 
 @pytest.fixture(autouse=True)
-def no_collection_between_placements(monkeypatch):
-  """`bench_model.attempt` collects garbage after each placement, so that a
-  GPU's next model finds the last one's buffers freed: nothing to free for
-  these tiny models, and CPU time spent in a test process full of traced
-  programs (tests/test_bench_model.py says how much)."""
+def no_cleanup_between_placements(monkeypatch):
+  """`bench_model.attempt` collects garbage and clears JAX's caches after
+  each placement, so that a GPU's next model finds the last one's buffers
+  and programs freed: nothing to free for these tiny models, and CPU time
+  spent in a test process full of traced programs
+  (tests/test_bench_model.py's fixture says how much)."""
   monkeypatch.setattr(bench_model, "gc", types.SimpleNamespace(collect=lambda: 0))
+  monkeypatch.setattr(bench_model.jax, "clear_caches", lambda: None)
 
 
 @pytest.fixture(scope="module")

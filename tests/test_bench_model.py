@@ -12,13 +12,16 @@ LAYERS = 2
 
 
 @pytest.fixture(autouse=True)
-def no_collection_between_widths(monkeypatch):
-  """`bench_model.attempt` collects garbage after each width or placement,
-  so that a GPU's next model finds the last one's buffers freed. These tiny
-  models free nothing that matters, and in a test process full of traced
-  programs each collection costs CPU time (the --small test below makes
-  22: 2.9 s, 2026-11-27 on the 2-core CPU machine)."""
+def no_cleanup_between_widths(monkeypatch):
+  """`bench_model.attempt` collects garbage and clears JAX's caches after
+  each width or placement, so that a GPU's next model finds the last one's
+  buffers and programs freed. These tiny models free nothing that matters,
+  and in a test process full of traced programs the collections cost CPU
+  time (the --small test below makes 22: 2.9 s) while the cleared caches
+  make every later call trace again what it had traced (this file: 61 s of
+  CPU time instead of 66 s; 2026-11-27 on the 2-core CPU machine)."""
   monkeypatch.setattr(bench_model, "gc", types.SimpleNamespace(collect=lambda: 0))
+  monkeypatch.setattr(bench_model.jax, "clear_caches", lambda: None)
 
 
 @pytest.mark.parametrize("weight_grad", ["dense", "mvue"])
