@@ -32,10 +32,10 @@ def test_tensor_parallel_step_keeps_the_masks_on_each_devices_block(monkeypatch,
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
   with interpret_mode():
     step, params, opt_state, x = bench_sharded.make(True, 128, 64, mesh, "tp", "pallas")
-    # The kernels from here on: the step is traced by `lower`. The initial
-    # masks' bits are what the checked step's program does not depend on, so
-    # `init` builds them with XLA's search, not with two more interpreted
-    # kernel programs (one per kernel shape).
+    # The mask kernels "run natively" only from here on, where `lower` traces
+    # the step: the checked program does not depend on the initial masks'
+    # bits, so `make`'s init builds them with XLA's search instead of
+    # compiling two more interpreted kernel programs (one per kernel shape).
     monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
     hlo = step.lower(params, opt_state, x).compile().as_text()
   gathered = _gathered_bytes_arrays(hlo)
