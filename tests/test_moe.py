@@ -5,6 +5,7 @@ its masks per expert through `init`, `optim.mask_update` and
 """
 
 import dataclasses
+import functools
 import typing
 
 import flax.linen as nn
@@ -52,8 +53,23 @@ def _routing(probs, top_k, capacity):
   return keep
 
 
+@jax.jit
 def _probs(params, x):
   return jax.nn.softmax(x @ params["router"]["kernel"], axis=-1)
+
+
+# Jitted, as every computation here: run op by op, the layer and the
+# reference compiled hundreds of one-operation programs per test.
+def _init(model, seed, x):
+  return jax.jit(model.init)(jax.random.key(seed), x)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fresh(params, first_seed):
+  """Fresh values everywhere (biases are zero at init)."""
+  leaves, tree = jax.tree.flatten(params)
+  return tree.unflatten([jax.random.normal(jax.random.key(first_seed + i), a.shape) * 0.5
+                         for i, a in enumerate(leaves)])
 
 
 def _reference(params, masks, x, keep, *, gradient, activation=nn.gelu):
@@ -86,11 +102,8 @@ def test_forward_and_gradients_match_the_reference(top_k, capacity_factor, gradi
                               capacity_factor=capacity_factor, gradient=gradient,
                               use_bias=use_bias)
   x = _x(0)
-  v = model.init(jax.random.key(1), x)
-  # Fresh values everywhere (biases are zero at init).
-  leaves, tree = jax.tree.flatten(v["params"])
-  params = tree.unflatten([jax.random.normal(jax.random.key(10 + i), a.shape) * 0.5
-                           for i, a in enumerate(leaves)])
+  v = _init(model, 1, x)
+  params = _fresh(v["params"], 10)
   variables = {"params": params, "sparsity": v["sparsity"]}
   masks = _masks(v["sparsity"])
   capacity = jsparse24.moe.expert_capacity(S, E, top_k, capacity_factor)
@@ -101,16 +114,28 @@ def test_forward_and_gradients_match_the_reference(top_k, capacity_factor, gradi
   elif capacity_factor >= E / top_k:
     assert keep.sum() == choices
 
-  y, state = model.apply(variables, x, mutable=["intermediates"])
-  np.testing.assert_allclose(y, _reference(params, masks, x, keep, gradient=gradient), **TOL)
-  np.testing.assert_allclose(state["intermediates"]["dropped"][0], 1 - keep.sum() / choices,
-                             rtol=1e-6)
-
   cot = _x(2)
-  got = jax.grad(lambda p, x: jnp.sum(model.apply({"params": p, "sparsity": v["sparsity"]}, x)
-                                      * cot), (0, 1))(params, x)
-  want = jax.grad(lambda p, x: jnp.sum(_reference(p, masks, x, keep, gradient=gradient) * cot),
-                  (0, 1))(params, x)
+
+  # The layer and the reference each in one program (run op by op, they
+  # compiled hundreds of one-operation programs).
+  @jax.jit
+  def layer(params, x):
+    y, state = model.apply({**variables, "params": params}, x, mutable=["intermediates"])
+    grads = jax.grad(lambda p, x: jnp.sum(model.apply({"params": p, "sparsity": v["sparsity"]}, x)
+                                          * cot), (0, 1))(params, x)
+    return y, state["intermediates"]["dropped"][0], grads
+
+  @jax.jit
+  def reference(params, x, masks, keep):
+    y = _reference(params, masks, x, keep, gradient=gradient)
+    grads = jax.grad(lambda p, x: jnp.sum(_reference(p, masks, x, keep, gradient=gradient)
+                                          * cot), (0, 1))(params, x)
+    return y, grads
+
+  y, dropped, got = layer(params, x)
+  want_y, want = reference(params, x, masks, keep)
+  np.testing.assert_allclose(y, want_y, **TOL)
+  np.testing.assert_allclose(dropped, 1 - keep.sum() / choices, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
 
 
@@ -119,16 +144,17 @@ def test_a_token_over_capacity_contributes_nothing():
   two come out as that expert's output times its gate, the others as 0."""
   model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=1, capacity_factor=1.0)
   x = jnp.abs(_x(3, (1, S, D))) + 0.1
-  v = model.init(jax.random.key(4), x)
+  v = _init(model, 4, x)
   params = jax.tree.map(lambda a: a, v["params"])
   params["router"]["kernel"] = jnp.zeros((D, E)).at[:, 0].set(1.0)
-  y, state = model.apply({"params": params, "sparsity": v["sparsity"]}, x,
-                         mutable=["intermediates"])
+  y, state = jax.jit(lambda p, x: model.apply({"params": p, "sparsity": v["sparsity"]}, x,
+                                              mutable=["intermediates"]))(params, x)
   capacity = jsparse24.moe.expert_capacity(S, E, 1, 1.0)
   assert capacity == 2
   keep = np.zeros((1, S, E), bool)
   keep[0, :capacity, 0] = True
-  want = _reference(params, _masks(v["sparsity"]), x, keep, gradient="ste")
+  want = jax.jit(lambda p, x, masks, keep: _reference(p, masks, x, keep, gradient="ste"))(
+      params, x, _masks(v["sparsity"]), keep)
   np.testing.assert_allclose(y, want, **TOL)
   assert np.all(np.abs(np.asarray(y[0, :capacity])) > 0)
   np.testing.assert_array_equal(y[0, capacity:], 0.0)
@@ -153,7 +179,7 @@ def test_load_balancing_loss_is_switch_transformers():
 
 def test_masks_are_per_expert_and_mask_update_rebuilds_each_from_its_weights():
   model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2)
-  v = model.init(jax.random.key(6), _x(0))
+  v = _init(model, 6, _x(0))
   params = v["params"]
   old = _masks(v["sparsity"])
   for name in ("up", "down"):
@@ -185,7 +211,7 @@ def test_masks_are_per_expert_and_mask_update_rebuilds_each_from_its_weights():
 def test_compress_params_per_expert_gives_the_masked_outputs():
   model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2, use_bias=True)
   x = _x(7)
-  v = model.init(jax.random.key(8), x)
+  v = _init(model, 8, x)
   compressed = jsparse24.compress_params(v["params"], v["sparsity"])
   for name, shape in (("up", (E, D, H)), ("down", (E, H, D))):
     kernel = compressed["experts"][name]["kernel"]
@@ -195,7 +221,8 @@ def test_compress_params_per_expert_gives_the_masked_outputs():
       np.testing.assert_array_equal(
           jsparse24.decompress(jax.tree.map(lambda a: a[e], kernel)),  # pylint: disable=cell-var-from-loop
           v["params"]["experts"][name]["kernel"][e] * _masks(v["sparsity"])[name][e])
-  np.testing.assert_allclose(model.apply({"params": compressed}, x), model.apply(v, x), **TOL)
+  np.testing.assert_allclose(jax.jit(model.apply)({"params": compressed}, x),
+                             jax.jit(model.apply)(v, x), **TOL)
 
 
 def test_sparsity_fields_are_sparse_dense_ones():
@@ -231,24 +258,24 @@ def test_sparse_false_is_the_dense_layer_on_the_same_params():
   sparse = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2, use_bias=True)
   dense = sparse.clone(sparse=False)
   x = _x(11)
+  # Op by op, as a user's init runs (jitted, the two programs' initialisers
+  # can round differently).
   v = sparse.init(jax.random.key(12), x)
   dv = dense.init(jax.random.key(12), x)
   assert set(dv) == {"params"}
   jax.tree.map(np.testing.assert_array_equal, dv["params"], v["params"])
-  leaves, tree = jax.tree.flatten(v["params"])
-  params = tree.unflatten([jax.random.normal(jax.random.key(30 + i), a.shape) * 0.5
-                           for i, a in enumerate(leaves)])
+  params = _fresh(v["params"], 30)
   kept = {name: np.ones((E, *params["experts"][name]["kernel"].shape[1:]), bool)
           for name in ("up", "down")}
   capacity = jsparse24.moe.expert_capacity(S, E, 2, 1.25)
   keep = _routing(_probs(params, x), 2, capacity)
-  np.testing.assert_allclose(dense.apply({"params": params}, x),
-                             _reference(params, kept, x, keep, gradient="masked"), **TOL)
   cot = _x(13)
-  got = jax.grad(lambda p: jnp.sum(dense.apply({"params": p}, x) * cot))(params)
-  want = jax.grad(lambda p: jnp.sum(_reference(p, kept, x, keep, gradient="masked") * cot))(
-      params)
+  reference = lambda p: _reference(p, kept, x, keep, gradient="masked")  # noqa: E731
+  dense_apply = jax.jit(lambda p: dense.apply({"params": p}, x))
+  np.testing.assert_allclose(dense_apply(params), jax.jit(reference)(params), **TOL)
+  got = jax.jit(jax.grad(lambda p: jnp.sum(dense.apply({"params": p}, x) * cot)))(params)
+  want = jax.jit(jax.grad(lambda p: jnp.sum(reference(p) * cot)))(params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
   # ... and the 2:4 layer differs from it on the same params.
-  assert not np.allclose(sparse.apply({"params": params, "sparsity": v["sparsity"]}, x),
-                         dense.apply({"params": params}, x), rtol=1e-3, atol=1e-3)
+  assert not np.allclose(jax.jit(sparse.apply)({"params": params, "sparsity": v["sparsity"]}, x),
+                         dense_apply(params), rtol=1e-3, atol=1e-3)

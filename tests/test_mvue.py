@@ -12,6 +12,16 @@ from flax import nnx
 import jsparse24
 from jsparse24 import nnx as jnnx
 from jsparse24.backends.pallas import interpret_mode
+from pallas_kernels import mvue_rule
+
+
+# The estimator and the kernel's reference, jitted: called outside jit they
+# run op by op, and each call of a new shape compiles dozens of one-operation
+# programs (most of this module's time on a CPU). The tests check values;
+# `test_deterministic_for_a_key` checks the op-by-op call against these.
+_mvue_24 = jax.jit(jsparse24.mvue_24, static_argnames="axis")
+_probabilities = jax.jit(jsparse24.mvue_24_probabilities, static_argnames="axis")
+_compress_reference = jax.jit(mvue_rule.mvue_compress_reference, static_argnames="row_stride")
 
 
 def _groups_last(a):
@@ -26,13 +36,13 @@ def test_probabilities_are_the_minimum_variance_marginals():
                  [0., 0., 5., 0.],      # one non-zero: kept, one zero drawn among 3
                  [0., 0., 0., 0.],
                  [-2., 2., 2., 2.]]).T
-  p = np.asarray(jsparse24.mvue_24_probabilities(g, axis=0)).T
+  p = np.asarray(_probabilities(g, axis=0)).T
   np.testing.assert_allclose(p, [[0.2, 0.4, 0.6, 0.8], [1, 0.25, 0.25, 0.5], [1, 1, 0, 0],
                                  [1 / 3, 1 / 3, 1, 1 / 3], [1, 1 / 3, 1 / 3, 1 / 3],
                                  [0.5, 0.5, 0.5, 0.5]], rtol=1e-6)
   rng = np.random.default_rng(0)
   g = rng.standard_normal((36, 7)) * (rng.random((36, 7)) < 0.7)
-  p = _groups_last(jsparse24.mvue_24_probabilities(g, axis=0))
+  p = _groups_last(_probabilities(g, axis=0))
   np.testing.assert_allclose(p.sum(-1), 2.0, rtol=1e-6)
   assert p.max() <= 1.0 and p.min() >= 0.0
 
@@ -40,10 +50,10 @@ def test_probabilities_are_the_minimum_variance_marginals():
 def test_two_kept_per_group_each_rescaled_by_its_probability():
   rng = np.random.default_rng(1)
   g = (rng.standard_normal((40, 9)) * (rng.random((40, 9)) < 0.8)).astype(np.float32)
-  p = _groups_last(jsparse24.mvue_24_probabilities(g, axis=0))
+  p = _groups_last(_probabilities(g, axis=0))
   nonzero = (_groups_last(g) != 0).sum(-1)
   for seed in range(20):
-    out = np.asarray(jsparse24.mvue_24(jnp.asarray(g), jax.random.key(seed), axis=0))
+    out = np.asarray(_mvue_24(jnp.asarray(g), jax.random.key(seed), axis=0))
     kept = _groups_last(out) != 0
     # Exactly 2 drawn per group: the non-zeros among them show.
     np.testing.assert_array_equal(kept.sum(-1), np.minimum(nonzero, 2) * (nonzero <= 2)
@@ -92,7 +102,6 @@ def test_the_kernels_rule_gives_the_bits_of_the_rule_as_first_written():
   case: spread, capped, ties, zeros, one and two non-zeros, NaN, +-inf,
   -0, subnormals, values near the float32 maximum (NaN outputs compared as
   NaN, whatever their sign)."""
-  from pallas_kernels import mvue_rule  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(7)
   n = 1 << 16
   g = rng.standard_normal((n, 4)).astype(np.float32)
@@ -120,7 +129,6 @@ def test_the_draw_mends_what_rounding_breaks_as_first_written():
   cumulative sums jump past both points, as rounding can make them, and
   all-zero or NaN ones): the counts of the cumulative sums at or below
   `u * S` and `(u + 1) * S`, mended to 0 <= i0 < i1 <= 3."""
-  from pallas_kernels import mvue_rule  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(8)
   n = 1 << 14
   w = rng.choice(np.float32([0, 0.25, 1, 3, 10, np.inf, np.nan]), (n, 3))
@@ -149,10 +157,10 @@ def test_unbiased_with_the_formula_variance(dtype):
   within 6 standard errors derived from the sample size."""
   g = jnp.asarray(np.random.default_rng(2).standard_normal((8, 6)), dtype)
   n = 4000
-  outs = np.asarray(jax.vmap(lambda k: jsparse24.mvue_24(g, k, axis=0))(
+  outs = np.asarray(jax.jit(jax.vmap(lambda k: jsparse24.mvue_24(g, k, axis=0)))(
       jax.random.split(jax.random.key(3), n)).astype(jnp.float32)).astype(np.float64)
   a = np.asarray(g.astype(jnp.float32), np.float64)
-  p = np.asarray(jsparse24.mvue_24_probabilities(g, axis=0), np.float64)
+  p = np.asarray(_probabilities(g, axis=0), np.float64)
   var = a * a * (1 / p - 1)
   # The kept value is rounded to g's dtype: allow that bias too.
   rounding = np.abs(a / p) * (2.0 ** -8 if dtype == jnp.bfloat16 else 2.0 ** -23)
@@ -166,23 +174,25 @@ def test_unbiased_with_the_formula_variance(dtype):
 def test_zero_single_nonzero_and_tail_are_exact():
   g = jnp.array([[0., 0., 0., 0., 1.5, -2.], [0., 7., 0., 0., 3., 0.]]).T  # rows 4, 5: tail
   for seed in range(10):
-    out = jsparse24.mvue_24(g, jax.random.key(seed), axis=0)
+    out = _mvue_24(g, jax.random.key(seed), axis=0)
     np.testing.assert_array_equal(out, g)
   # axis=1, and a size below one group: unchanged.
   x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 10)), jnp.float32)
-  out = jsparse24.mvue_24(x, jax.random.key(0), axis=1)
+  out = _mvue_24(x, jax.random.key(0), axis=1)
   np.testing.assert_array_equal(out[:, 8:], x[:, 8:])
   assert ((np.asarray(out[:, :8]).reshape(3, 2, 4) != 0).sum(-1) == 2).all()
-  np.testing.assert_array_equal(jsparse24.mvue_24(x[:, :3], jax.random.key(0), axis=1), x[:, :3])
+  np.testing.assert_array_equal(_mvue_24(x[:, :3], jax.random.key(0), axis=1), x[:, :3])
 
 
 def test_deterministic_for_a_key():
   g = jnp.asarray(np.random.default_rng(5).standard_normal((64, 32)), jnp.bfloat16)
-  a, b = (jsparse24.mvue_24(g, jax.random.key(7)) for _ in range(2))
+  # Op by op and jitted: the same bits.
+  a, b = jsparse24.mvue_24(g, jax.random.key(7)), _mvue_24(g, jax.random.key(7))
   assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-  assert not np.array_equal(a, jsparse24.mvue_24(g, jax.random.key(8)))
+  assert np.asarray(b).tobytes() == np.asarray(_mvue_24(g, jax.random.key(7))).tobytes()
+  assert not np.array_equal(a, _mvue_24(g, jax.random.key(8)))
   raw = jax.random.PRNGKey(7)  # raw uint32[2] keys work too
-  assert jsparse24.mvue_24(g, raw).shape == g.shape
+  assert _mvue_24(g, raw).shape == g.shape
 
 
 def test_neighbouring_groups_draw_independently():
@@ -194,7 +204,7 @@ def test_neighbouring_groups_draw_independently():
   g = jnp.tile(jnp.array([1., 2., 3., 4.])[:, None], (64, 256))  # 64 x 256 equal groups
   codes = []
   for seed in range(4):
-    out = np.asarray(jsparse24.mvue_24(g, jax.random.key(seed), axis=0)).reshape(64, 4, 256)
+    out = np.asarray(_mvue_24(g, jax.random.key(seed), axis=0)).reshape(64, 4, 256)
     codes.append((out != 0).transpose(0, 2, 1) @ np.array([1, 2, 4, 8]))  # [64, 256]
   codes = np.stack(codes)
   patterns = np.bincount(codes.ravel(), minlength=16) / codes.size
@@ -224,15 +234,19 @@ def test_sparse_dot_weight_grad_is_x_transposed_times_mvue_dy(implementation, gr
     f = lambda x, w: jsparse24.sparse_dot(  # noqa: E731
         x, w, mask, gradient=gradient, implementation=implementation,
         weight_grad=weight_grad, key=key if weight_grad == "mvue" else None)
-    with interpret_mode():
+
+    @jax.jit
+    def run(x, w, dy):
       y, back = jax.vjp(f, x, w)
       return (y,) + back(dy)
+    with interpret_mode():
+      return run(x, w, dy)
 
   y, dx, dw = vjp("mvue")
   y0, dx0, dw0 = vjp("dense")
   np.testing.assert_array_equal(y, y0)
   np.testing.assert_array_equal(dx, dx0)  # dx stays exact
-  pruned = jsparse24.mvue_24(dy.reshape(-1, dy.shape[-1]), key, axis=0)
+  pruned = _mvue_24(dy.reshape(-1, dy.shape[-1]), key, axis=0)
   expected = x.reshape(-1, x.shape[-1]).T @ pruned
   if gradient == "masked":
     expected = expected * mask.unpack()
@@ -250,10 +264,11 @@ def test_dense_phase_keeps_the_dense_weight_grad():
     def dw(active, weight_grad):
       opts = SparsityOptions(gradient="ste", transposable=False,
                              implementation=implementation, weight_grad=weight_grad)
-      f = lambda w: sparse_or_dense_dot(  # noqa: E731
-          x, w, mask, jnp.asarray(active), opts, precision=None, key=jax.random.key(0))
-      with interpret_mode():
-        return jax.vjp(f, w)[1](dy)[0]
+      f = lambda w, active: sparse_or_dense_dot(  # noqa: E731
+          x, w, mask, active, opts, precision=None, key=jax.random.key(0))
+      with interpret_mode():  # the flag a run-time value, as in a train step
+        return jax.jit(lambda w, active: jax.vjp(lambda w: f(w, active), w)[1](dy)[0])(
+            w, jnp.asarray(active))
     np.testing.assert_allclose(dw(False, "mvue"), dw(False, "dense"), rtol=1e-6)
     assert not np.allclose(dw(True, "mvue"), dw(True, "dense"))
 
@@ -273,8 +288,9 @@ def test_under_jit_vmap_and_remat():
     return jax.grad(lambda w: jnp.vdot(jsparse24.sparse_dot(
         x, w, mask, weight_grad="mvue", key=key), dy))(w)
 
-  per = jax.vmap(dw)(x, dy)
-  loop = jnp.stack([dw(x[i], dy[i]) for i in range(x.shape[0])])
+  per = jax.jit(jax.vmap(dw))(x, dy)
+  one = jax.jit(dw)
+  loop = jnp.stack([one(x[i], dy[i]) for i in range(x.shape[0])])
   np.testing.assert_allclose(per, loop, rtol=1e-5, atol=1e-5)
 
 
@@ -291,8 +307,9 @@ def test_pmap_each_device_prunes_its_own_gradient():
     return jax.vjp(f, w)[1](dy)[0]
 
   got = jax.pmap(dw, in_axes=(0, 0, 0), devices=jax.devices()[:n])(xs, dys, keys)
+  one = jax.jit(dw)
   for i in range(n):
-    np.testing.assert_allclose(got[i], dw(xs[i], dys[i], keys[i]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[i], one(xs[i], dys[i], keys[i]), rtol=1e-5, atol=1e-5)
 
 
 def test_linen_layer_draws_from_the_mvue_stream():
@@ -360,6 +377,7 @@ def test_scanned_layers_with_a_split_stream():
   variables = stack.init(jax.random.key(0), x, None)
   params, sparsity = variables["params"], variables["sparsity"]
 
+  @jax.jit
   def dw(seed):
     return jax.grad(lambda p: stack.apply({"params": p, "sparsity": sparsity}, x, None,
                                           rngs={"mvue": jax.random.key(seed)})[0].sum())(
@@ -393,34 +411,40 @@ def test_mvue_layer_computes_what_the_dense_grad_layer_computes():
 @pytest.mark.parametrize("shape,dtype", [((128, 192), jnp.bfloat16), ((64, 320), jnp.float16),
                                          ((192, 64), jnp.bfloat16)])
 def test_mvue_compress_kernel_equals_the_reference(shape, dtype):
-  from pallas_kernels import mvue24, mvue_rule
-  g = jax.random.normal(jax.random.key(shape[0]), shape, dtype)
-  # Zero groups, single non-zeros, a dominant entry, ties.
-  g = g.at[:8].set(0).at[8:12, :5].set(jnp.array([0, 1, 0, 0], dtype)[:, None])
-  g = g.at[12:16, 5:9].set(jnp.array([9, 1, 1, 1], dtype)[:, None])
-  g = g.at[16:20, 9:12].set(jnp.array([2, -2, 2, 2], dtype)[:, None])
+  from pallas_kernels import mvue24  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def gradient():
+    g = jax.random.normal(jax.random.key(shape[0]), shape, dtype)
+    # Zero groups, single non-zeros, a dominant entry, ties.
+    g = g.at[:8].set(0).at[8:12, :5].set(jnp.array([0, 1, 0, 0], dtype)[:, None])
+    g = g.at[12:16, 5:9].set(jnp.array([9, 1, 1, 1], dtype)[:, None])
+    return g.at[16:20, 9:12].set(jnp.array([2, -2, 2, 2], dtype)[:, None])
+
+  g = gradient()
   key = jax.random.key(7)
   seed = jsparse24._mvue.mvue_seeds(key)
   buf, meta = mvue24.mvue_compress(g, seed, 12, interpret=True)
-  values, meta_ref = mvue_rule.mvue_compress_reference(g, seed, 12)
+  values, meta_ref = _compress_reference(g, seed, 12)
   m = shape[0]
   assert buf.shape == (m // 2 + m // 16, shape[1]) and meta.shape == (m // 8, shape[1])
   np.testing.assert_array_equal(np.asarray(buf[:m // 2]).view(np.uint16),
                                 np.asarray(values).view(np.uint16))
   np.testing.assert_array_equal(meta, meta_ref)
   # With the first group numbered 0 it is mvue_24 itself, compressed.
-  values, meta = mvue_rule.mvue_compress_reference(g, seed)
-  dense = jsparse24.decompress(jsparse24.Sparse24(values.T, meta.T))  # codes: Mask24's, transposed
+  values, meta = _compress_reference(g, seed)
+  # codes: Mask24's, transposed
+  dense = jax.jit(lambda v, m: jsparse24.decompress(jsparse24.Sparse24(v.T, m.T)))(values, meta)
   np.testing.assert_array_equal(np.asarray(dense, np.float32),
-                                np.asarray(jsparse24.mvue_24(g, key, axis=0), np.float32))
+                                np.asarray(_mvue_24(g, key, axis=0), np.float32))
 
 
 def test_mvue_compress_of_row_blocks_draws_what_the_whole_does():
   # How each device of a data-parallel mesh prunes its own rows.
-  from pallas_kernels import mvue24, mvue_rule
+  from pallas_kernels import mvue24  # pylint: disable=g-import-not-at-top
   g = jax.random.normal(jax.random.key(0), (256, 128), jnp.bfloat16)
   seed = jsparse24._mvue.mvue_seeds(jax.random.key(1))
-  whole, whole_meta = mvue_rule.mvue_compress_reference(g, seed)
+  whole, whole_meta = _compress_reference(g, seed)
   parts = [mvue24.mvue_compress(g[r:r + 64], seed, r // 4 * 128, interpret=True)
            for r in range(0, 256, 64)]
   np.testing.assert_array_equal(jnp.concatenate([b[:32] for b, _ in parts]), whole)
@@ -430,10 +454,10 @@ def test_mvue_compress_of_row_blocks_draws_what_the_whole_does():
 def test_mvue_compress_of_blocks_draws_what_the_whole_does():
   # How each device of a data x model mesh prunes its block (tensor
   # parallelism: dy split on N too): `row_stride` is the whole gradient's N.
-  from pallas_kernels import mvue24, mvue_rule
+  from pallas_kernels import mvue24  # pylint: disable=g-import-not-at-top
   g = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
   seed = jsparse24._mvue.mvue_seeds(jax.random.key(1))
-  whole, whole_meta = mvue_rule.mvue_compress_reference(g, seed)
+  whole, whole_meta = _compress_reference(g, seed)
   for r in (0, 64):
     for c in (0, 64, 128, 192):
       block = g[r:r + 64, c:c + 64]
@@ -441,7 +465,7 @@ def test_mvue_compress_of_blocks_draws_what_the_whole_does():
                                        interpret=True)
       np.testing.assert_array_equal(buf[:32], whole[r // 2:r // 2 + 32, c:c + 64])
       np.testing.assert_array_equal(meta, whole_meta[r // 8:r // 8 + 8, c:c + 64])
-      ref, _ = mvue_rule.mvue_compress_reference(block, seed, r // 4 * 256 + c, row_stride=256)
+      ref, _ = _compress_reference(block, seed, r // 4 * 256 + c, row_stride=256)
       np.testing.assert_array_equal(ref, buf[:32])
 
 
@@ -465,8 +489,8 @@ def test_cusparselt_operand_of_the_pruned_gradient():
   key = jax.random.key(3)
   with interpret_mode():
     buf = cusparselt.mvue_compress_for_product(dy, jsparse24._mvue.mvue_seeds(key))
-  pruned = jsparse24.mvue_24(dy, key, axis=0)
-  want, _ = cusparselt.from_sparse24(jsparse24.compress(pruned, pruned != 0,
-                                                        implementation="xla"))
+  want, _ = jax.jit(lambda dy: cusparselt.from_sparse24(jsparse24.compress(
+      jsparse24.mvue_24(dy, key, axis=0), jsparse24.mvue_24(dy, key, axis=0) != 0,
+      implementation="xla")))(dy)
   assert buf.shape == cusparselt.buffer_shape(192, 128, transpose=False)
   np.testing.assert_array_equal(np.asarray(buf).view(np.uint16), np.asarray(want).view(np.uint16))

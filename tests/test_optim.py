@@ -1,6 +1,7 @@
 """The mask-update transform: schedules step by step, decay, state, pmap,
 and Orbax checkpoint/resume bit for bit."""
 
+import contextlib
 import functools
 
 import flax.linen as nn
@@ -222,17 +223,21 @@ def test_masked_decay_keeps_frozendict_and_fuses():
 
 @pytest.mark.parametrize("ramp", [None, optim.SparsityRamp(start=2, end=6)])
 @pytest.mark.parametrize("decay", [0.0, 0.1])
-@pytest.mark.parametrize("flagged", [False, True])
-def test_donated_train_step_copies_no_kernel(request, decay, flagged, ramp):
+def test_donated_train_step_copies_no_kernel(monkeypatch, decay, ramp):
   """A jitted train step that donates params and optimizer state (as training
   loops do) copies no sparse kernel: the optimizer's in-place write of the new
   params is ordered after the rebuild's read of the old ones (inside the
-  conditional, or the flagged kernel's; `flagged_rebuilds`). Without that
-  order XLA copied every kernel before each step. With a ramp, the scores'
-  read of the kernels is ordered too."""
+  conditional, and in the flagged kernel's path, `flagged_rebuilds`). Without
+  that order XLA copied every kernel before each step. With a ramp, the
+  scores' read of the kernels is ordered too.
+
+  Both rebuild paths in one test: they share the reference, the step run op
+  by op (the conditional path's; the two paths give the same bits,
+  `test_flagged_rebuild_equals_the_conditional_one`), which costs more than
+  compiling either step."""
   import re  # pylint: disable=g-import-not-at-top
-  if flagged:
-    request.getfixturevalue("flagged_rebuilds")
+  from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
   model, tx, variables, x, y = _setup(optim.MaskSchedule(rebuild_every=4, ramp=ramp),
                                       decay=decay)
   params = variables["params"]
@@ -243,21 +248,27 @@ def test_donated_train_step_copies_no_kernel(request, decay, flagged, ramp):
     return optax.apply_updates(params, updates), state
 
   state = tx.init(params)
-  hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, state).compile().as_text()
-  entry = hlo[hlo.index("\nENTRY "):]
-  numbers = {int(n): name for name, n in re.findall(r"%(\S+) = \S+ parameter\((\d+)\)", entry)}
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  kernels = {numbers[i] for i, (path, _) in enumerate(leaves)
-             if jax.tree_util.keystr(path) in ("['up']['kernel']", "['down']['kernel']")}
-  assert len(kernels) == 2
-  copied = set(re.findall(r"= \S+ copy\(%([^),]+)\)", entry))
-  assert not kernels & copied, f"kernels copied before the step: {kernels & copied}"
-
-  # The order changes no value: the jitted step equals the step op by op.
-  new_params, _ = jax.jit(step)(params, state)
+  # The order changes no value: each donating step equals the step op by op.
   with jax.disable_jit():
     expected, _ = step(params, state)
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5), new_params, expected)
+  for flagged in (False, True):
+    with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
+      if flagged:  # as the `flagged_rebuilds` fixture does
+        patch.setattr(_pallas_runtime, "runs_natively", lambda: True)
+        stack.enter_context(interpret_mode())
+      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state).compile()
+      hlo = compiled.as_text()
+      entry = hlo[hlo.index("\nENTRY "):]
+      numbers = {int(n): name for name, n in re.findall(r"%(\S+) = \S+ parameter\((\d+)\)", entry)}
+      leaves = jax.tree_util.tree_leaves_with_path(params)
+      kernels = {numbers[i] for i, (path, _) in enumerate(leaves)
+                 if jax.tree_util.keystr(path) in ("['up']['kernel']", "['down']['kernel']")}
+      assert len(kernels) == 2, flagged
+      copied = set(re.findall(r"= \S+ copy\(%([^),]+)\)", entry))
+      assert not kernels & copied, f"flagged={flagged}: kernels copied before the step: {kernels & copied}"
+      # The program checked above, run (on copies: it consumes its inputs).
+      new_params, _ = compiled(*jax.tree.map(jnp.copy, (params, state)))
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5), new_params, expected)
 
 
 class _ScannedMixedNet(nn.Module):
@@ -284,7 +295,7 @@ def test_flagged_rebuild_has_no_conditional(flagged_rebuilds, with_plain):
   del flagged_rebuilds
   model = _ScannedMixedNet() if with_plain else _ScannedNet()
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   tx = optax.chain(optim.mask_update(variables["sparsity"], optim.MaskSchedule(rebuild_every=4),
                                      decay=1e-3), optax.sgd(0.1))
   state = tx.init(variables["params"])
@@ -299,12 +310,13 @@ def test_flagged_rebuild_has_no_conditional(flagged_rebuilds, with_plain):
   assert _count_outside_kernels(jaxpr.jaxpr, "population_count") == 0
 
 
-@pytest.mark.parametrize("flagged", [False, True])
-def test_flagged_rebuild_equals_the_conditional_one(request, flagged):
+def test_flagged_rebuild_equals_the_conditional_one(request):
   """A stacked model (nn.scan) with transposable and plain masks, trained
   with rebuilds every 2 steps and large updates (masks change at every
   rebuild): the flagged kernel path gives the reference path's params,
-  masks, flip rates and rebuild steps, bit for bit."""
+  masks, flip rates and rebuild steps, bit for bit, as does the reference
+  path built a second time (so a difference is the flagged path's). One
+  reference run serves both comparisons."""
 
   def run():
     model = _ScannedMixedNet()
@@ -329,14 +341,16 @@ def test_flagged_rebuild_equals_the_conditional_one(request, flagged):
     return out
 
   ref = run()  # the reference masks inside lax.cond (this CPU's path)
-  if flagged:
-    request.getfixturevalue("flagged_rebuilds")
-  got = run()
-  flips = [float(s["plain"]["flip_rate"]) for _, _, s, _ in got]
-  assert flips[1] > 0 and flips[3] > 0 and flips[3] != flips[1]  # rebuilt at steps 2 and 4
-  for a, b in zip(ref, got):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+  runs = {False: run()}
+  request.getfixturevalue("flagged_rebuilds")
+  runs[True] = run()
+  for flagged, got in runs.items():
+    flips = [float(s["plain"]["flip_rate"]) for _, _, s, _ in got]
+    # Rebuilt at steps 2 and 4.
+    assert flips[1] > 0 and flips[3] > 0 and flips[3] != flips[1], flagged
+    for a, b in zip(ref, got):
+      for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=f"flagged={flagged}")
 
 
 @pytest.mark.parametrize("shape", [(16, 24), (12, 8), (3, 32, 16), (2, 20, 12)])
@@ -344,14 +358,19 @@ def test_flip_fraction_counts_changed_weights(shape):
   """From the packed codes, per mask of a stack: the fraction of weights
   whose kept/pruned state differs (K/4 odd: flat packing, a padding nibble)."""
   keys = jax.random.split(jax.random.key(sum(shape)), 2)
-  a, b = (jsparse24.Mask24.from_weights(jax.random.normal(k, shape), transposable=True)
-          for k in keys)
-  got = optim.flip_fraction(a, b)
-  want = jnp.mean(a.unpack() != b.unpack(), axis=(-2, -1))
+
+  @jax.jit  # one program, not one per operation
+  def run(keys):
+    a, b = (jsparse24.Mask24.from_weights(jax.random.normal(k, shape), transposable=True)
+            for k in keys)
+    return (optim.flip_fraction(a, b), jnp.mean(a.unpack() != b.unpack(), axis=(-2, -1)),
+            optim.flip_fraction(a, a))
+
+  got, want, same = run(keys)
   assert got.shape == shape[:-2] and got.dtype == jnp.float32
   assert float(jnp.min(want)) > 0
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
-  np.testing.assert_array_equal(np.asarray(optim.flip_fraction(a, a)), np.zeros(shape[:-2]))
+  np.testing.assert_array_equal(np.asarray(same), np.zeros(shape[:-2]))
 
 
 def test_state_fields_and_lookup():
@@ -812,6 +831,11 @@ def test_static_layer_set_computes_what_the_flags_do_with_no_conditional():
 
   grad = jax.value_and_grad(loss)
   static = jax.jit(lambda p, s, sparse: grad(p, optim.masks(s, sparse)), static_argnums=2)
+  # One program for the run-time flags' gradient, built once for all steps.
+  runtime = jax.jit(lambda p, s: grad(p, optim.masks(s)))
+  # The jaxpr's conditionals depend on the static set only (`held`), not on
+  # the values: traced once per set (4 sets over the 8 steps).
+  conds_of = {}
   state = tx.init(params)
   seen = []
   with interpret_mode():
@@ -823,12 +847,14 @@ def test_static_layer_set_computes_what_the_flags_do_with_no_conditional():
       held = optim.sparse_layers(state)
       assert len(held) == schedule.sparse_count(step, len(names))
       seen.append(held)
-      ref = jax.jit(lambda p, s: grad(p, optim.masks(s)))(params, state)
+      ref = runtime(params, state)
       got = static(params, state, held)
       jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6),
                    got, ref)
-      conds = _count_outside_kernels(
-          jax.make_jaxpr(lambda p, s: grad(p, optim.masks(s, held)))(params, state).jaxpr)
+      if held not in conds_of:
+        conds_of[held] = _count_outside_kernels(jax.make_jaxpr(
+            lambda p, s, held=held: grad(p, optim.masks(s, held)))(params, state).jaxpr)
+      conds = conds_of[held]
       stack = {n for n in held if n.startswith("stack/")}
       if len(stack) == 1:  # the stack is partly 2:4: its products keep their flags
         assert conds == 2, (held, conds)

@@ -82,21 +82,21 @@ def _stack_masks(sparsity):
 
 def test_scan_init_keeps_one_mask_and_flag_per_layer():
   model = _Scanned()
-  v = model.init(jax.random.key(1), _x())
+  v = jax.jit(model.init)(jax.random.key(1), _x())
   for name, (k, n), transposable in (("up", (D, H), False), ("down", (H, D), True)):
     layer = v["sparsity"]["blocks"][name]
     assert layer["mask"].shape == (L, k, n) and layer["active"].shape == (L,)
     for i, m in enumerate(_slices(layer["mask"])):
       want = jsparse24.prune_24(v["params"]["blocks"][name]["kernel"][i], transposable=transposable)
       np.testing.assert_array_equal(m, want)
-  np.testing.assert_allclose(model.apply(v, _x()),
+  np.testing.assert_allclose(jax.jit(model.apply)(v, _x()),
                              _unrolled(v["params"]["blocks"], _stack_masks(v["sparsity"]), _x()),
                              **TOL)
 
 
 def test_scan_rebuild_masks_per_layer_and_dense_phase():
   model = _Scanned()
-  v = model.init(jax.random.key(1), _x())
+  v = jax.jit(model.init)(jax.random.key(1), _x())
   params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(7), a.shape), v["params"])
   sparsity = jsparse24.rebuild_masks(params, v["sparsity"])
   masks = _stack_masks(sparsity)
@@ -105,14 +105,14 @@ def test_scan_rebuild_masks_per_layer_and_dense_phase():
       np.testing.assert_array_equal(
           masks[name][i],
           jsparse24.prune_24(params["blocks"][name]["kernel"][i], transposable=transposable))
-  np.testing.assert_allclose(model.apply({"params": params, "sparsity": sparsity}, _x()),
+  np.testing.assert_allclose(jax.jit(model.apply)({"params": params, "sparsity": sparsity}, _x()),
                              _unrolled(params["blocks"], masks, _x()), **TOL)
   # Layer 1 of "up" dense, the others sparse: the flag is per layer.
   active = jnp.array([True, False, True])
   mixed = jax.tree.map(lambda a: a, sparsity)
   mixed["blocks"]["up"]["active"] = active
   up = [m if bool(a) else np.ones_like(m) for m, a in zip(masks["up"], active)]
-  np.testing.assert_allclose(model.apply({"params": params, "sparsity": mixed}, _x()),
+  np.testing.assert_allclose(jax.jit(model.apply)({"params": params, "sparsity": mixed}, _x()),
                              _unrolled(params["blocks"], {**masks, "up": up}, _x()), **TOL)
 
 
@@ -124,7 +124,7 @@ def test_sparsify_a_scanned_dense_model():
   assert jax.tree.structure(v) == jax.tree.structure(ref)
   for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(a, b)
-  np.testing.assert_allclose(sparse.apply(v, _x()),
+  np.testing.assert_allclose(jax.jit(sparse.apply)(v, _x()),
                              _unrolled(v["params"]["blocks"], _stack_masks(v["sparsity"]), _x()),
                              **TOL)
 
@@ -132,7 +132,7 @@ def test_sparsify_a_scanned_dense_model():
 def _setup(schedule, decay):
   model = _Scanned()
   x, y = _x(0), _x(1)
-  v = model.init(jax.random.key(2), x)
+  v = jax.jit(model.init)(jax.random.key(2), x)
   tx = optax.chain(optim.mask_update(v["sparsity"], schedule, decay=decay), optax.sgd(0.05))
   return model, tx, v["params"], x, y
 
@@ -184,8 +184,8 @@ def test_compress_params_on_a_stack_and_orbax_resume(tmp_path):
   up = compressed["blocks"]["up"]["kernel"]
   assert isinstance(up, jsparse24.Sparse24) and up.shape == (L, D, H)
   assert compressed["blocks"]["down"]["kernel"].has_transpose
-  np.testing.assert_allclose(model.apply({"params": compressed}, x),
-                             model.apply({"params": p_full, "sparsity": masks}, x), **TOL)
+  np.testing.assert_allclose(jax.jit(model.apply)({"params": compressed}, x),
+                             jax.jit(model.apply)({"params": p_full, "sparsity": masks}, x), **TOL)
   mixed = jax.tree.map(lambda a: a, masks)
   mixed["blocks"]["up"]["active"] = jnp.array([True, False, True])
   with pytest.raises(ValueError, match="blocks/up.*partly sparse"):
@@ -205,7 +205,7 @@ class _VmappedLayer(nn.Module):
 def test_nn_vmap_stack_and_rebuild():
   model = _VmappedLayer()
   xs = _x(3, (L, 5, D))
-  v = model.init(jax.random.key(4), xs)
+  v = jax.jit(model.init)(jax.random.key(4), xs)
   layer = v["sparsity"]["layers"]
   assert layer["mask"].shape == (L, D, H) and layer["active"].shape == (L,)
   params = jax.tree.map(lambda a: -a, v["params"])
@@ -215,7 +215,7 @@ def test_nn_vmap_stack_and_rebuild():
   want = np.stack([xs[i] @ (kernel[i] * masks[i]) + params["layers"]["bias"][i] for i in range(L)])
   for i in range(L):
     np.testing.assert_array_equal(masks[i], jsparse24.prune_24(kernel[i]))
-  np.testing.assert_allclose(model.apply({"params": params, "sparsity": sparsity}, xs), want, **TOL)
+  np.testing.assert_allclose(jax.jit(model.apply)({"params": params, "sparsity": sparsity}, xs), want, **TOL)
 
 
 class _NnxBlock(nnx.Module):
@@ -285,7 +285,7 @@ def test_scan_backward_reads_the_stacked_kernels_without_a_copy():
 
   model, x = Model(), jnp.ones((4, D), jnp.bfloat16)
   with interpret_mode():
-    v = model.init(jax.random.key(0), x)
+    v = jax.jit(model.init)(jax.random.key(0), x)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: model.apply(
         {"params": p, "sparsity": v["sparsity"]}, x).astype(jnp.float32).sum()))(v["params"])
   scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
@@ -302,7 +302,7 @@ def test_scan_masks_weights_without_weight_sized_constants_outside_the_loop():
   `[K, N]` iota, which XLA hoisted out of the loop as two `uint8[K, N]`
   arrays, written every step and read by every layer.)"""
   model, x = _Scanned(), _x()
-  v = model.init(jax.random.key(0), x)
+  v = jax.jit(model.init)(jax.random.key(0), x)
 
   def loss(p):
     return model.apply({"params": p, "sparsity": v["sparsity"]}, x).sum()
@@ -401,9 +401,13 @@ class _MlpBlock(nn.Module):
     return h + layer(64)(nn.gelu(layer(128)(h))), None
 
 
+@functools.cache
 def _remat_gradient(sparse: bool, policy):
   """(the gradient function, params, its jaxpr) of 3 `_MlpBlock`s under
-  `nn.scan(nn.remat(..., policy=policy))`."""
+  `nn.scan(nn.remat(..., policy=policy))`. Built once per policy (the
+  params come from fixed keys): `nothing_saveable` serves its own case and
+  every saving policy's reference, and a policy under two names (JAX's
+  aliases) is traced once."""
   scan = nn.scan(nn.remat(_MlpBlock, policy=policy, prevent_cse=False),
                  variable_axes={"params": 0, "sparsity": 0}, split_rngs={"params": True},
                  length=3)(sparse)
@@ -569,7 +573,7 @@ def test_ramp_on_a_stack_counts_each_layer_and_keeps_sparse_layers_sparse():
   mixed = {name: [m if (name, i) in active else np.ones_like(m) for i, m in enumerate(masks[name])]
            for name in masks}
   np.testing.assert_allclose(
-      model.apply({"params": p1, "sparsity": optim.masks(state)}, x),
+      jax.jit(model.apply)({"params": p1, "sparsity": optim.masks(state)}, x),
       _unrolled(p1["blocks"], mixed, x), **TOL)
   for _ in range(3):  # counts 5, 6, 6
     _, state = update(grads, state, p1)
