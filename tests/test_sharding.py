@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jsparse24
-from jsparse24 import optim
+from jsparse24 import _pallas_runtime, optim
 from jsparse24.backends.pallas import interpret_mode
 
 D, H, B, T = 64, 128, 8, 12  # B*T differs from D and H: shapes tell activations from weights
@@ -69,15 +69,39 @@ def _collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
   return out
 
 
-def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None):
+# One-device results that several tests compare their sharded calls with,
+# computed once per module: the same program on every mesh, and on a CPU
+# each is a trace, a lowering and a compilation of interpreted Pallas
+# kernels (most of a test's time). Keyed on what changes the program: the
+# arguments, and whether the kernels are interpreted and taken for native
+# (tests patch `_pallas_runtime.runs_natively` to rebuild masks as on a GPU).
+_REFERENCES = {}
+
+
+def _reference(key, compute):
+  """`compute()`, once per `key` and Pallas mode (see `_REFERENCES`)."""
+  key = (key, _pallas_runtime.interpreting(), _pallas_runtime.runs_natively())
+  if key not in _REFERENCES:
+    _REFERENCES[key] = compute()
+  return _REFERENCES[key]
+
+
+def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, shared=True):
   """(single-device results, sharded results, compiled HLO of the sharded
-  step). `model`: the sharded step's model (same parameters)."""
+  step). `model`: the sharded step's model (same parameters). `shared`: the
+  single-device results from `_reference` (False: computed here, for a test
+  that watches what they run)."""
   step, params, opt_state, x, y = _setup(implementation)
-  ref = []
-  p, o = params, opt_state
-  for _ in range(steps):
-    p, o, loss = step(p, o, x, y)
-    ref.append((loss, p, optim.masks(o)))
+
+  def reference():
+    ref = []
+    p, o = params, opt_state
+    for _ in range(steps):
+      p, o, loss = step(p, o, x, y)
+      ref.append((loss, p, optim.masks(o)))
+    return ref
+
+  ref = _reference(("step", implementation, steps), reference) if shared else reference()
   if gather:
     step = _setup(implementation, NamedSharding(mesh, P()))[0]
   if model is not None:
@@ -139,7 +163,7 @@ def test_data_layout_choice_sees_each_devices_rows(implementation, monkeypatch):
   whole = jsparse24.layouts.Layout("data", mesh).kernel_sharding("column")
   with interpret_mode():
     ref, got, hlo = _run(implementation, mesh, lambda a: P(),
-                         model=_MLP(implementation, whole, whole))
+                         model=_MLP(implementation, whole, whole), shared=False)
   _assert_same(ref, got)
   assert _collectives(hlo)["all-gather"] == []
   # The single-device reference chose for all rows, the layout for its share.
@@ -204,7 +228,7 @@ def test_cusparselt_compression_of_a_sharded_weight(transposable, axis_type, axi
   mesh = _mesh(getattr(jax.sharding.AxisType, axis_type))
   spec = P(None, "data") if axis == "n" else P("data", None)
   with interpret_mode():
-    want = prepare(w)
+    want = _reference(("cusparselt", transposable), lambda: prepare(w))
     with jax.set_mesh(mesh):
       ws = jax.device_put(w, NamedSharding(mesh, spec))
       got = prepare(ws)
@@ -417,7 +441,8 @@ def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementat
   args = (put(x, P("data")), put(w1, P(None, "model")), put(w2, P("model", None)),
           jax.tree.map(lambda a: put(a, P()), m1), jax.tree.map(lambda a: put(a, P()), m2))
   with interpret_mode():
-    want = jax.jit(grad)(x, w1, w2, m1, m2)
+    want = _reference(("sparse_dot", implementation, gradient, mask_kind),
+                      lambda: jax.jit(grad)(x, w1, w2, m1, m2))
     got = jax.jit(split)(*args)
     hlo = jax.jit(split).lower(*args).compile().as_text()
   # Float32 sums in another order (partial products summed over devices).
@@ -449,7 +474,7 @@ def test_tensor_parallel_with_the_mvue_weight_gradient(implementation, axis_type
   args = (put(x, P("data")), put(w1, P(None, "model")), put(w2, P("model", None)), k[3],
           NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None)))
   with interpret_mode():
-    want = grad(x, w1, w2, k[3], None, None)
+    want = _reference(("mvue", implementation), lambda: grad(x, w1, w2, k[3], None, None))
     got = grad(*args)
     hlo = grad.lower(*args).compile().as_text()
   for a, b in zip(want, got):
@@ -499,7 +524,8 @@ def _rebuild_sharded(w_spec, packed_spec, transposable):
   update = jax.jit(backend.rebuild_mask)
   with interpret_mode():
     for flag in (True, False):
-      want, want_flips = update(w, old, jnp.asarray(flag))
+      want, want_flips = _reference(("rebuild_mask", transposable, flag),
+                                    lambda flag=flag: update(w, old, jnp.asarray(flag)))
       got, flips = update(sw, sold, jnp.asarray(flag))
       np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
       np.testing.assert_array_equal(np.asarray(flips), np.asarray(want_flips))
