@@ -584,7 +584,7 @@ def test_rows_parallel_splits_a_custom_call_over_rows():
   compiled = jax.jit(lambda x, w: rows_parallel(kernel, x, w)).lower(x, w).compile()
   assert compiled.output_shardings.spec[0] == "data"
   coll = _collectives(compiled.as_text())
-  print("COLL", coll); assert not any(coll.values()), coll
+  assert not any(coll.values()), coll
   # Without the rule, XLA gathers x for the callback.
   plain = _collectives(jax.jit(kernel).lower(x, w).compile().as_text())
   assert plain["all-gather"], plain
