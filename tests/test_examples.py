@@ -244,15 +244,19 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
   shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
   kernels column- and row-parallel over 4 model devices for tp, and over 2
   model devices and sharded over 4 data devices on their other axis for 2d,
-  and their masks alike). tp, 2d: the masks rebuilt by the mask kernel on a
-  run-time flag every step, as on a GPU, which makes them on each device's
-  block (left to XLA, the step returned them replicated: gathered every
-  step)."""
-  context = contextlib.nullcontext()
+  and their masks alike). tp, 2d: the step rebuilds the masks with the mask
+  kernel on a run-time flag, as on a GPU (interpreted here), and they stay on
+  each device's block. Only the step's rebuild takes the kernel: the masks
+  that init builds come from XLA's search, the same bits (test_pallas_kernels),
+  without compiling two more interpreted kernels."""
+  context, kernel_calls = contextlib.nullcontext(), []
   if layout in ("tp", "2d"):
-    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
+    from jsparse24 import _pallas_runtime, backends  # pylint: disable=g-import-not-at-top
     from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
+    def applies(w, transposable):
+      kernel_calls.append(tuple(w.shape))
+      return _pallas_runtime.mask_kernel_takes(w, transposable)
+    monkeypatch.setattr(backends, "_mask_kernel_applies", applies)
     context = interpret_mode()
   with context:
     out = load_example("sharded_train").main(
@@ -277,6 +281,8 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
       down = r["params"]["block_0"]["mlp"]["down"]["kernel"]
       assert spec(down) == want[::-1], down.sharding
   if layout in ("tp", "2d"):  # the masks stay sharded like their kernels (packed [N, K/8])
+    # The step took the kernel for both MLP kernels ([K, N] of up and down).
+    assert {(32, 128), (128, 32)} <= set(kernel_calls), kernel_calls
     masks = jsparse24.optim.masks(out["2:4"]["opt_state"])["block_0"]["mlp"]
     up, down = masks["up"]["mask"].packed, masks["down"]["mask"].packed
     assert spec(up) == want[::-1], up.sharding
