@@ -3,6 +3,8 @@ its reference on odd shapes, compiled on a GPU at real sizes (`gpu` marker),
 and the automatic choice that sends a compressed weight's small-M products
 to it."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,9 @@ from pallas_kernels import decode24, spmm24
 _TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 
+# The operands and the error are each one jitted program: run eagerly, every
+# primitive of the compression and the reference compiled again per shape.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _operand(seed, m, k, n, dtype):
   """Fresh random x and a compressed weight pruned by magnitude."""
   kx, kw = jax.random.split(jax.random.key(seed))
@@ -24,12 +29,18 @@ def _operand(seed, m, k, n, dtype):
   return jax.random.normal(kx, (m, k), dtype), sp
 
 
-def _rel_err(got, x, sp):
+@jax.jit
+def _finite_and_rel_err(got, x, sp):
   ref = jnp.dot(x.astype(jnp.float32), jsparse24.decompress(sp).astype(jnp.float32),
                 precision=jax.lax.Precision.HIGHEST)
   got = got.astype(jnp.float32)
-  assert bool(jnp.isfinite(got).all())  # an unwritten element reads NaN when interpreted
-  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+  return jnp.isfinite(got).all(), jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)
+
+
+def _rel_err(got, x, sp):
+  finite, err = _finite_and_rel_err(got, x, sp)
+  assert bool(finite)  # an unwritten element reads NaN when interpreted
+  return float(err)
 
 
 # Kept small: each case is interpreted on CPU. K not a multiple of the K
@@ -49,7 +60,8 @@ def test_decode_matmul_matches_reference(m, k, n, dtype, config):
   got = decode24.decode_matmul(x, sp.values, sp.meta, k=k, config=config, interpret=True)
   assert got.shape == (m, n) and got.dtype == dtype
   assert _rel_err(got, x, sp) < _TOL[dtype]
-  ref = decode24.decode_matmul_reference(x, sp.values, sp.meta, k=k)
+  ref = jax.jit(decode24.decode_matmul_reference, static_argnames="k")(x, sp.values, sp.meta,
+                                                                     k=k)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
                              rtol=_TOL[dtype] * 10, atol=_TOL[dtype] * 10 * np.sqrt(k))
 
@@ -57,8 +69,8 @@ def test_decode_matmul_matches_reference(m, k, n, dtype, config):
 @pytest.mark.parametrize("k,n", [(12, 7), (1028, 20), (16, 3)])
 def test_expand_reference_is_decompress(k, n):
   _, sp = _operand(k, 1, k, n, jnp.float32)
-  assert np.array_equal(decode24.expand_reference(sp.values, sp.meta, k),
-                        jsparse24.decompress(sp))
+  expand = jax.jit(decode24.expand_reference, static_argnums=2)
+  assert np.array_equal(expand(sp.values, sp.meta, k), jax.jit(jsparse24.decompress)(sp))
 
 
 def test_decode_matmul_rejects_bad_input():

@@ -48,12 +48,13 @@ def test_jvp_linearize_and_jacfwd_agree_with_reverse_mode(impl, gradient, active
   # is "masked" (the adjoint of the backward pass's dw), dense in a dense phase.
   wt_used = np.where(m, np.asarray(wt), 0.0) if gradient == "masked" else np.asarray(wt)
   want = np.asarray(xt) @ wm + np.asarray(x) @ wt_used
+  # Jitted: eagerly, each primitive of the linearized function and of the
+  # Jacobians' batched products was compiled on its own.
   with interpret_mode():
     y, tangent = jax.jit(lambda x, w, xt, wt: jax.jvp(f, (x, w), (xt, wt)))(x, w, xt, wt)
-    _, lin = jax.linearize(f, x, w)
-    lin_tangent = lin(xt, wt)
-    jac_fwd = jax.jacfwd(f, argnums=(0, 1))(x, w)
-    jac_rev = jax.jacrev(f, argnums=(0, 1))(x, w)
+    lin_tangent = jax.jit(lambda x, w, xt, wt: jax.linearize(f, x, w)[1](xt, wt))(x, w, xt, wt)
+    jac_fwd, jac_rev = jax.jit(lambda x, w: (jax.jacfwd(f, argnums=(0, 1))(x, w),
+                                             jax.jacrev(f, argnums=(0, 1))(x, w)))(x, w)
   np.testing.assert_allclose(y, np.asarray(x) @ wm, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(tangent, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(lin_tangent, want, rtol=1e-5, atol=1e-5)

@@ -3,6 +3,8 @@ bit-identical masks/compression (on random non-zero data, so an unwritten
 output element cannot pass), dtype tolerances for the matmul, and the
 `"pallas"` backend of sparse_dot forward and `jax.vjp`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,12 @@ from pallas_kernels.prune_config import PruneConfig
 
 # References: the kernels' contract, through jsparse24's plain-jnp format
 # (kept here, not in pallas_kernels, which imports nothing from jsparse24).
+# Each is one jitted program: run eagerly, their masks' packing and
+# unpacking compiled every primitive again for each new shape, most of the
+# compilations of this module outside the kernels.
 
 
+@functools.partial(jax.jit, static_argnames="transposable")
 def prune_compress_reference(w, *, transposable=False):
   """Plain-jnp definition of `prune24.prune_compress`."""
   from jsparse24 import _format, _prune
@@ -26,6 +32,7 @@ def prune_compress_reference(w, *, transposable=False):
   return sp.values, sp.meta, sp.values_t, sp.meta_t
 
 
+@functools.partial(jax.jit, static_argnames="transposed")
 def compress_with_meta_reference(w, meta, *, transposed=False):
   """Plain-jnp definition of `masked_compress.compress_with_meta`."""
   from jsparse24 import _format
@@ -44,6 +51,19 @@ def test_pallas_kernels_import_nothing_from_jsparse24():
                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
       assert not any(n.split(".")[0] == "jsparse24" for n in names), (path.name, names)
 
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _mask_meta(w, transposable):
+  """`Mask24.from_weights(w, transposable=...).meta()` as one program."""
+  return jsparse24.Mask24.from_weights(w, transposable=transposable).meta()
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _flips(old, new, shape):
+  """The bool [K, N] of the elements where metas `old` and `new` differ."""
+  return (jsparse24.Mask24.from_meta(old, shape).unpack()
+          != jsparse24.Mask24.from_meta(new, shape).unpack())
 
 
 def _bits(a):
@@ -134,9 +154,10 @@ def test_transposable_mask_is_bit_identical(shape, dtype, huge):
     w = w.at[64:72, 64:80].set((t / (1 + jnp.abs(t)) * 3e38).astype(dtype))  # |t| < 3e38
     assert bool(jnp.all(jnp.isfinite(w[64:72, 64:80].astype(jnp.float32))))
   got = transposable24.transposable_mask(w, interpret=True)
-  want = jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=True), transposable=True)
-  assert got.shape == want.meta().shape and got.dtype == jnp.uint8
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want.meta()))
+  want = jax.jit(lambda w: jsparse24.Mask24.pack(jsparse24.prune_24(w, transposable=True),
+                                                 transposable=True).meta())(w)
+  assert got.shape == want.shape and got.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("transposable", [True, False])
@@ -151,12 +172,10 @@ def test_rebuild_mask_only_when_flagged(shape, config, transposable):
   other weights, so an idle program that wrote anything would show)."""
   k, n = shape
   w = _adversarial(7 * k + n, shape, jnp.float32)
-  old = jsparse24.Mask24.from_weights(_adversarial(k + 5 * n, shape, jnp.float32),
-                                      transposable=transposable).meta()
-  new = jsparse24.Mask24.from_weights(w, transposable=transposable).meta()
+  old = _mask_meta(_adversarial(k + 5 * n, shape, jnp.float32), transposable)
+  new = _mask_meta(w, transposable)
   assert not np.array_equal(np.asarray(old), np.asarray(new))
-  changed = int(np.sum(jsparse24.Mask24.from_meta(old, shape).unpack()
-                       != jsparse24.Mask24.from_meta(new, shape).unpack()))
+  changed = int(np.sum(_flips(old, new, shape)))
   assert changed
   for flag, want, flips in ((1, new, changed), (0, old, 0)):
     got, counts = mask_rebuild.rebuild_mask(w, old, jnp.full((n,), flag, jnp.int32),
@@ -184,13 +203,11 @@ def test_rebuild_mask_several_tiles_per_program(per, transposable):
   shape, config = (256, 192), PruneConfig(block_k=32, block_n=64)
   k, n = shape
   w = _adversarial(11 * k + n, shape, jnp.float32)
-  old = jsparse24.Mask24.from_weights(_adversarial(k + 3 * n, shape, jnp.float32),
-                                      transposable=transposable).meta()
-  new = jsparse24.Mask24.from_weights(w, transposable=transposable).meta()
+  old = _mask_meta(_adversarial(k + 3 * n, shape, jnp.float32), transposable)
+  new = _mask_meta(w, transposable)
   cols = np.repeat(np.array([True, False, True]), 64)
   want = np.where(cols[:, None], np.asarray(new), np.asarray(old))
-  changed = int(np.sum((jsparse24.Mask24.from_meta(old, shape).unpack()
-                        != jsparse24.Mask24.from_meta(new, shape).unpack())[:, cols]))
+  changed = int(np.sum(np.asarray(_flips(old, new, shape))[:, cols]))
   assert changed
   for p in (per, 1):
     got, counts = mask_rebuild.rebuild_mask(w, old, jnp.asarray(cols, jnp.int32),
@@ -272,11 +289,11 @@ def test_compress_with_stored_mask_is_bit_identical(shape, transposed, strided):
   w = _weights(7 * shape[0], shape, jnp.bfloat16)
   # A mask that is NOT the magnitude mask of w: the kernel must follow it.
   other = jax.random.normal(jax.random.key(3), shape)
-  mask = jsparse24.Mask24.from_weights(other, transposable=transposed)
+  meta = _mask_meta(other, transposed)
   cfg = PruneConfig(block_k=128, block_n=64, num_warps=8, strided_lanes=strided)
-  got = masked_compress.compress_with_meta(w, mask.meta(), transposed=transposed, config=cfg,
+  got = masked_compress.compress_with_meta(w, meta, transposed=transposed, config=cfg,
                                    interpret=True)
-  ref = compress_with_meta_reference(w, mask.meta(), transposed=transposed)
+  ref = compress_with_meta_reference(w, meta, transposed=transposed)
   for a, b in zip(got, ref):
     if b is None:
       assert a is None
@@ -349,12 +366,11 @@ def test_cusparselt_layout_is_bit_identical(shape, dtype, strided):
   for got, want in zip((values[:k // 2], meta, values_t[:k], meta_t),
                        (ref[0].T, ref[1], ref[2], ref[3])):
     np.testing.assert_array_equal(_bits(got), _bits(want))
-  mask = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(4), shape),
-                                       transposable=True)
+  mask_meta = _mask_meta(jax.random.normal(jax.random.key(4), shape), True)
   for transposed in (False, True):
     values, values_t, meta_t = masked_compress.compress_with_meta(
-        w, mask.meta(), transposed=transposed, layout="cusparselt", config=cfg, interpret=True)
-    ref = compress_with_meta_reference(w, mask.meta(), transposed=transposed)
+        w, mask_meta, transposed=transposed, layout="cusparselt", config=cfg, interpret=True)
+    ref = compress_with_meta_reference(w, mask_meta, transposed=transposed)
     np.testing.assert_array_equal(_bits(values[:k // 2]), _bits(ref[0].T))
     if transposed:
       assert values_t.shape == (k + k // 8, n // 2)
@@ -377,6 +393,15 @@ def test_cusparselt_layout_rejects_what_it_cannot_write():
     transposable24.transposable_mask(jnp.ones((8, 66)), interpret=True)
 
 
+@jax.jit
+def _matmul_rel_err(got, x, values, meta):
+  """|got - x @ w| / |x @ w| for the compressed w, in float32: one program
+  (eagerly, each primitive compiled per shape)."""
+  ref = jnp.dot(x.astype(jnp.float32), jsparse24.decompress(
+      jsparse24.Sparse24(values, meta)).astype(jnp.float32))
+  return jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+
+
 @pytest.mark.parametrize("m,k,n,dtype,tol", [
     (5, 12, 7, jnp.float32, 1e-5), (16, 64, 32, jnp.bfloat16, 1e-2),
     (33, 136, 40, jnp.float16, 2e-3), (70, 256, 64, jnp.bfloat16, 1e-2)])
@@ -387,10 +412,8 @@ def test_sparse_matmul_matches_reference(m, k, n, dtype, tol, lane_dots):
   values, meta, _, _ = prune_compress_reference(w)
   cfg = spmm24.MatmulConfig(16, 16, 128 if lane_dots else 32, 4, 2, lane_dots)
   got = spmm24.sparse_matmul(x, values, meta, k=k, config=cfg, interpret=True)
-  ref = jnp.dot(x.astype(jnp.float32), jsparse24.decompress(
-      jsparse24.Sparse24(values, meta)).astype(jnp.float32))
   assert got.shape == (m, n) and got.dtype == dtype
-  err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+  err = float(_matmul_rel_err(got, x, values, meta))
   assert err < tol, err
 
 

@@ -8,6 +8,7 @@ unavailable, trains, warns once and never imports the lowering
 process). The GPU's side is test_gpu.py's
 `test_cusparselt_training_is_the_same_without_pallas_triton`."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -32,6 +33,9 @@ def _same_bytes(a, b) -> bool:
                         np.asarray(b).view(np.uint8).reshape(-1))
 
 
+# The weights and gradients are each one jitted program: eagerly, every
+# `.at[].set` compiled a program per shape and dtype.
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _weights(shape, dtype, seed):
   """Random weights with zero groups, ties, NaN and +-inf."""
   w = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
@@ -61,7 +65,7 @@ def test_compress_fallback_writes_the_kernels_bytes(shape, dtype, mask_kind, tra
   if mask_kind != "none":
     mask = jsparse24.Mask24.from_weights(jax.random.normal(jax.random.key(seed + 1), shape),
                                          transposable=transposable)
-    mask = mask.unpack() if mask_kind == "bool" else mask
+    mask = jax.jit(lambda m: m.unpack())(mask) if mask_kind == "bool" else mask
   with interpret_mode():
     want = cusparselt.compress_for_products(w, mask, transposable)
   got = jax.jit(cusparselt.compress_for_products_xla, static_argnums=2)(w, mask, transposable)
@@ -85,6 +89,7 @@ def test_compress_fallback_writes_the_recorded_cusparselt_bytes(transposable):
   assert _same_bytes(got[1], bwd) if transposable else got[1] is None
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _gradient(shape, dtype, seed):
   """Random gradient with zero groups, single non-zeros, a dominant entry and ties."""
   g = jax.random.normal(jax.random.key(seed), shape, dtype)
@@ -117,9 +122,13 @@ def test_mvue_fallback_draws_what_the_kernel_draws(shape, dtype, block):
   assert _same_bytes(got, want)
   if block is not None:
     r, c, n_total = block
-    whole = jax.random.normal(jax.random.key(1), (r + m, n_total), dtype)
-    whole = whole.at[r:, c:c + n].set(g)
-    values, _ = mvue_rule.mvue_compress_reference(whole, seed)
+
+    @jax.jit
+    def reference(g, seed):
+      whole = jax.random.normal(jax.random.key(1), (r + m, n_total), dtype)
+      return mvue_rule.mvue_compress_reference(whole.at[r:, c:c + n].set(g), seed)[0]
+
+    values = reference(g, seed)
     assert _same_bytes(got[:m // 2], values[r // 2:, c:c + n])
 
 
@@ -152,8 +161,10 @@ def test_the_stand_in_reads_cusparselts_buffers(transpose):
   k, n = w.shape
   buf = np.asarray(bwd if transpose else fwd).view(np.float16).reshape(
       cusparselt.buffer_shape(k, n, transpose=transpose))
-  got = triton_removal.dense_of_buffer(jnp.asarray(buf), k, n, transpose=transpose)
-  assert _same_bytes(got, jnp.where(mask, w, jnp.zeros((), w.dtype)))
+  # One program (eagerly, each primitive of the stand-in compiled per shape).
+  got = jax.jit(functools.partial(triton_removal.dense_of_buffer, k=k, n=n,
+                                  transpose=transpose))(jnp.asarray(buf))
+  assert _same_bytes(got, np.where(mask, w, np.zeros((), w.dtype)))
 
 
 def test_a_missing_triton_lowering_is_the_reason():
