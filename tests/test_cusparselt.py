@@ -131,8 +131,13 @@ def test_metadata_rows_equal_the_bytewise_layout(r, g, cols, dtype):
   meta = jnp.asarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
   got = cusparselt._metadata_rows(meta, g, cols, dtype)  # pylint: disable=protected-access
   assert got.shape == (r * g // (4 * cols), cols) and got.dtype == dtype
-  want = np.asarray(cusparselt.metadata_layout(jnp.asarray(codes)))
+  want = np.asarray(_metadata_layout(codes))
   np.testing.assert_array_equal(np.asarray(got).view(np.uint8).reshape(-1), want)
+
+
+# The definition of the layout, compiled once per shape: the expected bytes of
+# the writers' tests (the definition itself is checked op by op above).
+_metadata_layout = jax.jit(cusparselt.metadata_layout)
 
 
 def check_metadata_pass(write, rows: int, groups: int, head: int, cols: int, dtype,
@@ -147,11 +152,12 @@ def check_metadata_pass(write, rows: int, groups: int, head: int, cols: int, dty
   codes = rng.integers(0, 16, (rows, groups), dtype=np.uint8)
   meta = jnp.asarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
   bits = rng.integers(0, 1 << 16, (head + rows * groups // (4 * cols), cols), dtype=np.uint16)
-  got = write(jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype), head, meta, groups)
-  got = np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16))
+  # NumPy views, not bitcasts on the device: the same bytes, no program to compile.
+  got = write(jnp.asarray(bits.view(jnp.dtype(dtype))), head, meta, groups)
+  got = np.asarray(got).view(np.uint16)
   np.testing.assert_array_equal(got[:head], bits[:head])
   np.testing.assert_array_equal(got[head:].view(np.uint8).reshape(-1),
-                                np.asarray(cusparselt.metadata_layout(jnp.asarray(codes))))
+                                np.asarray(_metadata_layout(codes)))
 
 
 def write_by_groups(buf, head, meta, groups):
@@ -169,7 +175,9 @@ def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dt
   rows, groups = (k, n // 4) if transpose else (n, k // 4)
   cols = cusparselt.buffer_shape(k, n, transpose=transpose)[1]
   head = k if transpose else k // 2  # the value rows
-  write = write_by_groups if by_groups else cusparselt._with_metadata  # pylint: disable=protected-access
+  # One compiled program per case (as tests/test_gpu.py runs it), not op by op.
+  write = jax.jit(write_by_groups if by_groups else cusparselt._with_metadata,  # pylint: disable=protected-access
+                  static_argnums=(1, 3))
   with interpret_mode():
     check_metadata_pass(write, rows, groups, head, cols, dtype, seed=k + n + transpose)
 

@@ -104,14 +104,15 @@ def test_float32_kernel_with_bfloat16_compute():
   x, w = _rand(0, (4, 16), jnp.bfloat16), _rand(1, (16, 8))
   layer = jsparse24.SparseDense(8, dtype=jnp.bfloat16, mask_source="none",
                                 input_sparsity="masked")
-  variables = layer.init(jax.random.key(0), x)
-  params = {"params": {"kernel": w, "bias": jnp.zeros(8)}}
+  variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+  params = {"params": {"kernel": w, "bias": np.zeros(8, np.float32)}}
   assert set(variables) == {"params"}
-  y = layer.apply(params, x)
+  y = jax.jit(layer.apply)(params, x)
   assert y.dtype == jnp.bfloat16
-  g = jax.grad(lambda p: layer.apply(p, x).astype(jnp.float32).sum())(params)
+  g = jax.jit(jax.grad(lambda p: layer.apply(p, x).astype(jnp.float32).sum()))(params)
   assert g["params"]["kernel"].dtype == jnp.float32
-  _, _, rdw = input_sparse_reference(x, w.astype(jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16))
+  _, _, rdw = jax.jit(input_sparse_reference)(x, w.astype(jnp.bfloat16),
+                                              np.ones((4, 8), jnp.bfloat16))
   _close(g["params"]["kernel"], rdw, jnp.bfloat16, 4)
 
 
