@@ -5,12 +5,13 @@ the layout's shardings; the harness runs every placement and derives the
 ratios and the scaling from one device."""
 
 import functools
-import types
 
 import jax
 import pytest
 
 from benchmarks import _common, bench_model
+# bench_model.attempt's gc and cache clearing skipped here too (autouse).
+from tests.test_bench_model import no_cleanup_between_widths  # noqa: F401  pylint: disable=unused-import
 
 D, LAYERS, SEQ, BATCH, VOCAB = 128, 1, 16, 4, 256
 ARGS = ["--widths", str(D), "--layers", str(LAYERS), "--seq", str(SEQ), "--batch", str(BATCH),
@@ -53,17 +54,6 @@ BLOCKS = {
            "adamw_mu/blocks/up/kernel": [LAYERS, D // 2, H // 2],
            "mask/blocks/up": [LAYERS, H // 2, D // 16]},
 }
-
-
-@pytest.fixture(autouse=True)
-def no_cleanup_between_placements(monkeypatch):
-  """`bench_model.attempt` collects garbage and clears JAX's caches after
-  each placement, so that a GPU's next model finds the last one's buffers
-  and programs freed: nothing to free for these tiny models, and CPU time
-  spent in a test process full of traced programs
-  (tests/test_bench_model.py's fixture says how much)."""
-  monkeypatch.setattr(bench_model, "gc", types.SimpleNamespace(collect=lambda: 0))
-  monkeypatch.setattr(bench_model.jax, "clear_caches", lambda: None)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ LAYERS = 2
 def no_cleanup_between_widths(monkeypatch):
   """`bench_model.attempt` collects garbage and clears JAX's caches after
   each width or placement, so that a GPU's next model finds the last one's
-  buffers and programs freed. These tiny models free nothing that matters,
+  buffers and programs freed (tests/test_bench_layouts.py imports this
+  fixture for its placements). These tiny models free nothing that matters,
   and in a test process full of traced programs the collections cost CPU
   time (the --small test below makes 22: 2.9 s) while the cleared caches
   make every later call trace again what it had traced (this file: 61 s of
