@@ -103,9 +103,10 @@ def _cpu_env(devices: int, cache: pathlib.Path):
   """`devices` CPU devices per process. This process's XLA flags but its
   device count (tests/conftest.py's: the compilations are most of a
   launch's time; every launch compiles alike, so their bits compare), and a
-  persistent compilation cache: the restart's process 0 finds the first
-  pair's programs there (JAX writes it from process 0 only, and process 1's
-  programs have other keys)."""
+  persistent compilation cache: the restart's processes find the first
+  pair's programs there (each process's programs have keys of their own;
+  JAX writes from process 0 only, the worker's --cache-every-process from
+  each)."""
   compile_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                            if "device_count" not in f)
 
@@ -176,12 +177,15 @@ def test_two_processes_compute_what_one_does_across_a_restart(tmp_path):
   (`jax.distributed.initialize()` reading Slurm's variables), the other runs
   through sharded_train's --coordinator flags."""
   cache = tmp_path / "compilation-cache"
+  cached = ["--cache-every-process"]
   one = _launch(tmp_path, "one", 1, env_of=_cpu_env(4, cache), distributed=True, flags=TINY)
-  two = _launch(tmp_path, "two", 2, env_of=_cpu_env(2, cache), distributed=True, flags=TINY)
+  two = _launch(tmp_path, "two", 2, env_of=_cpu_env(2, cache), distributed=True, flags=TINY,
+                worker_flags=cached)
   for layout in LAYOUTS:  # the restart: a fresh pair resumes from step 4
     shutil.rmtree(tmp_path / "checkpoints" / "two" / layout / "checkpoints" / "sparse" / str(STEPS))
   resumed = _launch(tmp_path, "resumed", 2, env_of=_slurm_env(2, 2, cache), distributed=False,
-                    checkpoints="two", flags=TINY + ["--resume", "--cluster"])
+                    checkpoints="two", worker_flags=cached,
+                    flags=TINY + ["--resume", "--cluster"])
 
   failures = []
   for layout in LAYOUTS:
