@@ -30,15 +30,15 @@ compressed weight at up to 59% of copy bandwidth at M = 16 (0.92-0.93x of
 dense XLA at K x N = 8192 x 8192, 4096 x 16384, 16384 x 4096) and 65% at
 M = 1 (0.96x at 8192 x 8192), and ran at half the speed of dense XLA at M = 64:
 benchmarks/results/nvidia-h200.md, "decode kernel at the target shapes".
-What bounds it is the expansion, not the loads: a kernel on the same grid
-that loads the same compressed tiles and only sums them read them at 94-103%
-of copy bandwidth, 0.022-0.024 ms at M = 16 on those shapes against dense
-XLA's 0.036 ms, and the same kernel expanding each tile first
-(`_tiles.expand_rows`, whose lane splits and joins move the tile between
-register layouts) at 60-67%, as slow as this kernel (H200, 2026-11-27,
+What bounds it is the expansion, not the loads: on the same grid, a kernel
+that loads the same compressed tiles and only sums them reads them at up to
+99-103% of copy bandwidth (1.57-1.64x faster than dense XLA at M = 16 on
+8192 x 8192 and 4096 x 16384), also when it splits the values into their
+slots (88-98%); expanding the tiles (`_tiles.expand_rows`: the selects and
+the joins that move the tile between register layouts) brings it to 55-65%,
+and the product to 52-57%, where this kernel is (57-58%): H200, 2026-11-27,
 benchmarks/results/nvidia-h200.md, "What bounds the decode kernel: loads or
-the expansion"). A layout that needs no split or join in the kernel is
-where a faster kernel has to start.
+the expansion" (`benchmarks/decode_bound.py`).
 It does beat what a compressed weight multiplies through otherwise
 (decompressed, then XLA's product), which is where the automatic choice
 takes it (`DECODE_AUTO_MAX_M` in `jsparse24.backends.pallas`).
