@@ -7,8 +7,10 @@ same custom-partitioned ops as on a GPU (`jsparse24._sharding`); without
 their rule XLA gathered the activations onto every device.
 """
 
+import contextlib
 import re
 from typing import Any
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -74,7 +76,7 @@ def _collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
 # each is a trace, a lowering and a compilation of interpreted Pallas
 # kernels (most of a test's time). Keyed on what changes the program: the
 # arguments, and whether the kernels are interpreted and taken for native
-# (tests patch `_pallas_runtime.runs_natively` to rebuild masks as on a GPU).
+# (`_as_on_a_gpu`).
 _REFERENCES = {}
 
 
@@ -86,11 +88,28 @@ def _reference(key, compute):
   return _REFERENCES[key]
 
 
-def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, shared=True):
+@contextlib.contextmanager
+def _as_on_a_gpu(enabled):
+  """Within (if `enabled`): what is traced rebuilds the masks as on a GPU,
+  by the mask kernel on a run-time flag (`backends.rebuild_where`), the
+  kernels taken for native ones."""
+  if not enabled:
+    yield
+    return
+  with mock.patch.object(_pallas_runtime, "runs_natively", lambda: True):
+    yield
+
+
+def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, shared=True,
+         flagged=False):
   """(single-device results, sharded results, compiled HLO of the sharded
   step). `model`: the sharded step's model (same parameters). `shared`: the
   single-device results from `_reference` (False: computed here, for a test
-  that watches what they run)."""
+  that watches what they run). `flagged`: the sharded step traced
+  `_as_on_a_gpu`, and compared with the single-device step of the
+  conditional path, whose bits the flagged path gives
+  (`test_optim.test_flagged_rebuild_equals_the_conditional_one`): one
+  reference for both, and a flagged path wrong everywhere fails here too."""
   step, params, opt_state, x, y = _setup(implementation)
 
   def reference():
@@ -102,10 +121,8 @@ def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, sh
     return ref
 
   ref = _reference(("step", implementation, steps), reference) if shared else reference()
-  if gather:
-    step = _setup(implementation, NamedSharding(mesh, P()))[0]
-  if model is not None:
-    step = _setup(implementation, model=model)[0]
+  if gather or model is not None or flagged:  # a new jit: traced again, not the reference's
+    step = _setup(implementation, NamedSharding(mesh, P()) if gather else None, model)[0]
 
   data = NamedSharding(mesh, P("data"))
   put_param = lambda a: jax.device_put(  # noqa: E731
@@ -113,11 +130,12 @@ def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, sh
   sp = jax.tree.map(put_param, params)
   so = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), opt_state)
   sx, sy = jax.device_put(x, data), jax.device_put(y, data)
-  hlo = step.lower(sp, so, sx, sy).compile().as_text()
   got = []
-  for _ in range(steps):
-    sp, so, loss = step(sp, so, sx, sy)
-    got.append((loss, sp, optim.masks(so)))
+  with _as_on_a_gpu(flagged):
+    hlo = step.lower(sp, so, sx, sy).compile().as_text()
+    for _ in range(steps):
+      sp, so, loss = step(sp, so, sx, sy)
+      got.append((loss, sp, optim.masks(so)))
   return ref, got, hlo
 
 
@@ -187,20 +205,17 @@ def test_fsdp_gathers_weights_only(implementation):
 
 
 @pytest.mark.parametrize("flagged", [False, True])
-def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagged):
+def test_fsdp_without_gathering_weights_compresses_each_shard(flagged):
   """Weights sharded on their output axis N and left sharded in the step:
   each device prunes and compresses its own columns (the compress kernels'
   sharding rule), and XLA gathers the half-size compressed arrays for the
   products, never a weight. Same results as one device. `flagged`: the
   masks are rebuilt as on a GPU, by the mask kernel on a run-time flag
   (`backends.rebuild_where`), each device its own columns."""
-  if flagged:
-    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   mesh = _mesh(jax.sharding.AxisType.Auto)
   spec = lambda a: P(*([None] * (a.ndim - 1)), "data")  # noqa: E731
   with interpret_mode():
-    ref, got, hlo = _run("pallas", mesh, spec)
+    ref, got, hlo = _run("pallas", mesh, spec, flagged=flagged)
   _assert_same(ref, got)
   gathered = set(_collectives(hlo)["all-gather"])
   assert not gathered & {(D, H), (H, D)}, gathered  # no weight
@@ -345,7 +360,7 @@ def _megatron_spec(a):
     ("xla", False, "Auto"), ("pallas", False, "Auto"), ("pallas", True, "Auto"),
     ("xla", False, "Explicit"), ("pallas", False, "Explicit")])
 def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
-    monkeypatch, implementation, flagged, axis_type):
+    implementation, flagged, axis_type):
   """Megatron tensor parallelism named on the layers (`kernel_sharding`: up
   column-parallel, down row-parallel) on a data x model mesh: each device
   prunes, compresses and multiplies its own block of each weight, so the
@@ -357,14 +372,11 @@ def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
   on each device's block too (down's rows; before, down's weight was
   gathered for it). Explicit mesh axes: the same step, the masks rebuilt
   by XLA with the axes made Auto inside (`_sharding.typed_like`)."""
-  if flagged:
-    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   mesh = _megatron_mesh(axis_type)
   model = _MLP(implementation, NamedSharding(mesh, P(None, "model")),
                NamedSharding(mesh, P("model", None)))
   with interpret_mode():
-    ref, got, hlo = _run(implementation, mesh, _megatron_spec, model=model)
+    ref, got, hlo = _run(implementation, mesh, _megatron_spec, model=model, flagged=flagged)
   _assert_same(ref, got)
   coll = _collectives(hlo)
   # Flagged (or with Explicit axes), the rebuilt masks (sharded like their
