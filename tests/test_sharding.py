@@ -437,8 +437,8 @@ def _tp_loss(implementation, shardings, gradient, mask_kind):
 def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementation, axis_type,
                                                                     gradient, mask_kind):
   """`sparse_dot(..., weight_sharding=)`: value and gradients (x, w1, w2)
-  equal the unsplit call's (on "xla"), for each mask kind and gradient mode; x's
-  gradient needs the column-parallel dx summed over the model axis. Also
+  equal the unsplit call's on "xla", for each mask kind and gradient mode;
+  x's gradient needs the column-parallel dx summed over the model axis. Also
   with Explicit mesh axes (the products; a training step's mask update
   there is not supported yet)."""
   mesh = _megatron_mesh(axis_type)
@@ -475,8 +475,8 @@ def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementat
                                                      ("pallas", "Auto"), ("pallas", "Explicit")])
 def test_tensor_parallel_with_the_mvue_weight_gradient(implementation, axis_type):
   """`weight_grad="mvue"` under a split: the same draws and gradients as the
-  unsplit call (on "xla") (the pruned dy's random numbers are those of the whole dy),
-  and no all-gather."""
+  unsplit call on "xla" (the pruned dy's random numbers are those of the
+  whole dy), and no all-gather."""
   mesh = _megatron_mesh(axis_type)
   k = jax.random.split(jax.random.key(3), 4)
   x = jax.random.normal(k[0], (B * T, D))
