@@ -7,8 +7,10 @@ same custom-partitioned ops as on a GPU (`jsparse24._sharding`); without
 their rule XLA gathered the activations onto every device.
 """
 
+import contextlib
 import re
 from typing import Any
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -74,7 +76,7 @@ def _collectives(hlo: str) -> dict[str, list[tuple[int, ...]]]:
 # each is a trace, a lowering and a compilation of interpreted Pallas
 # kernels (most of a test's time). Keyed on what changes the program: the
 # arguments, and whether the kernels are interpreted and taken for native
-# (tests patch `_pallas_runtime.runs_natively` to rebuild masks as on a GPU).
+# (`_as_on_a_gpu`).
 _REFERENCES = {}
 
 
@@ -86,11 +88,28 @@ def _reference(key, compute):
   return _REFERENCES[key]
 
 
-def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, shared=True):
+@contextlib.contextmanager
+def _as_on_a_gpu(enabled):
+  """Within (if `enabled`): what is traced rebuilds the masks as on a GPU,
+  by the mask kernel on a run-time flag (`backends.rebuild_where`), the
+  kernels taken for native ones."""
+  if not enabled:
+    yield
+    return
+  with mock.patch.object(_pallas_runtime, "runs_natively", lambda: True):
+    yield
+
+
+def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, shared=True,
+         flagged=False):
   """(single-device results, sharded results, compiled HLO of the sharded
   step). `model`: the sharded step's model (same parameters). `shared`: the
   single-device results from `_reference` (False: computed here, for a test
-  that watches what they run)."""
+  that watches what they run). `flagged`: the sharded step traced
+  `_as_on_a_gpu`, and compared with the single-device step of the
+  conditional path, whose bits the flagged path gives
+  (`test_optim.test_flagged_rebuild_equals_the_conditional_one`): one
+  reference for both, and a flagged path wrong everywhere fails here too."""
   step, params, opt_state, x, y = _setup(implementation)
 
   def reference():
@@ -102,10 +121,8 @@ def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, sh
     return ref
 
   ref = _reference(("step", implementation, steps), reference) if shared else reference()
-  if gather:
-    step = _setup(implementation, NamedSharding(mesh, P()))[0]
-  if model is not None:
-    step = _setup(implementation, model=model)[0]
+  if gather or model is not None or flagged:  # a new jit: traced again, not the reference's
+    step = _setup(implementation, NamedSharding(mesh, P()) if gather else None, model)[0]
 
   data = NamedSharding(mesh, P("data"))
   put_param = lambda a: jax.device_put(  # noqa: E731
@@ -113,11 +130,12 @@ def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, sh
   sp = jax.tree.map(put_param, params)
   so = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), opt_state)
   sx, sy = jax.device_put(x, data), jax.device_put(y, data)
-  hlo = step.lower(sp, so, sx, sy).compile().as_text()
   got = []
-  for _ in range(steps):
-    sp, so, loss = step(sp, so, sx, sy)
-    got.append((loss, sp, optim.masks(so)))
+  with _as_on_a_gpu(flagged):
+    hlo = step.lower(sp, so, sx, sy).compile().as_text()
+    for _ in range(steps):
+      sp, so, loss = step(sp, so, sx, sy)
+      got.append((loss, sp, optim.masks(so)))
   return ref, got, hlo
 
 
@@ -187,20 +205,17 @@ def test_fsdp_gathers_weights_only(implementation):
 
 
 @pytest.mark.parametrize("flagged", [False, True])
-def test_fsdp_without_gathering_weights_compresses_each_shard(monkeypatch, flagged):
+def test_fsdp_without_gathering_weights_compresses_each_shard(flagged):
   """Weights sharded on their output axis N and left sharded in the step:
   each device prunes and compresses its own columns (the compress kernels'
   sharding rule), and XLA gathers the half-size compressed arrays for the
   products, never a weight. Same results as one device. `flagged`: the
   masks are rebuilt as on a GPU, by the mask kernel on a run-time flag
   (`backends.rebuild_where`), each device its own columns."""
-  if flagged:
-    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   mesh = _mesh(jax.sharding.AxisType.Auto)
   spec = lambda a: P(*([None] * (a.ndim - 1)), "data")  # noqa: E731
   with interpret_mode():
-    ref, got, hlo = _run("pallas", mesh, spec)
+    ref, got, hlo = _run("pallas", mesh, spec, flagged=flagged)
   _assert_same(ref, got)
   gathered = set(_collectives(hlo)["all-gather"])
   assert not gathered & {(D, H), (H, D)}, gathered  # no weight
@@ -274,7 +289,10 @@ def test_explicit_axes_gradient_through_a_computed_activation(implementation):
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
   frozen = jax.jit(jax.grad(lambda x: loss(*args[:3], x)))
   with interpret_mode():
-    want = step(*args), frozen(args[3])
+    # Unsplit, the frozen weights' dx is the step's (the same products): one
+    # interpreted program less to compile.
+    want = step(*args)
+    want = want, want[1][3]
     with jax.set_mesh(mesh):
       put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
       x = put(args[3], P("data", None))
@@ -323,7 +341,11 @@ def test_tensor_parallel_reference_backend_partitions_like_nn_dense():
   def spec(a):
     return {(D, H): P(None, "model"), (H, D): P("model", None)}.get(tuple(a.shape), P())
 
-  ref, got, hlo = _run("xla", mesh, spec)
+  # Interpret mode changes nothing on "xla" but the caches' keys: within, the
+  # one-device reference and the eager init's programs are the data-parallel
+  # tests'.
+  with interpret_mode():
+    ref, got, hlo = _run("xla", mesh, spec)
   _assert_same(ref, got)
   coll = _collectives(hlo)
   assert coll["all-gather"] == [] and coll["reduce-scatter"] == [], coll
@@ -345,7 +367,7 @@ def _megatron_spec(a):
     ("xla", False, "Auto"), ("pallas", False, "Auto"), ("pallas", True, "Auto"),
     ("xla", False, "Explicit"), ("pallas", False, "Explicit")])
 def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
-    monkeypatch, implementation, flagged, axis_type):
+    implementation, flagged, axis_type):
   """Megatron tensor parallelism named on the layers (`kernel_sharding`: up
   column-parallel, down row-parallel) on a data x model mesh: each device
   prunes, compresses and multiplies its own block of each weight, so the
@@ -357,14 +379,11 @@ def test_tensor_parallel_kernel_sharding_equals_one_device_and_gathers_nothing(
   on each device's block too (down's rows; before, down's weight was
   gathered for it). Explicit mesh axes: the same step, the masks rebuilt
   by XLA with the axes made Auto inside (`_sharding.typed_like`)."""
-  if flagged:
-    from jsparse24 import _pallas_runtime  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_pallas_runtime, "runs_natively", lambda: True)
   mesh = _megatron_mesh(axis_type)
   model = _MLP(implementation, NamedSharding(mesh, P(None, "model")),
                NamedSharding(mesh, P("model", None)))
   with interpret_mode():
-    ref, got, hlo = _run(implementation, mesh, _megatron_spec, model=model)
+    ref, got, hlo = _run(implementation, mesh, _megatron_spec, model=model, flagged=flagged)
   _assert_same(ref, got)
   coll = _collectives(hlo)
   # Flagged (or with Explicit axes), the rebuilt masks (sharded like their
@@ -421,8 +440,8 @@ def _tp_loss(implementation, shardings, gradient, mask_kind):
 def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementation, axis_type,
                                                                     gradient, mask_kind):
   """`sparse_dot(..., weight_sharding=)`: value and gradients (x, w1, w2)
-  equal the unsplit call's, for each mask kind and gradient mode; x's
-  gradient needs the column-parallel dx summed over the model axis. Also
+  equal the unsplit call's on "xla", for each mask kind and gradient mode;
+  x's gradient needs the column-parallel dx summed over the model axis. Also
   with Explicit mesh axes (the products; a training step's mask update
   there is not supported yet)."""
   mesh = _megatron_mesh(axis_type)
@@ -432,7 +451,11 @@ def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementat
   m1, m2 = (jsparse24.Mask24.from_weights(w, transposable=True) for w in (w1, w2))
   if mask_kind == "dense":
     m1, m2 = m1.unpack(), m2.unpack()
-  grad = jax.value_and_grad(_tp_loss(implementation, (None, None), gradient, mask_kind),
+  # The unsplit call on the reference backend: "pallas" computes the same
+  # products (to float32 rounding, within the tolerance below), and one
+  # reference per case serves both backends (an interpreted unsplit program
+  # less to compile per case).
+  grad = jax.value_and_grad(_tp_loss("xla", (None, None), gradient, mask_kind),
                             argnums=(0, 1, 2))
   split = jax.value_and_grad(_tp_loss(
       implementation, (NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None))),
@@ -441,7 +464,7 @@ def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementat
   args = (put(x, P("data")), put(w1, P(None, "model")), put(w2, P("model", None)),
           jax.tree.map(lambda a: put(a, P()), m1), jax.tree.map(lambda a: put(a, P()), m2))
   with interpret_mode():
-    want = _reference(("sparse_dot", implementation, gradient, mask_kind),
+    want = _reference(("sparse_dot", gradient, mask_kind),
                       lambda: jax.jit(grad)(x, w1, w2, m1, m2))
     got = jax.jit(split)(*args)
     hlo = jax.jit(split).lower(*args).compile().as_text()
@@ -455,26 +478,29 @@ def test_tensor_parallel_sparse_dot_gradients_equal_the_unsplit_ones(implementat
                                                      ("pallas", "Auto"), ("pallas", "Explicit")])
 def test_tensor_parallel_with_the_mvue_weight_gradient(implementation, axis_type):
   """`weight_grad="mvue"` under a split: the same draws and gradients as the
-  unsplit call (the pruned dy's random numbers are those of the whole dy),
-  and no all-gather."""
+  unsplit call on "xla" (the pruned dy's random numbers are those of the
+  whole dy), and no all-gather."""
   mesh = _megatron_mesh(axis_type)
   k = jax.random.split(jax.random.key(3), 4)
   x = jax.random.normal(k[0], (B * T, D))
   w1, w2 = jax.random.normal(k[1], (D, H)), jax.random.normal(k[2], (H, D))
 
-  def loss(x, w1, w2, key, s1, s2):
+  def loss(x, w1, w2, key, s1, s2, implementation):
     kw = dict(implementation=implementation, weight_grad="mvue", transposable=True)
     h = jsparse24.sparse_dot(x, w1, weight_sharding=s1, key=jax.random.fold_in(key, 1), **kw)
     y = jsparse24.sparse_dot(jnp.tanh(h), w2, weight_sharding=s2,
                              key=jax.random.fold_in(key, 2), **kw)
     return jnp.sum(jnp.sin(y))
 
-  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(4, 5))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(4, 5, 6))
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
   args = (put(x, P("data")), put(w1, P(None, "model")), put(w2, P("model", None)), k[3],
-          NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None)))
+          NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None)),
+          implementation)
   with interpret_mode():
-    want = _reference(("mvue", implementation), lambda: grad(x, w1, w2, k[3], None, None))
+    # The unsplit call on the reference backend, for both backends: the same
+    # draws, the same products (to float32 rounding, within the tolerance).
+    want = _reference("mvue", lambda: grad(x, w1, w2, k[3], None, None, "xla"))
     got = grad(*args)
     hlo = grad.lower(*args).compile().as_text()
   for a, b in zip(want, got):
@@ -609,7 +635,8 @@ def test_sharded_state_checkpoints_and_resumes_bit_for_bit(tmp_path):
   keeps every leaf's sharding and value, and training resumes bit for bit."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   mesh = _mesh(jax.sharding.AxisType.Auto)
-  step, params, opt_state, x, y = _setup("xla", NamedSharding(mesh, P()))
+  with interpret_mode():  # nothing to interpret on "xla": the other tests' eager init programs
+    step, params, opt_state, x, y = _setup("xla", NamedSharding(mesh, P()))
 
   def spec(a):
     if a.ndim == 0 or a.shape[0] % 8:
