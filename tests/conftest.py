@@ -20,7 +20,6 @@ kept.
 """
 
 import atexit
-import gc
 import os
 import shutil
 import subprocess
@@ -82,24 +81,6 @@ SLOWEST_FIRST = ("test_multiprocess.py", "test_examples.py", "test_sharding.py",
                  "test_bench_model.py", "test_cusparselt.py", "test_stacked.py",
                  "test_bench_layouts.py", "test_generate.py", "test_triton_fallback.py",
                  "test_prune_format.py", "test_decode24.py", "test_bench_sharded.py")
-
-
-# Python's cyclic garbage collector, tuned for a process that traces and
-# compiles for minutes: JAX's tracing allocates millions of short-lived
-# objects, so at the default thresholds (700, 10, 10) the collector ran 25
-# full collections over a heap of growing caches during
-# test_pallas_kernels.py (7 of its 86 s). A youngest generation of 50,000
-# objects collects ~100 times less often; reference counting still frees
-# nearly everything at once, and the peak memory of that file did not
-# change (1.87 GB; 2026-11-27, the 2-core CPU machine). What exists once the
-# tests are collected (modules, the collected items) is frozen out of the
-# collections altogether.
-gc.set_threshold(50_000, 10, 10)
-
-
-def pytest_collection_finish(session):
-  del session
-  gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
