@@ -431,16 +431,20 @@ def mask_update(
   n_layers = sum(int(np.prod(_stack_shape(layer)))
                  for layer in layers_by_path(sparsity).values())
 
+  # Each layer gets an array of its own (a copy, where the broadcast is
+  # none): one array in several leaves of a state that a step donates is
+  # refused ("Attempt to donate the same buffer twice").
   def set_active(masks, active):
     if schedule.always_sparse:  # no run-time switch (module docstring)
       return _with_active(masks, lambda layer: None)
     # Broadcast, not replace: a stack of layers (nn.scan) has one flag per layer.
     active = jnp.asarray(active, jnp.bool_)
-    return _with_active(masks, lambda layer: jnp.broadcast_to(active, _stack_shape(layer)))
+    return _with_active(masks, lambda layer: jnp.array(
+        jnp.broadcast_to(active, _stack_shape(layer)), copy=True))
 
   def per_layer_value(masks, value):
-    return _per_layer(lambda layer: jnp.broadcast_to(
-        jnp.asarray(value, jnp.float32), _stack_shape(layer)), masks)
+    return _per_layer(lambda layer: jnp.array(jnp.broadcast_to(
+        jnp.asarray(value, jnp.float32), _stack_shape(layer)), copy=True), masks)
 
   def sparsity_of(masks, active):
     return per_layer_value(masks, jnp.where(active, 1 - DENSITY, 0.0))
@@ -451,19 +455,20 @@ def mask_update(
 
   def init_fn(params):
     masks = rebuild_masks(params, template)
-    zero = jnp.zeros((), jnp.int32)
+    def zero():  # count and last_rebuild: two arrays (see set_active)
+      return jnp.zeros((), jnp.int32)
     if ramp is None:
       masks = set_active(masks, schedule.sparse(0))
-      return MaskUpdateState(zero, masks, per_layer_value(masks, 0.0),
-                             sparsity_of(masks, schedule.sparse(0)), zero)
+      return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0),
+                             sparsity_of(masks, schedule.sparse(0)), zero())
     held = _by_path(lambda layer, _, path: layer["mask"], masks, masks)
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), masks, params)
     score = {path: pruned_norm(kernels[path], held[path]) for path in held}
     dense = {path: jnp.zeros(_stack_shape({"mask": m}), jnp.bool_) for path, m in held.items()}
     active = _grow(dense, score, ramp.count(0, n_layers), schedule.sparse(0))
     masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
-    return MaskUpdateState(zero, masks, per_layer_value(masks, 0.0), sparsity_per_layer(masks),
-                           zero, _map_layers(lambda _, __, path: score[path], masks, masks))
+    return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), sparsity_per_layer(masks),
+                           zero(), _map_layers(lambda _, __, path: score[path], masks, masks))
 
   def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
                 **extra_args):
@@ -577,8 +582,8 @@ def mask_update(
     if ramp is None:
       active = schedule.sparse(nxt)
       masks = set_active(masks, active)
-      return updates, MaskUpdateState(optax.safe_increment(step), masks, flip,
-                                      sparsity_of(masks, active), last)
+      masks, sparsity = _apart(masks, sparsity_of(masks, active), flips)
+      return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, sparsity, last)
     active = _grow(was_active, score, count, schedule.sparse(nxt))
     masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
     return updates, MaskUpdateState(
@@ -662,6 +667,26 @@ def _by_path(fn, sparsity: Mapping, other: Any) -> dict:
   out = {}
   _map_layers(lambda layer, o, path: out.__setitem__(path, fn(layer, o, path)), sparsity, other)
   return out
+
+
+def _apart(masks: Mapping, sparsity: Mapping, flips: Mapping) -> tuple[dict, dict]:
+  """`(masks, sparsity)` with each layer's `"active"` flag and sparsity made
+  a value of its own, tied to the layer's flip rate by a test that never
+  holds (flip rates are fractions: not negative, not NaN).
+
+  Without a ramp every layer's flag is one value, and so is every layer's
+  sparsity. On a GPU, XLA writes a value that a jitted step returns at
+  three or more places into only some of the donated buffers they alias
+  (jax-ml/jax#39625, open): with the optimizer state donated, half of a
+  GPT's layers kept the `active` False of the dense warm-up for the rest of
+  training, and `compress_params` left them dense. Values XLA cannot prove
+  equal are each written."""
+  never = {path: flip < 0 for path, flip in flips.items()}
+  masks = _map_layers(
+      lambda layer, _, path: layer if layer["active"] is None
+      else {**layer, "active": layer["active"] | never[path]}, masks, masks)
+  sparsity = _map_layers(lambda _, s, path: jnp.where(never[path], jnp.nan, s), masks, sparsity)
+  return masks, sparsity
 
 
 def _with_active(masks: Mapping, flags) -> dict:

@@ -271,6 +271,41 @@ def test_donated_train_step_copies_no_kernel(monkeypatch, decay, ramp):
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5), new_params, expected)
 
 
+@pytest.mark.parametrize("ramp", [None, optim.SparsityRamp(start=1, end=3)])
+def test_donated_step_returns_no_value_twice(ramp):
+  """No value is returned at two places of a donating step: the layers'
+  `active` flags (one value without a ramp) and their sparsity are each
+  their own. On a GPU XLA writes a value returned at three or more donated
+  places into only some of them (jax-ml/jax#39625): a GPT trained with a
+  dense warm-up kept half its layers' flags False (`optim._apart`). And
+  `init`, called outside `jit`, shares no array between two leaves, which
+  a donating step refuses ("donate the same buffer twice")."""
+  import re  # pylint: disable=g-import-not-at-top
+  model, tx, variables, x, y = _setup(
+      optim.MaskSchedule(warmup_steps=2, rebuild_every=4, ramp=ramp))
+  params = variables["params"]
+
+  def step(params, state):
+    grads = jax.grad(_loss, argnums=1)(model, params, optim.masks(state), x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  # What JAX hands XLA: the returned values of the program's main function.
+  donating = jax.jit(step, donate_argnums=(0, 1))
+  text = donating.lower(params, state).as_text()
+  main = text[text.index("func.func public @main"):]
+  main = main[:main.index("\n  }")]  # its body, to the brace that closes it
+  returned = re.findall(r"\n\s*(?:stablehlo\.|func\.)?return (.*?) :", main)[-1]
+  operands = [o.strip() for o in returned.split(",")]
+  assert len(operands) == len(jax.tree.leaves((params, state))), returned
+  twice = sorted({o for o in operands if operands.count(o) > 1})
+  assert not twice, f"values returned twice: {twice}"
+  for _ in range(3):
+    params, state = donating(params, state)
+  assert int(optim.masks(state)["up"]["active"]) == int(optim.masks(state)["down"]["active"]) == 1
+
+
 class _ScannedMixedNet(nn.Module):
   """Transposable layers stacked with nn.scan, and one plain-mask layer."""
 
