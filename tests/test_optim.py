@@ -37,6 +37,16 @@ def _loss(model, params, masks, x, y):
   return jnp.mean((model.apply({"params": params, "sparsity": masks}, x) - y) ** 2)
 
 
+def _train_step(model, tx, x, y):
+  """`(params, state) -> (params, state)`: one step on `_loss`, the masks
+  from the state's flags."""
+  def step(params, state):
+    grads = jax.grad(_loss, argnums=1)(model, params, optim.masks(state), x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
 def _mask_leaves(masks):
   return {"/".join(str(k.key) for k in path[:-1]): np.asarray(leaf.unpack())
           for path, leaf in jax.tree_util.tree_leaves_with_path(
@@ -242,10 +252,7 @@ def test_donated_train_step_copies_no_kernel(monkeypatch, decay, ramp):
                                       decay=decay)
   params = variables["params"]
 
-  def step(params, state):
-    grads = jax.grad(_loss, argnums=1)(model, params, optim.masks(state), x, y)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+  step = _train_step(model, tx, x, y)
 
   state = tx.init(params)
   # The order changes no value: each donating step equals the step op by op.
@@ -285,10 +292,7 @@ def test_donated_step_returns_no_value_twice(ramp):
       optim.MaskSchedule(warmup_steps=2, rebuild_every=4, ramp=ramp))
   params = variables["params"]
 
-  def step(params, state):
-    grads = jax.grad(_loss, argnums=1)(model, params, optim.masks(state), x, y)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+  step = _train_step(model, tx, x, y)
 
   state = tx.init(params)
   # What JAX hands XLA: the returned values of the program's main function.
