@@ -100,7 +100,9 @@ DECODE_MAX_M = 16
 # grid points were not measured: never. The sweep's row (the kernel up to
 # M = 64-256 wherever it beat decompressing) made that step 0.51x and 0.70x
 # of dense at batch 16 and 64 (same section): a product alone faster than
-# decompressing is no proof that the model is.
+# decompressing is no proof that the model is. The FFN cells keep M = 64:
+# capped at 16 or 32 the step ran 0.93x or 1.07x of dense at batch 32,
+# against 1.07-1.10x ("... the H100's row at batch 32", 2026-11-27).
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
