@@ -1,6 +1,7 @@
 """Checks the decode kernel and sweeps its tile configuration.
 
     PYTHONPATH=. python benchmarks/tune_decode.py [--budget 240]
+    PYTHONPATH=. python benchmarks/tune_decode.py --quick   # the defaults only
 
 A developer tool (it calls `pallas_kernels` directly, and needs neither
 jsparse24 nor Flax): checks `decode24.decode_matmul` against its reference
@@ -10,7 +11,8 @@ four target shapes (4096², 4096 x 16384, 16384 x 4096, 8192²), with the
 measured copy bandwidth. Each timed
 call multiplies by several weights in turn (one jitted function), together
 well over the L2 cache, as the layers of a model do: one weight reused call
-after call would be read from L2.
+after call would be read from L2. `--quick` times only the defaults at the
+four target shapes (M = 1, 16, 64) against the other family of tiles.
 """
 
 from __future__ import annotations
@@ -59,8 +61,6 @@ def check(configs) -> None:
     w = decode24.expand_reference(values, meta, k).astype(jnp.float32)
     ref = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     for cfg in [None, *configs] if dtype == jnp.bfloat16 else [None]:
-      if cfg is not None and cfg.fma and m > decode24.FMA_MAX_M:
-        continue
       try:
         got = decode24.decode_matmul(x, values, meta, k=k, config=cfg).astype(jnp.float32)
       except Exception as e:  # pylint: disable=broad-except
@@ -106,14 +106,13 @@ class Point:
 
 def candidates(m: int):
   bm = 16 if m <= 16 else 64 if m <= 64 else 128
-  for lane_dots, bn, bk, warps in itertools.product([True, False], [32, 64, 128], [256, 512],
-                                                    [4, 8]):
+  for bn, bk, warps, waves in itertools.product([32, 64, 128], [256, 512], [4, 8], [1, 2]):
     yield decode24.DecodeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                num_stages=3, waves=4, lane_dots=lane_dots)
+                                num_stages=3, waves=waves)
 
 
 def refine(best):
-  for stages, waves in itertools.product([2, 3, 4, 5], [1, 2, 4, 8]):
+  for stages, waves in itertools.product([2, 3, 4, 5], [1, 2, 3, 4]):
     yield dataclasses.replace(best, num_stages=stages, waves=waves)
 
 
@@ -134,30 +133,24 @@ def sweep(point: Point, cands, t_dense: float, deadline: float, tag: str):
   return results
 
 
-def quick(bw: float, failed) -> None:
-  """The defaults against the tensor-core tiles and other fma tiles at M <= 16."""
+def quick(bw: float) -> None:
+  """The defaults at the four target shapes (M = 1, 16, 64) against the
+  other family of tiles: narrow column blocks with whole K per program, or
+  wide ones with two K slices."""
   cfg = decode24.DecodeConfig
-  mma = cfg(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+  narrow, wide = cfg(block_n=32, block_k=512, waves=1), cfg()
   rows = []
-  for (k, n), m in itertools.product(((8192, 8192), (4096, 4096)), (1, 2, 4, 16)):
+  for (k, n), m in itertools.product(TARGETS, (1, 16, 64)):
     point = Point(m, k, n)
     t_dense = point.dense()
-    variants = [None, mma]
-    if m <= decode24.FMA_MAX_M:
-      variants += [cfg(block_n=bn, block_k=bk, num_warps=w, num_stages=4, fma=True)
-                   for bn, bk, w in ((32, 256, 4), (128, 256, 4), (64, 512, 4), (64, 256, 8),
-                                     (64, 128, 4))]
-    for v in variants:
-      try:
-        t = point.sparse(v)
-      except Exception as e:  # pylint: disable=broad-except
-        print(f"M={m} {k}x{n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        continue
+    default = decode24.DecodeConfig.default(m, k, n)
+    others = () if m > 16 else (narrow,) if default == wide else (wide,)
+    for v in (None, *others):
+      t = point.sparse(v)
       rows.append([m, k, n, t_dense * 1e3, t * 1e3, t_dense / t,
                    100 * point.sparse_bytes / t / bw, "default" if v is None else str(v)[12:]])
       print(rows[-1], flush=True)
-  for f in failed:
-    print(f"CHECK FAILED {f}")
+    del point
   print(_common.table(["M", "K", "N", "dense ms", "decode ms", "speedup", "% copy bw",
                        "config"], rows))
 
@@ -166,19 +159,20 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--budget", type=float, default=240.0)
   p.add_argument("--quick", action="store_true",
-                 help="the checks, then the defaults against a few variants at M <= 16")
+                 help="only the defaults at the target shapes against the other tiles"
+                      " (no checks: tests/test_decode24.py's gpu tests run odd shapes)")
   args = p.parse_args(argv)
   start = time.time()
   print(_common.environment(), flush=True)
   bw = _common.copy_bandwidth()
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-  failed = check([decode24.DecodeConfig(splits=1), decode24.DecodeConfig(lane_dots=True, splits=3),
-         decode24.DecodeConfig(block_m=64, block_n=128, block_k=512, num_warps=8),
-         decode24.DecodeConfig(fma=True, splits=1, block_n=128)])
-  print(f"[{time.time() - start:.0f}s]", flush=True)
   if args.quick:
-    quick(bw, failed)
+    quick(bw)
     return
+  failed = check([decode24.DecodeConfig(splits=1), decode24.DecodeConfig(block_k=128, splits=3),
+                  decode24.DecodeConfig(block_m=64, block_n=128, block_k=512, num_warps=8),
+                  decode24.DecodeConfig(block_n=128, splits=1)])
+  print(f"[{time.time() - start:.0f}s]", flush=True)
   best = {}
   for m, share in ((16, 0.45), (64, 0.3)):
     point = Point(m, 8192, 8192)

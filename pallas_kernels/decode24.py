@@ -11,37 +11,28 @@ the `block_n` columns `j` over the `s`-th slice of K and writes a float32
 partial product, and one XLA reduction sums the slices (deterministic, unlike
 atomic adds: the same inputs give the same bits, which greedy decoding relies
 on). Each program expands its compressed tile on chip to a dense
-`[block_n, block_k]` tile (`_tiles.expand_rows`) and issues one tensor-core
-product per K step (`lane_dots=True`: one per lane of 8 instead, which
-measured slower).
+`[block_n, block_k]` tile and issues one tensor-core product per K step.
 
-For one row of x (`fma`) no tensor-core product runs at all: each
-compressed value multiplies, in float32 where it lies in registers, the
-element of x that the metadata picks.
+The expansion decides the speed, not the loads: on the same grid, loading
+the compressed tiles and only summing them reads them at 94-103% of copy
+bandwidth, and expanding them with selects (`_tiles.expand_rows`) brought
+the kernel to 57-63% (benchmarks/results/nvidia-h200.md, "What bounds the
+decode kernel: loads or the expansion"). 16-bit weights are therefore read
+as 32-bit pairs (the values array reinterpreted, no copy) and expanded by
+two PTX byte permutes per group (`_prmt`). On an H100 at its defaults the
+kernel then reads the compressed weight at 74-82% of copy bandwidth at
+M = 1 and 16 on 8192 x 8192, 16384 x 4096 and 4096 x 16384 (1.34-1.54x
+dense XLA), 47-57% on 4096 x 4096 (1.02-1.17x: 14 us, where the launches
+and the reduction of the slices weigh), and runs at 0.79-0.85x of dense XLA
+at M = 64 (benchmarks/results/nvidia-h100-80gb-hbm3.md, "decode kernel with
+byte-permute expansion", 2026-11-28). float32 weights keep the select
+expansion.
 
 Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`,
-deprecated since JAX 0.11), because it is the one this package's kernels,
-their shared tile helpers (`_tiles`) and their CPU tests (interpret mode)
-are written for; Pallas Mosaic GPU was not tried for this kernel
-(docs/mosaic_gpu.md: it lacks the lane splits and joins used here). It
-does not reach its targets (1.6x over dense XLA and 80% of copy bandwidth
-at M <= 16): on an H200 (2026-11-27) it read the
-compressed weight at up to 59% of copy bandwidth at M = 16 (0.92-0.93x of
-dense XLA at K x N = 8192 x 8192, 4096 x 16384, 16384 x 4096) and 65% at
-M = 1 (0.96x at 8192 x 8192), and ran at half the speed of dense XLA at M = 64:
-benchmarks/results/nvidia-h200.md, "decode kernel at the target shapes".
-What bounds it is the expansion, not the loads: on the same grid, a kernel
-that loads the same compressed tiles and only sums them reads them at up to
-99-103% of copy bandwidth (1.57-1.64x faster than dense XLA at M = 16 on
-8192 x 8192 and 4096 x 16384), also when it splits the values into their
-slots (88-98%); expanding the tiles (`_tiles.expand_rows`: the selects and
-the joins that move the tile between register layouts) brings it to 55-65%,
-and the product to 52-57%, where this kernel is (57-58%): H200, 2026-11-27,
-benchmarks/results/nvidia-h200.md, "What bounds the decode kernel: loads or
-the expansion" (`benchmarks/decode_bound.py`).
-It does beat what a compressed weight multiplies through otherwise
-(decompressed, then XLA's product), which is where the automatic choice
-takes it (`DECODE_AUTO_MAX_M` in `jsparse24.backends.pallas`).
+deprecated since JAX 0.11), because this package's kernels, their shared
+tile helpers and their CPU tests (interpret mode) are written for it, and
+because its inline PTX is what the expansion needs; Pallas Mosaic GPU has
+no lowering for the lane splits and joins used here (docs/mosaic_gpu.md).
 
 Odd shapes need no copy of W: the last blocks along N and K are loaded with
 masks (`ragged` loads), so the weight is read in place whatever K and N are.
@@ -57,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _tiles
+from pallas_kernels import _prmt, _tiles
 from pallas_kernels import prune_rule as rule
 
 # Streaming multiprocessors of the GPUs the defaults were tuned on (H100 and
@@ -66,53 +57,43 @@ _SMS = 132
 # Shared memory the pipelined tiles may take (Hopper allows 227 KiB a block;
 # the rest is left to Triton's own buffers, e.g. for layout conversions).
 _SMEM_BUDGET = 160 * 1024
-# The most rows of x the `fma` variant takes: its work grows with each row,
-# and from 2 rows on the tensor-core tiles measured faster (H200,
-# 2026-11-27, `benchmarks/tune_decode.py --quick`).
-FMA_MAX_M = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Tiles of the decode kernel (block sizes powers of two).
+  """Tiles of the decode kernel (block sizes powers of two, `block_k` at
+  least 128: the pairs and metadata tiles are `block_k / 4` and
+  `block_k / 8` wide).
 
-  `splits`: slices of K (None: enough for `waves` programs per SM);
-  `block_k` a multiple of 128 (each lane's product is `block_k / 8` deep,
-  at least 16).
+  `splits`: slices of K (None: about `waves` programs per SM, rounded down
+  to a divisor of the K steps where one is near, so that no slice is
+  ragged).
   """
 
   block_m: int = 16
   block_n: int = 64
   block_k: int = 256
   splits: int | None = None
-  waves: int = 4
+  waves: int = 2
   num_warps: int = 4
   num_stages: int = 3
-  # True: one product per lane of 8 (no expanded tile is interleaved in
-  # registers); False: the tile expanded to `[block_n, block_k]` and one
-  # product per K step (faster on an H200: benchmarks/results/nvidia-h200.md,
-  # "decode kernel at the target shapes").
-  lane_dots: bool = False
-  # True (M <= FMA_MAX_M): no tensor-core product at all; each row of x
-  # multiplies the compressed values in float32 where they lie, with x's
-  # elements picked by the metadata, so no expanded tile is ever moved
-  # between register layouts (which the tensor-core products need).
-  fma: bool = False
 
   @classmethod
   def default(cls, m: int, k: int, n: int) -> "DecodeConfig":
-    """The fastest tiles `benchmarks/tune_decode.py` found on an H200
-    (2026-11-27) at 8192 x 8192: M = 1 from `--quick`, 2-16 from the sweep
-    at M = 16 (and `--quick` at M = 2 and 4), 17-64 from the sweep at
-    M = 64; above 64 untuned (the kernel ran at half the speed
-    of dense XLA from M = 64 on: benchmarks/results/nvidia-h200.md)."""
+    """Tiles from sweeps on an H100 (2026-11-28, the four target shapes at
+    M = 1, 16 and 64: benchmarks/results/nvidia-h100-80gb-hbm3.md, "decode
+    kernel with byte-permute expansion"): up to 16 rows, column blocks of
+    64 and about two K slices per block (74-82% of copy bandwidth at the
+    three large shapes); 17-64 rows the same with 64 rows (0.79-0.85x of
+    dense XLA at M = 64); above 64 untuned. Narrower blocks with whole K per
+    program (`block_n=32, block_k=512, waves=1`) measured faster where
+    K >= N (84% against 79% at 8192 x 8192, M = 16) and slower where N > K;
+    they are not the default because the GPU tests have not run them."""
     del k, n
-    if m <= FMA_MAX_M:
-      return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, fma=True)
     if m <= 16:
-      return cls(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+      return cls()
     if m <= 64:
-      return cls(block_m=64, block_n=32, block_k=512, num_warps=4, num_stages=2, waves=1)
+      return cls(block_m=64)
     return cls(block_m=128, block_n=64, block_k=256, num_warps=8, num_stages=3, waves=1)
 
 
@@ -121,17 +102,27 @@ def _smem_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int) -> int:
   return stages * (bm * bk * itemsize + bn * (bk // 2) * itemsize + bn * (bk // 8))
 
 
+def _splits(steps: int, target: int) -> int:
+  """`target` slices of `steps` K steps, or the largest divisor of `steps`
+  below it when that keeps at least half as many (whole slices need no
+  masked loads)."""
+  target = max(1, min(target, steps))
+  divisor = max(d for d in range(1, target + 1) if steps % d == 0)
+  return divisor if 2 * divisor >= target else target
+
+
 def _plan(config: DecodeConfig, m: int, k: int, n: int,
           itemsize: int) -> tuple[DecodeConfig, int, int]:
   """The config fitted to the shape: `(config, splits, steps per split)`.
   Fewer stages, then a smaller `block_k`, where the pipelined tiles would
   not fit in shared memory (Hopper: 227 KiB a block; float32 tiles are
   twice the size of the 16-bit ones the defaults are tuned for)."""
-  if config.fma and m > FMA_MAX_M:
-    raise ValueError(f"decode_matmul: fma=True takes M <= {FMA_MAX_M} rows of x, got M = {m}.")
-  # fma: the rows are unrolled, and the grid has one block of them.
-  bm = m if config.fma else min(config.block_m, max(16, pl.next_power_of_2(m)))
+  if config.block_k < 128:
+    raise ValueError(f"decode_matmul: DecodeConfig.block_k must be at least 128, got"
+                     f" {config.block_k}.")
+  bm = min(config.block_m, max(16, pl.next_power_of_2(m)))
   bn = min(config.block_n, max(16, pl.next_power_of_2(n)))
+  # At least 128: 16 pairs of 4 bytes per row (`pairs` tiles are bk / 4 wide).
   bk = min(config.block_k, max(128, pl.next_power_of_2(k)))
   stages = config.num_stages
   while _smem_bytes(bm, bn, bk, stages, itemsize) > _SMEM_BUDGET and stages > 2:
@@ -143,15 +134,17 @@ def _plan(config: DecodeConfig, m: int, k: int, n: int,
   splits = config.splits
   if splits is None:
     blocks = pl.cdiv(n, bn) * pl.cdiv(m, bm)
-    splits = max(1, min(steps, pl.cdiv(config.waves * _SMS, blocks)))
+    splits = _splits(steps, pl.cdiv(config.waves * _SMS, blocks))
   splits = max(1, min(splits, steps))
   per = pl.cdiv(steps, splits)
   return cfg, pl.cdiv(steps, per), per
 
 
-def _decode_kernel(x_ref, values_ref, meta_ref, o_ref, *, m: int, k: int, n: int,
+def _decode_kernel(x_ref, w_ref, meta_ref, o_ref, *, m: int, k: int, n: int,
                    block_m: int, block_n: int, block_k: int, per: int, ragged_k: bool,
-                   lane_dots: bool, fma: bool):
+                   pairs: bool, interpret: bool):
+  """`w_ref`: uint32 pairs `[N, K/4]` (`pairs`: 16-bit weights) or the
+  values `[N, K/2]` (float32)."""
   j, s, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n0 = pl.multiple_of(j * block_n, block_n)
   m0 = pl.multiple_of(i * block_m, block_m)
@@ -159,7 +152,7 @@ def _decode_kernel(x_ref, values_ref, meta_ref, o_ref, *, m: int, k: int, n: int
   ragged_n = n % block_n != 0
   # float32 inputs: full-precision products (Triton's default is TF32).
   precision = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
-  zero = jnp.zeros((), values_ref.dtype)
+  per_w = 4 if pairs else 2  # weights per element of w_ref
 
   def load(ref, rows, r0, rows_bound, ragged_rows, c0, width, cols_bound, other):
     """A `[rows, width]` tile at (r0, c0), masked where it can pass the
@@ -175,71 +168,26 @@ def _decode_kernel(x_ref, values_ref, meta_ref, o_ref, *, m: int, k: int, n: int
       return pltriton.load(block)
     return pltriton.load(block, mask=mask, other=other)
 
-  def fma_body(t, accs):
-    step = s * per + t
-    k0 = pl.multiple_of(step * block_k, block_k)
-    v0 = pl.multiple_of(step * (block_k // 2), block_k // 2)
-    c0 = pl.multiple_of(step * (block_k // 8), block_k // 8)
-    values = load(values_ref, block_n, n0, n, ragged_n, v0, block_k // 2, k // 2, 0)
-    meta = load(meta_ref, block_n, n0, n, ragged_n, c0, block_k // 8, meta_ref.shape[1],
-                rule.PAD_BYTE)
-    slots = [v.astype(jnp.float32) for v in _tiles.split_lanes(values, 4)]
-    codes = rule.byte_codes(meta.astype(jnp.int32))
-    accs = list(accs)
-    for r in range(block_m):
-      # One row of x: 8 lanes [1, block_k / 8], broadcast along N.
-      x = load(x_ref, 1, r, m, False, k0, block_k, k, 0).astype(jnp.float32)
-      xs = _tiles.split_lanes(x, 8)
-      for g, code in enumerate(codes):
-        i0, i1 = rule.code_indices(code)  # i0 in 0-2, i1 in 1-3
-        x0, x1, x2, x3 = xs[4 * g:4 * g + 4]
-        first = jnp.where(i0 == 0, x0, jnp.where(i0 == 1, x1, x2))
-        second = jnp.where(i1 == 3, x3, jnp.where(i1 == 2, x2, x1))
-        accs[r] = accs[r] + slots[2 * g] * first + slots[2 * g + 1] * second
-    return tuple(accs)
-
-  if fma:
-    accs = jax.lax.fori_loop(
-        0, per, fma_body,
-        tuple(jnp.zeros((block_n, block_k // 8), jnp.float32) for _ in range(block_m)))
-    cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
-    for r, acc in enumerate(accs):
-      y = jnp.sum(acc, axis=1)[None, :]  # [1, block_n]
-      mask = cols < n if ragged_n else None
-      if len(o_ref.shape) == 2:
-        pltriton.store(o_ref.at[pl.ds(r, 1), pl.ds(n0, block_n)], y.astype(o_ref.dtype),
-                       mask=mask)
-      else:
-        pltriton.store(o_ref.at[pl.ds(s, 1), pl.ds(r, 1), pl.ds(n0, block_n)],
-                       y.astype(o_ref.dtype)[None], mask=None if mask is None else mask[None])
-    return
-
   def body(t, acc):
     step = s * per + t
     k0 = pl.multiple_of(step * block_k, block_k)
-    v0 = pl.multiple_of(step * (block_k // 2), block_k // 2)
+    w0 = pl.multiple_of(step * (block_k // per_w), block_k // per_w)
     c0 = pl.multiple_of(step * (block_k // 8), block_k // 8)
     x = load(x_ref, block_m, m0, m, m % block_m != 0, k0, block_k, k, 0)
-    values = load(values_ref, block_n, n0, n, ragged_n, v0, block_k // 2, k // 2, 0)
+    w = load(w_ref, block_n, n0, n, ragged_n, w0, block_k // per_w, k // per_w, 0)
     # Padding bytes decode to a valid pair (0, 1) of zero weights.
     meta = load(meta_ref, block_n, n0, n, ragged_n, c0, block_k // 8, meta_ref.shape[1],
                 rule.PAD_BYTE)
-    if not lane_dots:
-      w_t = _tiles.expand_rows(values, meta)  # [block_n, block_k]
-      return acc + jnp.dot(x, w_t.T, precision=precision, preferred_element_type=jnp.float32)
-    xs = _tiles.split_lanes(x, 8)  # lane l: columns k0 + l, k0 + l + 8, ...
-    slots = _tiles.split_lanes(values, 4)  # first, second of the even group; of the odd
-    for g, code in enumerate(rule.byte_codes(meta.astype(jnp.int32))):
-      i0, i1 = rule.code_indices(code)  # i0 < i1: lane 0 can only be first, 3 second
-      first, second = slots[2 * g], slots[2 * g + 1]
-      lanes = (jnp.where(i0 == 0, first, zero),
-               jnp.where(i0 == 1, first, jnp.where(i1 == 1, second, zero)),
-               jnp.where(i0 == 2, first, jnp.where(i1 == 2, second, zero)),
-               jnp.where(i1 == 3, second, zero))
-      for l, lane in enumerate(lanes):
-        acc = acc + jnp.dot(xs[4 * g + l], lane.T, precision=precision,
-                            preferred_element_type=jnp.float32)
-    return acc
+    if pairs:
+      # Even and odd groups: a meta byte's low and high nibble.
+      even, odd = _tiles.split_lanes(w, 2)
+      meta = meta.astype(jnp.uint32)
+      lanes = (_prmt.expand_group(even, meta, False, x_ref.dtype, interpret)
+               + _prmt.expand_group(odd, meta, True, x_ref.dtype, interpret))
+      w_t = _tiles.join_lanes(lanes)  # [block_n, block_k]
+    else:
+      w_t = _tiles.expand_rows(w, meta)
+    return acc + jnp.dot(x, w_t.T, precision=precision, preferred_element_type=jnp.float32)
 
   acc = jax.lax.fori_loop(0, per, body, jnp.zeros((block_m, block_n), jnp.float32))
   mask = rows_m < m
@@ -266,23 +214,27 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   m, n = _tiles.check_operands("decode_matmul", x, values, meta, k)
   if not m or not n:
     return jnp.zeros((m, n), x.dtype)
-  cfg, splits, per = _plan(config or DecodeConfig.default(m, k, n), m, k, n,
-                           jnp.dtype(x.dtype).itemsize)
+  itemsize = jnp.dtype(x.dtype).itemsize
+  cfg, splits, per = _plan(config or DecodeConfig.default(m, k, n), m, k, n, itemsize)
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  pairs = itemsize == 2
+  # A group's two 16-bit values as one 32-bit word (a bitcast: no copy of W).
+  w = (jax.lax.bitcast_convert_type(values.reshape(n, k // 4, 2), jnp.uint32) if pairs
+       else values)
   # One slice writes y itself; several write float32 partial products.
   out_shape = (m, n) if splits == 1 else (splits, m, n)
   out_dtype = x.dtype if splits == 1 else jnp.float32
   out = pl.pallas_call(
       functools.partial(_decode_kernel, m=m, k=k, n=n, block_m=bm, block_n=bn, block_k=bk,
-                        per=per, ragged_k=splits * per * bk != k, lane_dots=cfg.lane_dots,
-                        fma=cfg.fma),
+                        per=per, ragged_k=splits * per * bk != k, pairs=pairs,
+                        interpret=interpret),
       out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(pl.cdiv(n, bn), splits, pl.cdiv(m, bm)),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
       name="jsparse24_decode",
-  )(x, values, meta)
+  )(x, w, meta)
   return out if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 

@@ -14,7 +14,8 @@ import pytest
 import jsparse24
 from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends.pallas import interpret_mode
-from pallas_kernels import decode24, spmm24
+from pallas_kernels import _prmt, decode24, spmm24
+from pallas_kernels import prune_rule as rule
 
 _TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
@@ -44,16 +45,17 @@ def _rel_err(got, x, sp):
 
 
 # Kept small: each case is interpreted on CPU. K not a multiple of the K
-# tile (masked last step), N not of the N tile, M = 1 (the fma variant), 3
-# and 17 (masked rows), several K slices, and the lane-by-lane products.
+# tile (masked last step) nor of 8 (a padding nibble), N not of the N tile,
+# M = 1, 3 and 17 (masked rows), one and several K slices; 16-bit weights
+# expand by byte permutes (`_prmt`, run in `jnp` here), float32 by selects.
 @pytest.mark.parametrize("m,k,n,dtype,config", [
     (1, 300, 40, jnp.float32, None),
-    (1, 260, 33, jnp.bfloat16, decode24.DecodeConfig(fma=True, block_n=16, splits=2)),
+    (1, 260, 33, jnp.bfloat16, decode24.DecodeConfig(block_n=16, splits=2)),
     (3, 388, 20, jnp.bfloat16, None),
-    (3, 516, 20, jnp.float16, decode24.DecodeConfig(block_n=16, splits=2)),
+    (3, 516, 20, jnp.float16, decode24.DecodeConfig(block_n=16, block_k=128, splits=3)),
     (17, 260, 24, jnp.float16, None),
-    (17, 136, 24, jnp.float32, decode24.DecodeConfig(lane_dots=True, splits=1)),
-    (3, 264, 72, jnp.bfloat16, decode24.DecodeConfig(block_n=64, lane_dots=True, splits=2)),
+    (17, 136, 24, jnp.float32, decode24.DecodeConfig(splits=1)),
+    (3, 264, 72, jnp.bfloat16, decode24.DecodeConfig(block_n=64, splits=1)),
 ])
 def test_decode_matmul_matches_reference(m, k, n, dtype, config):
   x, sp = _operand(m * k + n, m, k, n, dtype)
@@ -81,9 +83,41 @@ def test_decode_matmul_rejects_bad_input():
     decode24.decode_matmul(x, sp.values, sp.meta.astype(jnp.int32), k=16, interpret=True)
   with pytest.raises(TypeError, match="must share a dtype"):
     decode24.decode_matmul(x.astype(jnp.bfloat16), sp.values, sp.meta, k=16, interpret=True)
-  with pytest.raises(ValueError, match="fma=True takes M <= 1"):
+  with pytest.raises(ValueError, match="decode_matmul: DecodeConfig.block_k must be at least 128"):
     decode24.decode_matmul(x, sp.values, sp.meta, k=16, interpret=True,
-                           config=decode24.DecodeConfig(fma=True))
+                           config=decode24.DecodeConfig(block_k=64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_byte_permutes_expand_every_code_of_both_nibbles(dtype):
+  """`_prmt.expand_group` (the PTX's selectors and permutes, in `jnp`) on
+  every kept pair of 4 and the padding code, in either nibble of a byte."""
+  codes = np.array([rule.group_code(*p) for p in rule.PAIRS] + [rule.PAD_CODE])
+  low, high = np.meshgrid(codes, codes)
+  meta = (low | high << 4).reshape(1, -1).astype(np.uint8)  # every (low, high) pair
+  groups = 2 * meta.shape[1]
+  values = jax.random.normal(jax.random.key(0), (1, 2 * groups), dtype)
+  dense = decode24.expand_reference(values, jnp.asarray(meta), 4 * groups).T  # [1, K]
+  pairs = jax.lax.bitcast_convert_type(values.reshape(1, groups, 2), jnp.uint32)
+  meta32 = jnp.asarray(meta, jnp.uint32)
+  for high, pair in ((False, pairs[:, 0::2]), (True, pairs[:, 1::2])):
+    lanes = _prmt.expand_group(pair, meta32, high, dtype, interpret=True)
+    for pos, lane in enumerate(lanes):
+      want = dense[:, 4 * int(high) + pos::8]
+      assert lane.dtype == dtype
+      # Bit for bit: -0.0 and NaN payloads included.
+      np.testing.assert_array_equal(np.asarray(lane).view(np.uint16),
+                                    np.asarray(want).view(np.uint16))
+
+
+def test_multi_result_inline_asm_rule_is_installed():
+  """The decode kernel's PTX has 4 results: this jax's Pallas Triton lowering
+  takes the rule `_prmt` registers (else GPUs fail at compile time, which
+  CPU tests would not see)."""
+  from jax._src.pallas.triton import lowering, primitives  # pylint: disable=g-import-not-at-top
+  assert _prmt._RULE_MISSING is None  # pylint: disable=protected-access
+  rule_fn = lowering.triton_lowering_rules[primitives.elementwise_inline_asm_p]
+  assert getattr(rule_fn, "_jsparse24_multi_result", False)
 
 
 @pytest.mark.parametrize("kernel", ["decode_matmul", "sparse_matmul"])

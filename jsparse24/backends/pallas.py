@@ -103,6 +103,9 @@ DECODE_MAX_M = 16
 # decompressing is no proof that the model is. The FFN cells keep M = 64:
 # capped at 16 or 32 the step ran 0.93x or 1.07x of dense at batch 32,
 # against 1.07-1.10x ("... the H100's row at batch 32", 2026-11-27).
+# Both rows were measured with the kernel's select expansion; its byte-permute
+# expansion (2026-11-28) ran faster at every shape measured, and the rows were
+# not swept again: a cell that took the kernel still does, none was opened.
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
