@@ -122,7 +122,7 @@ def _plan(config: DecodeConfig, m: int, k: int, n: int,
                      f" {config.block_k}.")
   bm = min(config.block_m, max(16, pl.next_power_of_2(m)))
   bn = min(config.block_n, max(16, pl.next_power_of_2(n)))
-  # At least 128: 16 pairs of 4 bytes per row (`pairs` tiles are bk / 4 wide).
+  # At least 128: pairs tiles of 32 words and metadata tiles of 16 bytes a row.
   bk = min(config.block_k, max(128, pl.next_power_of_2(k)))
   stages = config.num_stages
   while _smem_bytes(bm, bn, bk, stages, itemsize) > _SMEM_BUDGET and stages > 2:
