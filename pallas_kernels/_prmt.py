@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import prune_rule as rule
+
 # Byte l of the selector word: bytes of `b` (zeros) for every position, then
 # the pair's bytes xor-ed in at i0 (FIRST: 0x44 ^ 0x10) and i1 (SECOND: 0x44 ^ 0x32).
 ZERO_SELECTOR = 0x44444444
@@ -73,9 +75,9 @@ _ASM = {False: _asm(False), True: _asm(True)}
 def selector(meta: jax.Array, high: bool) -> jax.Array:
   """The selector word `S` of each group (uint32 meta bytes; `high`: the
   group whose code is the byte's high nibble), as the PTX computes it."""
-  c = meta >> 4 if high else meta
-  return (jnp.uint32(ZERO_SELECTOR) ^ (jnp.uint32(FIRST) << ((c & 3) * 8))
-          ^ (jnp.uint32(SECOND) << (((c >> 2) & 3) * 8)))
+  i0, i1 = rule.code_indices(rule.byte_codes(meta)[int(high)])
+  return (jnp.uint32(ZERO_SELECTOR) ^ (jnp.uint32(FIRST) << (i0 * 8))
+          ^ (jnp.uint32(SECOND) << (i1 * 8)))
 
 
 def permute(a: jax.Array, s: jax.Array) -> jax.Array:
