@@ -1,15 +1,19 @@
 """Decode: a GPT-style decoder generating with a KV cache, dense and 2:4, and
 its products at the decode shapes.
 
-    PYTHONPATH=. python benchmarks/bench_decode.py [--widths 2048,4096] [--layers 8] [--no-write]
+    PYTHONPATH=. python benchmarks/bench_decode.py [--widths 2048,4096] [--layers 8]
+        [--blocks scan|loop] [--no-write]
     PYTHONPATH=. python benchmarks/bench_decode.py --quick --no-write   # CPU, tiny
 
 The model is `benchmarks/_gpt.py`'s `GPT` (random weights; bf16 compute;
 blocks of four bias-free linear layers `qkv`, `out`, `up`, `down`, heads of
 128, a dense output head), written for a cache as `DecodeGPT`: the same params
-tree, blocks in `nn.scan`, the cache `[layers, batch, context, heads, 128]`
+tree, blocks in `nn.scan` (`--blocks loop`: a Python loop of blocks with
+params of their own, so that no step copies a block's weights out of a
+stack), the cache `[layers, batch, context, heads, 128]`
 carried through the scan and written in place (`dynamic_update_slice`; the
-jitted step donates it). The 2:4 model is the same module through
+jitted step donates it), the layer's keys and values read in the cache's own
+layout (`pinned`). The 2:4 model is the same module through
 `jsparse24.sparsify(model, {r".*/(qkv|out|up|down)": {"transposable": False}})`
 applied to `jsparse24.compress_params` output (bf16 `Sparse24`s: the forward
 operand only, as a model is shipped), each product on the implementation the
@@ -49,6 +53,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.experimental import layout
 
 import jsparse24
 from benchmarks import _common
@@ -64,6 +69,22 @@ QUICK = dict(widths="128", layers=2, context=32, batches="1,4", prefill=32, voca
 
 
 # --- the model with a KV cache ------------------------------------------------------
+
+
+def pinned(a: jax.Array) -> jax.Array:
+  """`a` laid out row-major, as the cache it is read from.
+
+  Without it, where the attention's output feeds a Pallas kernel (the 2:4
+  `out` projection on the decode kernel), XLA lays the matrix-vector
+  attention's reduction out with the context minor and pushes that layout
+  into the scan's carry: the whole cache is transposed before and after
+  the loop over the blocks, in every decode step (at batch 16, d_model
+  4096 x 8 blocks: 8.93 ms per step against 3.46 ms pinned; H200,
+  2026-11-28, benchmarks/results/nvidia-h200.md, "Decode: the KV cache
+  re-laid out around the blocks' loop"). A kernel's operands are fixed
+  row-major; XLA's own product takes any layout, so the dense model is
+  unaffected (4.26 ms either way)."""
+  return layout.with_layout_constraint(a, layout.Layout(major_to_minor=tuple(range(a.ndim))))
 
 
 class DecodeBlock(nn.Module):
@@ -95,7 +116,7 @@ class DecodeBlock(nn.Module):
     else:
       if seq != 1:
         raise ValueError(f"DecodeBlock: a decode step takes one token per sequence, got {seq}.")
-      keys, values = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)
+      keys, values = (pinned(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False))
                       for c in (k_cache, v_cache))
       a = jax.nn.dot_product_attention(
           q, keys, values, key_value_seq_lengths=jnp.full((batch,), pos + 1, jnp.int32))
@@ -107,8 +128,15 @@ class DecodeBlock(nn.Module):
 
 
 class DecodeGPT(nn.Module):
-  """`_gpt.GPT` with a KV cache (the same params tree): `__call__(tokens
-  [B, S], cache, pos) -> (logits [B, S, vocab], cache)`."""
+  """`_gpt.GPT` with a KV cache: `__call__(tokens [B, S], cache, pos) ->
+  (logits [B, S, vocab], cache)`.
+
+  `scan` (the default): the blocks in `nn.scan`, params stacked as in
+  `_gpt.GPT` (the same tree). Otherwise a Python loop over blocks
+  `block_0`, `block_1`, ... with params of their own (`unstack_blocks`):
+  the scan's loop slices each block's weights out of the stacks in every
+  step, and where a product cannot read the slice in place (a Pallas kernel
+  cannot; XLA's dense product on a static slice can) the slice is a copy."""
 
   vocab: int
   d_model: int
@@ -116,6 +144,7 @@ class DecodeGPT(nn.Module):
   max_len: int
   prefill: bool
   dtype: Any = jnp.bfloat16
+  scan: bool = True
 
   @nn.compact
   def __call__(self, tokens, cache, pos):
@@ -124,13 +153,29 @@ class DecodeGPT(nn.Module):
                  name="embed")(tokens)
     pos_embed = self.param("pos_embed", init, (self.max_len, self.d_model))
     x = x + jax.lax.dynamic_slice_in_dim(pos_embed, pos, tokens.shape[-1]).astype(self.dtype)
-    blocks = nn.scan(DecodeBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=(0, nn.broadcast), length=self.layers)
-    (x, k_cache, v_cache), _ = blocks(self.d_model, self.prefill, self.dtype, name="blocks")(
-        (x, cache["k"], cache["v"]), jnp.arange(self.layers), pos)
+    carry = (x, cache["k"], cache["v"])
+    if self.scan:
+      blocks = nn.scan(DecodeBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(0, nn.broadcast), length=self.layers)
+      carry, _ = blocks(self.d_model, self.prefill, self.dtype, name="blocks")(
+          carry, jnp.arange(self.layers), pos)
+    else:
+      for i in range(self.layers):
+        carry, _ = DecodeBlock(self.d_model, self.prefill, self.dtype, name=f"block_{i}")(
+            carry, i, pos)
+    x, k_cache, v_cache = carry
     x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
     logits = nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
     return logits, {"k": k_cache, "v": v_cache}
+
+
+def unstack_blocks(params: dict, layers: int) -> dict:
+  """`DecodeGPT(scan=False)`'s params from the scanned model's: `blocks`'
+  stacked arrays (and `Sparse24`s) split into `block_0`, `block_1`, ..."""
+  out = {k: v for k, v in params.items() if k != "blocks"}
+  for i in range(layers):
+    out[f"block_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+  return out
 
 
 def random_cache(cfg: dict, d: int, batch: int, seed: int = 0) -> dict[str, jax.Array]:
@@ -158,9 +203,12 @@ def make_models(cfg: dict, d: int) -> dict[str, Any]:
       variables["params"])
   compressed = jsparse24.compress_params(bf16, variables["sparsity"])
   del variables, bf16
+  scan = cfg.get("blocks", "scan") == "scan"
+  if not scan:
+    compressed = unstack_blocks(compressed, layers)
   out = {"compressed": compressed, "masked": masked_params(compressed), "steps": {}}
   for prefill in (False, True):
-    model = DecodeGPT(vocab, d, layers, context, prefill)
+    model = DecodeGPT(vocab, d, layers, context, prefill, scan=scan)
     for name, m in (("dense", model), ("2:4", jsparse24.sparsify(model, rules))):
       out["steps"][name, prefill] = jax.jit(
           lambda params, tokens, cache, pos, m=m: m.apply({"params": params}, tokens, cache, pos),
@@ -288,6 +336,9 @@ def parse_args(argv: Sequence[str] | None):
   p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32768; --quick: 512)")
   p.add_argument("--kernel-ms", default=None,
                  help="M (rows of x) of the product table (default: --batches and --prefill)")
+  p.add_argument("--blocks", choices=("scan", "loop"), default="scan",
+                 help="the blocks in nn.scan with stacked params (default), or a Python loop of"
+                      " blocks with params of their own")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and short timings (CPU checks of the script)")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
@@ -301,7 +352,7 @@ def parse_args(argv: Sequence[str] | None):
   cfg = {"widths": [int(v) for v in str(args.widths).split(",")],
          "batches": [int(v) for v in str(args.batches).split(",")],
          "layers": args.layers, "context": args.context, "prefill": args.prefill,
-         "vocab": args.vocab, "quick": args.quick}
+         "vocab": args.vocab, "quick": args.quick, "blocks": args.blocks}
   cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
                       else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):
@@ -387,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       r[name]["prefill"].pop("logits")
 
   body = (f"{env}; measured copy bandwidth {bandwidth / 1e12:.3f} TB/s. Random weights, bf16;"
-          f" {cfg['layers']} blocks, vocabulary {cfg['vocab']}, every block's qkv, out, up and"
+          f" {cfg['layers']} blocks ({'nn.scan, params stacked' if cfg['blocks'] == 'scan' else 'a Python loop, params per block'}),"
+          f" vocabulary {cfg['vocab']}, every block's qkv, out, up and"
           f" down 2:4 (compress_params, forward operand only), dense head. Dense: the same"
           f" model on the masked weights. Every dense timing ran before the first 2:4 one."
           f" Logits: relative error by norm of the 2:4 model's against the dense model's"

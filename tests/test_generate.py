@@ -171,6 +171,25 @@ def test_decode_gpt_has_gpt_params_and_its_logits():
       np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5, err_msg=t)
 
 
+def test_decode_gpt_loop_of_blocks_matches_the_scan():
+  # --blocks loop: the same function as the scanned model on the same
+  # weights, split per block by unstack_blocks (a wrong block order or a
+  # block reading another's cache slot breaks it).
+  d, tokens = 128, jax.random.randint(jax.random.key(2), (2, 1), 0, 64, jnp.int32)
+  cache = {k: jax.random.normal(jax.random.key(i), (3, 2, 16, 1, 128))
+           for i, k in enumerate("kv")}
+  scanned = bench_decode.DecodeGPT(64, d, 3, 16, False, jnp.float32)
+  params = jax.jit(scanned.init)(jax.random.key(0), tokens, cache, 5)["params"]
+  loop = bench_decode.DecodeGPT(64, d, 3, 16, False, jnp.float32, scan=False)
+  per_block = bench_decode.unstack_blocks(params, 3)
+  shapes = jax.eval_shape(loop.init, jax.random.key(0), tokens, cache, 5)["params"]
+  assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, per_block)
+  with jax.default_matmul_precision("highest"):
+    want = jax.jit(scanned.apply)({"params": params}, tokens, cache, 5)
+    got = jax.jit(loop.apply)({"params": per_block}, tokens, cache, 5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), got, want)
+
+
 def test_bench_decode_logits_check_fails_on_a_perturbed_weight():
   # The model and the decode step of test_bench_decode_runs_quick_on_cpu's
   # run (its flags), whose compiled programs the run's cache then holds.
