@@ -89,7 +89,11 @@ DECODE_MAX_M = 16
 # faster (bench_decode, d_model 4096 x 8, the `out` projection after
 # attention: decode step 4.04 and 9.85 ms at batch 4 and 16 against 2.97 and
 # 4.15 ms with that product decompressed; nvidia-h200.md, "decode with a KV
-# cache", 2026-11-27); the cause is not known.
+# cache", 2026-11-27). The cause: a kernel's input must be row-major, and
+# XLA then transposes a loop-carried KV cache around the loop in every step
+# (nvidia-h200.md, "Decode: the KV cache re-laid out around the blocks'
+# loop", 2026-11-28). A model that pins its cache's layout gains with the
+# cell open, one that does not loses; this choice cannot tell them apart.
 # NVIDIA H100 80GB HBM3 (2026-11-27, benchmarks/results/nvidia-h100-80gb-hbm3.md,
 # "decode with a KV cache", d_model 4096): the row holds the model's four
 # products, `pallas` against `auto (xla)` at M = 1, 4, 16, 64: (4096, 12288)
@@ -106,6 +110,10 @@ DECODE_MAX_M = 16
 # Both rows were measured with the kernel's select expansion; its byte-permute
 # expansion (2026-11-28) ran faster at every shape measured, and the rows were
 # not swept again: a cell that took the kernel still does, none was opened.
+# With the blocks' params apart (no per-step copy of a stacked weight) the
+# H100's FFN cells at M = 64 made the step 0.88x of dense at batch 64
+# (nvidia-h100-80gb-hbm3.md, "Decode with a KV cache: narrow tiles ...",
+# 2026-11-28); decompressing was not measured there.
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
