@@ -32,7 +32,8 @@ Per width:
 * the products at the model's shapes (`layer_shapes`; M = each batch and the
   prefill length): dense XLA `x @ w` against `jsparse24.sparse_dot(x, sp)`
   on the compressed operand, with the automatic choice and with each other
-  implementation that runs here forced; ms, GB/s (x, the weight and y moved once), % of the
+  implementation that runs here forced, each timed over a rotation of weights
+  (`rotation`); ms, GB/s (x, the weight and y moved once), % of the
   measured copy bandwidth, speed-up over dense XLA.
 
 Every dense timing of every width runs before the first 2:4 one (the
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import pathlib
 import time
 from collections.abc import Sequence
@@ -269,41 +271,65 @@ def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, A
   return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def kernel_operands(k: int, n: int, m: int):
-  """(x [m, k], the compressed random weight [k, n], its dense `w * mask`), bf16."""
+# Each timed call of the product table multiplies by several weights in turn
+# (one jitted function), 200 MB of compressed weights together (3-4x the L2
+# cache of an H100 or H200), at most 16: one weight in one call per timing
+# measured the call and L2 more than the product (H100, 2026-11-28, M = 1,
+# `up` and `down`: the kernel 0.56x and 0.57x of dense XLA with one weight,
+# 1.37x and 1.51x rotated, as tune_decode; nvidia-h100-80gb-hbm3.md,
+# "Decode with a KV cache: narrow tiles where K is long, ...").
+ROTATE_BYTES = 200e6
+MAX_ROTATE = 16
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def kernel_operands(k: int, n: int, m: int, i: int = 0):
+  """(x [m, k], the `i`-th compressed random weight [k, n], its dense
+  `w * mask`), bf16."""
   x = jax.random.normal(jax.random.key(m * 31 + k), (m, k), jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(k * 7 + n), (k, n), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(k * 7 + n + 7919 * i), (k, n), jnp.bfloat16)
   sp = jsparse24.compress(w)
   return x, sp, jsparse24.decompress(sp)
 
 
+def rotation(k: int, n: int, quick: bool) -> int:
+  """How many weights of `[k, n]` each timed call of the product table
+  cycles through (2 with --quick: a check of the script, not a timing)."""
+  if quick:
+    return 2
+  return int(min(MAX_ROTATE, max(2, math.ceil(ROTATE_BYTES / (k * n * 9 // 16)))))
+
+
 def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> list[dict]:
   """Rows of the product table for this width: dense XLA (`sparse=False`),
-  or `sparse_dot` on the compressed operand, automatic and forced."""
+  or `sparse_dot` on the compressed operand, automatic and forced; each
+  timing the mean over a rotation of weights (`rotation`)."""
   rows = []
-  dense_mm = jax.jit(lambda x, w: x @ w)
+  dense_mm = jax.jit(lambda x, ws: [x @ w for w in ws])
   for m in cfg["kernel_ms"]:
     for layer, (k, n) in layer_shapes(d).items():
-      x, sp, w = kernel_operands(k, n, m)
+      r = rotation(k, n, cfg["quick"])
+      operands = [kernel_operands(k, n, m, i) for i in range(r)]
+      x, sps, ws = operands[0][0], [o[1] for o in operands], [o[2] for o in operands]
+      del operands
       io = 2 * (m * k + m * n)
       if not sparse:
-        runs = [("dense XLA", dense_mm, w, io + 2 * k * n)]
+        runs = [("dense XLA", dense_mm, ws, io + 2 * k * n)]
       else:
         auto = jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16,
                                                    compressed=True)
-        runs = [(f"auto ({auto})", None, sp, io + sp.nbytes)]
+        runs = [(f"auto ({auto})", None, sps, io + sps[0].nbytes)]
         # Forced: every other implementation that runs here (the automatic
         # choice's own is its row).
-        runs += [(impl, impl, sp, io + sp.nbytes) for impl in IMPLEMENTATIONS
+        runs += [(impl, impl, sps, io + sps[0].nbytes) for impl in IMPLEMENTATIONS
                  if impl != auto and jsparse24.available_implementations()[impl] is None]
-      for label, impl, operand, nbytes in runs:
-        row = {"m": m, "layer": layer, "k": k, "n": n, "implementation": label}
-        fn = impl if callable(impl) else jax.jit(
-            functools.partial(lambda x, s, impl: jsparse24.sparse_dot(x, s, implementation=impl),
-                              impl=impl))
+      for label, impl, ops, nbytes in runs:
+        row = {"m": m, "layer": layer, "k": k, "n": n, "implementation": label, "rotation": r}
+        fn = impl if callable(impl) else jax.jit(functools.partial(
+            lambda x, ops, impl: [jsparse24.sparse_dot(x, s, implementation=impl) for s in ops],
+            impl=impl))
         try:
-          seconds = timer(fn, x, operand)
+          seconds = timer(fn, x, ops) / r
         except Exception as e:  # pylint: disable=broad-except
           # A forced implementation that cannot run a shape is a row of the
           # table saying why; the automatic choice must always run.
@@ -315,6 +341,7 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
         row.update(ms=seconds * 1e3, gb_s=nbytes / seconds / 1e9,
                    pct_copy=100 * nbytes / seconds / bandwidth)
         rows.append(row)
+      del x, sps, ws
   return rows
 
 
@@ -453,10 +480,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           + _common.table(["d_model", "blocks", "tokens", "dense ms", "dense tokens/s", "2:4 ms",
                            "2:4 tokens/s", "speedup", "2:4 layers on", "logits rel err",
                            "check"], prefill_rows)
-          + "\n\n**Products at the model's shapes** (GB/s: x, the weight (dense, or values +"
-            " metadata) and y moved once; speed-up over dense XLA; `auto`: the automatic"
-            " choice, which it names; `cusparselt` on a `Sparse24` re-lays it out for"
-            " cuSPARSELt in every call):\n\n"
+          + "\n\n**Products at the model's shapes** (each timed call cycling through"
+            f" {'2 weights' if cfg['quick'] else '2-16 weights (about 200 MB compressed, at most 16)'},"
+            " ms per product; GB/s: x, the weight (dense, or values + metadata) and y moved"
+            " once; speed-up over dense XLA; `auto`: the automatic choice, which it names;"
+            " `cusparselt` on a `Sparse24` re-lays it out for cuSPARSELt in every call):\n\n"
           + _common.table(["d_model", "M", "layer", "KxN", "implementation", "ms", "GB/s",
                            "% of copy bw", "speedup", "note"], kernel_rows)
           + "".join(f"\n\nNot run here: `{name}`, {reason}." for name, reason

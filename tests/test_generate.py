@@ -146,10 +146,20 @@ def test_bench_decode_runs_quick_on_cpu(capsys):
     assert part["backends"] == ["xla"]
   labels = {row["implementation"] for row in r["kernels_2:4"]}
   assert labels == {"auto (xla)"}  # forced: only the others that run here (none on CPU)
+  assert {row["rotation"] for row in r["kernels_2:4"] + r["kernels_dense"]} == {2}
   assert [(row["m"], row["layer"]) for row in r["kernels_dense"]] == [
       (2, layer) for layer in _gpt.layer_shapes(128)]
   printed = capsys.readouterr().out
   assert "No 2:4 kernel ran" in printed and "Not run here: `pallas`" in printed
+
+
+def test_product_table_rotates_about_200_mb_of_weights():
+  # Weights in turn, about ROTATE_BYTES compressed, 2 to 16 (a single weight
+  # would be timed from L2 and by its call's launch).
+  assert bench_decode.rotation(4096, 16384, quick=False) == 6  # 37.7 MB compressed
+  assert bench_decode.rotation(16384, 16384, quick=False) == 2
+  assert bench_decode.rotation(2048, 2048, quick=False) == 16
+  assert bench_decode.rotation(4096, 16384, quick=True) == 2
 
 
 def test_decode_gpt_has_gpt_params_and_its_logits():
