@@ -12,8 +12,8 @@ tree, blocks in `nn.scan` (`--blocks loop`: a Python loop of blocks with
 params of their own, so that no step copies a block's weights out of a
 stack), the cache `[layers, batch, context, heads, 128]`
 carried through the scan and written in place (`dynamic_update_slice`; the
-jitted step donates it), the layer's keys and values read in the cache's own
-layout (`pinned`). The 2:4 model is the same module through
+jitted step donates it), each block's keys and values read in the cache's
+own layout (`pinned`). The 2:4 model is the same module through
 `jsparse24.sparsify(model, {r".*/(qkv|out|up|down)": {"transposable": False}})`
 applied to `jsparse24.compress_params` output (bf16 `Sparse24`s: the forward
 operand only, as a model is shipped), each product on the implementation the
@@ -80,8 +80,9 @@ def pinned(a: jax.Array) -> jax.Array:
   `out` projection on the decode kernel), XLA lays the matrix-vector
   attention's reduction out with the context minor and pushes that layout
   into the scan's carry: the whole cache is transposed before and after
-  the loop over the blocks, in every decode step (at batch 16, d_model
-  4096 x 8 blocks: 8.93 ms per step against 3.46 ms pinned; H200,
+  the loop over the blocks, in every decode step (`out` on the kernel up
+  to M = 16, batch 16, d_model 4096 x 8 blocks: 8.93 ms per step against
+  3.46 ms pinned; H200,
   2026-11-28, benchmarks/results/nvidia-h200.md, "Decode: the KV cache
   re-laid out around the blocks' loop"). A kernel's operands are fixed
   row-major; XLA's own product takes any layout, so the dense model is

@@ -80,18 +80,20 @@ class DecodeConfig:
 
   @classmethod
   def default(cls, m: int, k: int, n: int) -> "DecodeConfig":
-    """Tiles from sweeps on an H100 and an H200 (2026-11-28, the four target
-    shapes at M = 1, 16 and 64: benchmarks/results/nvidia-h100-80gb-hbm3.md
-    and nvidia-h200.md, "decode kernel with byte-permute expansion").
+    """Tiles from `benchmarks/tune_decode.py` on an H100 and an H200
+    (2026-11-28, the four target shapes at M = 1, 16 and 64;
+    benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode with a KV cache:
+    narrow tiles where K is long, ...", and nvidia-h200.md, "Decode: the KV
+    cache re-laid out around the blocks' loop").
 
     Up to 16 rows, where K >= N and K >= 8192: column blocks of 32 with all
-    of K per program (`block_n=32, block_k=512, waves=1`; 78-84% of copy
-    bandwidth on the H100 at 8192 x 8192 and 16384 x 4096, against 75-82%
+    of K per program (`block_n=32, block_k=512, waves=1`; 80-87% of copy
+    bandwidth on the H100 at 8192 x 8192 and 16384 x 4096, against 77-83%
     with the wide tiles). Elsewhere column blocks of 64 and about two K
-    slices per block: where N > K the narrow tiles measured slower (68-69%
-    against 74-77% at 4096 x 16384), and at 4096 x 4096, M = 1, one short
+    slices per block: where N > K the narrow tiles measured slower (70-71%
+    against 76-79% at 4096 x 16384), and at 4096 x 4096, M = 1, one short
     program per SM ran at 0.89x of dense XLA against 1.22x (H200).
-    17-64 rows: the wide tiles with 64 rows (0.79-0.85x of dense XLA at
+    17-64 rows: the wide tiles with 64 rows (0.76-0.85x of dense XLA at
     M = 64); above 64 untuned."""
     if m <= 16:
       return cls(block_n=32, block_k=512, waves=1) if k >= max(n, 8192) else cls()

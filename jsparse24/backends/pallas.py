@@ -90,7 +90,8 @@ DECODE_MAX_M = 16
 # attention: decode step 4.04 and 9.85 ms at batch 4 and 16 against 2.97 and
 # 4.15 ms with that product decompressed; nvidia-h200.md, "decode with a KV
 # cache", 2026-11-27). The cause: a kernel's input must be row-major, and
-# XLA then transposes a loop-carried KV cache around the loop in every step
+# where the attention's output is that input, XLA transposes a loop-carried
+# KV cache around the loop in every step
 # (nvidia-h200.md, "Decode: the KV cache re-laid out around the blocks'
 # loop", 2026-11-28). A model that pins its cache's layout gains with the
 # cell open, one that does not loses; this choice cannot tell them apart.
