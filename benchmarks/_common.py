@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pathlib
 import re
@@ -27,6 +28,21 @@ CUSPARSELT_TAX = ("once a cuSPARSELt matmul (ours, or PyTorch's), or any kernel 
                   " kernels run 2-7% slower until it ends (docs/design_notes.md, \"Dense"
                   " baselines are timed before the first sparse product\"), which a dense run"
                   " in its own process never pays")
+
+
+def compressed_bytes(k: int, n: int) -> int:
+  """Bytes of a 16-bit `Sparse24` of a `[K, N]` weight: values `[N, K/2]`
+  and a metadata byte per 8 of K (56.25% of the dense weight's)."""
+  return k * n + n * math.ceil(k / 8)
+
+
+def rotation(nbytes: int, total: float = 200e6, most: int | None = 16) -> int:
+  """How many weights of `nbytes` each a timed call multiplies by in turn:
+  `total` bytes together (200 MB: 3-4x the L2 cache of an H100 or H200), at
+  least 2 and at most `most`. One weight reused call after call is read from
+  L2, and one product per call is timed with its call's launch."""
+  r = max(2, math.ceil(total / nbytes))
+  return r if most is None else min(most, r)
 
 
 def gpu_name() -> str:

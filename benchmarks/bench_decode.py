@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import pathlib
 import time
 from collections.abc import Sequence
@@ -272,17 +271,6 @@ def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, A
   return out
 
 
-# Each timed call of the product table multiplies by several weights in turn
-# (one jitted function), 200 MB of compressed weights together (3-4x the L2
-# cache of an H100 or H200), at most 16: one weight in one call per timing
-# measured the call and L2 more than the product (H100, 2026-11-28, M = 1,
-# `up` and `down`: the kernel 0.56x and 0.57x of dense XLA with one weight,
-# 1.37x and 1.51x rotated, as tune_decode; nvidia-h100-80gb-hbm3.md,
-# "Decode with a KV cache: narrow tiles where K is long, ...").
-ROTATE_BYTES = 200e6
-MAX_ROTATE = 16
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def kernel_operands(k: int, n: int, m: int, i: int = 0):
   """(x [m, k], the `i`-th compressed random weight [k, n], its dense
@@ -295,10 +283,13 @@ def kernel_operands(k: int, n: int, m: int, i: int = 0):
 
 def rotation(k: int, n: int, quick: bool) -> int:
   """How many weights of `[k, n]` each timed call of the product table
-  cycles through (2 with --quick: a check of the script, not a timing)."""
-  if quick:
-    return 2
-  return int(min(MAX_ROTATE, max(2, math.ceil(ROTATE_BYTES / (k * n * 9 // 16)))))
+  cycles through (`_common.rotation` of the compressed weight; 2 with
+  --quick: a check of the script, not a timing). One weight in one call per
+  timing measured the call and L2 more than the product (H100, 2026-11-28,
+  M = 1, `up` and `down`: the kernel 0.56x and 0.57x of dense XLA with one
+  weight, 1.37x and 1.51x rotated, as tune_decode; nvidia-h100-80gb-hbm3.md,
+  "Decode with a KV cache: narrow tiles where K is long, ...")."""
+  return 2 if quick else _common.rotation(_common.compressed_bytes(k, n))
 
 
 def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> list[dict]:

@@ -27,18 +27,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jsparse24
 from benchmarks import _common
 from jsparse24.backends import pallas as pallas_backend
 
-ROTATE_BYTES = 200e6
-MAX_ROTATE = 16
 CODES = (0x4, 0x8, 0xC, 0x9, 0xD, 0xE)  # the six 2:4 group codes (i0 | i1 << 2)
 
 
@@ -75,8 +71,8 @@ def main(argv=None):
   pool = concurrent.futures.ThreadPoolExecutor(16)
   for k in sizes:
     for n in sizes:
-      sparse_bytes = n * (k // 2) * 2 + n * math.ceil(k / 8)
-      r = int(min(MAX_ROTATE, max(2, math.ceil(ROTATE_BYTES / sparse_bytes))))
+      sparse_bytes = _common.compressed_bytes(k, n)
+      r = _common.rotation(sparse_bytes)
       key = jax.random.key(k * 7 + n)
       sps = [random_sparse(jax.random.fold_in(key, i), k, n) for i in range(r)]
       ws = [jsparse24.decompress(sp) for sp in sps]

@@ -24,7 +24,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import _common
 from pallas_kernels import decode24
@@ -82,8 +81,8 @@ class Point:
 
   def __init__(self, m: int, k: int, n: int):
     self.m, self.k, self.n = m, k, n
-    sparse_bytes = k * n + n * pl_cdiv(k, 8)
-    self.r = max(2, int(np.ceil(ROTATE_BYTES / sparse_bytes)))
+    sparse_bytes = _common.compressed_bytes(k, n)
+    self.r = _common.rotation(sparse_bytes, ROTATE_BYTES, most=None)
     key = jax.random.key(k * 31 + n)
     self.ops = [random_operand(jax.random.fold_in(key, i), k, n, jnp.bfloat16)
                 for i in range(self.r)]

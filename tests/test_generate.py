@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jsparse24
-from benchmarks import _gpt, bench_decode
+from benchmarks import _common, _gpt, bench_decode
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -154,12 +154,14 @@ def test_bench_decode_runs_quick_on_cpu(capsys):
 
 
 def test_product_table_rotates_about_200_mb_of_weights():
-  # Weights in turn, about ROTATE_BYTES compressed, 2 to 16 (a single weight
-  # would be timed from L2 and by its call's launch).
-  assert bench_decode.rotation(4096, 16384, quick=False) == 6  # 37.7 MB compressed
+  # Weights in turn, about 200 MB compressed, 2 to 16 (a single weight would
+  # be timed from L2 and by its call's launch).
+  assert _common.compressed_bytes(4096, 16384) == 4096 * 16384 * 9 // 8  # 75.5 MB
+  assert bench_decode.rotation(4096, 16384, quick=False) == 3
   assert bench_decode.rotation(16384, 16384, quick=False) == 2
   assert bench_decode.rotation(2048, 2048, quick=False) == 16
   assert bench_decode.rotation(4096, 16384, quick=True) == 2
+  assert _common.rotation(10e6, total=400e6, most=None) == 40  # tune_decode's
 
 
 def test_decode_gpt_has_gpt_params_and_its_logits():
