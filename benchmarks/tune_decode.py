@@ -12,7 +12,7 @@ measured copy bandwidth. Each timed
 call multiplies by several weights in turn (one jitted function), together
 well over the L2 cache, as the layers of a model do: one weight reused call
 after call would be read from L2. `--quick` times only the defaults at the
-four target shapes (M = 1, 16, 64) against the other family of tiles.
+four target shapes (M = 1, 16, 32, 64, 128) against the wide tiles.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ class Point:
 
 def candidates(m: int):
   bm = 16 if m <= 16 else 64 if m <= 64 else 128
-  for bn, bk, warps, waves in itertools.product([32, 64, 128], [256, 512], [4, 8], [1, 2]):
+  for bn, bk, warps, waves in itertools.product([32, 64, 128], [128, 256, 512], [4, 8], [1, 2]):
     yield decode24.DecodeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                num_stages=3, waves=waves)
+                                num_stages=4 if bk == 128 else 3, waves=waves)
 
 
 def refine(best):
@@ -133,21 +133,20 @@ def sweep(point: Point, cands, t_dense: float, deadline: float, tag: str):
 
 
 def quick(bw: float) -> None:
-  """The defaults at the four target shapes (M = 1, 16, 64) against the
-  other family of tiles: narrow column blocks with whole K per program, or
-  wide ones with two K slices."""
-  cfg = decode24.DecodeConfig
-  narrow, wide = cfg(block_n=32, block_k=512, waves=1), cfg()
+  """The defaults at the four target shapes (M = 1, 16, 32, 64 and 128)
+  against the wide tiles (`DecodeConfig(block_m=...)`: column blocks of 64,
+  K steps of 256, about two K slices per column block), where they differ."""
   rows = []
-  for (k, n), m in itertools.product(TARGETS, (1, 16, 64)):
+  for (k, n), m in itertools.product(TARGETS, (1, 16, 32, 64, 128)):
     point = Point(m, k, n)
     t_dense = point.dense()
     default = decode24.DecodeConfig.default(m, k, n)
-    others = () if m > 16 else (narrow,) if default == wide else (wide,)
-    for v in (None, *others):
+    wide = decode24.DecodeConfig(block_m=16 if m <= 16 else 64 if m <= 64 else 128)
+    for v in (None,) if default == wide else (None, wide):
       t = point.sparse(v)
       rows.append([m, k, n, t_dense * 1e3, t * 1e3, t_dense / t,
-                   100 * point.sparse_bytes / t / bw, "default" if v is None else str(v)[12:]])
+                   100 * point.sparse_bytes / t / bw,
+                   f"default {str(default)[12:]}" if v is None else "wide"])
       print(rows[-1], flush=True)
     del point
   print(_common.table(["M", "K", "N", "dense ms", "decode ms", "speedup", "% copy bw",

@@ -20,13 +20,14 @@ the kernel to 57-63% (benchmarks/results/nvidia-h200.md, "What bounds the
 decode kernel: loads or the expansion"). 16-bit weights are therefore read
 as 32-bit pairs (the values array reinterpreted, no copy) and expanded by
 two PTX byte permutes per group (`_prmt`). On an H100 at its defaults the
-kernel then reads the compressed weight at 74-82% of copy bandwidth at
-M = 1 and 16 on 8192 x 8192, 16384 x 4096 and 4096 x 16384 (1.34-1.54x
-dense XLA), 47-57% on 4096 x 4096 (1.02-1.17x: 14 us, where the launches
-and the reduction of the slices weigh), and runs at 0.79-0.85x of dense XLA
-at M = 64 (benchmarks/results/nvidia-h100-80gb-hbm3.md, "decode kernel with
-byte-permute expansion", 2026-11-28). float32 weights keep the select
-expansion.
+kernel then reads the compressed weight at 80-84% of copy bandwidth at
+M = 1 and 16 on 8192 x 8192, 16384 x 4096 and 4096 x 16384 (1.48-1.63x
+dense XLA), 43-56% on 4096 x 4096 (0.90-1.19x: 13-15 us, where the launches
+and the reduction of the slices weigh), 56-62% at M = 64 on the three large
+shapes (1.15-1.26x), and 0.82-0.97x of dense XLA at M = 128
+(benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps of
+128 from 17 to 128 rows and where N > K", 2026-11-28). float32 weights keep
+the select expansion.
 
 Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`,
 deprecated since JAX 0.11), because this package's kernels, their shared
@@ -80,26 +81,37 @@ class DecodeConfig:
 
   @classmethod
   def default(cls, m: int, k: int, n: int) -> "DecodeConfig":
-    """Tiles from `benchmarks/tune_decode.py` on an H100 and an H200
-    (2026-11-28, the four target shapes at M = 1, 16 and 64;
-    benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode with a KV cache:
-    narrow tiles where K is long, ...", and nvidia-h200.md, "Decode: the KV
-    cache re-laid out around the blocks' loop").
+    """Tiles from `benchmarks/tune_decode.py` on an H100 (2026-11-28, the
+    four target shapes at M = 1, 16, 32, 64 and 128;
+    benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps
+    of 128 from 17 to 128 rows and where N > K").
 
-    Up to 16 rows, where K >= N and K >= 8192: column blocks of 32 with all
-    of K per program (`block_n=32, block_k=512, waves=1`; 80-87% of copy
-    bandwidth on the H100 at 8192 x 8192 and 16384 x 4096, against 77-83%
-    with the wide tiles). Elsewhere column blocks of 64 and about two K
-    slices per block: where N > K the narrow tiles measured slower (70-71%
-    against 76-79% at 4096 x 16384), and at 4096 x 4096, M = 1, one short
-    program per SM ran at 0.89x of dense XLA against 1.22x (H200).
-    17-64 rows: the wide tiles with 64 rows (0.76-0.85x of dense XLA at
-    M = 64); above 64 untuned."""
+    Where N > K (e.g. 4096 x 16384), up to 64 rows: K steps of 128, four
+    stages and all of K per program (N / 64 column blocks already fill the
+    GPU): 1.47-1.67x of dense XLA at M = 1-64, against 0.79-1.46x with
+    the wide tiles below. The expanded `[block_n, block_k]` weight tile and
+    x's `[block_m, block_k]` tile live in registers together, so more rows
+    want shorter K steps: with 64 rows, K steps of 256 ran at 0.79-0.85x
+    of dense XLA, K steps of 128 at 1.09-1.19x (two K slices per column
+    block where N <= K). Up to 16 rows, where K >= N and K >= 8192: column
+    blocks of 32 with all of K per program (`block_n=32, block_k=512,
+    waves=1`; 80-87% of copy bandwidth); elsewhere up to 32 rows column
+    blocks of 64, K steps of 256 and about two K slices per block (at 4096
+    x 4096, M = 1, one short program per SM ran at 0.89x of dense XLA
+    against 1.22x on an H200). Above 64 rows, where N <= K: 128 x 128
+    output tiles, K steps of 128, 8 warps (0.87-0.94x of dense XLA at
+    M = 128; the 64 x 256 tiles 0.55-0.85x)."""
+    if n > k and m <= 64:
+      return cls(block_m=16 if m <= 16 else 64, block_k=128, num_stages=4, waves=1)
     if m <= 16:
       return cls(block_n=32, block_k=512, waves=1) if k >= max(n, 8192) else cls()
+    if m <= 32:
+      return cls(block_m=32)
     if m <= 64:
-      return cls(block_m=64)
-    return cls(block_m=128, block_n=64, block_k=256, num_warps=8, num_stages=3, waves=1)
+      return cls(block_m=64, block_k=128, num_stages=4)
+    if n > k:
+      return cls(block_m=128, block_n=64, block_k=256, num_warps=8, waves=1)
+    return cls(block_m=128, block_n=128, block_k=128, num_warps=8, waves=1)
 
 
 def _smem_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int) -> int:

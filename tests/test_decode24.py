@@ -197,12 +197,15 @@ def test_unmeasured_gpu_stays_dense(monkeypatch):
                                            compressed=True) == "xla"
 
 
-# Up to 16 rows the default tiles are narrow where K >= N and K >= 8192, else
-# wide (`DecodeConfig.default`): both families run here, on odd shapes too.
+# Every family of `DecodeConfig.default`'s tiles runs here, on odd shapes too:
+# up to 16 rows narrow (K >= N, K >= 8192), wide, and K steps of 128 (N > K);
+# 17-32 rows wide; 33-64 rows K steps of 128 (N <= K and N > K); above 64
+# rows 128 x 128 tiles (N <= K) and 128 x 64 (N > K).
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 8192, 8192), (64, 4096, 16384),
                                    (3, 4100, 3000), (3, 8200, 3000), (1, 3000, 4100),
-                                   (17, 2056, 777), (200, 4096, 1000), (256, 16384, 4096)])
+                                   (17, 2056, 777), (48, 8200, 3000), (100, 1028, 3000),
+                                   (200, 4096, 1000), (256, 16384, 4096)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_decode_matmul_on_gpu(m, k, n, dtype):
   x, sp = _operand(m + k + n, m, k, n, dtype)

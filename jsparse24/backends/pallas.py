@@ -62,13 +62,13 @@ AUTO_MAX_M = 0
 
 # A compressed weight (a `Sparse24`: `compress`, `compress_params`) multiplies
 # through the decode kernel (`pallas_kernels.decode24`, split-K) for up to
-# DECODE_MAX_M rows of x, through `spmm24` above: on an H200 at M = 64 the
-# decode kernel took 0.0764 ms (8192 x 8192) and 0.0752 ms (4096 x 16384),
-# `spmm24` 0.0697 and 0.0619 ms; at M = 16 0.0391 and 0.0398 ms against 0.0418
-# and 0.0413 ms (benchmarks/results/nvidia-h200.md: "decode kernel at the
-# target shapes", 2026-11-27, weights in rotation; "sparse-operand matmul
-# bf16", 2026-11-22, one weight: two runs, not one interleaved comparison).
-DECODE_MAX_M = 16
+# DECODE_MAX_M rows of x, through `spmm24` above: on an H100 the decode kernel
+# at its default tiles was the faster of the two at every point measured,
+# M = 32-256 at the four target shapes (1.08-1.68x of dense XLA against
+# 0.42-1.32x at M = 32-64; 0.47-0.67x against 0.20-0.47x at M = 256;
+# benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps of 128
+# from 17 to 128 rows and where N > K", 2026-11-28). Not compared on an H200.
+DECODE_MAX_M = 256
 # implementation=None takes this backend for a compressed bfloat16 weight
 # where the decode kernel measured faster than what the weight multiplies
 # through otherwise: decompressed, then XLA's product (a compressed weight
@@ -95,26 +95,17 @@ DECODE_MAX_M = 16
 # (nvidia-h200.md, "Decode: the KV cache re-laid out around the blocks'
 # loop", 2026-11-28). A model that pins its cache's layout gains with the
 # cell open, one that does not loses; this choice cannot tell them apart.
-# NVIDIA H100 80GB HBM3 (2026-11-27, benchmarks/results/nvidia-h100-80gb-hbm3.md,
-# "decode with a KV cache", d_model 4096): the row holds the model's four
-# products, `pallas` against `auto (xla)` at M = 1, 4, 16, 64: (4096, 12288)
-# 2.4-4.1x, (4096, 16384) 3.0-4.2x, (16384, 4096) 1.4-4.1x; (4096, 4096) the
-# kernel at M = 1 only, as on the H200: with it up to M = 4 the whole decode
-# step ran at 0.89x of dense at batch 4, without 1.25x ("Decode with a KV
-# cache, d_model 4096: the H100's row", 2026-11-27 18:40 UTC). The other
-# grid points were not measured: never. The sweep's row (the kernel up to
-# M = 64-256 wherever it beat decompressing) made that step 0.51x and 0.70x
-# of dense at batch 16 and 64 (same section): a product alone faster than
-# decompressing is no proof that the model is. The FFN cells keep M = 64:
-# capped at 16 or 32 the step ran 0.93x or 1.07x of dense at batch 32,
-# against 1.07-1.10x ("... the H100's row at batch 32", 2026-11-27).
-# Both rows were measured with the kernel's select expansion; its byte-permute
-# expansion (2026-11-28) ran faster at every shape measured, and the rows were
-# not swept again: a cell that took the kernel still does, none was opened.
-# With the blocks' params apart (no per-step copy of a stacked weight) the
-# H100's FFN cells at M = 64 made the step 0.88x of dense at batch 64
-# (nvidia-h100-80gb-hbm3.md, "Decode with a KV cache: narrow tiles ...",
-# 2026-11-28); decompressing was not measured there.
+# NVIDIA H100 80GB HBM3 (2026-11-28, benchmarks/results/nvidia-h100-80gb-hbm3.md,
+# "Decode kernel: K steps of 128 from 17 to 128 rows and where N > K"):
+# decompress + XLA took 1.5-6.1x as long as the kernel at every point the
+# sweep reached (K = 4096 and 8192, M = 1-256). K = 16384 was not reached;
+# there the kernel ran at 0.51-1.55x of dense XLA (M = 1-256, the same
+# section's tile tables), where decompress + XLA ran at 0.24-0.59x of dense
+# XLA at the shapes the sweep did reach. (4096, 4096) takes the kernel at
+# M = 1 only, as on the H200. The whole decode step was not measured with
+# this row. With the former one (the FFN products on the kernel up to
+# M = 64, at tiles then 0.80-0.85x of dense XLA there), the step ran at
+# 0.88x of dense at batch 64 ("Decode with a KV cache: narrow tiles ...").
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
@@ -123,10 +114,10 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
                     (32, 1, 32, 32),    # 4096
                     (16, 32, 32, 32),   # 8192
                     (16, 32, 32, 32)),  # 16384
-    "NVIDIA H100 80GB HBM3": ((0, 0, 0, 0),     # 2048
-                              (0, 1, 64, 64),   # 4096
-                              (0, 0, 0, 0),     # 8192
-                              (0, 64, 0, 0)),   # 16384
+    "NVIDIA H100 80GB HBM3": ((0, 0, 0, 0),           # 2048
+                              (0, 1, 256, 256),       # 4096
+                              (0, 256, 256, 256),     # 8192
+                              (0, 256, 256, 256)),    # 16384
 }
 
 
