@@ -38,6 +38,13 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # programs compared across processes are compiled alike.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# Each program's machine code generated in one piece, not split for threads
+# that the two cores, both busy with a test each, cannot run side by side:
+# tests/test_sharding.py and test_optim.py in one process took 194.7 and
+# 173.5 s of CPU time against 207.6 and 187.6 s (alternating runs,
+# 2026-11-28 on the 2-core CPU machine).
+if "xla_cpu_parallel_codegen_split_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
 # XLA's CPU fusion emitters off where this jaxlib has the switch (jax 0.10.2
 # does, 0.12 dropped it): their fusions take twice as long to compile as the
 # older emitters' (test_bench_model_runs_on_cpu[dense]: 26 s instead of 16.5
