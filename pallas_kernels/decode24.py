@@ -92,9 +92,8 @@ class DecodeConfig:
     M = 64, against 1.26-1.42x and 0.79x with the wide tiles below. The
     expanded `[block_n, block_k]` weight tile and x's `[block_m, block_k]`
     tile live in registers together, so more rows want shorter K steps:
-    with 64 rows, K steps of 256 ran at 0.79-0.85x
-    of dense XLA, K steps of 128 at 1.04-1.19x (two K slices per column
-    block where N <= K). Up to 16 rows, where K >= N and K >= 8192: column
+    with 64 rows, K steps of 256 ran at 0.79-0.85x of dense XLA, K steps
+    of 128 at 1.04-1.19x (two K slices per column block where N <= K). Up to 16 rows, where K >= N and K >= 8192: column
     blocks of 32 with all of K per program (`block_n=32, block_k=512,
     waves=1`; 80-87% of copy bandwidth); elsewhere up to 32 rows column
     blocks of 64, K steps of 256 and about two K slices per block (at 4096
