@@ -460,7 +460,23 @@ def make_steps(run: Run):
   return train_step, eval_loss
 
 
+# Orbax saves a replicated array "replica-parallel": each device holding a
+# copy writes one slice of it, which spreads a large array's writes over the
+# devices (and the processes). For a small array the slices cost more than
+# they spread: each is one more sliced device-to-host copy (a compiled slice
+# per shape and device the first time). Below this many bytes per slice one
+# replica writes the array whole.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
 def checkpoint_manager(directory: str) -> ocp.CheckpointManager:
+  """A manager of `state` (params and optimizer state) and `history`
+  checkpoints, keeping the last two; replicated arrays under
+  `MIN_REPLICA_SLICE_BYTES` a slice are written whole by one replica (set
+  for jax.Array in Orbax's global type-handler registry)."""
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(
+          min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES), override=True)
   return ocp.CheckpointManager(
       os.path.abspath(directory),
       options=ocp.CheckpointManagerOptions(max_to_keep=2),
