@@ -103,8 +103,13 @@ class Point:
     return _common.bench(f, self.x, self.ops) / self.r
 
 
+def rows_block(m: int) -> int:
+  """The `block_m` the tiles of M rows are swept with."""
+  return 16 if m <= 16 else 64 if m <= 64 else 128
+
+
 def candidates(m: int):
-  bm = 16 if m <= 16 else 64 if m <= 64 else 128
+  bm = rows_block(m)
   for bn, bk, warps, waves in itertools.product([32, 64, 128], [128, 256, 512], [4, 8], [1, 2]):
     yield decode24.DecodeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
                                 num_stages=4 if bk == 128 else 3, waves=waves)
@@ -141,7 +146,7 @@ def quick(bw: float) -> None:
     point = Point(m, k, n)
     t_dense = point.dense()
     default = decode24.DecodeConfig.default(m, k, n)
-    wide = decode24.DecodeConfig(block_m=16 if m <= 16 else 64 if m <= 64 else 128)
+    wide = decode24.DecodeConfig(block_m=rows_block(m))
     for v in (None,) if default == wide else (None, wide):
       t = point.sparse(v)
       rows.append([m, k, n, t_dense * 1e3, t * 1e3, t_dense / t,
