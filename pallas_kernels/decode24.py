@@ -132,9 +132,11 @@ def _splits(steps: int, target: int) -> int:
 def _plan(config: DecodeConfig, m: int, k: int, n: int,
           itemsize: int) -> tuple[DecodeConfig, int, int]:
   """The config fitted to the shape: `(config, splits, steps per split)`.
-  Fewer stages, then a smaller `block_k`, where the pipelined tiles would
-  not fit in shared memory (Hopper: 227 KiB a block; float32 tiles are
-  twice the size of the 16-bit ones the defaults are tuned for)."""
+  Fewer stages, then a smaller `block_k`, then a narrower `block_n`, where
+  the pipelined tiles would not fit in shared memory (Hopper: 227 KiB a
+  block; float32 tiles are twice the size of the 16-bit ones the defaults
+  are tuned for: 128 x 128 output tiles in float32 need 196 KiB at two
+  stages and K steps of 128)."""
   if config.block_k < 128:
     raise ValueError(f"decode_matmul: DecodeConfig.block_k must be at least 128, got"
                      f" {config.block_k}.")
@@ -147,6 +149,8 @@ def _plan(config: DecodeConfig, m: int, k: int, n: int,
     stages -= 1
   while _smem_bytes(bm, bn, bk, stages, itemsize) > _SMEM_BUDGET and bk > 128:
     bk //= 2
+  while _smem_bytes(bm, bn, bk, stages, itemsize) > _SMEM_BUDGET and bn > 16:
+    bn //= 2
   cfg = dataclasses.replace(config, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
   steps = pl.cdiv(k, bk)
   splits = config.splits

@@ -75,6 +75,21 @@ def test_expand_reference_is_decompress(k, n):
   assert np.array_equal(expand(sp.values, sp.meta, k), jax.jit(jsparse24.decompress)(sp))
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 8192, 8192), (1, 3000, 4100),
+                                   (17, 2056, 777), (48, 8200, 3000), (64, 4096, 16384),
+                                   (100, 1028, 3000), (200, 4096, 1000), (256, 16384, 4096)])
+def test_default_tiles_fit_in_shared_memory(m, k, n):
+  """Every family of `DecodeConfig.default`'s tiles, fitted to the shape,
+  keeps its pipelined tiles within the shared memory budget, in 16-bit and
+  in float32 (twice the bytes: 128 x 128 output tiles there take a narrower
+  `block_n`); no GPU needed."""
+  for itemsize in (2, 4):
+    cfg, splits, per = decode24._plan(decode24.DecodeConfig.default(m, k, n), m, k, n, itemsize)
+    smem = decode24._smem_bytes(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, itemsize)
+    assert smem <= decode24._SMEM_BUDGET, (itemsize, cfg, smem)
+    assert cfg.num_stages >= 2 and splits * per * cfg.block_k >= k
+
+
 def test_decode_matmul_rejects_bad_input():
   x, sp = _operand(0, 2, 16, 8, jnp.float32)
   with pytest.raises(ValueError, match="decode_matmul: x.shape"):
