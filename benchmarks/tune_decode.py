@@ -140,7 +140,8 @@ def sweep(point: Point, cands, t_dense: float, deadline: float, tag: str):
 def quick(bw: float) -> None:
   """The defaults at the four target shapes (M = 1, 16, 32, 64 and 128)
   against the wide tiles (`DecodeConfig(block_m=...)`: column blocks of 64,
-  K steps of 256, about two K slices per column block), where they differ."""
+  K steps of 256, about two K slices per column block; with 128 rows fitted
+  to shared memory as K steps of 128 at 2 stages), where they differ."""
   rows = []
   for (k, n), m in itertools.product(TARGETS, (1, 16, 32, 64, 128)):
     point = Point(m, k, n)

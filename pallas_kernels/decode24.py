@@ -93,15 +93,18 @@ class DecodeConfig:
     expanded `[block_n, block_k]` weight tile and x's `[block_m, block_k]`
     tile live in registers together, so more rows want shorter K steps:
     with 64 rows, K steps of 256 ran at 0.79-0.85x of dense XLA, K steps
-    of 128 at 1.04-1.19x (two K slices per column block where N <= K). Up to 16 rows, where K >= N and K >= 8192: column
-    blocks of 32 with all of K per program (`block_n=32, block_k=512,
-    waves=1`; 80-87% of copy bandwidth); elsewhere up to 32 rows column
-    blocks of 64, K steps of 256 and about two K slices per block (at 4096
-    x 4096, M = 1, one short program per SM ran at 0.89x of dense XLA
-    against 1.22x on an H200). Above 64 rows, where N <= K: 128 x 128
-    output tiles, K steps of 128, 8 warps (0.88-0.97x of dense XLA at
-    M = 128, against 0.55-0.85x with 128 x 64 tiles and K steps of 256,
-    which are kept where N > K: 0.81x against 0.75x)."""
+    of 128 at 1.04-1.19x (two K slices per column block where N <= K).
+    Up to 16 rows, where K >= N and K >= 8192: column blocks of 32 with
+    all of K per program (`block_n=32, block_k=512, waves=1`; 80-87% of
+    copy bandwidth); elsewhere up to 32 rows column blocks of 64, K steps
+    of 256 and about two K slices per block (at 4096 x 4096, M = 1, one
+    short program per SM ran at 0.89x of dense XLA against 1.22x on an
+    H200). Above 64 rows, where N <= K: 128 x 128 output tiles, K steps of
+    128, 3 stages, 8 warps (0.88-0.97x of dense XLA at M = 128, against
+    0.55-0.85x with 128 x 64 tiles at 2 stages, which are kept where N > K:
+    0.81x against 0.75x). 128-row tiles with K steps of 256 do not fit in
+    shared memory at 16 bits (164 KiB at 2 stages): `_plan` would fit them
+    to K steps of 128."""
     if n > k and m <= 64:
       return cls(block_m=16 if m <= 16 else 64, block_k=128, num_stages=4, waves=1)
     if m <= 16:
@@ -111,7 +114,7 @@ class DecodeConfig:
     if m <= 64:
       return cls(block_m=64, block_k=128, num_stages=4)
     if n > k:
-      return cls(block_m=128, block_n=64, block_k=256, num_warps=8, waves=1)
+      return cls(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=2, waves=1)
     return cls(block_m=128, block_n=128, block_k=128, num_warps=8, waves=1)
 
 
