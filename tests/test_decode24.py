@@ -75,9 +75,16 @@ def test_expand_reference_is_decompress(k, n):
   assert np.array_equal(expand(sp.values, sp.meta, k), jax.jit(jsparse24.decompress)(sp))
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 8192, 8192), (1, 3000, 4100),
-                                   (17, 2056, 777), (48, 8200, 3000), (64, 4096, 16384),
-                                   (100, 1028, 3000), (200, 4096, 1000), (256, 16384, 4096)])
+# Every family of `DecodeConfig.default`'s tiles, on odd shapes too: up to 16
+# rows narrow (K >= N, K >= 8192), wide, and K steps of 128 (N > K); 17-32
+# rows wide; 33-64 rows K steps of 128 (N <= K and N > K); above 64 rows
+# 128 x 128 tiles (N <= K) and 128 x 64 (N > K).
+TILE_FAMILIES = [(1, 4096, 4096), (16, 8192, 8192), (64, 4096, 16384), (3, 4100, 3000),
+                 (3, 8200, 3000), (1, 3000, 4100), (17, 2056, 777), (48, 8200, 3000),
+                 (100, 1028, 3000), (200, 4096, 1000), (256, 16384, 4096)]
+
+
+@pytest.mark.parametrize("m,k,n", TILE_FAMILIES)
 def test_default_tiles_fit_in_shared_memory(m, k, n):
   """Every family of `DecodeConfig.default`'s tiles, fitted to the shape,
   keeps its pipelined tiles within the shared memory budget, in 16-bit and
@@ -212,15 +219,8 @@ def test_unmeasured_gpu_stays_dense(monkeypatch):
                                            compressed=True) == "xla"
 
 
-# Every family of `DecodeConfig.default`'s tiles runs here, on odd shapes too:
-# up to 16 rows narrow (K >= N, K >= 8192), wide, and K steps of 128 (N > K);
-# 17-32 rows wide; 33-64 rows K steps of 128 (N <= K and N > K); above 64
-# rows 128 x 128 tiles (N <= K) and 128 x 64 (N > K).
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 8192, 8192), (64, 4096, 16384),
-                                   (3, 4100, 3000), (3, 8200, 3000), (1, 3000, 4100),
-                                   (17, 2056, 777), (48, 8200, 3000), (100, 1028, 3000),
-                                   (200, 4096, 1000), (256, 16384, 4096)])
+@pytest.mark.parametrize("m,k,n", TILE_FAMILIES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_decode_matmul_on_gpu(m, k, n, dtype):
   x, sp = _operand(m + k + n, m, k, n, dtype)
