@@ -49,8 +49,8 @@ def gpu_name() -> str:
   return jax.devices()[0].device_kind
 
 
-def gpu_slug() -> str:
-  return re.sub(r"[^a-z0-9]+", "-", gpu_name().lower()).strip("-")
+def gpu_slug(gpu: str | None = None) -> str:
+  return re.sub(r"[^a-z0-9]+", "-", (gpu or gpu_name()).lower()).strip("-")
 
 
 def bench(fn: Callable, *args, min_time: float = 0.05, repeats: int = 7) -> float:
@@ -123,11 +123,12 @@ def torch_bench(fn: Callable, repeats: int = 7) -> float:
   return statistics.median(times)
 
 
-def write_section(title: str, body: str) -> pathlib.Path:
-  """Replaces (or appends) the `## title` section of results/<gpu>.md."""
+def write_section(title: str, body: str, gpu: str | None = None) -> pathlib.Path:
+  """Replaces (or appends) the `## title` section of results/<gpu>.md (this
+  process's GPU unless `gpu` names another: results measured elsewhere)."""
   RESULTS.mkdir(parents=True, exist_ok=True)
-  path = RESULTS / f"{gpu_slug()}.md"
-  text = path.read_text() if path.exists() else f"# Benchmarks on {gpu_name()}\n"
+  path = RESULTS / f"{gpu_slug(gpu)}.md"
+  text = path.read_text() if path.exists() else f"# Benchmarks on {gpu or gpu_name()}\n"
   section = f"## {title}\n\n{body.rstrip()}\n"
   pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
   text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section

@@ -6,7 +6,14 @@ multiplies through otherwise (decompressed, then XLA's product), over M and
 with the decompressing product: a compressed weight has no dense copy).
 
     PYTHONPATH=. python benchmarks/sweep_decode.py [--ms 1,2,4,...,256]
-        [--sizes 2048,...,16384] [--no-write] [--json PATH]
+        [--sizes 2048,...,16384] [--ks K,...] [--ns N,...] [--no-write]
+        [--json PATH]
+    PYTHONPATH=. python benchmarks/sweep_decode.py --from-json A.json,B.json
+
+`--ks` / `--ns` sweep part of the grid (K or N from `--sizes` otherwise), so
+that parts run side by side on several GPUs with `--json`; `--from-json`
+joins such parts (measured on one kind of GPU) into one table and row
+without timing anything.
 
 For every M and (K, N) in sizes x sizes: dense XLA `x @ w` (bf16),
 `jsparse24.sparse_dot(x, sp, implementation="xla")` (decompress + XLA) and
@@ -27,12 +34,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import re
 
 import jax
 import jax.numpy as jnp
 
 import jsparse24
 from benchmarks import _common
+from jsparse24.backends import cusparselt as cusparselt_backend
 from jsparse24.backends import pallas as pallas_backend
 
 CODES = (0x4, 0x8, 0xC, 0x9, 0xD, 0xE)  # the six 2:4 group codes (i0 | i1 << 2)
@@ -53,10 +62,38 @@ def main(argv=None):
   p.add_argument("--sizes", default="2048,4096,8192,16384")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   p.add_argument("--json", default=None, help="also write the raw numbers here")
+  p.add_argument("--ks", default=None, help="K values to sweep (default: --sizes)")
+  p.add_argument("--ns", default=None, help="N values to sweep (default: --sizes)")
+  p.add_argument("--cusparselt", action="store_true",
+                 help="also time sparse_dot(..., implementation='cusparselt') (large M, prefill)"
+                      " and print the cuSPARSELt AUTO_MIN_M_COMPRESSED row")
+  p.add_argument("--from-json", default=None,
+                 help="comma-separated --json files of parts of one sweep: join them")
   args = p.parse_args(argv)
+  if args.from_json:
+    parts = []
+    for path in args.from_json.split(","):
+      with open(path) as f:
+        parts.append(json.load(f))
+    gpus = {part["gpu"] for part in parts}
+    if len(gpus) != 1:
+      raise SystemExit(f"sweep_decode.py --from-json: the parts ran on different GPUs"
+                       f" {sorted(gpus)}; join the parts of one sweep on one kind of GPU")
+    # The parts' own copy bandwidths differ by a timing's spread; the
+    # lowest keeps "% of copy bandwidth" from overstating.
+    bw = min(part["copy_bw"] for part in parts)
+    points = [point for part in parts for point in part["points"]]
+    environments = "; ".join(part["environment"] for part in parts)
+    report(environments, gpus.pop(), bw, points,
+           command=f"`sweep_decode.py --ks ... --json PART` in {len(parts)} parts, side by side"
+                   f" on GPUs of one host, joined by `--from-json`", no_write=args.no_write)
+    return
   ms = [int(v) for v in args.ms.split(",")]
   sizes = [int(v) for v in args.sizes.split(",")]
-  print(_common.environment(), flush=True)
+  ks = [int(v) for v in args.ks.split(",")] if args.ks else sizes
+  ns = [int(v) for v in args.ns.split(",")] if args.ns else sizes
+  environment = _common.environment()
+  print(environment, flush=True)
   bw = _common.copy_bandwidth()
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
   dense_f = jax.jit(lambda x, ws: [x @ w for w in ws])
@@ -66,11 +103,16 @@ def main(argv=None):
   # decompressed, then XLA's product (the automatic choice's alternative).
   decompress_f = jax.jit(lambda x, sps: [jsparse24.sparse_dot(x, sp, implementation="xla")
                                          for sp in sps])
-  rows, raw = [], []
-  speedups = {}
+  cusparselt_f = jax.jit(lambda x, sps: [
+      jsparse24.sparse_dot(x, sp, implementation="cusparselt") for sp in sps])
+  kinds = [("dense", dense_f, "ws"), ("sparse", sparse_f, "sps"),
+           ("decompress", decompress_f, "sps")]
+  if args.cusparselt:
+    kinds.append(("cusparselt", cusparselt_f, "sps"))
+  raw = []
   pool = concurrent.futures.ThreadPoolExecutor(16)
-  for k in sizes:
-    for n in sizes:
+  for k in ks:
+    for n in ns:
       sparse_bytes = _common.compressed_bytes(k, n)
       r = _common.rotation(sparse_bytes)
       key = jax.random.key(k * 7 + n)
@@ -79,10 +121,10 @@ def main(argv=None):
       xs = {m: jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.bfloat16)
             for m in ms}
       # Compiled side by side: compilation, not the GPU, bounds the sweep.
-      futures = {(m, kind): pool.submit(lambda f, a: f.lower(*a).compile(), f, (xs[m], ops))
-                 for m in ms for kind, f, ops in (("dense", dense_f, ws),
-                                                 ("sparse", sparse_f, sps),
-                                                 ("decompress", decompress_f, sps))}
+      operands = {"ws": ws, "sps": sps}
+      futures = {(m, kind): pool.submit(lambda f, a: f.lower(*a).compile(), f,
+                                        (xs[m], operands[ops]))
+                 for m in ms for kind, f, ops in kinds}
       # All compiled before any is timed: a compilation running beside a
       # timing slows its dispatch.
       compiled = {key: future.result() for key, future in futures.items()}
@@ -99,31 +141,50 @@ def main(argv=None):
         t_decompress = _common.bench(compiled[m, "decompress"], xs[m], sps, min_time=0.02,
                                      repeats=5) / r
         io = sparse_bytes + 2 * (m * k + m * n)
-        speedups[m, k, n] = t_decompress / t_sparse
-        rows.append([m, k, n, t_dense * 1e3, t_decompress * 1e3, t_sparse * 1e3,
-                     t_dense / t_sparse, t_decompress / t_sparse,
-                     io / t_sparse / 1e9, 100 * io / t_sparse / bw])
         raw.append(dict(m=m, k=k, n=n, dense_ms=t_dense * 1e3, decompress_ms=t_decompress * 1e3,
                         decode_ms=t_sparse * 1e3, rotate=r, rel_err=err))
+        if args.cusparselt:
+          got = compiled[m, "cusparselt"](xs[m], sps)[0].astype(jnp.float32)
+          err_c = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+          if not err_c < 1e-2:
+            raise SystemExit(f"M={m} K={k} N={n}: cusparselt relative error {err_c:.3g}")
+          raw[-1]["cusparselt_ms"] = 1e3 * _common.bench(
+              compiled[m, "cusparselt"], xs[m], sps, min_time=0.02, repeats=5) / r
+          print(f"M={m:4d} K={k:5d} N={n:5d}: cusparselt {raw[-1]['cusparselt_ms']:.4f} ms"
+                f" ({t_dense * 1e3 / raw[-1]['cusparselt_ms']:.2f}x of dense)", flush=True)
         print(f"M={m:4d} K={k:5d} N={n:5d}: dense {t_dense * 1e3:.4f} ms, decompress + XLA"
               f" {t_decompress * 1e3:.4f} ms, decode"
               f" {t_sparse * 1e3:.4f} ms ({t_dense / t_sparse:.2f}x), {io / t_sparse / 1e9:.0f}"
               f" GB/s = {100 * io / t_sparse / bw:.0f}% of copy; rel err {err:.2g}", flush=True)
       del sps, ws
-  table = []
-  for k in sizes:
-    row = []
-    for n in sizes:
-      best = 0
-      for m in sorted(ms):
-        if speedups[m, k, n] < pallas_backend.DECODE_MARGIN:
-          break
-        best = m
-      row.append(best)
-    table.append(tuple(row))
-  literal = f"    {_common.gpu_name()!r}: {tuple(table)!r},"
-  body = (f"{_common.environment()}; measured copy bandwidth {bw / 1e12:.3f} TB/s.\n"
-          f"Command: `PYTHONPATH=. python benchmarks/sweep_decode.py`. bf16, `sparse_dot(x, sp,"
+      if args.json:  # after every (K, N): a run stopped by a time limit keeps its points
+        with open(args.json, "w") as f:
+          json.dump(dict(environment=environment, gpu=_common.gpu_name(), copy_bw=bw,
+                         points=raw), f, indent=1)
+  report(environment, _common.gpu_name(), bw, raw,
+         command="`PYTHONPATH=. python benchmarks/sweep_decode.py`", no_write=args.no_write)
+
+
+def report(environment: str, gpu: str, bw: float, points: list[dict], *, command: str,
+           no_write: bool) -> None:
+  """Prints (and unless `no_write`, writes to results/) the sweep's table and
+  the `DECODE_AUTO_MAX_M` row literal it implies: for each (K, N), the
+  largest M up to which the kernel measured at least DECODE_MARGIN times as
+  fast as decompress + XLA at every swept M. A row needs the whole grid."""
+  ks = sorted({p["k"] for p in points})
+  ns = sorted({p["n"] for p in points})
+  ms = sorted({p["m"] for p in points})
+  by_point = {(p["m"], p["k"], p["n"]): p for p in points}
+  rows = []
+  for p in sorted(points, key=lambda p: (p["k"], p["n"], p["m"])):
+    m, k, n = p["m"], p["k"], p["n"]
+    io = _common.compressed_bytes(k, n) + 2 * (m * k + m * n)
+    t_sparse = p["decode_ms"] / 1e3
+    rows.append([m, k, n, p["dense_ms"], p["decompress_ms"], p["decode_ms"],
+                 p["dense_ms"] / p["decode_ms"], p["decompress_ms"] / p["decode_ms"],
+                 io / t_sparse / 1e9, 100 * io / t_sparse / bw])
+  body = (f"{environment}; measured copy bandwidth {bw / 1e12:.3f} TB/s.\n"
+          f"Command: {command}. bf16, `sparse_dot(x, sp,"
           f" implementation=\"pallas\")` on a `Sparse24` (the decode kernel,"
           f" `pallas_kernels/decode24.py`, default tiles, up to DECODE_MAX_M ="
           f" {pallas_backend.DECODE_MAX_M} rows) against XLA's `x @ w` and against"
@@ -132,17 +193,87 @@ def main(argv=None):
           f" count compressed values + metadata + x + y.\n\n"
           + _common.table(["M", "K", "N", "dense XLA ms", "decompress + XLA ms", "decode ms",
                            "decode over dense", "decode over decompress", "GB/s",
-                           "% copy bw"], rows)
-          + f"\n\nDECODE_AUTO_MAX_M row (largest M up to which the decode kernel measured >="
-          f" {pallas_backend.DECODE_MARGIN}x of decompress + XLA at every swept M; rows K,"
-          f" columns N = {sizes}):\n\n"
-          f"```\n{literal}\n```\n")
+                           "% copy bw"], rows))
+  missing = [(m, k, n) for m in ms for k in ks for n in ns if (m, k, n) not in by_point]
+  if missing:
+    body += (f"\n\nNo DECODE_AUTO_MAX_M row: {len(missing)} points of the grid were not"
+             f" swept (first: M, K, N = {missing[0]}).\n")
+  else:
+    table = []
+    for k in ks:
+      row = []
+      for n in ns:
+        best = 0
+        for m in ms:
+          p = by_point[m, k, n]
+          if p["decompress_ms"] / p["decode_ms"] < pallas_backend.DECODE_MARGIN:
+            break
+          best = m
+        row.append(best)
+      table.append(tuple(row))
+    literal = f"    {gpu!r}: {tuple(table)!r},"
+    body += (f"\n\nDECODE_AUTO_MAX_M row (largest M up to which the decode kernel measured >="
+             f" {pallas_backend.DECODE_MARGIN}x of decompress + XLA at every swept M; rows K ="
+             f" {ks}, columns N = {ns}):\n\n"
+             f"```\n{literal}\n```\n")
+  body += cusparselt_report(points, ks, ns, ms)
   print("\n" + body)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(environment=_common.environment(), copy_bw=bw, points=raw), f, indent=1)
-  if not args.no_write:
-    print(f"\nwritten to {_common.write_section('decode kernel sweep bf16', body)}")
+  if not no_write:
+    # Dated: a later sweep adds its own section, and the tables that the
+    # library's comments cite stay.
+    started = re.search(r"run (\d{4}-\d\d-\d\d \d\d:\d\d UTC)", environment)
+    what = ("cuSPARSELt on compressed weights" if any("cusparselt_ms" in p for p in points)
+            else "decode kernel sweep bf16")
+    title = f"{what} ({started.group(1) if started else 'undated'})"
+    print(f"\nwritten to {_common.write_section(title, body, gpu)}")
+
+
+def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list[int]) -> str:
+  """The cuSPARSELt table of a `--cusparselt` sweep, and the
+  `AUTO_MIN_M_COMPRESSED` row it implies: for each (K, N), the smallest M
+  from which cuSPARSELt measured at least `AUTO_MARGIN` times as fast as
+  the faster of decompress + XLA and, up to DECODE_MAX_M rows, the decode
+  kernel (what a compressed weight multiplies through otherwise), at that M
+  and every larger M swept (None: at none)."""
+  if not any("cusparselt_ms" in p for p in points):
+    return ""
+  by_point = {(p["m"], p["k"], p["n"]): p for p in points}
+
+  def rival_ms(p):
+    if p["m"] <= pallas_backend.DECODE_MAX_M:
+      return min(p["decompress_ms"], p["decode_ms"])
+    return p["decompress_ms"]
+
+  rows = [[p["m"], p["k"], p["n"], p["dense_ms"], rival_ms(p), p["cusparselt_ms"],
+           p["dense_ms"] / p["cusparselt_ms"], rival_ms(p) / p["cusparselt_ms"]]
+          for p in sorted(points, key=lambda p: (p["k"], p["n"], p["m"])) if "cusparselt_ms" in p]
+  body = ("\n\ncuSPARSELt on the compressed weight (`implementation=\"cusparselt\"`: the"
+          " `Sparse24` re-laid out for cuSPARSELt in every call, then its product) against"
+          " dense XLA and against the faster of decompress + XLA and the decode kernel (up to"
+          f" {pallas_backend.DECODE_MAX_M} rows):\n\n"
+          + _common.table(["M", "K", "N", "dense XLA ms", "other compressed ms",
+                           "cuSPARSELt ms", "cuSPARSELt over dense",
+                           "cuSPARSELt over other"], rows))
+  swept = [(k, n) for k in ks for n in ns
+           if all("cusparselt_ms" in by_point.get((m, k, n), {}) for m in ms)]
+  if len(swept) != len(ks) * len(ns):
+    return body + "\n\nNo AUTO_MIN_M_COMPRESSED row: cuSPARSELt was not timed on the whole grid.\n"
+  margin = cusparselt_backend.AUTO_MARGIN
+  table = []
+  for k in ks:
+    row = []
+    for n in ns:
+      first = None
+      for m in sorted(ms, reverse=True):
+        p = by_point[m, k, n]
+        if rival_ms(p) / p["cusparselt_ms"] < margin:
+          break
+        first = m
+      row.append(first)
+    table.append(tuple(row))
+  return (body + f"\n\nAUTO_MIN_M_COMPRESSED row (smallest M from which cuSPARSELt measured >="
+          f" {margin}x of the other compressed product at that and every larger swept M; rows"
+          f" K = {ks}, columns N = {ns}):\n\n```\n    {tuple(table)!r}\n```\n")
 
 
 if __name__ == "__main__":
