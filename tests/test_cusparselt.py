@@ -558,6 +558,17 @@ def test_check_supported_names_the_limits():
     backend.check_supported(_problem(n=4100))
 
 
+def test_a_compressed_weights_prefill_takes_cusparselt(monkeypatch):
+  """`compress_params` output at many rows (a prefill): cuSPARSELt from the
+  compressed table's M on, where the same dense weight stays on XLA."""
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  pick = lambda m, compressed: jsparse24.selected_implementation(  # noqa: E731
+      (m, 4096), (4096, 8192), jnp.bfloat16, compressed=compressed)
+  min_m = cusparselt.AUTO_MIN_M_COMPRESSED[2][3]
+  assert pick(min_m, True) == "cusparselt" and pick(min_m - 1, True) != "cusparselt"
+  assert pick(1 << 14, False) == "xla"
+
+
 def test_prefers_follows_the_measured_table():
   backend = cusparselt.CusparseltBackend()
   table = cusparselt.AUTO_MIN_M
@@ -581,6 +592,21 @@ def test_prefers_follows_the_measured_table():
                  for k, n in ((1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)))
   # bfloat16 only (float16 only when named: its algorithm search is unsafe).
   assert not backend.prefers(_problem(m=1 << 20, dtype=jnp.float16))
+  # A compressed weight's own table (forward only; set apart from the
+  # training step's): cells where it differs from both training tables.
+  assert any(table[False][i][j] != cusparselt.AUTO_MIN_M_COMPRESSED[i][j]
+             and table[True][i][j] != cusparselt.AUTO_MIN_M_COMPRESSED[i][j]
+             for i in range(len(cusparselt.AUTO_GRID)) for j in range(len(cusparselt.AUTO_GRID)))
+  for i, k in enumerate(cusparselt.AUTO_GRID):
+    for j, n in enumerate(cusparselt.AUTO_GRID):
+      min_m = cusparselt.AUTO_MIN_M_COMPRESSED[i][j]
+      for transposable in (True, False):
+        p = functools.partial(backends.Problem, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16),
+                              transposable=transposable, platform="gpu", compressed=True)
+        if min_m is None:
+          assert not backend.prefers(p(m=1 << 20)), (k, n)
+        else:
+          assert backend.prefers(p(m=min_m)) and not backend.prefers(p(m=min_m - 1)), (k, n)
   # The measured fact the table encodes: with dx dense (plain) a cell needs at
   # least the M a transposable mask needs, and most cells never pay.
   inf = float("inf")

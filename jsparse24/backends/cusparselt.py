@@ -89,6 +89,8 @@ PAD_M = 16
 # wrong id kills the process, which an automatic choice must not risk; name
 # it explicitly.
 AUTO_GRID = (1024, 2048, 4096, 8192, 16384)
+# How much faster a sparse product must measure than the alternative (above).
+AUTO_MARGIN = 1.05
 AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
     True: (  # transposable masks: y and dx on the sparse tensor cores
         (None, None, None, None, None),
@@ -105,6 +107,29 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
         (None, None, None, None, None),
     ),
 }
+
+# A compressed weight (a `Sparse24`: `compress`, `compress_params`) has no
+# dense copy: without cuSPARSELt it multiplies through the decode kernel (up
+# to the `"pallas"` backend's DECODE_AUTO_MAX_M rows) or is decompressed for
+# XLA's product. implementation=None takes cuSPARSELt for it (the Sparse24
+# re-laid out for cuSPARSELt in every call, `from_sparse24`, then its
+# product: a prefill's products) from the M of this table on, rows K and
+# columns N of AUTO_GRID as above: the smallest M from which it measured at
+# least AUTO_MARGIN times as fast as the faster of those two at that M and
+# every larger M of the sweep (M = 256 ... 8192). Measured on an NVIDIA H200
+# (2026-11-28, benchmarks/results/nvidia-h200.md, "cuSPARSELt on compressed
+# weights (2026-11-28 08:26 UTC)", `sweep_decode.py --cusparselt`), taken
+# for every GPU as AUTO_MIN_M is. From M = 512 on cuSPARSELt took 1.4-1.7x
+# less time than decompress + XLA at most points, and at M = 2048 ran at
+# 1.03-1.28x of dense XLA where K and N >= 4096. K or N = 1024: not swept,
+# None.
+AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
+    (None, None, None, None, None),   # K 1024
+    (None, 2048, 512, 512, 512),      # K 2048
+    (None, 4096, 512, 512, 256),      # K 4096
+    (None, 512, 512, 512, 256),       # K 8192
+    (None, 512, 512, 256, 512),       # K 16384
+)
 
 
 def _grid_index(size: int) -> int | None:
@@ -617,7 +642,10 @@ class CusparseltBackend(Backend):
     i, j = _grid_index(problem.k), _grid_index(problem.n)
     if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
       return False
-    min_m = AUTO_MIN_M[problem.transposable][i][j]
+    if problem.compressed:
+      min_m = AUTO_MIN_M_COMPRESSED[i][j]
+    else:
+      min_m = AUTO_MIN_M[problem.transposable][i][j]
     return min_m is not None and problem.m >= min_m
 
   def prepare(self, w, mask, transposable):

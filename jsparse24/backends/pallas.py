@@ -78,44 +78,46 @@ DECODE_MAX_M = 256
 # every M measured (0: at none; the margin covers the spread of one timing).
 # A shape between grid points takes the grid point below it, K or N below the
 # grid never; a GPU or grid point not measured never (decompress + XLA).
-# NVIDIA H200 (2026-11-27, benchmarks/results/nvidia-h200.md, "decode
-# kernel sweep against decompress + XLA, M = 1-32"): 3.5x of decompress + XLA
-# (median; 0.98-4.8x), and 0.86x of dense XLA on the decompressed weight
-# (median over M = 1-16): a product on a compressed weight is slower than on
-# the dense weight, and much faster than decompressing it. M = 64-256 not
-# measured against decompress + XLA: never. One cell is not the sweep's:
-# (4096, 4096) takes the kernel at M = 1 only, because the whole model
-# measured slower with it at M = 4 and 16, though the product alone measured
-# faster (bench_decode, d_model 4096 x 8, the `out` projection after
-# attention: decode step 4.04 and 9.85 ms at batch 4 and 16 against 2.97 and
-# 4.15 ms with that product decompressed; nvidia-h200.md, "decode with a KV
-# cache", 2026-11-27). The cause: a kernel's input must be row-major, and
-# where the attention's output is that input, XLA transposes a loop-carried
-# KV cache around the loop in every step
-# (nvidia-h200.md, "Decode: the KV cache re-laid out around the blocks'
-# loop", 2026-11-28). A model that pins its cache's layout gains with the
-# cell open, one that does not loses; this choice cannot tell them apart.
+# NVIDIA H200 (2026-11-28, benchmarks/results/nvidia-h200.md, "decode
+# kernel sweep bf16 (2026-11-28 08:20 UTC)", M = 1-256, K and N 2048-16384):
+# the kernel took the median 4.75x less time than decompress + XLA at M <= 32
+# and 2.41x at M = 64-256; below DECODE_MARGIN only where K = 2048 and
+# N <= 4096, and at (4096, 2048) at M = 1. Against dense XLA on the
+# decompressed weight: median 1.27x at M <= 32 where K and N >= 4096, and
+# 0.31-0.96x at M = 64-256: there a compressed weight multiplies more slowly
+# than a dense one would, and still much faster than decompressing it.
 # NVIDIA H100 80GB HBM3 (2026-11-28, benchmarks/results/nvidia-h100-80gb-hbm3.md,
 # "Decode kernel: K steps of 128 from 17 to 128 rows and where N > K"):
 # decompress + XLA took 1.5-6.1x as long as the kernel at every point the
 # sweep reached (K = 4096 and 8192, M = 1-256). K = 16384 was not reached;
 # there the kernel ran at 0.51-1.55x of dense XLA (M = 1-256, the same
 # section's tile tables), where decompress + XLA ran at 0.24-0.59x of dense
-# XLA at the shapes the sweep did reach. (4096, 4096) takes the kernel at
-# M = 1 only, as on the H200. The whole decode step was not measured with
-# this row. With the former one (the FFN products on the kernel up to
-# M = 64, at tiles then 0.80-0.85x of dense XLA there), the step ran at
-# 0.88x of dense at batch 64 ("Decode with a KV cache: narrow tiles ...").
+# XLA at the shapes the sweep did reach.
+# Both rows are the sweeps' own. A model whose KV cache is carried through a
+# loop over its blocks (`nn.scan` with the cache in the carry) and whose
+# attention output feeds a product on this kernel should pin the layout of
+# the cache slices it reads (`jax.experimental.layout.with_layout_constraint`
+# to row-major, as benchmarks/bench_decode.py's `pinned`): a kernel's
+# operand must be row-major, and without the pin XLA transposes the whole
+# cache around that loop in every step (H200, d_model 4096, `out` on the
+# kernel, batch 16: 8.93 ms per step against 3.46 ms pinned and 4.27 ms
+# dense; nvidia-h200.md, "Decode: the KV cache re-laid out around the
+# blocks' loop"). Blocks with params of their own, in a Python loop, need no
+# pin: unpinned, with `out` (4096 x 4096) on the kernel the step ran at
+# 1.10x, 1.05x and 0.95x of dense at batch 4, 16 and 64, against
+# 0.89-0.94x, 0.88-0.96x and 0.90-0.91x (two runs) with that product
+# decompressed (nvidia-h200.md, "Decode with a KV cache on the H200's swept
+# row", 2026-11-28).
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
-    "NVIDIA H200": ((8, 32, 32, 32),    # 2048
-                    (32, 1, 32, 32),    # 4096
-                    (16, 32, 32, 32),   # 8192
-                    (16, 32, 32, 32)),  # 16384
+    "NVIDIA H200": ((0, 0, 256, 256),        # 2048
+                    (0, 256, 256, 256),      # 4096
+                    (256, 256, 256, 256),    # 8192
+                    (256, 256, 256, 256)),   # 16384
     "NVIDIA H100 80GB HBM3": ((0, 0, 0, 0),           # 2048
-                              (0, 1, 256, 256),       # 4096
+                              (0, 256, 256, 256),     # 4096
                               (0, 256, 256, 256),     # 8192
                               (0, 256, 256, 256)),    # 16384
 }
