@@ -168,9 +168,8 @@ def main(argv=None):
 def report(environment: str, gpu: str, bw: float, points: list[dict], *, command: str,
            no_write: bool) -> None:
   """Prints (and unless `no_write`, writes to results/) the sweep's table and
-  the `DECODE_AUTO_MAX_M` row literal it implies: for each (K, N), the
-  largest M up to which the kernel measured at least DECODE_MARGIN times as
-  fast as decompress + XLA at every swept M. A row needs the whole grid."""
+  the `DECODE_AUTO_MAX_M` row literal it implies (a cell per (K, N):
+  `decode_rows`). A row needs the whole grid."""
   ks = sorted({p["k"] for p in points})
   ns = sorted({p["n"] for p in points})
   ms = sorted({p["m"] for p in points})
@@ -199,22 +198,12 @@ def report(environment: str, gpu: str, bw: float, points: list[dict], *, command
     body += (f"\n\nNo DECODE_AUTO_MAX_M row: {len(missing)} points of the grid were not"
              f" swept (first: M, K, N = {missing[0]}).\n")
   else:
-    table = []
-    for k in ks:
-      row = []
-      for n in ns:
-        best = 0
-        for m in ms:
-          p = by_point[m, k, n]
-          if p["decompress_ms"] / p["decode_ms"] < pallas_backend.DECODE_MARGIN:
-            break
-          best = m
-        row.append(best)
-      table.append(tuple(row))
-    literal = f"    {gpu!r}: {tuple(table)!r},"
-    body += (f"\n\nDECODE_AUTO_MAX_M row (largest M up to which the decode kernel measured >="
-             f" {pallas_backend.DECODE_MARGIN}x of decompress + XLA at every swept M; rows K ="
-             f" {ks}, columns N = {ns}):\n\n"
+    table = tuple(tuple(decode_rows([by_point[m, k, n] for m in ms]) for n in ns) for k in ks)
+    literal = f"    {gpu!r}: {table!r},"
+    body += (f"\n\nDECODE_AUTO_MAX_M row (the rows of x for which the decode kernel measured"
+             f" >= {pallas_backend.DECODE_MARGIN}x of decompress + XLA at every swept M between"
+             f" them: M for 1 to M, (lo, hi) for lo to hi, 0 for never; rows K = {ks}, columns"
+             f" N = {ns}):\n\n"
              f"```\n{literal}\n```\n")
   body += cusparselt_report(points, ks, ns, ms)
   print("\n" + body)
@@ -226,6 +215,27 @@ def report(environment: str, gpu: str, bw: float, points: list[dict], *, command
             else "decode kernel sweep bf16")
     title = f"{what} ({started.group(1) if started else 'undated'})"
     print(f"\nwritten to {_common.write_section(title, body, gpu)}")
+
+
+def decode_rows(points: list[dict]) -> int | tuple[int, int]:
+  """A `DECODE_AUTO_MAX_M` cell from one (K, N)'s points (M ascending): the
+  longest run of swept Ms at which the kernel measured at least
+  DECODE_MARGIN times as fast as decompress + XLA (the lowest of equally
+  long runs), as M when it starts at M = 1, as (lo, hi) when it starts
+  higher, 0 when there is none."""
+  runs, start = [], None
+  for i, p in enumerate(points + [None]):
+    fast = p is not None and p["decompress_ms"] / p["decode_ms"] >= pallas_backend.DECODE_MARGIN
+    if fast and start is None:
+      start = i
+    elif not fast and start is not None:
+      runs.append((start, i - 1))
+      start = None
+  if not runs:
+    return 0
+  first, last = max(runs, key=lambda r: (r[1] - r[0], -r[0]))
+  lo, hi = points[first]["m"], points[last]["m"]
+  return hi if lo == 1 else (lo, hi)
 
 
 def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list[int]) -> str:

@@ -197,6 +197,22 @@ def test_automatic_choice_takes_the_decode_kernel_where_the_sweep_says(decode_gp
   assert pick(4, 4096, 4096, compressed=False) == "xla"  # a dense weight: compressed per call
 
 
+def test_a_cell_slower_at_few_rows_takes_the_kernel_from_its_first_row(monkeypatch, decode_gpu):
+  """A `(lo, hi)` cell: the kernel from lo to hi rows, decompress + XLA below
+  lo (where the sweep measured it faster) and above hi."""
+  del decode_gpu
+  grid = len(pallas_backend.DECODE_GRID)
+  table = [[16] * grid for _ in range(grid)]
+  table[0][1] = (2, 64)  # K 2048, N 4096
+  monkeypatch.setitem(pallas_backend.DECODE_AUTO_MAX_M, "Test GPU", tuple(map(tuple, table)))
+  pick = lambda m, k=2048, n=6144: jsparse24.selected_implementation(  # noqa: E731
+      (m, k), (k, n), jnp.bfloat16, compressed=True)
+  assert [pick(m) for m in (1, 2, 3, 64, 65)] == ["xla", "pallas", "pallas", "pallas", "xla"]
+  assert pallas_backend.decode_auto_rows(2048, 6144) == (2, 64)
+  assert pallas_backend.decode_auto_rows(4096, 4096) == (1, 16)
+  assert pallas_backend.decode_auto_rows(1024, 4096) == (1, 0)  # below the grid: never
+
+
 def test_compressed_layer_reaches_the_decode_kernel(decode_gpu):
   """`SparseDense` applied to `compress_params` output: its small-M product
   is the decode kernel's pallas_call; large M stays dense."""

@@ -12,17 +12,17 @@ MS = (1, 16, 64, 256)
 SIZES = (2048, 4096)
 
 
-def _part(path, ks, *, gpu="NVIDIA H200", slow_from=None, cusparselt=False):
+def _part(path, ks, *, gpu="NVIDIA H200", slow=None, cusparselt=False):
   """A part over K in `ks`: the kernel twice as fast as decompress + XLA,
-  except from M = `slow_from[k, n]` on (as slow). cuSPARSELt beats both
-  from M = 64."""
+  except at the Ms of `slow[k, n]` (as slow). cuSPARSELt beats both from
+  M = 64."""
   points = []
   for k in ks:
     for n in SIZES:
       for m in MS:
-        slow = slow_from is not None and m >= slow_from.get((k, n), 1 << 30)
+        is_slow = slow is not None and m in slow.get((k, n), ())
         p = dict(m=m, k=k, n=n, dense_ms=1.0, decompress_ms=2.0,
-                 decode_ms=2.0 if slow else 1.0, rotate=2, rel_err=1e-3)
+                 decode_ms=2.0 if is_slow else 1.0, rotate=2, rel_err=1e-3)
         if cusparselt:
           p["cusparselt_ms"] = 0.5 if m >= 64 else 4.0
         points.append(p)
@@ -32,16 +32,30 @@ def _part(path, ks, *, gpu="NVIDIA H200", slow_from=None, cusparselt=False):
 
 
 def test_parts_join_into_the_rows_of_the_whole_grid(tmp_path, capsys):
-  a = _part(tmp_path / "a.json", [2048], slow_from={(2048, 4096): 64}, cusparselt=True)
-  b = _part(tmp_path / "b.json", [4096], slow_from={(4096, 2048): 1}, cusparselt=True)
+  a = _part(tmp_path / "a.json", [2048], slow={(2048, 4096): (64, 256)}, cusparselt=True)
+  b = _part(tmp_path / "b.json", [4096], slow={(4096, 2048): MS, (4096, 4096): (1, 64)},
+            cusparselt=True)
   sweep_decode.main(["--from-json", f"{a},{b}", "--no-write"])
   out = capsys.readouterr().out
-  # K 2048: every M up to 256, and up to 16 where M = 64 measured slow;
-  # K 4096: never where M = 1 measured slow.
-  assert "'NVIDIA H200': ((256, 16), (0, 256))," in out
+  # (2048, 2048): every M up to 256; (2048, 4096): up to 16 (slow from 64);
+  # (4096, 2048): never (slow at every M); (4096, 4096): fast at 16 and 256
+  # only, the lower of two equal runs.
+  assert "'NVIDIA H200': ((256, 16), (0, (16, 16)))," in out
   # cuSPARSELt: from M = 64 on, against the faster of the other two.
   assert "((64, 64), (64, 64))" in out
   assert "in 2 parts" in out
+
+
+def test_a_cell_slow_at_few_rows_starts_where_it_is_fast():
+  points = [dict(m=m, decompress_ms=2.0, decode_ms=1.0) for m in (1, 2, 4, 8, 16, 32)]
+  assert sweep_decode.decode_rows(points) == 32
+  points[0]["decode_ms"] = 4.0  # slower than decompressing at M = 1 only
+  assert sweep_decode.decode_rows(points) == (2, 32)
+  points[4]["decode_ms"] = 4.0  # and at M = 16: the longer run, 2-8
+  assert sweep_decode.decode_rows(points) == (2, 8)
+  points[1]["decode_ms"] = 2.0 / 1.02  # below the margin at M = 2
+  assert sweep_decode.decode_rows(points) == (4, 8)  # 4-8 and 32: the longer
+  assert sweep_decode.decode_rows([dict(m=1, decompress_ms=1.0, decode_ms=1.0)]) == 0
 
 
 def test_a_part_missing_gives_no_row(tmp_path, capsys):

@@ -73,16 +73,21 @@ DECODE_MAX_M = 256
 # where the decode kernel measured faster than what the weight multiplies
 # through otherwise: decompressed, then XLA's product (a compressed weight
 # has no dense copy to fall back on). Per GPU (`jax.Device.device_kind`),
-# rows K and columns N of DECODE_GRID, the largest M of the sweep (1, 2, 4,
-# ..., 256) up to which it measured at least DECODE_MARGIN times as fast at
-# every M measured (0: at none; the margin covers the spread of one timing).
-# A shape between grid points takes the grid point below it, K or N below the
-# grid never; a GPU or grid point not measured never (decompress + XLA).
+# rows K and columns N of DECODE_GRID, the rows of x for which it measured at
+# least DECODE_MARGIN times as fast at every M of the sweep (1, 2, 4, ...,
+# 256) between them (the margin covers the spread of one timing): an int M
+# for 1 to M rows (0: never), a pair (lo, hi) for lo to hi rows, where it
+# measured slower below lo (the longest such run of the sweep's Ms). A shape
+# between grid points takes the grid point below it, K or N below the grid
+# never; a GPU or grid point not measured never (decompress + XLA).
 # NVIDIA H200 (2026-11-28, benchmarks/results/nvidia-h200.md, "decode
 # kernel sweep bf16 (2026-11-28 08:20 UTC)", M = 1-256, K and N 2048-16384):
 # the kernel took the median 4.75x less time than decompress + XLA at M <= 32
-# and 2.41x at M = 64-256; below DECODE_MARGIN only where K = 2048 and
-# N <= 4096, and at (4096, 2048) at M = 1. Against dense XLA on the
+# and 2.41x at M = 64-256; below DECODE_MARGIN at M = 1 where K = 2048 and
+# N <= 4096 and at (4096, 2048) (0.75-1.01x: XLA's product of one row with
+# the small decompressed weight), and at (2048, 2048) between 0.92x and
+# 1.48x from M to M. The pairs of this row (a d_model 2048 model's `qkv` and
+# `out`) were not measured in a whole model. Against dense XLA on the
 # decompressed weight: median 1.27x at M <= 32 where K and N >= 4096, and
 # 0.31-0.96x at M = 64-256: there a compressed weight multiplies more slowly
 # than a dense one would, and still much faster than decompressing it.
@@ -110,10 +115,10 @@ DECODE_MAX_M = 256
 # row", 2026-11-28).
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
-DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int, ...], ...]] = {
+DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int], ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
-    "NVIDIA H200": ((0, 0, 256, 256),        # 2048
-                    (0, 256, 256, 256),      # 4096
+    "NVIDIA H200": (((16, 32), (2, 256), 256, 256),   # 2048
+                    ((2, 256), 256, 256, 256),        # 4096
                     (256, 256, 256, 256),    # 8192
                     (256, 256, 256, 256)),   # 16384
     "NVIDIA H100 80GB HBM3": ((0, 0, 0, 0),           # 2048
@@ -128,14 +133,16 @@ def _gpu_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def decode_auto_max_m(k: int, n: int) -> int:
-  """The most rows of x for which `implementation=None` multiplies a
-  compressed `[K, N]` weight with the decode kernel on this GPU (0: never)."""
+def decode_auto_rows(k: int, n: int) -> tuple[int, int]:
+  """The fewest and the most rows of x for which `implementation=None`
+  multiplies a compressed `[K, N]` weight with the decode kernel on this GPU
+  (`(1, 0)`: never)."""
   table = DECODE_AUTO_MAX_M.get(_gpu_kind())
   below = [[i for i, g in enumerate(DECODE_GRID) if g <= size] for size in (k, n)]
   if table is None or not below[0] or not below[1]:
-    return 0
-  return table[below[0][-1]][below[1][-1]]
+    return 1, 0
+  cell = table[below[0][-1]][below[1][-1]]
+  return (1, cell) if isinstance(cell, int) else cell
 
 
 @functools.cache
@@ -373,7 +380,8 @@ class PallasBackend(Backend):
       return False
     if problem.compressed:
       # Only bfloat16 was swept (DECODE_AUTO_MAX_M); elsewhere dense XLA.
-      return problem.dtype == jnp.bfloat16 and problem.m <= decode_auto_max_m(problem.k, problem.n)
+      lo, hi = decode_auto_rows(problem.k, problem.n)
+      return problem.dtype == jnp.bfloat16 and lo <= problem.m <= hi
     return problem.m <= AUTO_MAX_M and problem.dtype in (jnp.bfloat16, jnp.float16)
 
   def prepare(self, w, mask, transposable):
