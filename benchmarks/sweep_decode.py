@@ -140,9 +140,13 @@ def main(argv=None):
         t_sparse = _common.bench(sparse_c, xs[m], sps, min_time=0.02, repeats=5) / r
         t_decompress = _common.bench(compiled[m, "decompress"], xs[m], sps, min_time=0.02,
                                      repeats=5) / r
-        io = sparse_bytes + 2 * (m * k + m * n)
+        io = moved_bytes(m, k, n)
         raw.append(dict(m=m, k=k, n=n, dense_ms=t_dense * 1e3, decompress_ms=t_decompress * 1e3,
                         decode_ms=t_sparse * 1e3, rotate=r, rel_err=err))
+        print(f"M={m:4d} K={k:5d} N={n:5d}: dense {t_dense * 1e3:.4f} ms, decompress + XLA"
+              f" {t_decompress * 1e3:.4f} ms, decode"
+              f" {t_sparse * 1e3:.4f} ms ({t_dense / t_sparse:.2f}x), {io / t_sparse / 1e9:.0f}"
+              f" GB/s = {100 * io / t_sparse / bw:.0f}% of copy; rel err {err:.2g}", flush=True)
         if args.cusparselt:
           got = compiled[m, "cusparselt"](xs[m], sps)[0].astype(jnp.float32)
           err_c = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
@@ -152,10 +156,6 @@ def main(argv=None):
               compiled[m, "cusparselt"], xs[m], sps, min_time=0.02, repeats=5) / r
           print(f"M={m:4d} K={k:5d} N={n:5d}: cusparselt {raw[-1]['cusparselt_ms']:.4f} ms"
                 f" ({t_dense * 1e3 / raw[-1]['cusparselt_ms']:.2f}x of dense)", flush=True)
-        print(f"M={m:4d} K={k:5d} N={n:5d}: dense {t_dense * 1e3:.4f} ms, decompress + XLA"
-              f" {t_decompress * 1e3:.4f} ms, decode"
-              f" {t_sparse * 1e3:.4f} ms ({t_dense / t_sparse:.2f}x), {io / t_sparse / 1e9:.0f}"
-              f" GB/s = {100 * io / t_sparse / bw:.0f}% of copy; rel err {err:.2g}", flush=True)
       del sps, ws
       if args.json:  # after every (K, N): a run stopped by a time limit keeps its points
         with open(args.json, "w") as f:
@@ -163,6 +163,11 @@ def main(argv=None):
                          points=raw), f, indent=1)
   report(environment, _common.gpu_name(), bw, raw,
          command="`PYTHONPATH=. python benchmarks/sweep_decode.py`", no_write=args.no_write)
+
+
+def moved_bytes(m: int, k: int, n: int) -> int:
+  """What one product moves at least: the compressed weight, x and y (bf16)."""
+  return _common.compressed_bytes(k, n) + 2 * (m * k + m * n)
 
 
 def report(environment: str, gpu: str, bw: float, points: list[dict], *, command: str,
@@ -177,7 +182,7 @@ def report(environment: str, gpu: str, bw: float, points: list[dict], *, command
   rows = []
   for p in sorted(points, key=lambda p: (p["k"], p["n"], p["m"])):
     m, k, n = p["m"], p["k"], p["n"]
-    io = _common.compressed_bytes(k, n) + 2 * (m * k + m * n)
+    io = moved_bytes(m, k, n)
     t_sparse = p["decode_ms"] / 1e3
     rows.append([m, k, n, p["dense_ms"], p["decompress_ms"], p["decode_ms"],
                  p["dense_ms"] / p["decode_ms"], p["decompress_ms"] / p["decode_ms"],
