@@ -269,9 +269,7 @@ def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list
           + _common.table(["M", "K", "N", "dense XLA ms", "other compressed ms",
                            "cuSPARSELt ms", "cuSPARSELt over dense",
                            "cuSPARSELt over other"], rows))
-  swept = [(k, n) for k in ks for n in ns
-           if all("cusparselt_ms" in by_point.get((m, k, n), {}) for m in ms)]
-  if len(swept) != len(ks) * len(ns):
+  if not all("cusparselt_ms" in by_point.get((m, k, n), {}) for k in ks for n in ns for m in ms):
     return body + "\n\nNo AUTO_MIN_M_COMPRESSED row: cuSPARSELt was not timed on the whole grid.\n"
   margin = cusparselt_backend.AUTO_MARGIN
   table = []

@@ -75,3 +75,15 @@ def test_parts_of_different_gpus_are_refused(tmp_path):
   b = _part(tmp_path / "b.json", [4096], gpu="NVIDIA H100 80GB HBM3")
   with pytest.raises(SystemExit, match="different GPUs"):
     sweep_decode.main(["--from-json", f"{a},{b}", "--no-write"])
+
+
+def test_cusparselt_missing_at_one_point_gives_no_cusparselt_row(tmp_path, capsys):
+  a = _part(tmp_path / "a.json", [2048], cusparselt=True)
+  b = _part(tmp_path / "b.json", [4096], cusparselt=True)
+  data = json.loads((tmp_path / "b.json").read_text())
+  del data["points"][0]["cusparselt_ms"]
+  (tmp_path / "b.json").write_text(json.dumps(data))
+  sweep_decode.main(["--from-json", f"{a},{b}", "--no-write"])
+  out = capsys.readouterr().out
+  assert "No AUTO_MIN_M_COMPRESSED row" in out
+  assert "'NVIDIA H200': ((256, 256), (256, 256))," in out  # the kernel's row is whole
