@@ -15,6 +15,7 @@ Used by `bench_model.py` (timing and breakdown) and `profile_model.py`
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -148,33 +149,50 @@ def lm_loss(logits, tokens):
       logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
-def make_train_step(apply, tx, out_shardings=None):
+def make_train_step(apply, tx, out_shardings=None, **update_args):
   """jit((params, opt_state, tokens) -> (params, opt_state, loss)), donating the
   state as a training loop does: the 8192-wide model fits only that way.
   `out_shardings`: the state's own and the loss's, so that the state keeps
-  its layout from step to step (None: left to XLA)."""
+  its layout from step to step (None: left to XLA). `update_args`: passed
+  on to `tx.update` (mask_update's static `mask_rebuild`)."""
 
   def step(params, opt_state, tokens):
     loss, grads = jax.value_and_grad(
         lambda p: lm_loss(apply(p, opt_state, tokens[:, :-1]), tokens))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, **update_args)
     return optax.apply_updates(params, updates), opt_state, loss
 
   return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
 
-def make_update(tx):
-  """The optimizer alone: jit((params, opt_state, grads) -> (params, opt_state, None))."""
+def make_update(tx, **update_args):
+  """The optimizer alone: jit((params, opt_state, grads) -> (params, opt_state, None));
+  `update_args` as `make_train_step`'s."""
 
   def update(params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, **update_args)
     return optax.apply_updates(params, updates), opt_state, None
 
   return jax.jit(update, donate_argnums=(0, 1))
 
 
+@functools.cache
+def _count_setter(count: int):
+  # `count` is a constant of the program: no transfer from the host.
+  return jax.jit(lambda c: jnp.full_like(c, count))
+
+
 def at_count(opt_state, count: int):
   """The optimizer state with mask_update's step count set to `count` (it is
   the first element of our chain). Set outside the jitted step, so the count
-  stays a runtime input and the compiled step keeps its rebuild branch."""
-  return (opt_state[0]._replace(count=jnp.asarray(count, jnp.int32)), *opt_state[1:])
+  stays a runtime input and the compiled step keeps its rebuild branch.
+
+  Set on the device, from the previous step's count, by a program queued
+  behind that step. A count made on the host (`jnp.asarray(count)`) is a
+  host-to-device copy per step, which on a GPU waits for the steps queued
+  before it: the timed 2:4 steps then ran one at a time, each waiting for
+  the last, while the dense steps beside them (no count to pin) were
+  queued, which at d_model 128-256 cost the 2:4 step more than its
+  products."""
+  return (opt_state[0]._replace(count=_count_setter(count)(opt_state[0].count)),
+          *opt_state[1:])

@@ -21,7 +21,11 @@ the way LLM users write one, and made sparse without editing it:
   mask kind), with
   `jsparse24.optim.mask_update(..., MaskSchedule(rebuild_every=R), decay=2e-4)`
   chained before the same AdamW; the forward pass reads
-  `jsparse24.optim.masks(opt_state)`. Same init key, same params.
+  `jsparse24.optim.masks(opt_state)`. Same init key, same params. As
+  examples/train_lm.py trains, the host's schedule says which updates rebuild
+  masks (`mask_update`'s static `mask_rebuild`): a 2:4 program without the
+  rebuild and one with it (`--rebuild-flag`: one program deciding on
+  mask_update's run-time flag).
 
 Per width it times the whole training step of both (steps that do not rebuild
 the masks), one rebuild step, and a breakdown of where the 2:4 step's time
@@ -226,11 +230,13 @@ def time_attention(timer, d: int, batch: int, seq: int, implementation, passes: 
   return time_fwd_bwd(timer, attention, (k, v), None, q, do, passes)
 
 
-def time_optimizer(timer, tx, params, opt_state, count: int | None = None) -> float:
-  """Seconds of `tx.update` + `optax.apply_updates` over the whole params tree."""
+def time_optimizer(timer, tx, params, opt_state, count: int | None = None,
+                   **update_args) -> float:
+  """Seconds of `tx.update` + `optax.apply_updates` over the whole params tree
+  (`update_args`: `make_update`'s)."""
   grads = jax.jit(lambda t: jax.tree.map(lambda a: jnp.full_like(a, 1e-3), t))(params)
   at = None if count is None else functools.partial(at_count, count=count)
-  run, _ = _common.threaded(make_update(tx), params, opt_state, at)
+  run, _ = _common.threaded(make_update(tx, **update_args), params, opt_state, at)
   return timer(run, grads)
 
 
@@ -341,6 +347,40 @@ def run_dense(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> Non
   del result["phase"]
 
 
+def plain_update_args(cfg: dict) -> dict:
+  """mask_update's extra `update` argument for a step that rebuilds no mask:
+  the host's answer (`mask_rebuild=False`, no rebuild work in the program),
+  or none under --rebuild-flag (the run-time flag decides)."""
+  return {} if cfg["rebuild_flag"] else {"mask_rebuild": False}
+
+
+def sparse_steps(cfg: dict, schedule, apply, tx, params, opt_state, tokens,
+                 out_shardings=None, rebuilds: bool = True):
+  """(plain step, rebuild step, first step, compile seconds) of a 2:4 model,
+  compiled for `params, opt_state, tokens`. As examples/train_lm.py trains,
+  the host's schedule says which updates rebuild masks
+  (`MaskSchedule.update_rebuilds`, mask_update's static `mask_rebuild`): a
+  step that rebuilds none carries none of the rebuild's work or
+  conditionals, and one that does is a program of its own (compiled only
+  where `rebuilds`, else None). The first step (count 0) is whichever the
+  schedule asks for. --rebuild-flag: one program for all three, deciding
+  on mask_update's run-time flag, as a step written without `mask_rebuild`
+  does."""
+  def compiled(**update_args):
+    return _common.compile_step(make_train_step(apply, tx, out_shardings, **update_args),
+                                params, opt_state, tokens)
+  if cfg["rebuild_flag"]:
+    step, seconds = compiled()
+    return step, step, step, seconds
+  first_rebuilds = schedule.update_rebuilds(0, len(jsparse24.optim.layer_names(opt_state)))
+  plain, seconds = compiled(mask_rebuild=False)
+  rebuild = None
+  if rebuilds or first_rebuilds:
+    rebuild, rebuild_s = compiled(mask_rebuild=True)
+    seconds += rebuild_s
+  return plain, rebuild, rebuild if first_rebuilds else plain, seconds
+
+
 def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> None:
   """The 2:4 model of one width, after `run_dense` of every width: its
   training step (one that rebuilds nothing, and one that rebuilds), where
@@ -377,13 +417,14 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   reference = float(jax.jit(lambda p, s, t: lm_loss(
       model.apply({"params": masked_params(p, s)}, t[:, :-1]), t))(
           params, jsparse24.optim.masks(opt_state), tokens))
-  step, compile_s = _common.compile_step(
-      make_train_step(lambda p, o, x: sparse.apply(
-          {"params": p, "sparsity": jsparse24.optim.masks(o)}, x, rngs=mvue_rngs(cfg, o[0].count)), tx),
-      params, opt_state, tokens)
-  params, opt_state, loss = step(params, opt_state, tokens)
+  step, rebuild_step, first, compile_s = sparse_steps(
+      cfg, schedule, lambda p, o, x: sparse.apply(
+          {"params": p, "sparsity": jsparse24.optim.masks(o)}, x, rngs=mvue_rngs(cfg, o[0].count)),
+      tx, params, opt_state, tokens)
+  params, opt_state, loss = first(params, opt_state, tokens)
   sp = result["sparse"] = {"compile_s": compile_s, "first_loss": float(loss),
-                           "reference_loss": reference}
+                           "reference_loss": reference,
+                           "rebuilds": "run-time flag" if cfg["rebuild_flag"] else "host"}
   print(f"{_tag(result)} 2:4: train step compiled in {compile_s:.1f} s, first-step loss"
         f" {sp['first_loss']:.4f} (dense model on the masked kernels {reference:.4f};"
         f" dense model {dense['first_loss']:.4f})", flush=True)
@@ -410,7 +451,7 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
         f" {result['ratio']:.3f}x dense", flush=True)
 
   _phase(result, f"2:4: timing a rebuild step (count pinned at {rebuild})")
-  run, state = _common.threaded(step, state["params"], state["opt"],
+  run, state = _common.threaded(rebuild_step, state["params"], state["opt"],
                                 functools.partial(at_count, count=rebuild))
   sp["rebuild_step_ms"] = step_timer(run, tokens) * 1e3
   last = int(state["opt"][0].last_rebuild)
@@ -423,8 +464,9 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
         f" {rebuild_every} steps {sp['rebuild_extra_ms_per_step']:.3f} ms/step", flush=True)
   if "breakdown_dense" in result:  # a part of the breakdown, as AdamW alone in `run_dense`
     _phase(result, "2:4: mask_update + AdamW alone")
-    sp["optimizer_ms"] = time_optimizer(timer, tx, state["params"], state["opt"], plain) * 1e3
-  del params, opt_state, run, state, step
+    sp["optimizer_ms"] = time_optimizer(timer, tx, state["params"], state["opt"], plain,
+                                        **plain_update_args(cfg)) * 1e3
+  del params, opt_state, run, state, step, rebuild_step
 
   _phase(result, "dense: timing again, in this process after the 2:4 steps")
   params = whole(ctx["dense_init"](key_init, tokens[:, :-1])["params"])
@@ -679,9 +721,14 @@ def time_placement(cfg: dict, step_timer, ctx: dict, layout: jsparse24.layouts.L
                      rngs=mvue_rngs(cfg, o[0].count))
 
   keep = jax.tree.map(lambda a: a.sharding, (params, opt_state)) + (NamedSharding(mesh, P()),)
-  step, out["compile_s"] = _common.compile_step(make_train_step(apply, tx, keep), params,
-                                                opt_state, tokens)
-  params, opt_state, loss = step(params, opt_state, tokens)
+  if sparse:  # no rebuild step timed here
+    step, _, first, out["compile_s"] = sparse_steps(cfg, schedule, apply, tx, params, opt_state,
+                                                    tokens, keep, rebuilds=False)
+  else:
+    step, out["compile_s"] = _common.compile_step(make_train_step(apply, tx, keep), params,
+                                                  opt_state, tokens)
+    first = step
+  params, opt_state, loss = first(params, opt_state, tokens)
   out["first_loss"] = float(loss)
   if batch == len(ctx["tokens"]):
     reference = out["reference_loss"] = ctx["one_device_losses"][name]
@@ -957,7 +1004,12 @@ def notes(cfg: dict) -> str:
       f" backend is the automatic choice{', named per layer below' if cfg['devices'] == 1 else ''})"
       f" and"
       f" `mask_update(MaskSchedule(rebuild_every={cfg['rebuild_every']}), decay={MASK_DECAY})`"
-      f" chained before AdamW; same init params. Steps donate their state (a training"
+      f" chained before AdamW"
+      + ("; one 2:4 step program, mask rebuilds decided on mask_update's run-time flag"
+         " (--rebuild-flag)" if cfg["rebuild_flag"] else
+         "; the host's schedule passes mask_update's `mask_rebuild` (a 2:4 program with and"
+         " one without the rebuild, as examples/train_lm.py trains)")
+      + f"; same init params. Steps donate their state (a training"
       f" loop does); the 2:4 steps are timed with mask_update's count pinned to a step that"
       f" does not rebuild"
       + ("" if cfg["layouts"] else f", and once pinned to one that does (its extra cost shown"
@@ -1057,6 +1109,10 @@ def main(argv=None) -> dict:
                       " then the shapes examples/train_lm.py and examples/sharded_train.py"
                       " train by default on a GPU (one row each); no remat unless --remat on")
   p.add_argument("--rebuild-every", type=int, default=100, help="R: mask rebuild period (>= 2)")
+  p.add_argument("--rebuild-flag", action="store_true",
+                 help="one 2:4 step program deciding mask rebuilds on mask_update's run-time"
+                      " flag, instead of the host's schedule passing `mask_rebuild` (a program"
+                      " with and one without the rebuild, as examples/train_lm.py trains)")
   p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
                  help="dot_product_attention implementation (auto: cudnn on a GPU, else XLA)")
   p.add_argument("--mask", default="default", choices=sorted(MASK_KINDS),
@@ -1113,7 +1169,8 @@ def main(argv=None) -> dict:
   # Under --small each row has its own batch x seq (the rows' "batch", "seq").
   cfg = {"widths": widths, "small": args.small, "seq": args.seq, "batch": args.batch,
          "vocab": args.vocab,
-         "rebuild_every": args.rebuild_every, "attention": attention, "mask": args.mask,
+         "rebuild_every": args.rebuild_every, "rebuild_flag": args.rebuild_flag,
+         "attention": attention, "mask": args.mask,
          "weight_grad": args.weight_grad, "devices": args.devices,
          "remat_policy": args.remat_policy, "layouts": layouts,
          "model_devices": args.model_devices}

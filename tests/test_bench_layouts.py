@@ -18,6 +18,7 @@ ARGS = ["--widths", str(D), "--layers", str(LAYERS), "--seq", str(SEQ), "--batch
         "--vocab", str(VOCAB), "--rebuild-every", "5", "--devices", "4", "--quick",
         "--no-write"]
 CFG = {"widths": [D], "seq": SEQ, "batch": BATCH, "vocab": VOCAB, "rebuild_every": 5,
+       "rebuild_flag": False,
        "attention": None, "mask": "plain", "weight_grad": "dense", "devices": 4,
        "remat_policy": "nothing", "layouts": [], "model_devices": None}
 TOLERANCE = 5e-4  # relative, of a first-step loss against one device's

@@ -4,9 +4,13 @@ nn.scan, sparsify, mask_update, the timed steps, the breakdown and the tables.""
 import math
 import types
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
-from benchmarks import bench_model
+import jsparse24
+from benchmarks import _gpt, bench_model
 
 LAYERS = 2
 
@@ -25,13 +29,20 @@ def no_cleanup_between_widths(monkeypatch):
   monkeypatch.setattr(bench_model.jax, "clear_caches", lambda: None)
 
 
-@pytest.mark.parametrize("weight_grad", ["dense", "mvue"])
-def test_bench_model_runs_on_cpu(capsys, weight_grad):
+@pytest.mark.parametrize("weight_grad,rebuilds", [("dense", "host"), ("mvue", "run-time flag")])
+def test_bench_model_runs_on_cpu(capsys, weight_grad, rebuilds):
+  """Both weight gradients, and both ways of deciding a mask rebuild: the
+  host's schedule (the default: one program with and one without the
+  rebuild) and mask_update's run-time flag (--rebuild-flag, one program).
+  The benchmark checks that the timed plain step rebuilt no mask and the
+  timed rebuild step did."""
   out = bench_model.main(["--widths", "128", "--layers", str(LAYERS), "--seq", "32",
                           "--batch", "2", "--vocab", "512", "--rebuild-every", "5",
-                          "--weight-grad", weight_grad, "--quick", "--no-write"])
+                          "--weight-grad", weight_grad, "--quick", "--no-write"]
+                         + (["--rebuild-flag"] if rebuilds == "run-time flag" else []))
   (r,) = out["widths"]
   assert r["status"] == "ok", r.get("error")
+  assert r["sparse"]["rebuilds"] == rebuilds
   assert r["dense"]["tokens_per_s"] > 0 and r["sparse"]["tokens_per_s"] > 0
   assert math.isfinite(r["ratio"]) and r["ratio"] > 0
   # The ratio uses the dense step timed before any 2:4 step; its timing after
@@ -200,3 +211,18 @@ def test_bench_model_small_times_each_row_at_its_own_tokens(capsys, monkeypatch)
   for flags in (["--batch", "4"], ["--widths", "512"]):
     with pytest.raises(SystemExit):
       bench_model.main(["--small", *flags, "--no-write"])
+
+
+def test_pinning_the_count_copies_nothing_from_the_host():
+  """`_gpt.at_count` sets mask_update's count from the device's own count: a
+  count copied from the host before every timed 2:4 step would wait, on a
+  GPU, for the steps queued before it, and time the 2:4 steps one at a time
+  against queued dense steps."""
+  layer = jsparse24.SparseDense(4)
+  variables = layer.init(jax.random.key(0), jnp.ones((1, 8)))
+  tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"]), optax.sgd(0.1))
+  state = jax.jit(tx.init)(variables["params"])
+  with jax.transfer_guard("disallow"):
+    pinned = _gpt.at_count(state, 7)
+  assert int(pinned[0].count) == 7 and pinned[0].count.dtype == state[0].count.dtype
+  assert pinned[1:] == state[1:] and pinned[0].masks is state[0].masks
