@@ -237,13 +237,16 @@ _LINUX_X86 = platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
 @pytest.mark.skipif(not _LINUX_X86, reason="the test extra installs the CUDA header wheels on Linux x86-64 only")
-def test_shim_builds_from_pip_headers_and_loads(tmp_path):
+def test_shim_builds_from_pip_headers_and_loads(shim_cache):
+  """In the module's one build folder (`shim_cache`): the first of its tests
+  to run builds the shim there, with the same `build.build`, and the others
+  find it (a build is ~6 s of g++)."""
   toolchain = build.find_toolchain()
-  path = build.build(toolchain, tmp_path)
+  path = build.build(toolchain, shim_cache)
   assert path.is_file() and path.stat().st_size > 0
   # Cached: a second build with the same inputs returns the same file untouched.
   mtime = path.stat().st_mtime_ns
-  assert build.build(toolchain, tmp_path) == path and path.stat().st_mtime_ns == mtime
+  assert build.build(toolchain, shim_cache) == path and path.stat().st_mtime_ns == mtime
   import ctypes  # pylint: disable=g-import-not-at-top
   lib = ctypes.CDLL(str(path))
   for symbol in list(build.TARGETS.values()) + ["jsp_cusparselt_open",
