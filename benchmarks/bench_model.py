@@ -373,7 +373,7 @@ def sparse_steps(cfg: dict, schedule, apply, tx, params, opt_state, tokens,
     step, seconds = compiled()
     return step, step, step, seconds
   first_rebuilds = schedule.update_rebuilds(0, len(jsparse24.optim.layer_names(opt_state)))
-  plain, seconds = compiled(mask_rebuild=False)
+  plain, seconds = compiled(**plain_update_args(cfg))
   rebuild = None
   if rebuilds or first_rebuilds:
     rebuild, rebuild_s = compiled(mask_rebuild=True)
