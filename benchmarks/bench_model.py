@@ -60,6 +60,7 @@ import gc
 import math
 import time
 import traceback
+from collections.abc import Collection
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -636,6 +637,40 @@ def make_layout(name: str, devices, model_devices: int | None) -> jsparse24.layo
   return jsparse24.layouts.Layout(name, mesh, TENSOR_PARALLEL)
 
 
+def logits_sharding(layout: jsparse24.layouts.Layout) -> NamedSharding | None:
+  """Under "tp" and "2d", the logits' rows split over every GPU of the mesh
+  (None otherwise: the batch sharding already splits them). Megatron's
+  blocks leave the activations whole on each GPU of the model axis, and the
+  output head after them is the largest product of the model (d_model x
+  vocab: at 4096 x 32768 twice `up`'s): left to follow the activations, every
+  GPU of the model axis would multiply it, and run the loss, on every row.
+  Split by rows, each GPU takes its own rows of the activations it holds (no
+  exchange) and the head's weight gradient is summed over the mesh."""
+  if layout.name not in ("tp", "2d"):
+    return None
+  return NamedSharding(layout.mesh, P(("data", "model")))
+
+
+def make_apply(cfg: dict, net: nn.Module, layout: jsparse24.layouts.Layout,
+               sparse_layers: Collection[str]):
+  """(params, opt_state, tokens) -> logits of `net` in `layout`: the params
+  constrained to the layout inside the step (`Layout.constrain`), the masks
+  read from mask_update's state when `sparse_layers` (the 2:4 layers' paths)
+  is not empty, the logits laid out by `logits_sharding`."""
+  rows = logits_sharding(layout)
+
+  def apply(p, o, x):
+    p = layout.constrain(p, sparse_layers)
+    if not sparse_layers:
+      logits = net.apply({"params": p}, x)
+    else:
+      logits = net.apply({"params": p, "sparsity": jsparse24.optim.masks(o)}, x,
+                         rngs=mvue_rngs(cfg, o[0].count))
+    return logits if rows is None else jax.lax.with_sharding_constraint(logits, rows)
+
+  return apply
+
+
 def sparse_model(cfg: dict, model: nn.Module, layout: jsparse24.layouts.Layout):
   """The 2:4 model: the four layers of every block 2:4, each with the
   layout's `kernel_sharding` for its tensor-parallel role (each device
@@ -713,13 +748,7 @@ def time_placement(cfg: dict, step_timer, ctx: dict, layout: jsparse24.layouts.L
     opt_state = jsparse24.optim.masks_like_kernels(opt_state, params)
     sparse_layers = set(jsparse24.optim.stats(opt_state))
 
-  def apply(p, o, x):
-    p = layout.constrain(p, sparse_layers)
-    if not sparse:
-      return net.apply({"params": p}, x)
-    return net.apply({"params": p, "sparsity": jsparse24.optim.masks(o)}, x,
-                     rngs=mvue_rngs(cfg, o[0].count))
-
+  apply = make_apply(cfg, net, layout, sparse_layers)
   keep = jax.tree.map(lambda a: a.sharding, (params, opt_state)) + (NamedSharding(mesh, P()),)
   if sparse:  # no rebuild step timed here
     step, _, first, out["compile_s"] = sparse_steps(cfg, schedule, apply, tx, params, opt_state,
@@ -856,7 +885,8 @@ def layouts_notes(cfg: dict) -> str:
       f" tp: Megatron tensor parallelism of each block (`qkv` and `up` column-parallel, so"
       f" attention splits by heads; `out` and `down` row-parallel; the 2:4 layers'"
       f" `kernel_sharding`), everything else replicated, the"
-      f" batch split over the data axis. 2d: tp over the model axis and FSDP over the data"
+      f" batch split over the data axis, the output head and the loss on the rows split"
+      f" over every GPU (`logits_sharding`). 2d: tp over the model axis and FSDP over the data"
       f" axis. {ONE_GPU}: the same model on one GPU at {batch // n}x{seq} tokens per step,"
       f" the rows per GPU of data parallelism; scaling = tokens/s over {n} GPUs ({batch}x{seq}"
       f" per step) / tokens/s on one GPU. Every first-step loss on the {batch}x{seq} batch"

@@ -7,6 +7,7 @@ ratios and the scaling from one device."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import _common, bench_model
@@ -82,6 +83,22 @@ def test_layout_computes_the_one_device_loss_in_its_shardings(width, layout, mod
   assert out["devices"] == 4 and out["step_ms"] > 0
   want = {k: v for k, v in BLOCKS[layout].items() if model == "2:4" or not k.startswith("mask/")}
   assert out["shards"] == want  # after the timed steps: the step's out_shardings kept them
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp", "tp", "2d"])
+def test_the_head_runs_on_each_devices_own_rows(width, layout):
+  """Every layout splits the logits [batch, seq, vocab] by rows over the 4
+  devices: data and fsdp by the batch sharding, tp (1 x 4) and 2d (2 x 2)
+  through `logits_sharding`, without which each device of the model axis
+  would multiply the output head on every row of its data shard."""
+  place = bench_model.make_layout(layout, jax.local_devices()[:4], None)
+  model, sample = width["model"], jnp.zeros((1, SEQ), jnp.int32)
+  params = jax.jit(model.init, out_shardings=place.state_shardings(
+      jax.eval_shape(model.init, width["key_init"], sample)))(width["key_init"], sample)["params"]
+  tokens = jax.device_put(width["tokens"][:BATCH, :-1], place.batch_sharding)
+  apply = bench_model.make_apply(CFG, model, place, ())
+  logits = jax.jit(apply).lower(params, None, tokens).compile().output_shardings
+  assert logits.shard_shape((BATCH, SEQ, VOCAB)) == (BATCH // 4, SEQ, VOCAB)
 
 
 def test_layouts_harness_runs_every_placement_and_derives_its_table(capsys, monkeypatch):
