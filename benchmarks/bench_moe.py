@@ -18,9 +18,10 @@ layer inside a model passes its input gradient on), and an AdamW update.
   forward pass reads `jsparse24.optim.masks(opt_state)`. Its expert
   products are `sparse_dot` under `jax.vmap` over the stacked `[E, K, N]`
   expert kernels (`nn.vmap`); on a GPU, where the automatic choice is
-  cuSPARSELt, that is a `lax.map` of one cuSPARSELt call per expert and
-  product (cuSPARSELt's batching rule). tests/test_bench_moe.py checks on
-  CPU that the products reach `sparse_dot` under that vmap.
+  cuSPARSELt, each product (forward, dx) is one cuSPARSELt FFI call for
+  all the experts, and each compression one Pallas call.
+  tests/test_bench_moe.py checks on CPU that the products reach
+  `sparse_dot` under that vmap.
 * dense: the same layer with `sparse=False` (its experts `nn.Dense`): the
   router, the routing, the dispatch and combine einsums are the same code in
   both, the params tree and the init params the same. Under `nn.vmap` the

@@ -15,6 +15,10 @@ the whole product everywhere. Here they get a rule, through
   layer's weight under FSDP). That covers data parallelism and FSDP: no
   activation is ever gathered.
 
+* `stack_rows_parallel`: a stack of such products, `y[B, M, N] = f(x[B, M,
+  K], *weights[B, ...])` (the experts of a mixture of experts as one call):
+  split over B and M, each weight's items split like x's B.
+
 * `rows_contracted`: `dw[K, N] = f(x[M, K], dy[M, N], first_row, ...)`, a
   sum over the rows M (the weight gradient on the sparse tensor cores):
   each device contracts its own rows (`first_row` tells it where they
@@ -203,6 +207,59 @@ def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array
   return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) + (P(),) * len(operands),
                        out_specs=rows, check_vma=False)(
                            jax.sharding.reshard(x, NamedSharding(mesh, rows)), *operands)
+
+
+def _stack_specs(sharding: Any, ranks: tuple[int, ...]) -> tuple[P, tuple[P, ...]]:
+  """(x's and the result's spec, the operands' specs) of `stack_rows_parallel`:
+  x's partition of its stack axis B and of its rows M kept, its last axis
+  whole; each operand split like B on its axis 0, whole on the others."""
+  spec = tuple(getattr(sharding, "spec", None) or ()) + (None, None)
+  b, m = spec[0], spec[1]
+  return P(b, m, None), tuple(P(b, *([None] * (r - 1))) for r in ranks)
+
+
+@functools.cache
+def _wrap_stack(fn: Callable, ranks: tuple[int, ...]) -> Callable:
+
+  @custom_partitioning
+  def partitioned(x, *operands):
+    return fn(x, *operands)
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return NamedSharding(mesh, _stack_specs(arg_shapes[0].sharding, ranks)[0])
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    xs, ops = _stack_specs(arg_shapes[0].sharding, ranks)
+    args = (NamedSharding(mesh, xs),) + tuple(NamedSharding(mesh, o) for o in ops)
+    return mesh, fn, NamedSharding(mesh, xs), args
+
+  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  operands = "".join(", b " + " ".join(next(names) for _ in range(r - 1)) for r in ranks)
+  partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                            sharding_rule=f"b m k{operands} -> b m n")
+  return partitioned
+
+
+def stack_rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array:
+  """`fn(x, *operands)` for a stack of products: x `[B, M, K]`, each operand
+  `[B, ...]` (product b's weight-side arrays), result `[B, M, N]`,
+  partitioned over B and M: each device runs `fn` on its own items of the
+  stack (operand items split like x's, so that sharded experts are never
+  gathered) and its own rows of each. `fn` must be hashable and stable, as
+  for `rows_parallel`; with Explicit mesh axes the split is a `shard_map`."""
+  if partitioning_off():
+    return fn(x, *operands)
+  ranks = tuple(a.ndim for a in operands)
+  mesh = _explicit_mesh(x)
+  if mesh is None:
+    return _wrap_stack(fn, ranks)(x, *operands)
+  xs, ops = _stack_specs(jax.typeof(x).sharding, ranks)
+  operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, o))
+                   for a, o in zip(operands, ops))
+  return jax.shard_map(fn, mesh=mesh, in_specs=(xs,) + ops, out_specs=xs, check_vma=False)(
+      jax.sharding.reshard(x, NamedSharding(mesh, xs)), *operands)
 
 
 def explicit_sharding(a: jax.Array) -> Any:
@@ -459,15 +516,22 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
   partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
                             sharding_rule=f"{stack_names}k n{extras} -> {outs}")
 
-  # custom_partitioning has no batching rule: stacked weights (vmap) are
-  # compressed one by one (callers with a stack pass `lead` instead).
+  # custom_partitioning has no batching rule: stacked weights (vmap, e.g. a
+  # mixture of experts' kernels) are one more leading stack axis, `fn`
+  # vmapped over it inside one partitioned call (one Pallas call with a
+  # larger grid), rather than a loop that copies each weight out of its
+  # stack and each result into one.
   @jax.custom_batching.custom_vmap
   def call(w, *extras):
     return partitioned(w, *extras)
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
-    return _one_call_per_element(call, axis_size, in_batched, args)
+    args = [a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, bat in zip(args, in_batched)]
+    stacked = _wrap_columns(fn, n_dims, align, extra_ranks, lead + 1, k_dims, extra_k_dims)
+    out = stacked(*args)
+    return out, jax.tree.map(lambda _: True, out)
 
   return call
 

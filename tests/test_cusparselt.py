@@ -703,6 +703,61 @@ def test_product_traced_inside_unpartitioned_has_no_custom_partitioning(monkeypa
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
 
 
+def test_stacked_experts_run_as_one_call_per_device(monkeypatch):
+  """Stacked weights under `vmap` (a mixture of experts' expert kernels):
+  each product of the stack, forward and backward, is one cuSPARSELt call
+  for all the stack's items (`_stacked_matmul`), not one per item in a loop
+  that copies each item out of its stack; under a mesh that splits the
+  stack, each device's call holds its own items only. The call is
+  `tests/triton_removal.py`'s XLA stand-in, recording what it was asked;
+  the values and gradients equal the "xla" backend's."""
+  from tests import triton_removal  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def recording(a, b, shape, **kw):
+    calls.append((tuple(shape), kw.get("batch", 1)))
+    return triton_removal._stand_in_product(a, b, shape, **kw)  # pylint: disable=protected-access
+
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_sparse_a_matmul", recording)
+  cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
+  cusparselt._stacked_matmul.cache_clear()  # pylint: disable=protected-access
+  e, m, k, n = 8, 40, 128, 64  # 40 rows: padded to a multiple of PAD_M inside
+  x = jax.random.normal(jax.random.key(0), (e, m, k), jnp.bfloat16)
+  ws = jax.random.normal(jax.random.key(1), (e, k, n), jnp.bfloat16)
+
+  def loss(impl):
+    product = jax.vmap(lambda x, w: jsparse24.sparse_dot(x, w, transposable=True,
+                                                         implementation=impl))
+    return lambda x, w: jnp.sum(product(x, w).astype(jnp.float32) ** 2)
+
+  grad = jax.value_and_grad(loss("cusparselt"), (0, 1))
+  with interpret_mode():
+    want = jax.jit(jax.value_and_grad(loss("xla"), (0, 1)))(x, ws)
+    got = jax.jit(grad)(x, ws)
+    # The forward product and dx, each one call of the whole stack (the
+    # unstacked calls recorded are custom_vmap's traces of the function it
+    # batches, not in the program), and no loop over the stack's items in
+    # the step, its compression included.
+    assert {((e, 48, n), e), ((e, 48, k), e)} <= set(calls), calls
+    jaxpr = str(jax.make_jaxpr(grad)(x, ws))
+    assert "scan[" not in jaxpr and "while[" not in jaxpr, jaxpr
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    stack = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    calls.clear()
+    split = jax.jit(grad)(jax.device_put(x, stack), jax.device_put(ws, stack))
+  # Under the mesh each device's calls hold its own 2 items of the stack.
+  assert {((e // 4, 48, n), e // 4), ((e // 4, 48, k), e // 4)} <= set(calls), calls
+  for g, s, r in zip(jax.tree.leaves(got), jax.tree.leaves(split), jax.tree.leaves(want)):
+    for a in (g, s):
+      err = float(jnp.linalg.norm((a - r).astype(jnp.float32))
+                  / jnp.linalg.norm(r.astype(jnp.float32)))
+      assert err < 1e-2, err
+  cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
+  cusparselt._stacked_matmul.cache_clear()  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("transposable", [False, True])
 def test_operand_roles_fit_the_operand(transposable):
   """Tensor parallelism reads the operand's blocks by `operand_roles`: one

@@ -351,6 +351,11 @@ def test_cusparselt_under_vmap_checkpoint_pmap():
   stacked = lambda impl: jax.vmap(  # noqa: E731
       lambda x, w: jsparse24.sparse_dot(x, w, transposable=True, implementation=impl))
   cases.append((stacked("cusparselt"), stacked("xla"), (x, ws)))
+  # Stacked weights' gradients (a mixture of experts): each product one
+  # cuSPARSELt call for the whole stack, forward and dx.
+  stacked_grad = lambda impl: jax.grad(  # noqa: E731
+      lambda x, w: jnp.sum(stacked(impl)(x, w).astype(jnp.float32) ** 2), (0, 1))
+  cases.append((stacked_grad("cusparselt"), stacked_grad("xla"), (x, ws)))
   pm = lambda impl: jax.pmap(jax.grad(loss(impl), (0, 1)), in_axes=(0, None))  # noqa: E731
   n_dev = jax.local_device_count()
   cases.append((pm("cusparselt"), pm("xla"), (jnp.broadcast_to(x[0], (n_dev, 40, 256)), w)))

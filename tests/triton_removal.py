@@ -69,11 +69,16 @@ def dense_of_buffer(buf: jax.Array, k: int, n: int, *, transpose: bool) -> jax.A
       jsparse24.Sparse24(buf[:k // 2].T, _packed_codes(buf[k // 2:], n, k // 4)))
 
 
-def _stand_in_product(a, b, shape, *, m, n, k, op_a, op_b, search, alg):
+def _stand_in_product(a, b, shape, *, m, n, k, op_a, op_b, search, alg, batch=1):
   """`cusparselt._sparse_a_matmul` by XLA: the column-major `D[m, n] =
   op(A)[m, k] op(B)[k, n]` is the row-major `[n, m]` array `op(B)^T
   op(A)^T`; A's buffer holds `w` (op N: `A = w^T`, compressed along K = k;
-  op T: `A = w`, compressed along N = k)."""
+  op T: `A = w`, compressed along N = k). A 3-D `shape`: `batch` products
+  stacked on axis 0."""
+  if len(shape) == 3:
+    assert a.shape[0] == b.shape[0] == shape[0] == batch, (a.shape, b.shape, shape, batch)
+    return jax.vmap(functools.partial(_stand_in_product, shape=shape[1:], m=m, n=n, k=k,
+                                      op_a=op_a, op_b=op_b, search=search, alg=alg))(a, b)
   del n, search, alg
   if op_a == 0:
     w = dense_of_buffer(a, k, m, transpose=False)

@@ -217,8 +217,12 @@ def _tangent_batch(args, dims, *, backend, cfg, treedef, linear):
   """Batching: where only the activations (x, x_dot: `[M, K]` each) carry
   the batch axis, it is folded into their rows, so that the product stays
   one call and, in reverse mode of a vmapped function (`grad(vmap(f))`), dw
-  is one product over the whole batch. Otherwise (batched weights, masks or
-  keys) the slices run one after another (`lax.map`)."""
+  is one product over the whole batch. Where everything is batched and the
+  product has no run-time dense switch (stacked experts), it is one
+  product of the stack (`_stacked_tangent_p`). Otherwise (some of the
+  weights, masks or keys batched, or a traced `active` flag, whose
+  conditional a vmap would turn into both branches) the slices run one
+  after another (`lax.map`)."""
   n_lin = sum(linear)
   x_at = n_lin  # x: the first leaf of the residuals
   activations = {x_at} | ({0} if linear[0] else set())
@@ -232,12 +236,66 @@ def _tangent_batch(args, dims, *, backend, cfg, treedef, linear):
     out = _tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef, linear=linear)
     return out.reshape(b, -1, out.shape[-1]), 0
   moved = [jnp.moveaxis(a, d, 0) if m else a for a, d, m in zip(args, dims, mapped)]
+  _, _, (*_, active) = _split(args, treedef, linear)
+  if all(mapped) and (active is None or is_static_dense(active)):
+    return _stacked_tangent_p.bind(*moved, backend=backend, cfg=cfg, treedef=treedef,
+                                   linear=linear), 0
 
   def one(sliced):
     it = iter(sliced)
     vals = [next(it) if m else a for a, m in zip(moved, mapped)]
     return _tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef, linear=linear)
   return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
+
+
+# `_tangent_p` of a stack of products, every argument stacked on axis 0 (the
+# experts of a mixture of experts under vmap): the products' own batching
+# makes each of its products one call for the stack (cuSPARSELt's
+# `_stacked_matmul`), where a loop over the items would copy each one out of
+# its stack and each result into one (`benchmarks/results/nvidia-h200.md`,
+# "The MoE block's expert products as one call per stack").
+_stacked_tangent_p = jax.extend.core.Primitive("jsparse24_sparse_dot_tangent_stacked")
+
+
+def _stacked_impl(*args, backend, cfg, treedef, linear):
+  return jax.vmap(functools.partial(_tangent_impl, backend=backend, cfg=cfg, treedef=treedef,
+                                    linear=linear))(*args)
+
+
+def _stacked_abstract_eval(*args, backend, cfg, treedef, linear):
+  del backend, cfg
+  _, _, (x, w, *_) = _split(args, treedef, linear)
+  return jax.core.ShapedArray((*x.shape[:-1], w.shape[-1]), x.dtype)
+
+
+def _stacked_transpose(ct, *args, backend, cfg, treedef, linear):
+  n_lin = sum(linear)
+  _, _, res = _split(args, treedef, linear)
+  if type(ct) is ad.Zero:  # pylint: disable=unidiomatic-typecheck
+    return [None] * len(args)
+  dx, dw = jax.vmap(lambda res, ct: _backward(backend, cfg, res, ct))(res, ct)
+  return [g for g, on in zip((dx, dw), linear) if on] + [None] * (len(args) - n_lin)
+
+
+def _stacked_batch(args, dims, *, backend, cfg, treedef, linear):
+  """A vmap over a stack of products: one stacked product per slice."""
+  mapped = [d is not None for d in dims]
+  moved = [jnp.moveaxis(a, d, 0) if m else a for a, d, m in zip(args, dims, mapped)]
+
+  def one(sliced):
+    it = iter(sliced)
+    vals = [next(it) if m else a for a, m in zip(moved, mapped)]
+    return _stacked_tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef,
+                                   linear=linear)
+  return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
+
+
+_stacked_tangent_p.def_impl(_stacked_impl)
+_stacked_tangent_p.def_abstract_eval(_stacked_abstract_eval)
+ad.primitive_transposes[_stacked_tangent_p] = _stacked_transpose
+batching.primitive_batchers[_stacked_tangent_p] = _stacked_batch
+mlir.register_lowering(_stacked_tangent_p,
+                       mlir.lower_fun(_stacked_impl, multiple_results=False))
 
 _tangent_p.def_impl(_tangent_impl)
 _tangent_p.def_abstract_eval(_tangent_abstract_eval)

@@ -31,8 +31,9 @@ Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
 TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
 of compute capability 8.0+. The matmul plans and the algorithm picked on the
 first call of each shape (`SEARCH`) are cached per process. Under `vmap`, a
-batch of activations against one weight folds into M; batched weights run one
-product per weight (`lax.map`).
+batch of activations against one weight folds into M; batched weights (a
+mixture of experts' stacked kernels) run as one FFI call for the stack, which
+multiplies each item at its offset into the stacked buffers.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ import numpy as np
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._mvue import mvue_seeds
 from jsparse24._sharding import (partitioning_off, rows_contracted, rows_parallel,
-                                 weight_grad_sharding, whole_on_each_device)
+                                 stack_rows_parallel, weight_grad_sharding,
+                                 whole_on_each_device)
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends._products import matmul as xla_matmul
@@ -411,27 +413,27 @@ def compress_for_products_by_cusparselt(w: jax.Array, mask, transposable: bool):
 
 
 def _matmul_2d(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> jax.Array:
-  want = buffer_shape(k, n, transpose=transpose)
-  if c.shape != want or c.dtype != x.dtype:
-    raise ValueError(
-        f"cusparselt matmul: the compressed operand must be {x.dtype.name}{list(want)}"
-        f" (buffer_shape of a {k}x{n} weight, x's dtype), got {c.dtype.name}{list(c.shape)}")
-  _check_size(x.dtype, k, n)
+  if c.ndim != 2:
+    raise ValueError(f"cusparselt matmul: one compressed operand {list(c.shape)} must be 2-D")
+  _check_buffer(x, c, k, n, transpose)
   # Partitioned over M under jit with sharded activations (the FFI call
   # itself has no sharding rule): each device multiplies its own rows.
   return rows_parallel(_ffi_matmul(k, n, transpose, *_search_attrs(x.dtype)), x, c)
 
 
-def _sparse_a_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, int], *, m: int, n: int,
-                     k: int, op_a: int, op_b: int, search: int, alg: int) -> jax.Array:
+def _sparse_a_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, ...], *, m: int, n: int,
+                     k: int, op_a: int, op_b: int, search: int, alg: int,
+                     batch: int = 1) -> jax.Array:
   """cuSPARSELt's column-major `D[m, n] = op(A)[m, k] @ op(B)[k, n]`, `A` the
   compressed structured buffer `a`, `B` the dense `b`; `D` is returned as
-  the row-major `shape` array of b's dtype that its buffer is."""
+  the row-major `shape` array of b's dtype that its buffer is. `batch` > 1:
+  that many products of these sizes, `a`, `b` and `D` stacked on axis 0
+  (`shape` includes it), run by one call."""
   call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul", jax.ShapeDtypeStruct(shape, b.dtype))
   d = call(a, b, m=np.int64(m), n=np.int64(n), k=np.int64(k), op_a=np.int64(op_a),
            op_b=np.int64(op_b), sparse_a=np.int64(1), order_a=np.int64(_COL),
            order_b=np.int64(_COL), order_d=np.int64(_COL), search=np.int64(search),
-           alg=np.int64(alg))
+           alg=np.int64(alg), batch=np.int64(batch))
   # Where the product is also written into a stacked buffer (an `nn.scan`
   # keeping it for the backward pass) and read by another op, XLA's GPU
   # dynamic-slice fusion computed the call twice, once into the stack
@@ -443,30 +445,66 @@ def _sparse_a_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, int], *, m: i
 
 @functools.cache
 def _ffi_matmul(k: int, n: int, transpose: bool, search: int, alg: int):
-  """The per-device product `x[M, K or N] -> [M, N or K]` on buffer `c`."""
+  """The per-device product `x[M, K or N] -> [M, N or K]` on buffer `c`; or
+  a stack of them, `x[B, M, .]` on `c[B, ...]` (one call for the stack)."""
 
   def run(x, c):
-    m = x.shape[0]
+    stack = x.shape[:-2]  # () or (B,)
+    m = x.shape[-2]
     pad = -m % PAD_M
     if pad:
-      x = jnp.pad(x, ((0, pad), (0, 0)))
+      x = jnp.pad(x, [(0, 0)] * len(stack) + [(0, pad), (0, 0)])
     mp = m + pad
     out = k if transpose else n  # columns of the result
     inner = n if transpose else k  # contraction length
     # Column-major GEMM D[out, M] = op(A)[out, inner] @ B[inner, M]: A is the
     # structured W^T (N x K column-major: the w buffer), B = x^T and D = y^T
     # (the row-major x and y buffers).
-    y = _sparse_a_matmul(c, x, (mp, out), m=out, n=mp, k=inner,
-                         op_a=_T if transpose else _N, op_b=_N, search=search, alg=alg)
-    return y[:m] if pad else y
+    y = _sparse_a_matmul(c, x, (*stack, mp, out), m=out, n=mp, k=inner,
+                         op_a=_T if transpose else _N, op_b=_N, search=search, alg=alg,
+                         batch=stack[0] if stack else 1)
+    return y[..., :m, :] if pad else y
 
   return run
+
+
+def _check_buffer(x: jax.Array, c: jax.Array, k: int, n: int, transpose: bool) -> None:
+  want = buffer_shape(k, n, transpose=transpose)
+  if c.shape[-2:] != want or c.dtype != x.dtype:
+    raise ValueError(
+        f"cusparselt matmul: the compressed operand must be {x.dtype.name}{list(want)}"
+        f" (buffer_shape of a {k}x{n} weight, x's dtype), got {c.dtype.name}{list(c.shape)}")
+  _check_size(x.dtype, k, n)
+
+
+@functools.cache
+def _stacked_matmul(k: int, n: int, transpose: bool, unpartitioned: bool):
+  """`x[B, M, .] @ W_b` for stacked buffers `c[B, ...]` (the experts of a
+  mixture of experts under `vmap`): one cuSPARSELt call for the stack,
+  partitioned over B and M (`stack_rows_parallel`). Under a further `vmap`,
+  one such call per element of that axis. `unpartitioned`: as for
+  `_batched_matmul`."""
+  del unpartitioned
+
+  @jax.custom_batching.custom_vmap
+  def mm(x, c):
+    _check_buffer(x, c, k, n, transpose)
+    return stack_rows_parallel(_ffi_matmul(k, n, transpose, *_search_attrs(x.dtype)), x, c)
+
+  @mm.def_vmap
+  def _rule(axis_size, in_batched, x, c):
+    x, c = (a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, bat in zip((x, c), in_batched))
+    return jax.lax.map(lambda xc: mm(*xc), (x, c)), True
+
+  return mm
 
 
 @functools.cache
 def _batched_matmul(k: int, n: int, transpose: bool, unpartitioned: bool):
   """`x[M, K] @ W` (or `x[M, N] @ W^T`) for compressed `c`, with a vmap rule:
-  batched activations fold into M; a batched weight maps one call per weight.
+  batched activations fold into M; batched weights (stacked experts) run as
+  one call for the stack (`_stacked_matmul`).
 
   `unpartitioned` (`_sharding.partitioning_off()`) only keys the cache: on
   jax 0.11 `custom_vmap` reuses the trace of its function (0.10 traces
@@ -489,7 +527,7 @@ def _batched_matmul(k: int, n: int, transpose: bool, unpartitioned: bool):
       return y.reshape(b, m, y.shape[-1]), True
     if not x_batched:
       x = jnp.broadcast_to(x, (axis_size, *x.shape))
-    return jax.lax.map(lambda xc: mm(*xc), (x, c)), True
+    return _stacked_matmul(k, n, transpose, partitioning_off())(x, c), True
 
   return mm
 

@@ -661,8 +661,10 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
                       int64_t m, int64_t n, int64_t k, int64_t op_a,
                       int64_t op_b, int64_t sparse_a, int64_t order_a,
                       int64_t order_b, int64_t order_d, int64_t search,
-                      int64_t alg) {
+                      int64_t alg, int64_t batch) {
   if (!Opened()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, NotOpenedMessage());
+  if (batch < 1)
+    return ffi::Error::InvalidArgument("jsparse24 cuSPARSELt matmul: batch must be >= 1");
   int dtype_code = DtypeCode(d->element_type());
   if (dtype_code < 0)
     return ffi::Error::InvalidArgument(
@@ -671,9 +673,11 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
   if (dense.element_type() != d->element_type())
     return ffi::Error::InvalidArgument(
         "jsparse24 cuSPARSELt matmul: the dense operand and the result differ in dtype");
+  // `batch` products of the same shape, stacked: operand and result i start
+  // i item sizes into their buffers (one plan for all of them).
   int64_t dense_count = sparse_a ? k * n : m * k;
-  if (static_cast<int64_t>(dense.element_count()) != dense_count ||
-      static_cast<int64_t>(d->element_count()) != m * n)
+  if (static_cast<int64_t>(dense.element_count()) != dense_count * batch ||
+      static_cast<int64_t>(d->element_count()) != m * n * batch)
     return ffi::Error::InvalidArgument(
         "jsparse24 cuSPARSELt matmul: operand sizes do not match m, n, k");
   const cusparseLtHandle_t* handle;
@@ -685,12 +689,12 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
   err = GetPlan(key, handle, &p);
   if (!err.empty()) return ffi::Error::Internal(err);
   const ffi::AnyBuffer& structured = sparse_a ? a : b;
-  if (structured.size_bytes() != p->compressed_size)
+  if (structured.size_bytes() != p->compressed_size * static_cast<size_t>(batch))
     return ffi::Error::InvalidArgument(
         "jsparse24 cuSPARSELt matmul: the compressed operand has " +
-        std::to_string(structured.size_bytes()) +
-        " bytes, cusparseLtSpMMACompressedSize2 says " +
-        std::to_string(p->compressed_size));
+        std::to_string(structured.size_bytes()) + " bytes for " +
+        std::to_string(batch) + " product(s), cusparseLtSpMMACompressedSize2 says " +
+        std::to_string(p->compressed_size) + " each");
 
   float alpha = 1.0f, beta = 0.0f;
   cudaStream_t streams[1] = {stream};
@@ -798,9 +802,21 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device,
   void* ws;
   ffi::Error e = workspace(run, &ws);
   if (e.failure()) return e;
-  JSP_CSLT(cusparseLtMatmul,
-           (handle, &run->plan, &alpha, a.untyped_data(), b.untyped_data(), &beta,
-            d->untyped_data(), d->untyped_data(), ws, streams, 1));
+  // A stack of products (the experts of a mixture of experts) runs as one
+  // call on offsets into the stacked buffers: one launch from XLA and no
+  // copy of each item out of its stack and of each result into one, which
+  // a loop over the items in XLA makes (dynamic slices and updates). The
+  // items run in turn on the stream, sharing the workspace.
+  char* pa = static_cast<char*>(a.untyped_data());
+  char* pb = static_cast<char*>(b.untyped_data());
+  char* pd = static_cast<char*>(d->untyped_data());
+  size_t a_item = a.size_bytes() / batch, b_item = b.size_bytes() / batch,
+         d_item = d->size_bytes() / batch;
+  for (int64_t i = 0; i < batch; ++i) {
+    JSP_CSLT(cusparseLtMatmul,
+             (handle, &run->plan, &alpha, pa + i * a_item, pb + i * b_item, &beta,
+              pd + i * d_item, pd + i * d_item, ws, streams, 1));
+  }
   return ffi::Error::Success();
 }
 
@@ -837,7 +853,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspCusparseltMatmul, MatmulImpl,
                                   .Attr<int64_t>("order_b")
                                   .Attr<int64_t>("order_d")
                                   .Attr<int64_t>("search")
-                                  .Attr<int64_t>("alg"));
+                                  .Attr<int64_t>("alg")
+                                  .Attr<int64_t>("batch"));
 
 namespace {
 
