@@ -204,13 +204,20 @@ def _tangent_abstract_eval(*args, backend, cfg, treedef, linear):
                               sharding=product_sharding(x, cfg.split))
 
 
-def _tangent_transpose(ct, *args, backend, cfg, treedef, linear):
+def _transposed(ct, args, treedef, linear, backward):
+  """A tangent primitive's transpose: `backward(res, ct) -> (dx, dw)` for
+  the linear arguments, None for the residuals."""
   n_lin = sum(linear)
   _, _, res = _split(args, treedef, linear)
   if type(ct) is ad.Zero:  # pylint: disable=unidiomatic-typecheck
     return [None] * len(args)
-  dx, dw = _backward(backend, cfg, res, ct)
+  dx, dw = backward(res, ct)
   return [g for g, on in zip((dx, dw), linear) if on] + [None] * (len(args) - n_lin)
+
+
+def _tangent_transpose(ct, *args, backend, cfg, treedef, linear):
+  return _transposed(ct, args, treedef, linear,
+                     lambda res, ct: _backward(backend, cfg, res, ct))
 
 
 def _tangent_batch(args, dims, *, backend, cfg, treedef, linear):
@@ -227,25 +234,38 @@ def _tangent_batch(args, dims, *, backend, cfg, treedef, linear):
   x_at = n_lin  # x: the first leaf of the residuals
   activations = {x_at} | ({0} if linear[0] else set())
   mapped = [d is not None for d in dims]  # None: an unbatched argument
+  params = {"backend": backend, "cfg": cfg, "treedef": treedef, "linear": linear}
   if all(m == (i in activations) for i, m in enumerate(mapped)):
     vals = list(args)
     for i in activations:  # [B, M, K] -> [B * M, K]
       v = jnp.moveaxis(vals[i], dims[i], 0)
       vals[i] = v.reshape(-1, v.shape[-1])
     b = args[x_at].shape[dims[x_at]]
-    out = _tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef, linear=linear)
+    out = _tangent_p.bind(*vals, **params)
     return out.reshape(b, -1, out.shape[-1]), 0
-  moved = [jnp.moveaxis(a, d, 0) if m else a for a, d, m in zip(args, dims, mapped)]
   _, _, (*_, active) = _split(args, treedef, linear)
   if all(mapped) and (active is None or is_static_dense(active)):
-    return _stacked_tangent_p.bind(*moved, backend=backend, cfg=cfg, treedef=treedef,
-                                   linear=linear), 0
+    moved = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    return _stacked_tangent_p.bind(*moved, **params), 0
+  return _slice_by_slice(_tangent_p, args, dims, params), 0
+
+
+def _slice_by_slice(primitive, args, dims, params):
+  """`primitive` bound on each slice of the batched `args` in turn (`lax.map`)."""
+  mapped = [d is not None for d in dims]
+  moved = [jnp.moveaxis(a, d, 0) if m else a for a, d, m in zip(args, dims, mapped)]
 
   def one(sliced):
     it = iter(sliced)
-    vals = [next(it) if m else a for a, m in zip(moved, mapped)]
-    return _tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef, linear=linear)
-  return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
+    return primitive.bind(*[next(it) if m else a for a, m in zip(moved, mapped)], **params)
+  return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m])
+
+
+_tangent_p.def_impl(_tangent_impl)
+_tangent_p.def_abstract_eval(_tangent_abstract_eval)
+ad.primitive_transposes[_tangent_p] = _tangent_transpose
+batching.primitive_batchers[_tangent_p] = _tangent_batch
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
 
 
 # `_tangent_p` of a stack of products, every argument stacked on axis 0 (the
@@ -269,25 +289,13 @@ def _stacked_abstract_eval(*args, backend, cfg, treedef, linear):
 
 
 def _stacked_transpose(ct, *args, backend, cfg, treedef, linear):
-  n_lin = sum(linear)
-  _, _, res = _split(args, treedef, linear)
-  if type(ct) is ad.Zero:  # pylint: disable=unidiomatic-typecheck
-    return [None] * len(args)
-  dx, dw = jax.vmap(lambda res, ct: _backward(backend, cfg, res, ct))(res, ct)
-  return [g for g, on in zip((dx, dw), linear) if on] + [None] * (len(args) - n_lin)
+  return _transposed(ct, args, treedef, linear,
+                     jax.vmap(lambda res, ct: _backward(backend, cfg, res, ct)))
 
 
-def _stacked_batch(args, dims, *, backend, cfg, treedef, linear):
+def _stacked_batch(args, dims, **params):
   """A vmap over a stack of products: one stacked product per slice."""
-  mapped = [d is not None for d in dims]
-  moved = [jnp.moveaxis(a, d, 0) if m else a for a, d, m in zip(args, dims, mapped)]
-
-  def one(sliced):
-    it = iter(sliced)
-    vals = [next(it) if m else a for a, m in zip(moved, mapped)]
-    return _stacked_tangent_p.bind(*vals, backend=backend, cfg=cfg, treedef=treedef,
-                                   linear=linear)
-  return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
+  return _slice_by_slice(_stacked_tangent_p, args, dims, params), 0
 
 
 _stacked_tangent_p.def_impl(_stacked_impl)
@@ -296,12 +304,6 @@ ad.primitive_transposes[_stacked_tangent_p] = _stacked_transpose
 batching.primitive_batchers[_stacked_tangent_p] = _stacked_batch
 mlir.register_lowering(_stacked_tangent_p,
                        mlir.lower_fun(_stacked_impl, multiple_results=False))
-
-_tangent_p.def_impl(_tangent_impl)
-_tangent_p.def_abstract_eval(_tangent_abstract_eval)
-ad.primitive_transposes[_tangent_p] = _tangent_transpose
-batching.primitive_batchers[_tangent_p] = _tangent_batch
-mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
