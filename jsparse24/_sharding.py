@@ -80,7 +80,7 @@ def _rule(ranks: tuple[int, ...]) -> str:
   return f"m k, {operands} -> m n" if ranks else "m k -> m n"
 
 
-def _one_call_per_element(call: Callable, axis_size: int, in_batched, args) -> tuple[Any, Any]:
+def one_call_per_element(call: Callable, axis_size: int, in_batched, args) -> tuple[Any, Any]:
   """A custom_vmap rule's result: `call` once per batch element (`lax.map`),
   unbatched arguments broadcast; every output batched."""
   args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
@@ -110,7 +110,7 @@ def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
       b, m = x.shape[0], x.shape[1]
       y = call(x.reshape(b * m, *x.shape[2:]), *operands)
       return y.reshape(b, m, *y.shape[1:]), True
-    return _one_call_per_element(call, axis_size, in_batched, (x, *operands))
+    return one_call_per_element(call, axis_size, in_batched, (x, *operands))
 
   def infer(mesh, arg_shapes, result_shape):
     return NamedSharding(mesh, _rows_spec(arg_shapes[0].sharding, len(result_shape.shape)))
@@ -371,7 +371,7 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int) -> Callab
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
-    return _one_call_per_element(call, axis_size, in_batched, args)
+    return one_call_per_element(call, axis_size, in_batched, args)
 
   def specs(mesh, arg_shapes):
     x, dy = arg_shapes[:2]

@@ -49,8 +49,8 @@ import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
 from jsparse24._mvue import mvue_seeds
-from jsparse24._sharding import (partitioning_off, rows_contracted, rows_parallel,
-                                 stack_rows_parallel, weight_grad_sharding,
+from jsparse24._sharding import (one_call_per_element, partitioning_off, rows_contracted,
+                                 rows_parallel, stack_rows_parallel, weight_grad_sharding,
                                  whole_on_each_device)
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends import pallas as pallas_backend
@@ -493,9 +493,7 @@ def _stacked_matmul(k: int, n: int, transpose: bool, unpartitioned: bool):
 
   @mm.def_vmap
   def _rule(axis_size, in_batched, x, c):
-    x, c = (a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, bat in zip((x, c), in_batched))
-    return jax.lax.map(lambda xc: mm(*xc), (x, c)), True
+    return one_call_per_element(mm, axis_size, in_batched, (x, c))
 
   return mm
 
