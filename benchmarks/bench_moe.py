@@ -1,7 +1,7 @@
 """MoE block: `jsparse24.SparseMoE` trained dense and 2:4 sparse, side by side.
 
     PYTHONPATH=. python benchmarks/bench_moe.py [--d-model 4096] [--experts 8] [--top-k 2]
-        [--tokens 16384] [--group 2048] [--json PATH] [--no-write]
+        [--tokens 16384] [--group 2048] [--weight-grad {dense,mvue}] [--json PATH] [--no-write]
     PYTHONPATH=. python benchmarks/bench_moe.py --quick --no-write   # CPU smoke test
 
 The block is one `jsparse24.SparseMoE` feed-forward layer (issue 43's
@@ -21,7 +21,9 @@ layer inside a model passes its input gradient on), and an AdamW update.
   cuSPARSELt, each product (forward, dx) is one cuSPARSELt FFI call for
   all the experts, and each compression one Pallas call.
   tests/test_bench_moe.py checks on CPU that the products reach
-  `sparse_dot` under that vmap.
+  `sparse_dot` under that vmap. `--weight-grad mvue` makes the experts'
+  weight gradients 2:4 too (`SparseMoE(weight_grad="mvue")`, a new "mvue"
+  key per step from the optimizer's count).
 * dense: the same layer with `sparse=False` (its experts `nn.Dense`): the
   router, the routing, the dispatch and combine einsums are the same code in
   both, the params tree and the init params the same. Under `nn.vmap` the
@@ -58,7 +60,7 @@ import optax
 
 import jsparse24
 from benchmarks import _common
-from benchmarks._gpt import LR, MASK_DECAY, WEIGHT_DECAY, at_count
+from benchmarks._gpt import LR, MASK_DECAY, MVUE, WEIGHT_DECAY, at_count
 
 AUX_WEIGHT = 0.01  # Switch Transformer's weight of the load-balancing loss
 QUICK_SHAPE = {"d_model": 32, "experts": 4, "top_k": 2, "tokens": 128, "group": 32}
@@ -101,11 +103,13 @@ def moe_apply(model, interceptor=None):
   when given (the products are traced inside its context)."""
 
   def apply(params, opt_state, x):
-    variables = {"params": params}
+    variables, rngs = {"params": params}, None
     if model.sparse and interceptor is None:
       variables["sparsity"] = jsparse24.optim.masks(opt_state)
+      if model.weight_grad == "mvue":  # a new key per step, as a training loop derives it
+        rngs = {MVUE: jax.random.fold_in(jax.random.key(1), opt_state[0].count)}
     with nn.intercept_methods(interceptor) if interceptor else contextlib.nullcontext():
-      y, state = model.apply(variables, x, mutable=["intermediates"])
+      y, state = model.apply(variables, x, mutable=["intermediates"], rngs=rngs)
     (aux,) = state["intermediates"]["load_balancing_loss"]
     return y, aux
 
@@ -144,7 +148,8 @@ def run(cfg: dict, timer, step_timer) -> dict:
   groups, group = cfg["tokens"] // cfg["group"], cfg["group"]
   model = jsparse24.SparseMoE(num_experts=e, hidden=hidden, top_k=k,
                               capacity_factor=cfg["capacity_factor"], dtype=jnp.bfloat16,
-                              implementation=cfg["implementation"])
+                              implementation=cfg["implementation"],
+                              weight_grad=cfg["weight_grad"])
   dense_model = model.clone(sparse=False)
   key_x, key_t, key_init = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(key_x, (groups, group, d), jnp.bfloat16)
@@ -287,7 +292,8 @@ def notes(cfg: dict, r: dict) -> str:
       f" params; forward, gradients of MSE + {AUX_WEIGHT} x load-balancing loss with respect to"
       f" the params and the input, AdamW (lr {LR}, weight decay {WEIGHT_DECAY}). 2:4 ="
       f" the layer as it is (expert products on {r['implementations']}, `sparse_dot` under"
-      f" `vmap` over the experts: on cuSPARSELt a `lax.map` of one call per expert) with"
+      f" `vmap` over the experts: on cuSPARSELt one call for all the experts per product;"
+      f" weight gradients {cfg['weight_grad']}) with"
       f" `with_masks(adamw, MaskSchedule(rebuild_every={cfg['rebuild_every']}),"
       f" decay={MASK_DECAY})`; dense = the same layer with `sparse=False` (`nn.Dense`"
       f" experts): identical routing code and init params. Routing"
@@ -313,6 +319,8 @@ def main(argv=None) -> dict:
   p.add_argument("--implementation", default=None, choices=("xla", "pallas", "cusparselt"),
                  help="the expert products' 2:4 backend (default: the automatic choice)")
   p.add_argument("--rebuild-every", type=int, default=100, help="R: mask rebuild period (>= 2)")
+  p.add_argument("--weight-grad", choices=("dense", "mvue"), default="dense",
+                 help="the 2:4 experts' weight gradients: dense (default) or MVUE-pruned 2:4")
   p.add_argument("--quick", action="store_true",
                  help=f"one timing repeat, and tiny default shapes {QUICK_SHAPE} (CPU smoke test)")
   p.add_argument("--json", default=None, help="also write every number to this JSON file")
@@ -324,7 +332,7 @@ def main(argv=None) -> dict:
          for name, default in shape.items()}
   cfg["hidden"] = args.hidden or 4 * cfg["d_model"]
   cfg.update(capacity_factor=args.capacity_factor, implementation=args.implementation,
-             rebuild_every=args.rebuild_every)
+             rebuild_every=args.rebuild_every, weight_grad=args.weight_grad)
   if cfg["d_model"] % 4 or cfg["hidden"] % 4:
     p.error("--d-model and --hidden must be multiples of 4 (2:4 along both kernel axes)")
   if cfg["tokens"] % cfg["group"]:

@@ -25,7 +25,9 @@ the whole product everywhere. Here they get a rule, through
   start), then one all-reduce of the partial sums (in their dtype) over M's
   mesh axes, as XLA does for a dense `x^T dy`; x split on K or dy on N (tensor
   parallelism) give each device its block of dw. No activation or
-  activation gradient is gathered.
+  activation gradient is gathered. Under `vmap` of x and dy (stacked
+  experts), a `fn` that takes a stack (`stacks=True`) runs once for the
+  stack (`stack_rows_contracted`: split over B and M).
 
 * `columns_parallel`: the compress kernels (`w[K, N]` -> compressed values
   and metadata, column by column) keep w's sharding of N: under FSDP with the
@@ -327,10 +329,11 @@ def _first_row(axes: tuple[str, ...], rows: int) -> jax.Array:
 
 def _contract_local(fn: Callable, axes: tuple[str, ...], col_axes: tuple[str, ...],
                     n_total: int) -> Callable:
+  # x [..., M, K], dy [..., M, N]: a stack (`stack_rows_contracted`) leads.
   def local(x, dy, *operands):
     zero = jnp.zeros((), jnp.int32)
-    first = _first_row(axes, x.shape[0]) if axes else zero
-    first_col = _first_row(col_axes, dy.shape[1]) if col_axes else zero
+    first = _first_row(axes, x.shape[-2]) if axes else zero
+    first_col = _first_row(col_axes, dy.shape[-1]) if col_axes else zero
     part = fn(x, dy, first, first_col, n_total, *operands)
     return jax.lax.psum(part, axes) if axes else part
   return local
@@ -357,21 +360,27 @@ def _contracted_specs(mesh, x_sharding, dy_sharding, k: int, n: int, align: int)
 
 
 @functools.cache
-def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int) -> Callable:
+def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int, stacks: bool) -> Callable:
 
   @custom_partitioning
   def partitioned(x, dy, *operands):
     zero = jnp.zeros((), jnp.int32)
     return fn(x, dy, zero, zero, dy.shape[1], *operands)
 
-  # custom_partitioning has no batching rule: one product per batch element.
+  # custom_partitioning has no batching rule: a `fn` that takes a stack runs
+  # once for the batch (no copy of each element out of its stack); any
+  # other, once per batch element.
   @jax.custom_batching.custom_vmap
   def call(x, dy, *operands):
     return partitioned(x, dy, *operands)
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
-    return one_call_per_element(call, axis_size, in_batched, args)
+    if not stacks:
+      return one_call_per_element(call, axis_size, in_batched, args)
+    args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+                 for a, bat in zip(args, in_batched))
+    return stack_rows_contracted(fn, *args), True
 
   def specs(mesh, arg_shapes):
     x, dy = arg_shapes[:2]
@@ -397,7 +406,7 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int) -> Callab
 
 
 def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Array,
-                    align: int = 1) -> jax.Array:
+                    align: int = 1, stacks: bool = False) -> jax.Array:
   """`fn(x, dy, first_row, first_col, n_total, *operands)` (x `[M, K]`, dy
   `[M, N]`, result `[K, N]`, a sum over the rows, all-reduced in its dtype) partitioned over
   M: each device runs `fn` on its own rows (`first_row`: an int32 scalar,
@@ -407,13 +416,15 @@ def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Ar
   a multiple of `align`), each device computes its block of the result
   (`first_col`: the global index of its first column of dy, `n_total`
   (a Python int): dy's whole N). `fn` must be hashable and stable, as for
-  `rows_parallel`."""
+  `rows_parallel`. `stacks`: `fn` also takes a stack (x `[B, M, K]`, dy
+  `[B, M, N]`, each operand `[B, ...]` -> `[B, K, N]`), and under `vmap`
+  runs once for it (`stack_rows_contracted`)."""
   if partitioning_off():
     zero = jnp.zeros((), jnp.int32)
     return fn(x, dy, zero, zero, dy.shape[1], *operands)
   mesh = _explicit_mesh(x)
   if mesh is None:
-    return _wrap_contracted(fn, tuple(a.ndim for a in operands), align)(x, dy, *operands)
+    return _wrap_contracted(fn, tuple(a.ndim for a in operands), align, stacks)(x, dy, *operands)
   xs, dys, out = _contracted_specs(mesh, jax.typeof(x).sharding, jax.typeof(dy).sharding,
                                    x.shape[1], dy.shape[1], align)
   operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in operands)
@@ -422,6 +433,77 @@ def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Ar
                        out_specs=out, check_vma=False)(
                            jax.sharding.reshard(x, NamedSharding(mesh, xs)),
                            jax.sharding.reshard(dy, NamedSharding(mesh, dys)), *operands)
+
+
+def _stack_contracted_specs(sharding: Any, ranks: tuple[int, ...]) -> tuple[P, P, tuple[P, ...]]:
+  """(x's and dy's spec, the result's, the operands') of
+  `stack_rows_contracted`: x's partition of B and of M kept for x and dy
+  (their last axes whole), the result split like B, each operand split
+  like B on its axis 0."""
+  spec = tuple(getattr(sharding, "spec", None) or ()) + (None, None)
+  b, m = spec[0], spec[1]
+  return P(b, m, None), P(b, None, None), tuple(P(b, *([None] * (r - 1))) for r in ranks)
+
+
+@functools.cache
+def _wrap_stack_contracted(fn: Callable, ranks: tuple[int, ...]) -> Callable:
+
+  @custom_partitioning
+  def partitioned(x, dy, *operands):
+    zero = jnp.zeros((), jnp.int32)
+    return fn(x, dy, zero, zero, dy.shape[-1], *operands)
+
+  @jax.custom_batching.custom_vmap
+  def call(x, dy, *operands):
+    return partitioned(x, dy, *operands)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    return one_call_per_element(call, axis_size, in_batched, args)
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return NamedSharding(mesh, _stack_contracted_specs(arg_shapes[0].sharding, ranks)[1])
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    xs, out, ops = _stack_contracted_specs(arg_shapes[0].sharding, ranks)
+    args = ((NamedSharding(mesh, xs),) * 2 + tuple(NamedSharding(mesh, o) for o in ops))
+    local = _contract_local(fn, _mesh_axes(xs[1]), (), arg_shapes[1].shape[-1])
+    return mesh, local, NamedSharding(mesh, out), args
+
+  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  operands = "".join(", b " + " ".join(next(names) for _ in range(r - 1)) for r in ranks)
+  partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                            sharding_rule=f"b m k, b m n{operands} -> b k n")
+  return call
+
+
+def stack_rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array,
+                          *operands: jax.Array) -> jax.Array:
+  """`fn(x, dy, first_row, first_col, n_total, *operands)` for a stack of
+  contractions: x `[B, M, K]`, dy `[B, M, N]`, each operand `[B, ...]`,
+  result `[B, K, N]` (item b the sum over the rows of x[b] and dy[b]),
+  partitioned over B and M: each device runs `fn` on its own items of the
+  stack (operands split like x's B) and its own rows of each, then the
+  partial sums are all-reduced over M's mesh axes. K and N are kept whole
+  (`first_col` is 0, `n_total` dy's N). `fn` must be hashable and stable,
+  as for `rows_parallel`."""
+  if partitioning_off():
+    zero = jnp.zeros((), jnp.int32)
+    return fn(x, dy, zero, zero, dy.shape[-1], *operands)
+  ranks = tuple(a.ndim for a in operands)
+  mesh = _explicit_mesh(x)
+  if mesh is None:
+    return _wrap_stack_contracted(fn, ranks)(x, dy, *operands)
+  xs, out, ops = _stack_contracted_specs(jax.typeof(x).sharding, ranks)
+  operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, o))
+                   for a, o in zip(operands, ops))
+  local = _contract_local(fn, _mesh_axes(xs[1]), (), dy.shape[-1])
+  return jax.shard_map(local, mesh=mesh, in_specs=(xs, xs) + ops, out_specs=out,
+                       check_vma=False)(
+                           jax.sharding.reshard(x, NamedSharding(mesh, xs)),
+                           jax.sharding.reshard(dy, NamedSharding(mesh, xs)), *operands)
 
 
 def _axis_size(mesh, entry) -> int:

@@ -131,3 +131,25 @@ def test_expert_products_reach_sparse_dot_under_vmap(monkeypatch):
         model.apply({"params": p, "sparsity": masks}, x))))(v["params"])
   assert calls == [((D, H), True), ((H, D), True)]
   assert _scans_of_length(jaxpr.jaxpr, E, "sparse_matmul") == 4
+
+
+def test_moe_apply_draws_a_new_mvue_key_per_step():
+  """`--weight-grad mvue`: the 2:4 step passes the layer a "mvue" key made
+  from the optimizer's count (without one the layer's weight gradient
+  would be dense), a new one each step."""
+  model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2, capacity_factor=E / 2,
+                              weight_grad="mvue")
+  x = jax.random.normal(jax.random.key(0), (2, 8, D))
+  v = model.init(jax.random.key(1), x)
+  tx = jsparse24.optim.with_masks(optax.sgd(0.1), v["sparsity"])
+  opt = tx.init(v["params"])
+  apply = bench_moe.moe_apply(model)
+  grad = jax.jit(lambda p, o: jax.grad(lambda p: jnp.sum(apply(p, o, x)[0] ** 2))(p))
+  dense_grad = jax.grad(lambda p: jnp.sum(bench_moe.moe_apply(model.clone(weight_grad="dense"))(
+      p, opt, x)[0] ** 2))(v["params"])
+  first = grad(v["params"], opt)
+  later = grad(v["params"], bench_moe.at_count(opt, count=1))
+  up = lambda g: np.asarray(g["experts"]["up"]["kernel"])  # noqa: E731
+  assert not np.allclose(up(first), up(dense_grad))  # MVUE-pruned, not dense
+  assert not np.allclose(up(first), up(later))  # another key at another count
+  np.testing.assert_allclose(up(first), up(grad(v["params"], opt)))  # the same at the same count

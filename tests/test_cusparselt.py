@@ -758,6 +758,56 @@ def test_stacked_experts_run_as_one_call_per_device(monkeypatch):
   cusparselt._stacked_matmul.cache_clear()  # pylint: disable=protected-access
 
 
+def test_stacked_mvue_weight_grads_run_as_one_call_per_device(monkeypatch):
+  """The MVUE weight gradient of stacked experts under `vmap` (each with its
+  own key): one cuSPARSELt call for the whole stack (`stacks=True` of
+  `rows_contracted`), no loop over the items, each item what the unstacked
+  call makes with its key (the tail of M % 4 rows included); under a mesh
+  that splits the stack and the rows, each device's call holds its own
+  items and rows, and the sums over the rows equal the whole's. The call is
+  `tests/triton_removal.py`'s XLA stand-in, recording what it was asked."""
+  from tests import triton_removal  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def recording(a, b, shape, **kw):
+    calls.append((tuple(shape), kw.get("batch", 1)))
+    return triton_removal._stand_in_product(a, b, shape, **kw)  # pylint: disable=protected-access
+
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_sparse_a_matmul", recording)
+  e, k, n = 4, 128, 64
+  stacked = jax.vmap(cusparselt.mvue_weight_grad)
+  one = jax.jit(cusparselt.mvue_weight_grad)
+  keys = jax.random.split(jax.random.key(2), e)
+  for m in (42, 64):  # 42: 40 rows padded to 64 and a tail of 2 rows
+    x = jax.random.normal(jax.random.key(0), (e, m, k), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(1), (e, m, n), jnp.bfloat16)
+    with interpret_mode():
+      calls.clear()
+      got = jax.jit(stacked)(x, dy, keys)
+      # (An unstacked call recorded is custom_vmap's trace of the function it
+      # batches, not in the program; the jaxpr has no loop.)
+      assert ((e, k, n), e) in calls, calls
+      jaxpr = str(jax.make_jaxpr(stacked)(x, dy, keys))
+      assert "scan[" not in jaxpr and "while[" not in jaxpr, jaxpr
+      want = jnp.stack([one(x[i], dy[i], keys[i]) for i in range(e)])
+    assert got.shape == (e, k, n) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # m = 64: 2 x 2 devices, the stack on one axis, the rows (32 each) on the other.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("expert", "data"))
+  split = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(  # noqa: E731
+      mesh, jax.sharding.PartitionSpec(*spec)))
+  with interpret_mode():
+    calls.clear()
+    parts = jax.jit(stacked)(split(x, ("expert", "data")), split(dy, ("expert", "data")),
+                             split(keys, ("expert",)))
+  # (The whole stack's call recorded is the trace of the op before XLA splits it.)
+  assert ((e // 2, k, n), e // 2) in calls, calls
+  # The same draws; the two halves' sums are rounded to bfloat16 before they are added.
+  np.testing.assert_allclose(np.asarray(parts, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(want))))
+
+
 @pytest.mark.parametrize("transposable", [False, True])
 def test_operand_roles_fit_the_operand(transposable):
   """Tensor parallelism reads the operand's blocks by `operand_roles`: one
@@ -803,7 +853,7 @@ def test_mvue_weight_grad_partial_sums_are_in_the_products_dtype(dtype, monkeypa
   monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
   x = jax.ShapeDtypeStruct((256, 128), dtype)
   dy = jax.ShapeDtypeStruct((256, 192), dtype)
-  local = cusparselt._mvue_weight_grad_local(0, 0)
+  local = cusparselt._mvue_weight_grad_local(0, 0, True)
   seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
   i = jax.ShapeDtypeStruct((), jnp.int32)
   for m in (256, 254):  # with and without the exact tail of M % 4 rows

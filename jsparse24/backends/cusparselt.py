@@ -322,16 +322,18 @@ def _metadata_rows(meta: jax.Array, groups: int, cols: int, dtype) -> jax.Array:
 
 
 def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int,
-                   by_groups: bool = False) -> jax.Array:
+                   by_groups: bool = False, interpret: bool | None = None) -> jax.Array:
   """`buf` with the metadata of `meta` written from row `rows` on, in place
   (`buf` is the compress kernel's output, used nowhere else), by one Pallas
   pass (`cusparselt_metadata.write_cusparselt_metadata`; the bytes of
   `_metadata_rows`, for which XLA made three passes and an in-place update:
   docs/design_notes.md, "cuSPARSELt: who writes the compressed buffers").
-  `by_groups`: `meta` is the packed mask transposed (`uint8[groups/2, R]`)."""
+  `by_groups`: `meta` is the packed mask transposed (`uint8[groups/2, R]`).
+  `interpret`: None, `pallas.interpreting()`."""
   kernel = pallas_backend.kernels().cusparselt_metadata.write_cusparselt_metadata
-  write = functools.partial(kernel, row=rows, by_groups=by_groups,
-                            interpret=pallas_backend.interpreting())
+  if interpret is None:
+    interpret = pallas_backend.interpreting()
+  write = functools.partial(kernel, row=rows, by_groups=by_groups, interpret=interpret)
   # The pass needs the whole buffer and mask: with Auto mesh axes XLA gathers
   # sharded ones itself (the compressed arrays, never the weight); with
   # Explicit axes the call runs on replicated per-device arrays, as the
@@ -564,51 +566,64 @@ def mvue_compress_for_product_xla(dy: jax.Array, seed: jax.Array, first_group=0,
 
 
 def mvue_compress_for_product(dy: jax.Array, seed: jax.Array, first_group=0,
-                              row_stride: int | None = None) -> jax.Array:
+                              row_stride: int | None = None,
+                              interpret: bool | None = None) -> jax.Array:
   """`mvue_24` of `dy[M, N]` (M, N multiples of 64) along M, compressed for
   cuSPARSELt (`buffer_shape(M, N, transpose=False)`), by one Pallas pass then
   the metadata write (where the kernels cannot run,
   `mvue_compress_for_product_xla`). `seed`: `mvue_seeds(key)`;
-  `first_group`, `row_stride` as in `pallas_kernels.mvue24.mvue_compress`."""
+  `first_group`, `row_stride` as in `pallas_kernels.mvue24.mvue_compress`;
+  `interpret`: None, `pallas.interpreting()` (a partitioned op's body is
+  traced when XLA partitions it, outside the caller's `interpret_mode`)."""
   m, n = dy.shape
   _check_aligned(m, n)
   if _xla_fallback():
     return mvue_compress_for_product_xla(dy, seed, first_group, row_stride)
+  if interpret is None:
+    interpret = pallas_backend.interpreting()
   buf, codes = pallas_backend.kernels().mvue24.mvue_compress(
-      dy, seed, first_group, row_stride=row_stride, interpret=pallas_backend.interpreting())
-  return _with_metadata(buf, m // 2, codes, m // 4, by_groups=True)
+      dy, seed, first_group, row_stride=row_stride, interpret=interpret)
+  return _with_metadata(buf, m // 2, codes, m // 4, by_groups=True, interpret=interpret)
 
 
 @functools.cache
-def _mvue_weight_grad_local(search: int, alg: int):
+def _mvue_weight_grad_local(search: int, alg: int, interpret: bool):
   """The per-device `fn(x, dy, first_row, first_col, n_total, seed) -> [K, N]`
   of `rows_contracted` (dy's block draws what the whole `[M, n_total]`
   gradient would), in x's dtype: the partial sums are all-reduced in the
   dtype the product writes, as XLA reduces the dense model's `x^T dy` (and
   the reference backend's MVUE product). A float32 result would double the
   all-reduce's bytes (docs/design_notes.md, "cuSPARSELt: the MVUE weight
-  gradient all-reduced in the input's dtype")."""
+  gradient all-reduced in the input's dtype"). It also takes a stack
+  (x `[B, M, K]`, dy `[B, M, N]`, seed `[B, 2]` -> `[B, K, N]`, the experts
+  of a mixture of experts): one compression pass and one cuSPARSELt call
+  for all of it, each item with its own seed."""
 
   def run(x, dy, first_row, first_col, n_total, seed):
-    m, k = x.shape
-    n = dy.shape[1]
+    stack = x.shape[:-2]  # () or (B,)
+    m, k = x.shape[-2:]
+    n = dy.shape[-1]
     head = m - m % 4  # the last M % 4 rows are kept exactly (as mvue_24 does)
-    dw = jnp.zeros((k, n), jnp.float32)
+    dw = jnp.zeros((*stack, k, n), jnp.float32)
     if head:
-      pad = -head % ALIGN_KN
-      xh = jnp.pad(x[:head], ((0, pad), (0, 0)))
-      dyh = jnp.pad(dy[:head], ((0, pad), (0, 0)))
-      mp = head + pad
+      pad = [(0, 0)] * len(stack) + [(0, -head % ALIGN_KN), (0, 0)]
+      xh = jnp.pad(x[..., :head, :], pad)
+      dyh = jnp.pad(dy[..., :head, :], pad)
+      mp = xh.shape[-2]
       _check_size(x.dtype, mp, n)
       first_group = ((first_row // 4).astype(jnp.uint32) * jnp.uint32(n_total)
                      + first_col.astype(jnp.uint32))
-      c = mvue_compress_for_product(dyh, seed, first_group, row_stride=n_total)
+      compress = functools.partial(mvue_compress_for_product, first_group=first_group,
+                                   row_stride=n_total, interpret=interpret)
+      # A stack is one Pallas call with a larger grid.
+      c = (jax.vmap(compress) if stack else compress)(dyh, seed)
       # D[N, K] (column-major) = A[N, Mp] (structured, op N) @ op_T(B)[Mp, K].
-      dw = _sparse_a_matmul(c, xh, (k, n), m=n, n=k, k=mp, op_a=_N, op_b=_T,
-                            search=search, alg=alg).astype(jnp.float32)
+      dw = _sparse_a_matmul(c, xh, (*stack, k, n), m=n, n=k, k=mp, op_a=_N, op_b=_T,
+                            search=search, alg=alg,
+                            batch=stack[0] if stack else 1).astype(jnp.float32)
     if head < m:
-      dw = dw + jax.lax.dot_general(x[head:], dy[head:], (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+      dw = dw + jnp.einsum("...mk,...mn->...kn", x[..., head:, :], dy[..., head:, :],
+                           preferred_element_type=jnp.float32)
     return dw.astype(x.dtype)  # exact where M % 4 == 0 (the product's own dtype)
 
   return run
@@ -621,8 +636,8 @@ def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
   multiple of 8 per device: two group rows share one hash) and the partial
   sums are all-reduced; with x split on K or dy on N (tensor parallelism,
   64-aligned), each device makes its block of the result."""
-  return rows_contracted(_mvue_weight_grad_local(*_search_attrs(x.dtype)), x, dy,
-                         mvue_seeds(key), align=ALIGN_KN)
+  fn = _mvue_weight_grad_local(*_search_attrs(x.dtype), pallas_backend.interpreting())
+  return rows_contracted(fn, x, dy, mvue_seeds(key), align=ALIGN_KN, stacks=True)
 
 
 @dataclasses.dataclass(frozen=True)
