@@ -220,6 +220,13 @@ def _stack_specs(sharding: Any, ranks: tuple[int, ...]) -> tuple[P, tuple[P, ...
   return P(b, m, None), tuple(P(b, *([None] * (r - 1))) for r in ranks)
 
 
+def _stack_operands_rule(ranks: tuple[int, ...]) -> str:
+  """Shardy's factors of a stack's operands (`, b a0 b0, b c0 ...`): each
+  shares the stack's factor b on its axis 0, nothing else."""
+  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  return "".join(", b " + " ".join(next(names) for _ in range(r - 1)) for r in ranks)
+
+
 @functools.cache
 def _wrap_stack(fn: Callable, ranks: tuple[int, ...]) -> Callable:
 
@@ -237,10 +244,8 @@ def _wrap_stack(fn: Callable, ranks: tuple[int, ...]) -> Callable:
     args = (NamedSharding(mesh, xs),) + tuple(NamedSharding(mesh, o) for o in ops)
     return mesh, fn, NamedSharding(mesh, xs), args
 
-  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
-  operands = "".join(", b " + " ".join(next(names) for _ in range(r - 1)) for r in ranks)
   partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                            sharding_rule=f"b m k{operands} -> b m n")
+                            sharding_rule=f"b m k{_stack_operands_rule(ranks)} -> b m n")
   return partitioned
 
 
@@ -472,10 +477,8 @@ def _wrap_stack_contracted(fn: Callable, ranks: tuple[int, ...]) -> Callable:
     local = _contract_local(fn, _mesh_axes(xs[1]), (), arg_shapes[1].shape[-1])
     return mesh, local, NamedSharding(mesh, out), args
 
-  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
-  operands = "".join(", b " + " ".join(next(names) for _ in range(r - 1)) for r in ranks)
   partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                            sharding_rule=f"b m k, b m n{operands} -> b k n")
+                            sharding_rule=f"b m k, b m n{_stack_operands_rule(ranks)} -> b k n")
   return call
 
 
