@@ -442,12 +442,10 @@ def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Ar
 
 def _stack_contracted_specs(sharding: Any, ranks: tuple[int, ...]) -> tuple[P, P, tuple[P, ...]]:
   """(x's and dy's spec, the result's, the operands') of
-  `stack_rows_contracted`: x's partition of B and of M kept for x and dy
-  (their last axes whole), the result split like B, each operand split
-  like B on its axis 0."""
-  spec = tuple(getattr(sharding, "spec", None) or ()) + (None, None)
-  b, m = spec[0], spec[1]
-  return P(b, m, None), P(b, None, None), tuple(P(b, *([None] * (r - 1))) for r in ranks)
+  `stack_rows_contracted`: `_stack_specs`' for x (and dy) and the operands,
+  the result split like B."""
+  xs, ops = _stack_specs(sharding, ranks)
+  return xs, P(xs[0], None, None), ops
 
 
 @functools.cache
