@@ -25,7 +25,7 @@ layer inside a model passes its input gradient on), and an AdamW update.
   weight gradients 2:4 too (`SparseMoE(weight_grad="mvue")`, a new "mvue"
   key per step from the optimizer's count).
 * dense: the same layer with `sparse=False` (its experts `nn.Dense`): the
-  router, the routing, the dispatch and combine einsums are the same code in
+  router, the routing, dispatch and combine are the same code in
   both, the params tree and the init params the same. Under `nn.vmap` the
   dense products are one batched XLA matmul each.
 * routing alone: either model's step with each expert's two products
@@ -33,7 +33,7 @@ layer inside a model passes its input gradient on), and an AdamW update.
   `gelu(x)`), gradients and AdamW on the router only: router, softmax,
   top-k, slots, dispatch, combine, loss. Timed for the dense model before
   any 2:4 product has run and for the 2:4 model after, so that the table
-  shows whether the dispatch and combine einsums pay the cuSPARSELt tax.
+  shows whether dispatch and combine pay the cuSPARSELt tax.
 
 The 2:4 steps are timed with mask_update's count pinned to a step that does
 not rebuild, and once pinned to one that does (its extra cost amortised over

@@ -13,10 +13,11 @@ a layer), `rebuild_masks` likewise, and `compress_params` gives one stacked
 `jax.vmap` over the weights, with the backend chosen as for any product.
 
 Routing is the "tokens choose" top-k routing of Switch Transformer (k=1)
-and GShard (k=2), written as flaxformer's MoE layer writes it: router
-logits -> softmax -> the k largest probabilities per token -> a slot in
-each chosen expert's buffer of `capacity` tokens -> one-hot dispatch and
-combine tensors (einsum), so that every shape is static and the experts'
+and GShard (k=2), with flaxformer's order of slots: router logits ->
+softmax -> the k largest probabilities per token -> a slot in each chosen
+expert's buffer of `capacity` tokens. Where flaxformer multiplies by
+one-hot dispatch and combine tensors, `dispatch` and `combine` gather rows
+by index (`Routing`); every shape is still static and the experts'
 products are one batched product per kernel.
 """
 
@@ -25,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import initializers
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jsparse24._options import SparsityOptions
 from jsparse24.linen import COLLECTION, MVUE_RNG, SparseDense
@@ -74,9 +75,34 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
   return max(1, math.ceil(capacity_factor * top_k * tokens / num_experts))
 
 
-def route(probs: Float[Array, "G S E"], top_k: int, capacity: int):
-  """The dispatch and combine tensors of top-k routing with `capacity` slots
-  per expert and group.
+class Routing(NamedTuple):
+  """Where top-k routing sends each token, as indices (`route`).
+
+  With G groups of S tokens, E experts, k choices per token and C slots per
+  expert and group:
+
+  Attributes:
+    gates: `[G, S, k]` the router probability of each choice, best first
+      (differentiable: `combine` passes its gradient to the router).
+    experts: `[G, S, k]` the chosen experts, best first.
+    slot: `[G, S, k]` where each choice sits in its group's `[E, C]` slots,
+      `e * C + c`; `E * C` for a choice dropped for capacity.
+    choice: `[G, E, C]` which choice holds each slot, `s * k + rank`;
+      `S * k` for an empty slot. The inverse of `slot`.
+  """
+  gates: Float[Array, "G S k"]
+  experts: Int[Array, "G S k"]
+  slot: Int[Array, "G S k"]
+  choice: Int[Array, "G E C"]
+
+  @property
+  def kept(self) -> Bool[Array, "G S k"]:
+    """Which choices found a slot."""
+    return self.slot < self.choice.shape[1] * self.choice.shape[2]
+
+
+def route(probs: Float[Array, "G S E"], top_k: int, capacity: int) -> Routing:
+  """Top-k routing with `capacity` slots per expert and group.
 
   Slots are given out by rank, then by token: every token's first choice
   gets a slot before any token's second choice (GShard; flaxformer), so
@@ -91,25 +117,105 @@ def route(probs: Float[Array, "G S E"], top_k: int, capacity: int):
     capacity: slots per expert in each group.
 
   Returns:
-    `(dispatch, combine, experts)`: `dispatch [G, S, E, C]` is 1 where token
-    s takes slot c of expert e (at most one slot per token and expert);
-    `combine [G, S, E, C]` is `dispatch` times the token's router
-    probability for that expert (differentiable in `probs`); `experts
-    [G, S, k]` the chosen experts, best first.
+    The `Routing`, for `dispatch` and `combine`.
   """
-  num_experts = probs.shape[-1]
+  g, s, num_experts = probs.shape
   gates, experts = jax.lax.top_k(probs, top_k)  # [G, S, k]
-  chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [G, S, k, E]
-  g, s, k, e = chosen.shape
-  # Rank-major order: [G, k*S, E]; the running count is each choice's slot.
-  by_rank = jnp.swapaxes(chosen, 1, 2).reshape(g, k * s, e)
-  slot = jnp.cumsum(by_rank, axis=1) * by_rank - 1  # -1 where not chosen
-  slot = jnp.swapaxes(slot.reshape(g, k, s, e), 1, 2)  # [G, S, k, E]
-  # one_hot of -1 (not chosen) or of a slot >= capacity (dropped) is all zeros.
-  slots = jax.nn.one_hot(slot, capacity, dtype=probs.dtype)  # [G, S, k, E, C]
-  dispatch = jnp.sum(slots, axis=2)
-  combine = jnp.einsum("gskec,gsk->gsec", slots, gates)
-  return dispatch, combine, experts
+  # Rank-major order [G, k*S]: a running count per expert over the group's
+  # choices is each choice's position in its expert's buffer.
+  by_rank = jnp.swapaxes(experts, 1, 2).reshape(g, top_k * s)
+  chosen = jax.nn.one_hot(by_rank, num_experts, dtype=jnp.int32)  # [G, k*S, E]
+  position = jnp.sum((jnp.cumsum(chosen, axis=1) - 1) * chosen, axis=-1)
+  position = jnp.swapaxes(position.reshape(g, top_k, s), 1, 2)  # [G, S, k]
+  slots = num_experts * capacity
+  slot = jnp.where(position < capacity, experts * capacity + position, slots)
+  # The inverse: each kept choice's number written at its slot (the slots
+  # of a group are distinct; a dropped choice's index is out of range).
+  numbers = jnp.broadcast_to(jnp.arange(s * top_k, dtype=jnp.int32), (g, s * top_k))
+  choice = jax.vmap(lambda at, n: jnp.full(slots, s * top_k, jnp.int32).at[at].set(
+      n, mode="drop", unique_indices=True))(slot.reshape(g, -1), numbers)
+  return Routing(gates, experts, slot, choice.reshape(g, num_experts, capacity))
+
+
+def _rows(a: jax.Array, index: jax.Array) -> jax.Array:
+  """`a[index]` along `a`'s first axis, zeros where `index` is out of range
+  (the empty slots' and dropped choices' indices)."""
+  return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
+
+
+# Dispatch and combine move rows between the tokens [G, S] and the slots
+# [E, G, C]: gathers of d-wide rows, memory-bound, where the one-hot einsums
+# of flaxformer's layer multiply by [G, S, E, C] tensors (at E = 8, top-2,
+# d_model 4096 and 2,048-token groups they were ~10% of the step). Each
+# backward pass is the other direction's gather, summed over the k choices:
+# autodiff would transpose a gather into a scatter-add, whose atomic adds
+# make the gradient's rounding depend on the order they land in.
+def _chosen_rows(h, slot):
+  """`[G, S, k, d]`: the rows of `h [E, G, C, d]` at each choice's slot."""
+  e, _, c, d = h.shape
+  return jax.vmap(lambda h, slot: _rows(h.reshape(e * c, d), slot), in_axes=(1, 0))(h, slot)
+
+
+@jax.custom_vjp
+def _dispatch(x, slot, choice):
+  k = slot.shape[-1]
+  return jax.vmap(_rows, in_axes=(0, 0), out_axes=1)(x, choice // k)
+
+
+def _dispatch_fwd(x, slot, choice):
+  return _dispatch(x, slot, choice), (slot, choice)
+
+
+def _dispatch_bwd(res, d_out):
+  slot, choice = res
+  rows = _chosen_rows(d_out, slot)
+  return jnp.sum(rows, axis=2, dtype=jnp.float32).astype(d_out.dtype), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+
+
+@jax.custom_vjp
+def _combine(h, gates, slot, choice):
+  rows = _chosen_rows(h, slot)
+  return jnp.einsum("gskd,gsk->gsd", rows, gates,
+                    preferred_element_type=jnp.float32).astype(h.dtype)
+
+
+def _combine_fwd(h, gates, slot, choice):
+  return _combine(h, gates, slot, choice), (h, gates, slot, choice)
+
+
+def _combine_bwd(res, dy):
+  h, gates, slot, choice = res
+  g, s, k = gates.shape
+  # Each slot's row is its choice's gate times its token's output gradient.
+  slot_gates = jax.vmap(_rows)(gates.reshape(g, s * k), choice)  # [G, E, C]
+  dh = jax.vmap(_rows, in_axes=(0, 0), out_axes=1)(dy, choice // k)  # [E, G, C, d]
+  dh = (dh * jnp.swapaxes(slot_gates, 0, 1)[..., None]).astype(h.dtype)
+  d_gates = jnp.einsum("gskd,gsd->gsk", _chosen_rows(h, slot), dy,
+                       preferred_element_type=jnp.float32).astype(gates.dtype)
+  return dh, d_gates, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def dispatch(x: Float[Array, "G S d"], routing: Routing) -> Float[Array, "E G C d"]:
+  """Each expert's buffer of tokens: `out[e, g, c]` is the token of group g
+  in slot c of expert e (`routing.choice`), zeros for an empty slot."""
+  return _dispatch(x, routing.slot, routing.choice)
+
+
+def combine(expert_out: Float[Array, "E G C d"], routing: Routing) -> Float[Array, "G S d"]:
+  """Each token's output: the sum over its kept choices of the gate times
+  the chosen expert's output in the choice's slot (zeros for a token whose
+  choices were all dropped), summed in float32 and returned in
+  `expert_out`'s dtype. Differentiable in `expert_out` and in
+  `routing.gates`."""
+  return _combine(expert_out, routing.gates, routing.slot, routing.choice)
 
 
 def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax.Array:
@@ -130,8 +236,8 @@ def moe_forward(inputs: Float[Array, "... S d"], router: Callable[[jax.Array], j
                 experts: Callable[[jax.Array], jax.Array], num_experts: int, top_k: int,
                 capacity_factor: float, dtype: Any):
   """The MoE layer's forward pass, shared by the Linen and NNX `SparseMoE`:
-  `router(x [G, S, d]) -> logits [G, S, E]`, `route`, the dispatch einsum to
-  `[E, G * capacity, d]`, `experts` (stacked over E) and the combine einsum.
+  `router(x [G, S, d]) -> logits [G, S, E]`, `route`, `dispatch` to
+  `[E, G * capacity, d]`, `experts` (stacked over E) and `combine`.
   Returns `(y, load_balancing_loss, dropped)` (the share of the top-k
   choices dropped for capacity)."""
   *lead, s, d = jnp.shape(inputs)
@@ -139,14 +245,13 @@ def moe_forward(inputs: Float[Array, "... S d"], router: Callable[[jax.Array], j
   groups = x.shape[0]
   capacity = expert_capacity(s, num_experts, top_k, capacity_factor)
   probs = jax.nn.softmax(router(x).astype(jnp.float32), axis=-1)
-  dispatch, combine, chosen = route(probs, top_k, capacity)
-  aux = load_balancing_loss(probs, chosen)
-  dropped = 1.0 - jnp.sum(dispatch) / (groups * s * top_k)
+  routing = route(probs, top_k, capacity)
+  aux = load_balancing_loss(probs, routing.experts)
+  dropped = 1.0 - jnp.mean(routing.kept.astype(jnp.float32))
   # [E, groups * capacity, d]: each expert's tokens of every group in one product.
-  expert_in = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dtype), x.astype(dtype))
+  expert_in = dispatch(x.astype(dtype), routing)
   expert_out = experts(jnp.reshape(expert_in, (num_experts, groups * capacity, d)))
-  expert_out = jnp.reshape(expert_out, (num_experts, groups, capacity, d))
-  y = jnp.einsum("gsec,egcd->gsd", combine.astype(expert_out.dtype), expert_out)
+  y = combine(jnp.reshape(expert_out, (num_experts, groups, capacity, d)), routing)
   return jnp.reshape(y, (*lead, s, d)), aux, dropped
 
 
@@ -165,9 +270,9 @@ class SparseMoE(nn.Module):
   Inputs are `[..., S, d]`: each slice over the leading axes is one routing
   group (GShard's groups) of S tokens, whose experts each take
   `expert_capacity(S, num_experts, top_k, capacity_factor)` tokens; the
-  choices past it are dropped (`route`). The dispatch and combine tensors
-  are `[groups, S, E, capacity]`, quadratic in S: reshape long inputs into
-  more, shorter groups.
+  choices past it are dropped (`route`). `dispatch` and `combine` move the
+  tokens to the experts' buffers and back by index: gathers of rows, no
+  `[groups, S, E, capacity]` tensors.
 
   Two intermediates are sown (`apply(..., mutable=["intermediates"])`):
   `load_balancing_loss` (`load_balancing_loss`), which the training loss

@@ -6,6 +6,7 @@ its masks per expert through `init`, `optim.mask_update` and
 
 import dataclasses
 import functools
+import math
 import typing
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ import pytest
 import jsparse24
 from jsparse24 import optim
 from jsparse24._options import SparsityOptions
+from tests.test_stacked import _all_eqns
 
 E, D, H = 4, 12, 20  # experts, model width, expert hidden width (multiples of 4)
 G, S = 3, 7          # routing groups, tokens per group
@@ -159,6 +161,66 @@ def test_a_token_over_capacity_contributes_nothing():
   assert np.all(np.abs(np.asarray(y[0, :capacity])) > 0)
   np.testing.assert_array_equal(y[0, capacity:], 0.0)
   np.testing.assert_allclose(state["intermediates"]["dropped"][0], (S - capacity) / S, rtol=1e-6)
+
+
+def test_route_gives_the_slots_of_the_token_loop_and_dispatch_combine_move_rows_by_them():
+  """`route`'s slots are those the token-by-token loop hands out (rank, then
+  token, in order of arrival); `choice` is their inverse; `dispatch` puts
+  each kept token in its slot (empty slots zero) and `combine` adds the
+  gated rows back per token."""
+  top_k, capacity = 2, 3  # tight: 42 choices for 36 slots
+  probs = jax.nn.softmax(_x(7, (G, S, E)), axis=-1)
+  routing = jax.jit(jsparse24.moe.route, static_argnums=(1, 2))(probs, top_k, capacity)
+  want_slot = np.full((G, S, top_k), E * capacity)
+  order = np.argsort(-np.asarray(probs), axis=-1, kind="stable")[..., :top_k]
+  for g in range(G):
+    used = np.zeros(E, int)
+    for rank in range(top_k):
+      for s in range(S):
+        e = order[g, s, rank]
+        if used[e] < capacity:
+          want_slot[g, s, rank] = e * capacity + used[e]
+          used[e] += 1
+  np.testing.assert_array_equal(routing.experts, order)
+  np.testing.assert_array_equal(routing.slot, want_slot)
+  np.testing.assert_array_equal(routing.kept, want_slot < E * capacity)
+  want_choice = np.full((G, E * capacity), S * top_k)
+  for g, s, rank in zip(*np.nonzero(want_slot < E * capacity)):
+    want_choice[g, want_slot[g, s, rank]] = s * top_k + rank
+  np.testing.assert_array_equal(routing.choice.reshape(G, -1), want_choice)
+
+  x = _x(8)
+  buffers = np.asarray(jax.jit(jsparse24.moe.dispatch)(x, routing))
+  want = np.zeros((E, G, capacity, D), np.float32)
+  for g, s, rank in zip(*np.nonzero(want_slot < E * capacity)):
+    e, c = divmod(want_slot[g, s, rank], capacity)
+    want[e, g, c] = x[g, s]
+  np.testing.assert_array_equal(buffers, want)
+  out = _x(9, (E, G, capacity, D))
+  y = np.asarray(jax.jit(jsparse24.moe.combine)(out, routing))
+  want = np.zeros((G, S, D), np.float32)
+  for g, s, rank in zip(*np.nonzero(want_slot < E * capacity)):
+    e, c = divmod(want_slot[g, s, rank], capacity)
+    want[g, s] += np.asarray(routing.gates)[g, s, rank] * np.asarray(out)[e, g, c]
+  np.testing.assert_allclose(y, want, **TOL)
+
+
+def test_routing_and_its_gradient_hold_nothing_of_size_tokens_times_slots():
+  """The layer's forward and backward pass move tokens by index: no array in
+  them is as large as the one-hot `[G, S, E, C]` dispatch tensor (which
+  costs a product as large as the experts' own at d_model 4096)."""
+  s, capacity_factor = 256, 2.0  # S much larger than the widths D, H
+  capacity = jsparse24.moe.expert_capacity(s, E, 2, capacity_factor)
+  model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2, capacity_factor=capacity_factor,
+                              sparse=False)
+  x = _x(10, (G, s, D))
+  v = _init(model, 11, x)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(model.apply({"params": p}, x) ** 2),
+                                  (0, 1)))(v["params"], x)
+  sizes = [math.prod(var.aval.shape) for e in _all_eqns(jaxpr.jaxpr) for var in e.outvars
+           if hasattr(var.aval, "shape")]
+  one_hot = G * s * E * capacity
+  assert max(sizes) < one_hot // 4, (max(sizes), one_hot)
 
 
 def test_load_balancing_loss_is_switch_transformers():

@@ -32,7 +32,7 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-  """Top-2 routing, dispatch and combine, experts under `nn.vmap` mapping
+  """Top-2 routing, dispatch and combine (`jsparse24.moe`'s), experts under `nn.vmap` mapping
   `"params"` only; `by_function`: the vmap of a function taking the expert
   module (flaxformer's form), else of the expert class."""
   by_function: bool = False
@@ -40,8 +40,8 @@ class MoE(nn.Module):
   @nn.compact
   def __call__(self, x):
     probs = jax.nn.softmax(nn.Dense(E, use_bias=False, name="router")(x), axis=-1)
-    dispatch, combine, _ = jsparse24.moe.route(probs, 2, S)
-    expert_in = jnp.einsum("gsec,gsd->egcd", dispatch, x).reshape(E, -1, D)
+    routing = jsparse24.moe.route(probs, 2, S)
+    expert_in = jsparse24.moe.dispatch(x, routing).reshape(E, -1, D)
     if self.by_function:
       run = nn.vmap(lambda expert, y: expert(y), variable_axes={"params": 0},
                     split_rngs={"params": True}, in_axes=0, out_axes=0)
@@ -50,7 +50,7 @@ class MoE(nn.Module):
       stack = nn.vmap(Expert, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=0, out_axes=0)
       out = stack(name="experts")(expert_in)
-    return jnp.einsum("gsec,egcd->gsd", combine, out.reshape(E, G, S, D))
+    return jsparse24.moe.combine(out.reshape(E, G, S, D), routing)
 
 
 class Model(nn.Module):
