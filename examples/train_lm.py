@@ -367,6 +367,9 @@ class Run:
   # The distinct static arguments (phase, rebuild) that `train` jitted the
   # step for: one compiled program each.
   programs: set = dataclasses.field(default_factory=set)
+  # {step: how many layers were 2:4} for each step run with a ramp (the
+  # static phase's count), for `ramp_prediction`.
+  sparse_counts: dict = dataclasses.field(default_factory=dict)
 
   def tokens_per_s(self, tokens_per_step: int, from_step: int = 0) -> float:
     """Training throughput over the timed stretches that start at `from_step`
@@ -530,6 +533,9 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
 
   while run.step < args.steps:
     phase, held = run.static_phase(run.step, held)
+    if run.schedule is not None and run.schedule.ramp is not None:
+      run.sparse_counts[run.step] = (len(held) if isinstance(phase, frozenset) else
+                                     len(jsparse24.optim.layer_names(run.opt_state)) * bool(phase))
     rebuild = run.static_rebuild(run.step)
     compiles = (phase, rebuild) not in run.programs
     if compiles:
@@ -569,6 +575,31 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
 
 
 # --- reporting ----------------------------------------------------------------
+
+
+def ramp_prediction(dense: Run, sparse: Run, from_step: int) -> tuple[int, int, float, float] | None:
+  """What a ramp's share of 2:4 layers predicts for its steps, against what
+  they measured: each step costs the dense run's time per step where its
+  layers are dense and the 2:4 run's own time per fully 2:4 step where they
+  are 2:4, in proportion to the count of 2:4 layers at that step. Over the
+  timed stretches from `from_step` that hold a step with some layer still
+  dense; the fully 2:4 time from the stretches with none.
+  Returns `(first step, end step, measured tokens/s over predicted, fully
+  2:4 over dense)` or None if the run has no stretch of either kind."""
+  counts = sparse.sparse_counts
+  full = max(counts.values(), default=0)
+  parts = [(a, b, t) for a, b, t in sparse.segments if a >= from_step]
+  ramping = [(a, b, t) for a, b, t in parts if any(counts[s] < full for s in range(a, b))]
+  settled = [(a, b, t) for a, b, t in parts if (a, b, t) not in ramping]
+  dense_parts = [(a, b, t) for a, b, t in dense.segments if a >= from_step]
+  if not (full and ramping and settled and dense_parts):
+    return None
+  per_step = lambda ps: sum(t for _, _, t in ps) / sum(b - a for a, b, _ in ps)
+  t_dense, t_full = per_step(dense_parts), per_step(settled)
+  predicted = sum(t_dense + (t_full - t_dense) * counts[s] / full
+                  for a, b, _ in ramping for s in range(a, b))
+  measured = sum(t for _, _, t in ramping)
+  return ramping[0][0], ramping[-1][1], predicted / measured, t_dense / t_full
 
 
 def implementation_summary() -> str:
@@ -917,6 +948,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"2:4 / dense tokens/s over the sparse steps ({sparse_from}+): {ratio:.3f}x"
           f" (training steps only: no compilation, evaluation or checkpointing; 2:4 layers"
           f" on {backends})")
+  ramp = ramp_prediction(dense, sparse, sparse_from) if args.sparsity_ramp is not None else None
+  if ramp is not None:
+    first, end, share, full = ramp
+    print(f"the ramp's steps {first}-{end - 1} ran at {share:.1%} of the tokens/s that their"
+          f" share of 2:4 layers predicts (each layer at the dense run's speed while dense and"
+          f" at the fully 2:4 steps' {full:.3f}x while 2:4)")
   final = {"dense": dense.history["val"][-1], "sparse": sparse.history["val"][-1]}
   print(f"final validation loss: dense {final['dense']:.3f}  2:4 {final['sparse']:.3f}"
         f"  (gap {final['sparse'] - final['dense']:+.3f}; ln(vocab) = {math.log(VOCAB):.3f})")
@@ -970,6 +1007,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "tokens_per_s": {name: v[0] for name, v in speed.items()},
       "tokens_per_s_sparse_steps": {name: v[1] for name, v in speed.items()},
       "train_step_programs": {run.name: len(run.programs) for run in runs},
+      "ramp_tokens_per_s_over_predicted": None if ramp is None else ramp[2],
       "sparse_layer_backends": backends,
       "mean_flip_rate": flip,
       "sparsity": density,

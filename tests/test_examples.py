@@ -12,6 +12,7 @@ import pathlib
 import re
 import shutil
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -398,6 +399,24 @@ def test_train_lm_squared_relu_with_24_activations(tmp_path):
     assert all(math.isfinite(v) for v in val) and val[-1] < val[0], (run, val)
 
 
+def test_train_lm_ramp_prediction_weighs_each_step_by_its_share_of_2_4_layers():
+  """A ramp step with c of 2 layers 2:4 is predicted at the dense run's
+  time per step plus c/2 of the way to the fully 2:4 steps' time; the
+  prediction covers the stretches that hold such a step, not the warm-up
+  or the settled ones."""
+  module = load_example("train_lm")
+  run = lambda segments, counts: types.SimpleNamespace(segments=segments, sparse_counts=counts)
+  dense = run([(0, 2, 2.0), (3, 13, 10.0)], {})  # 1 s per step
+  counts = {s: 0 if s < 5 else 1 if s < 7 else 2 for s in range(13)}
+  # Steps 3-4 dense (1 s each), 5-6 half 2:4 (0.75 s), 7-12 fully 2:4 (0.5 s).
+  exact = [(0, 3, 9.9), (3, 5, 2.0), (5, 7, 1.5), (7, 13, 3.0)]
+  assert module.ramp_prediction(dense, run(exact, counts), 3) == (3, 7, 1.0, 2.0)
+  slow = [(3, 7, 3.5 * 1.25), (7, 13, 3.0)]
+  first, end, share, full = module.ramp_prediction(dense, run(slow, counts), 3)
+  assert (first, end, full) == (3, 7, 2.0) and share == pytest.approx(0.8)
+  assert module.ramp_prediction(dense, run([(7, 13, 3.0)], counts), 3) is None
+
+
 def test_train_lm_ramp_jits_a_program_per_set_of_2_4_layers(tmp_path, monkeypatch):
   """--sparsity-ramp: while the ramp mixes dense and 2:4 layers, the 2:4
   run's step is jitted for the set of 2:4 layers (no run-time switch per
@@ -432,6 +451,7 @@ def test_train_lm_ramp_jits_a_program_per_set_of_2_4_layers(tmp_path, monkeypatc
   assert sparse[5][0] == sparse[6][0] and len(sparse[5][0]) == 1, sparse
   assert sparse[5][0] <= {"block_0/mlp/up", "block_0/mlp/down"}
   assert [step for step, (_, r) in enumerate(sparse) if r] == [1, 4, 5, 6]
+  assert list(runs[1].sparse_counts.values()) == [0] * 5 + [1, 1] + [2] * 5
   for run in runs:
     seen, compiled = set(), []
     for name, step, phase, rebuild in calls:
