@@ -448,8 +448,11 @@ def make_steps(run: Run):
                      run.aux_weight)
 
     loss, grads = jax.value_and_grad(objective)(params)
-    # `rebuild` (Run.static_rebuild): mask_update's static mask_rebuild.
+    # `rebuild` (Run.static_rebuild): mask_update's static mask_rebuild;
+    # `phase`: its static `sparse` (no masked decay for the dense layers).
     extra = {} if rebuild is None else {"mask_rebuild": rebuild}
+    if run.sparse and phase is not None:
+      extra["sparse"] = phase
     updates, opt_state = run.tx.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state, loss
 

@@ -61,6 +61,11 @@ it:
   traces only the branch that runs: no conditional, at the price of one
   program with and one without a rebuild per phase (at most `2 * (layers +
   1)` with a ramp);
+- the masked decay: `update(..., sparse=...)`, the same set as the
+  forward's `masks(opt_state, sparse=...)`, adds it to the 2:4 layers only;
+  with the state's flags every layer's update carries the term (scaled by
+  zero while the layer is dense: an elementwise pass over its gradient and
+  weight per step);
 - always: a per-layer select of every mask between its old and rebuilt
   bits (one elementwise pass over the packed masks, 1 bit per weight),
   because a layer entering 2:4 gets a fresh mask while the 2:4 layers keep
@@ -80,7 +85,7 @@ import optax
 
 from jsparse24 import _checks, backends
 from jsparse24._format import Mask24
-from jsparse24._phase import STATIC_DENSE
+from jsparse24._phase import STATIC_DENSE, is_static_dense
 from jsparse24._sharding import explicit_sharding, typed_like
 from jsparse24.linen import (_map_layers, check_sparsity, dense_kernel, layers_by_path,
                              map_sparse_kernels, masks_like_kernels as _masks_like_kernels,
@@ -395,7 +400,13 @@ def mask_update(
   len(layer_names(opt_state))`). Given, the step has no conditional around
   the rebuild or the ramp's scores (module docstring); it must be the
   schedule's own answer, with the step jitted once per value (a static
-  argument): a wrong one skips or forces a rebuild, unchecked.
+  argument): a wrong one skips or forces a rebuild, unchecked. Given as
+  False, nothing in the update reads the weights, and the optimizer's
+  updates carry no ordering after it.
+  `sparse`, None (default) or the step's 2:4 layers as `masks(opt_state,
+  sparse)` takes them (the same static value): the masked decay is then
+  added to those layers only, with no term, select or pass over the
+  weights for the layers that are dense this step.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jsparse24
@@ -471,7 +482,7 @@ def mask_update(
                            zero(), _map_layers(lambda _, __, path: score[path], masks, masks))
 
   def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
-                **extra_args):
+                sparse: bool | frozenset[str] | None = None, **extra_args):
     del extra_args
     if params is None:
       raise ValueError("mask_update: `update` needs `params` (tx.update(grads, state, params)).")
@@ -570,13 +581,18 @@ def mask_update(
     # Flip rates are fractions, so `after` is always True, but XLA cannot
     # fold it. Scores read the weights too; they are never negative (NaN
     # for NaN weights, which `< 0` leaves True as well).
-    after = sum(jnp.sum(f) for f in jax.tree.leaves(flip)) >= 0
-    if ramp is not None:
-      after = after & ~(sum(jnp.sum(s) for s in score.values()) < 0)
+    # An update that the host says rebuilds nothing reads no weights: no
+    # order to keep (None).
+    after = None
+    if mask_rebuild is not False:
+      after = sum(jnp.sum(f) for f in jax.tree.leaves(flip)) >= 0
+      if ramp is not None:
+        after = after & ~(sum(jnp.sum(s) for s in score.values()) < 0)
     if uses_decay:
-      updates = _add_masked_decay(updates, params, state.masks,
+      updates = _add_masked_decay(updates, params,
+                                  _with_static_phase(state.masks, sparse, "mask_update"),
                                   jnp.asarray(decay_fn(step), jnp.float32), after)
-    else:
+    elif after is not None:
       updates = _ordered_after(updates, state.masks, after)
     last = jnp.where(do_rebuild, nxt, state.last_rebuild).astype(jnp.int32)
     if ramp is None:
@@ -727,7 +743,8 @@ def _ordered_after(updates, masks: Mapping, after: jax.Array):
 
 def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: jax.Array):
   """`updates` with `lam * (1 - mask) * kernel` added to every active sparse
-  layer's kernel entry. `after` (always True) only orders the term after the
+  layer's kernel entry (`STATIC_DENSE` layers: none). `after` (always True;
+  None where nothing needs ordering) only orders the term after the
   rebuild (see `mask_update`); it enters through the per-layer scale, so the
   elementwise term stays the one XLA fuses. Mapped over the updates tree, so
   its container types (`FrozenDict`) are kept. The mask is expanded in the
@@ -737,9 +754,12 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: ja
   """
 
   def add(layer, update, weight):
-    # One flag per layer (an [L] stack under nn.scan) against [..., K, N].
     active = layer["active"]
-    on = after if active is None else active & after
+    if is_static_dense(active):  # dense this step, as the host stated (`sparse`)
+      return update if after is None else jnp.where(after, update, -update)
+    # One flag per layer (an [L] stack under nn.scan) against [..., K, N].
+    on = True if after is None else after
+    on = on if active is None else active & on
     scale = jnp.broadcast_to(jnp.where(on, lam, 0.0), _stack_shape(layer))
     scale = scale[..., None, None].astype(weight.dtype)
     # A select between two updates, not `where(mask, 0, weight)`: XLA merged
@@ -887,8 +907,12 @@ def masks(opt_state, sparse: bool | frozenset[str] | None = None) -> dict:
   one body for all its layers. With a ramp over stacks, only the steps where a stack
   is partly 2:4 pay that cost, and only for that stack.
   """
-  state = _find_state(opt_state, "masks")
-  held = state.masks
+  return _with_static_phase(_find_state(opt_state, "masks").masks, sparse, "masks")
+
+
+def _with_static_phase(held: Mapping, sparse: bool | frozenset[str] | None, fn: str) -> Mapping:
+  """The `"sparsity"` collection `held` with its `active` flags replaced by
+  the host's statement `sparse` (see `masks`); `held` itself for None."""
   if sparse is None:
     return held
   if isinstance(sparse, frozenset):
@@ -896,7 +920,7 @@ def masks(opt_state, sparse: bool | frozenset[str] | None = None) -> dict:
     unknown = sorted(sparse - {n for entries in names.values() for n in entries})
     if unknown or not all(isinstance(n, str) for n in sparse):
       raise ValueError(
-          f"masks: `sparse` names layers the model does not have: {unknown[:5]}; the"
+          f"{fn}: `sparse` names layers the model does not have: {unknown[:5]}; the"
           f" names are those of jsparse24.optim.layer_names(opt_state) (e.g."
           f" {[n for e in names.values() for n in e][:3]}), as"
           f" jsparse24.optim.sparse_layers(opt_state) gives them.")
@@ -913,7 +937,7 @@ def masks(opt_state, sparse: bool | frozenset[str] | None = None) -> dict:
                        held, held)
   if not isinstance(sparse, (bool, np.bool_)):
     raise TypeError(
-        f"masks: `sparse` must be None, a Python bool (this step's phase, e.g."
+        f"{fn}: `sparse` must be None, a Python bool (this step's phase, e.g."
         f" schedule.phase(step) on the host) or a frozenset of 2:4 layer names"
         f" (sparse_layers(opt_state) on the host), got {type(sparse).__name__}"
         f" {sparse!r}; a traced value would keep the run-time switch.")

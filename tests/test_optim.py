@@ -982,6 +982,53 @@ def test_host_count_of_sparse_layers_matches_the_device_flags(schedule):
   np.testing.assert_array_equal(traced, [schedule.sparse_count(i, n) for i in range(16)])
 
 
+def test_host_known_phase_adds_the_decay_to_the_2_4_layers_only():
+  """`update(..., sparse=...)`, the static phase that `masks` takes: at every
+  step of a ramp the same updates and state as the run-time flags; a layer
+  dense this step gets no term at all (its update is the gradient itself
+  in the jaxpr), and with `mask_rebuild=False` no ordering select either."""
+  schedule = optim.MaskSchedule(warmup_steps=2, rebuild_every=3, freeze_after=10,
+                                ramp=optim.SparsityRamp(start=2, end=8))
+  _, _, variables, _, _ = _setup(schedule)
+  tx = optim.mask_update(variables["sparsity"], schedule, decay=1e-2)
+  params = variables["params"]
+  state = tx.init(params)
+  names = optim.layer_names(state)
+  assert len(names) == 2
+  update = jax.jit(tx.update, static_argnames=("mask_rebuild", "sparse"))
+  phases = []
+  for step in range(12):
+    leaves, tree = jax.tree.flatten(params)
+    grads = tree.unflatten([jax.random.normal(jax.random.key(100 * step + i), a.shape)
+                            for i, a in enumerate(leaves)])
+    phase = schedule.phase(step)
+    if phase is None:
+      phase = optim.sparse_layers(state)
+    host = schedule.update_rebuilds(step, len(names))
+    ref_updates, ref = update(grads, state, params)
+    updates, state = update(grads, state, params, mask_rebuild=host, sparse=phase)
+    for a, b in zip(jax.tree.leaves((updates, state)), jax.tree.leaves((ref_updates, ref))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+    phases.append(phase if isinstance(phase, bool) else len(phase))
+    params = optax.apply_updates(params, jax.tree.map(lambda u: -0.1 * u, updates))
+  assert phases[:3] == [False] * 3 and 1 in phases and phases[-1] is True, phases
+
+  def passed_through(sparse):
+    """Which gradient leaves come out of the update as they went in."""
+    jaxpr = jax.make_jaxpr(functools.partial(tx.update, mask_rebuild=False, sparse=sparse))(
+        grads, state, params).jaxpr
+    n = len(jax.tree.leaves(grads))
+    return [o is i for o, i in zip(jaxpr.outvars[:n], jaxpr.invars[:n])]
+
+  kernels = [i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(grads))
+             if path[-1].key == "kernel" and "/".join(k.key for k in path[:-1]) in names]
+  assert len(kernels) == 2
+  assert all(passed_through(False))
+  one = passed_through(frozenset(names[:1]))
+  assert sorted(one[i] for i in kernels) == [False, True] and sum(one) == len(one) - 1
+  assert not any(passed_through(True)[i] for i in kernels)
+
+
 @pytest.mark.parametrize("schedule", [
     optim.MaskSchedule(warmup_steps=2, rebuild_every=3, freeze_after=10,
                        ramp=optim.SparsityRamp(start=2, end=8)),
