@@ -12,6 +12,7 @@ import typing
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -19,6 +20,7 @@ import pytest
 import jsparse24
 from jsparse24 import optim
 from jsparse24._options import SparsityOptions
+from tests.test_sharding import _collectives
 from tests.test_stacked import _all_eqns
 
 E, D, H = 4, 12, 20  # experts, model width, expert hidden width (multiples of 4)
@@ -221,6 +223,36 @@ def test_routing_and_its_gradient_hold_nothing_of_size_tokens_times_slots():
            if hasattr(var.aval, "shape")]
   one_hot = G * s * E * capacity
   assert max(sizes) < one_hot // 4, (max(sizes), one_hot)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_groups_split_over_devices_compute_what_one_device_does_and_move_no_token(axis_type):
+  """Data parallelism over the routing groups (4 devices, 2 groups each):
+  the layer's output and gradients equal one device's, and the only
+  collectives are the gradients' sums and routing-sized gathers: no token
+  row (d-wide or hidden-wide) crosses devices, as each group's dispatch
+  and combine gather within the group."""
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=2)
+  x, cot = _x(12, (8, S, D)), _x(13, (8, S, D))
+  v = _init(model, 14, x)
+
+  @jax.jit
+  def step(params, x):
+    def loss(p, x):
+      return jnp.sum(model.apply({"params": p, "sparsity": v["sparsity"]}, x) * cot)
+    return jax.value_and_grad(loss, (0, 1))(params, x)
+
+  want = step(v["params"], x)
+  params = jax.device_put(v["params"], jax.sharding.NamedSharding(mesh, P()))
+  xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+  got = step(params, xs)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
+  assert got[1][1].sharding.spec[0] == "data"
+  coll = _collectives(step.lower(params, xs).compile().as_text())
+  assert not coll["all-to-all"] and not coll["collective-permute"], coll
+  assert all(D not in shape and H not in shape for shape in coll["all-gather"]), coll
+  assert coll["all-reduce"], coll  # the gradients of the replicated params
 
 
 def test_load_balancing_loss_is_switch_transformers():
