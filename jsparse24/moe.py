@@ -145,6 +145,12 @@ def _rows(a: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
 
 
+def _chosen_rows(h, slot):
+  """`[G, S, k, d]`: the rows of `h [E, G, C, d]` at each choice's slot."""
+  e, _, c, d = h.shape
+  return jax.vmap(lambda h, slot: _rows(h.reshape(e * c, d), slot), in_axes=(1, 0))(h, slot)
+
+
 # Dispatch and combine move rows between the tokens [G, S] and the slots
 # [E, G, C]: gathers of d-wide rows, memory-bound, where the one-hot einsums
 # of flaxformer's layer multiply by [G, S, E, C] tensors (at E = 8, top-2,
@@ -152,12 +158,6 @@ def _rows(a: jax.Array, index: jax.Array) -> jax.Array:
 # backward pass is the other direction's gather, summed over the k choices:
 # autodiff would transpose a gather into a scatter-add, whose atomic adds
 # make the gradient's rounding depend on the order they land in.
-def _chosen_rows(h, slot):
-  """`[G, S, k, d]`: the rows of `h [E, G, C, d]` at each choice's slot."""
-  e, _, c, d = h.shape
-  return jax.vmap(lambda h, slot: _rows(h.reshape(e * c, d), slot), in_axes=(1, 0))(h, slot)
-
-
 @jax.custom_vjp
 def _dispatch(x, slot, choice):
   k = slot.shape[-1]
@@ -175,8 +175,6 @@ def _dispatch_bwd(res, d_out):
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
 
 
 @jax.custom_vjp

@@ -492,6 +492,7 @@ def mask_update(
           f" schedule.update_rebuilds(step, layers)), got {type(mask_rebuild).__name__}"
           f" {mask_rebuild!r}; a traced value would keep the conditional.")
     _check_updates(updates, params, state.masks)
+    stated = _with_static_phase(state.masks, sparse, "mask_update")
     step = state.count
     nxt = step + 1
     do_rebuild = schedule.rebuild(nxt)
@@ -589,8 +590,7 @@ def mask_update(
       if ramp is not None:
         after = after & ~(sum(jnp.sum(s) for s in score.values()) < 0)
     if uses_decay:
-      updates = _add_masked_decay(updates, params,
-                                  _with_static_phase(state.masks, sparse, "mask_update"),
+      updates = _add_masked_decay(updates, params, stated,
                                   jnp.asarray(decay_fn(step), jnp.float32), after)
     elif after is not None:
       updates = _ordered_after(updates, state.masks, after)

@@ -1027,6 +1027,10 @@ def test_host_known_phase_adds_the_decay_to_the_2_4_layers_only():
   one = passed_through(frozenset(names[:1]))
   assert sorted(one[i] for i in kernels) == [False, True] and sum(one) == len(one) - 1
   assert not any(passed_through(True)[i] for i in kernels)
+  with pytest.raises(TypeError, match="mask_update: `sparse` must be None, a Python bool"):
+    tx.update(grads, state, params, sparse=jnp.array(True))
+  with pytest.raises(ValueError, match="mask_update: `sparse` names layers the model does not"):
+    tx.update(grads, state, params, sparse=frozenset({"no/such/layer"}))
 
 
 @pytest.mark.parametrize("schedule", [
