@@ -383,9 +383,7 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int, stacks: b
   def _batched(axis_size, in_batched, *args):
     if not stacks:
       return one_call_per_element(call, axis_size, in_batched, args)
-    args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-                 for a, bat in zip(args, in_batched))
-    return stack_rows_contracted(fn, *args), True
+    return _one_stacked_call(fn, axis_size, in_batched, args)
 
   def specs(mesh, arg_shapes):
     x, dy = arg_shapes[:2]
@@ -430,6 +428,41 @@ def rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array, *operands: jax.Ar
   mesh = _explicit_mesh(x)
   if mesh is None:
     return _wrap_contracted(fn, tuple(a.ndim for a in operands), align, stacks)(x, dy, *operands)
+  if stacks:
+    return _explicit_stacks(fn, align)(x, dy, *operands)
+  return _explicit_contracted(fn, align, mesh, x, dy, *operands)
+
+
+@functools.cache
+def _explicit_stacks(fn: Callable, align: int) -> Callable:
+  """`rows_contracted` on Explicit axes for a `fn` that takes a stack: under
+  `vmap`, one `stack_rows_contracted` for the batch, as `_wrap_contracted`
+  does on Auto axes. (A `vmap` of the one-item `shard_map` would leave the
+  stack's mesh axes out of the manual ones, and `fn` would see them.)"""
+
+  @jax.custom_batching.custom_vmap
+  def call(x, dy, *operands):
+    return _explicit_contracted(fn, align, _explicit_mesh(x), x, dy, *operands)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    return _one_stacked_call(fn, axis_size, in_batched, args)
+
+  return call
+
+
+def _one_stacked_call(fn: Callable, axis_size: int, in_batched, args) -> tuple[jax.Array, bool]:
+  """A custom_vmap rule's result for a contraction whose `fn` takes a stack:
+  one `stack_rows_contracted` for the batch, unbatched arguments broadcast."""
+  args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+               for a, bat in zip(args, in_batched))
+  return stack_rows_contracted(fn, *args), True
+
+
+def _explicit_contracted(fn: Callable, align: int, mesh: Any, x: jax.Array, dy: jax.Array,
+                         *operands: jax.Array) -> jax.Array:
+  """`rows_contracted` of one contraction on an Explicit mesh: a `shard_map`
+  over x's rows (and the dw blocks that x's K and dy's N give)."""
   xs, dys, out = _contracted_specs(mesh, jax.typeof(x).sharding, jax.typeof(dy).sharding,
                                    x.shape[1], dy.shape[1], align)
   operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in operands)

@@ -793,19 +793,23 @@ def test_stacked_mvue_weight_grads_run_as_one_call_per_device(monkeypatch):
       want = jnp.stack([one(x[i], dy[i], keys[i]) for i in range(e)])
     assert got.shape == (e, k, n) and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  # m = 64: 2 x 2 devices, the stack on one axis, the rows (32 each) on the other.
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("expert", "data"))
-  split = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(  # noqa: E731
-      mesh, jax.sharding.PartitionSpec(*spec)))
-  with interpret_mode():
-    calls.clear()
-    parts = jax.jit(stacked)(split(x, ("expert", "data")), split(dy, ("expert", "data")),
-                             split(keys, ("expert",)))
-  # (The whole stack's call recorded is the trace of the op before XLA splits it.)
-  assert ((e // 2, k, n), e // 2) in calls, calls
-  # The same draws; the two halves' sums are rounded to bfloat16 before they are added.
-  np.testing.assert_allclose(np.asarray(parts, np.float32), np.asarray(want, np.float32),
-                             rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(want))))
+  # m = 64: 2 x 2 devices, the stack on one axis, the rows (32 each) on the
+  # other; Auto axes (custom_partitioning) and Explicit ones (shard_map).
+  for axis_type in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+    mesh = jax.make_mesh((2, 2), ("expert", "data"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices()[:4])
+    split = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(  # noqa: E731
+        mesh, jax.sharding.PartitionSpec(*spec)))
+    with interpret_mode():
+      calls.clear()
+      parts = jax.jit(stacked)(split(x, ("expert", "data")), split(dy, ("expert", "data")),
+                               split(keys, ("expert",)))
+    # (On Auto axes the whole stack's call recorded is the trace of the op
+    # before XLA splits it.)
+    assert ((e // 2, k, n), e // 2) in calls, (axis_type, calls)
+    # The same draws; the two halves' sums are rounded to bfloat16 before they are added.
+    np.testing.assert_allclose(np.asarray(parts, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(want))))
 
 
 @pytest.mark.parametrize("transposable", [False, True])
