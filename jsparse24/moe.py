@@ -131,11 +131,11 @@ def route(probs: Float[Array, "G S E"], top_k: int, capacity: int) -> Routing:
   slot = jnp.where(position < capacity, experts * capacity + position, slots)
   # The inverse: each kept choice's number written at its slot (the slots
   # of a group are distinct; a dropped choice's index is out of range).
-  # (`numbers` from `slot`, so that both are sharded alike over the groups.)
-  at = slot.reshape(g, s * top_k)
-  numbers = jnp.zeros_like(at) + jnp.arange(s * top_k, dtype=at.dtype)
-  choice = jax.vmap(lambda at, n: jnp.full(slots, s * top_k, at.dtype).at[at].set(
-      n, mode="drop", unique_indices=True))(at, numbers)
+  # (The numbers are the same in every group: only the slots are mapped, so
+  # that vmap meets no two arguments sharded differently over the groups.)
+  numbers = jnp.arange(s * top_k, dtype=slot.dtype)
+  choice = jax.vmap(lambda at: jnp.full(slots, s * top_k, at.dtype).at[at].set(
+      numbers, mode="drop", unique_indices=True))(slot.reshape(g, s * top_k))
   return Routing(gates, experts, slot, choice.reshape(g, num_experts, capacity))
 
 
