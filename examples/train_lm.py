@@ -528,6 +528,8 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
   # and in both runs at the last dense warm-up step and the first sparse
   # one, so that both can be compared over the same sparse steps.
   seg_start, seg_t0, held, loss = None, None, None, None
+  ramp = run.schedule is not None and run.schedule.ramp is not None
+  layers = len(jsparse24.optim.layer_names(run.opt_state)) if ramp else 0
 
   def close_stretch():
     if seg_start is not None and run.step > seg_start:
@@ -536,9 +538,9 @@ def train(run: Run, data, val, *, args, ckpt_dir: str) -> None:
 
   while run.step < args.steps:
     phase, held = run.static_phase(run.step, held)
-    if run.schedule is not None and run.schedule.ramp is not None:
-      run.sparse_counts[run.step] = (len(held) if isinstance(phase, frozenset) else
-                                     len(jsparse24.optim.layer_names(run.opt_state)) * bool(phase))
+    if ramp:
+      run.sparse_counts[run.step] = (len(held) if isinstance(phase, frozenset)
+                                     else layers * bool(phase))
     rebuild = run.static_rebuild(run.step)
     compiles = (phase, rebuild) not in run.programs
     if compiles:

@@ -151,6 +151,12 @@ def _chosen_rows(h, slot):
   return jax.vmap(lambda h, slot: _rows(h.reshape(e * c, d), slot), in_axes=(1, 0))(h, slot)
 
 
+def _token_rows(a, choice, k):
+  """`[E, G, C, d]`: the rows of `a [G, S, d]` of each slot's token (the
+  slots' `choice`s, of `k` per token)."""
+  return jax.vmap(_rows, in_axes=(0, 0), out_axes=1)(a, choice // k)
+
+
 # Dispatch and combine move rows between the tokens [G, S] and the slots
 # [E, G, C]: gathers of d-wide rows, memory-bound, where the one-hot einsums
 # of flaxformer's layer multiply by [G, S, E, C] tensors (at E = 8, top-2,
@@ -160,8 +166,7 @@ def _chosen_rows(h, slot):
 # make the gradient's rounding depend on the order they land in.
 @jax.custom_vjp
 def _dispatch(x, slot, choice):
-  k = slot.shape[-1]
-  return jax.vmap(_rows, in_axes=(0, 0), out_axes=1)(x, choice // k)
+  return _token_rows(x, choice, slot.shape[-1])
 
 
 def _dispatch_fwd(x, slot, choice):
@@ -193,7 +198,7 @@ def _combine_bwd(res, dy):
   g, s, k = gates.shape
   # Each slot's row is its choice's gate times its token's output gradient.
   slot_gates = jax.vmap(_rows)(gates.reshape(g, s * k), choice)  # [G, E, C]
-  dh = jax.vmap(_rows, in_axes=(0, 0), out_axes=1)(dy, choice // k)  # [E, G, C, d]
+  dh = _token_rows(dy, choice, k)
   dh = (dh * jnp.swapaxes(slot_gates, 0, 1)[..., None]).astype(h.dtype)
   d_gates = jnp.einsum("gskd,gsd->gsk", _chosen_rows(h, slot), dy,
                        preferred_element_type=jnp.float32).astype(gates.dtype)

@@ -737,8 +737,14 @@ def _ordered_after(updates, masks: Mapping, after: jax.Array):
   side is `-u`, not a zero: XLA merged a zero with nn.scan's zero-filled
   gradient buffers and read it from memory (docs/design_notes.md, "The
   optimizer's updates depend on the rebuild")."""
-  return map_sparse_kernels(lambda layer, u: jnp.where(after, u, -u),
-                            layers_by_path(masks), updates)[0]
+  return map_sparse_kernels(lambda layer, u: _ordered(u, after), layers_by_path(masks),
+                            updates)[0]
+
+
+def _ordered(update: jax.Array, after: jax.Array | None) -> jax.Array:
+  """`update` bit for bit, computed from `after` (`_ordered_after`); None:
+  `update` itself."""
+  return update if after is None else jnp.where(after, update, -update)
 
 
 def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: jax.Array):
@@ -756,7 +762,7 @@ def _add_masked_decay(updates, params, masks: Mapping, lam: jax.Array, after: ja
   def add(layer, update, weight):
     active = layer["active"]
     if is_static_dense(active):  # dense this step, as the host stated (`sparse`)
-      return update if after is None else jnp.where(after, update, -update)
+      return _ordered(update, after)
     # One flag per layer (an [L] stack under nn.scan) against [..., K, N].
     on = True if after is None else after
     on = on if active is None else active & on
