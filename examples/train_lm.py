@@ -979,20 +979,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   sizes = mlp_bytes(sparse.params, masks)
   for name in ("float32", "bfloat16"):
     d, c = sizes[f"dense_{name}"], sizes[f"compressed_{name}"]
+    if not d:
+      print(f"MLP kernels: none is 2:4 at step {sparse.step} (the sparsity ramp had not made"
+            f" a layer 2:4 yet), so none ships compressed")
+      break
     print(f"MLP kernels ({name}): dense {d:,} bytes, 2:4 compressed {c:,} bytes"
           f" ({c / d:.1%})")
 
   # Ship the weights compressed, in the compute dtype: the model applied to
   # them needs no "sparsity" collection and scores what the masked model does.
-  # (Full-precision matmuls, so that only the weights' dtype differs.)
+  # (Full-precision matmuls, so that only the weights' dtype differs.) A run
+  # stopped mid-ramp ships its still-dense layers as dense kernels, which
+  # read their (inactive) masks from the collection.
   ship = jax.tree.map(lambda a: a.astype(sparse.model.dtype or jnp.float32), sparse.params)
   compressed = jsparse24.compress_params(ship, masks)
+  count = lambda tree, kind: sum(isinstance(a, kind) for a in jax.tree.leaves(
+      tree, is_leaf=lambda a: isinstance(a, kind)))
+  shipped = ({"params": compressed}
+             if count(compressed, jsparse24.Sparse24) == count(masks, jsparse24.Mask24)
+             else {"params": compressed, "sparsity": masks})
   xs, ys = (jnp.asarray(a) for a in val)
   val_loss = jax.jit(lambda variables: jax.lax.map(
       lambda b: loss_fn(sparse.model, variables, *b), (xs, ys)).mean())
   with jax.default_matmul_precision("highest"):
     masked_val = float(val_loss(sparse.variables(sparse.params, sparse.opt_state)))
-    compressed_val = float(val_loss({"params": compressed}))
+    compressed_val = float(val_loss(shipped))
   print(f"validation loss of the 2:4 model with compressed {args.dtype} weights:"
         f" {compressed_val:.4f} (masked float32 weights: {masked_val:.4f})")
   print(implementation_summary().splitlines()[0])

@@ -126,7 +126,9 @@ def _fwd(x, w, gradient, precision):
 def _bwd(gradient, precision, res, dy):
   x, w = res
   m, xm = _pruned(x)
-  dx = _contract_last(dy, w.astype(dy.dtype), 1, precision, accumulation_dtype(dy.dtype))
+  # In dy's dtype (backends/_products.py's `matmul` says why): zeroing
+  # commutes with the rounding, so the masked dx has the reference's bits.
+  dx = _contract_last(dy, w.astype(dy.dtype), 1, precision)
   if gradient == "masked":
     dx = jnp.where(m, dx, jnp.zeros((), dx.dtype))
   dw = dense_weight_grad(xm, dy, w, precision)

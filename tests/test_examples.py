@@ -473,6 +473,17 @@ def test_train_lm_ramp_jits_a_program_per_set_of_2_4_layers(tmp_path, monkeypatc
                                                              rel=1e-5)
 
 
+def test_train_lm_ends_before_the_ramp_makes_a_layer_2_4(tmp_path, capsys):
+  """A run that stops while the ramp still has every layer dense finishes
+  its report: no kernel ships compressed, and it says so."""
+  module = load_example("train_lm")
+  out = module.main(["--steps", "4", "--eval-every", "4", "--d-model", "32", "--layers", "1",
+                     "--heads", "2", "--seq-len", "32", "--batch", "8", "--eval-batches", "1",
+                     "--mask-warmup", "2", "--sparsity-ramp", "3,9", "--out", str(tmp_path)])
+  assert out["sparsity"] == 0 and not any(out["mlp_kernel_bytes"].values())
+  assert "none is 2:4 at step 4" in capsys.readouterr().out
+
+
 def test_train_lm_step_donates_params_and_optimizer_state():
   """The jitted train step writes the new params and optimizer state into
   the buffers of the old ones (donated: nothing reads them afterwards), so a

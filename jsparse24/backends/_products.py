@@ -22,11 +22,21 @@ def accumulation_dtype(dtype) -> Any:
 
 
 def matmul(a: jax.Array, b: jax.Array, precision: Any = None) -> jax.Array:
-  """`a @ b` over the last axis of a and first of b, fp32 accumulation."""
-  out = jax.lax.dot_general(
+  """`a @ b` over the last axis of a and first of b, written in their
+  result dtype as nn.Dense's product is (XLA accumulates 16-bit products in
+  float32 on the GPU and rounds once, so the bits are those of a float32
+  product cast down).
+
+  Asking XLA for a float32 product instead writes the float32 output and
+  casts it in a second kernel wherever the cast is not fused into the
+  product's epilogue (cuBLAS's does not): for a bfloat16 [16384, 16384]
+  output, 1 GiB written, read and 0.5 GiB written again. It cost a 2:4
+  layer multiplying dense 2.3 ms per step more than nn.Dense at
+  train_lm's gpu preset (benchmarks/results/nvidia-h200.md, "A dense
+  layer of a 2:4 model costs what nn.Dense costs")."""
+  return jax.lax.dot_general(
       a, b, (((a.ndim - 1,), (0,)), ((), ())), precision=precision,
-      preferred_element_type=accumulation_dtype(a.dtype))
-  return out.astype(jnp.result_type(a.dtype, b.dtype))
+      preferred_element_type=jnp.result_type(a.dtype, b.dtype))
 
 
 def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, cfg: DotConfig,

@@ -23,7 +23,7 @@ from jsparse24._input_sparse import input_sparse_product
 from jsparse24._phase import is_static_dense
 from jsparse24._prune import prune_24
 from jsparse24._sharding import is_explicit, typed_like
-from jsparse24.backends._products import accumulation_dtype, matmul, weight_grad
+from jsparse24.backends._products import matmul, weight_grad
 from jsparse24.backends.base import Backend, DotConfig
 
 
@@ -128,8 +128,9 @@ def _mvue_dot_fwd(x, w, kept, active, key, cfg: DotConfig):
 def _mvue_dot_bwd(cfg: DotConfig, res, dy):
   x, w, kept, active, key = res
   wm = jnp.where(kept, w.astype(dy.dtype), jnp.zeros((), dy.dtype))
+  # In dy's dtype, as `matmul` (backends/_products.py) says why.
   dx = jax.lax.dot_general(dy, wm, (((dy.ndim - 1,), (1,)), ((), ())), precision=cfg.precision,
-                           preferred_element_type=accumulation_dtype(dy.dtype), **_out(cfg, "mk"))
+                           **_out(cfg, "mk"))
   dw = weight_grad(x, dy, w, cfg, key, active)
   if cfg.gradient == "masked":
     dw = jnp.where(kept, dw, jnp.zeros((), dw.dtype))
