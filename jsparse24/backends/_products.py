@@ -30,10 +30,11 @@ def matmul(a: jax.Array, b: jax.Array, precision: Any = None) -> jax.Array:
   Asking XLA for a float32 product instead writes the float32 output and
   casts it in a second kernel wherever the cast is not fused into the
   product's epilogue (cuBLAS's does not): for a bfloat16 [16384, 16384]
-  output, 1 GiB written, read and 0.5 GiB written again. It cost a 2:4
-  layer multiplying dense 2.3 ms per step more than nn.Dense at
-  train_lm's gpu preset (benchmarks/results/nvidia-h200.md, "A dense
-  layer of a 2:4 model costs what nn.Dense costs")."""
+  output, 1 GiB written, read and 0.5 GiB written again. At train_lm's
+  gpu preset it made the step of a 2:4 model whose 4 MLP layers were all
+  in a dense phase 2.3 ms slower than the dense model's
+  (benchmarks/results/nvidia-h200.md, "A dense layer of a 2:4 model costs
+  what nn.Dense costs")."""
   return jax.lax.dot_general(
       a, b, (((a.ndim - 1,), (0,)), ((), ())), precision=precision,
       preferred_element_type=jnp.result_type(a.dtype, b.dtype))
