@@ -179,7 +179,9 @@ def make_update(tx, **update_args):
 @functools.cache
 def _count_setter(count: int):
   # `count` is a constant of the program: no transfer from the host.
-  return jax.jit(lambda c: jnp.full_like(c, count))
+  # The old count kept (`keep_unused`) and donated: the new count takes its
+  # buffer (`at_count`).
+  return jax.jit(lambda c: jnp.full_like(c, count), donate_argnums=0, keep_unused=True)
 
 
 def at_count(opt_state, count: int):
@@ -193,6 +195,10 @@ def at_count(opt_state, count: int):
   before it: the timed 2:4 steps then ran one at a time, each waiting for
   the last, while the dense steps beside them (no count to pin) were
   queued, which at d_model 128-256 cost the 2:4 step more than its
-  products."""
+  products.
+
+  Consumes `opt_state`'s count: the new count takes its (donated) buffer,
+  as the count that a step writes does in a training loop, so the timed
+  step reads its inputs at the same addresses every step."""
   return (opt_state[0]._replace(count=_count_setter(count)(opt_state[0].count)),
           *opt_state[1:])

@@ -345,8 +345,6 @@ class MaskUpdateState(NamedTuple):
       schedule is `always_sparse` (module docstring).
     flip_rate: per layer, the fraction of weights whose kept/pruned state
       changed at the last rebuild (0 before any).
-    layer_sparsity: per layer, the fraction of weights pruned in the forward
-      pass at this step (0.5 when sparse, 0 in dense phases).
     last_rebuild: the step whose masks were last rebuilt (0 = at `init`;
       with a ramp, also the steps that rebuild the dense layers' masks for
       the layers entering 2:4).
@@ -359,7 +357,6 @@ class MaskUpdateState(NamedTuple):
   count: jax.Array
   masks: Any
   flip_rate: Any
-  layer_sparsity: Any
   last_rebuild: jax.Array
   score: Any = None
 
@@ -457,29 +454,21 @@ def mask_update(
     return _per_layer(lambda layer: jnp.array(jnp.broadcast_to(
         jnp.asarray(value, jnp.float32), _stack_shape(layer)), copy=True), masks)
 
-  def sparsity_of(masks, active):
-    return per_layer_value(masks, jnp.where(active, 1 - DENSITY, 0.0))
-
-  def sparsity_per_layer(masks):
-    return _per_layer(lambda layer: jnp.where(layer["active"], 1 - DENSITY, 0.0).astype(
-        jnp.float32), masks)
-
   def init_fn(params):
     masks = rebuild_masks(params, template)
     def zero():  # count and last_rebuild: two arrays (see set_active)
       return jnp.zeros((), jnp.int32)
     if ramp is None:
       masks = set_active(masks, schedule.sparse(0))
-      return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0),
-                             sparsity_of(masks, schedule.sparse(0)), zero())
+      return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), zero())
     held = _by_path(lambda layer, _, path: layer["mask"], masks, masks)
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), masks, params)
     score = {path: pruned_norm(kernels[path], held[path]) for path in held}
     dense = {path: jnp.zeros(_stack_shape({"mask": m}), jnp.bool_) for path, m in held.items()}
     active = _grow(dense, score, ramp.count(0, n_layers), schedule.sparse(0))
     masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
-    return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), sparsity_per_layer(masks),
-                           zero(), _map_layers(lambda _, __, path: score[path], masks, masks))
+    return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), zero(),
+                           _map_layers(lambda _, __, path: score[path], masks, masks))
 
   def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
                 sparse: bool | frozenset[str] | None = None, **extra_args):
@@ -598,12 +587,12 @@ def mask_update(
     if ramp is None:
       active = schedule.sparse(nxt)
       masks = set_active(masks, active)
-      masks, sparsity = _apart(masks, sparsity_of(masks, active), flips)
-      return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, sparsity, last)
+      masks = _apart(masks, flips)
+      return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, last)
     active = _grow(was_active, score, count, schedule.sparse(nxt))
     masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
     return updates, MaskUpdateState(
-        optax.safe_increment(step), masks, flip, sparsity_per_layer(masks), last,
+        optax.safe_increment(step), masks, flip, last,
         _map_layers(lambda _, __, path: score[path], masks, masks))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -685,24 +674,21 @@ def _by_path(fn, sparsity: Mapping, other: Any) -> dict:
   return out
 
 
-def _apart(masks: Mapping, sparsity: Mapping, flips: Mapping) -> tuple[dict, dict]:
-  """`(masks, sparsity)` with each layer's `"active"` flag and sparsity made
-  a value of its own, tied to the layer's flip rate by a test that never
-  holds (flip rates are fractions: not negative, not NaN).
+def _apart(masks: Mapping, flips: Mapping) -> dict:
+  """`masks` with each layer's `"active"` flag made a value of its own, tied
+  to the layer's flip rate by a test that never holds (flip rates are
+  fractions: not negative, not NaN).
 
-  Without a ramp every layer's flag is one value, and so is every layer's
-  sparsity. On a GPU, XLA writes a value that a jitted step returns at
-  three or more places into only some of the donated buffers they alias
-  (jax-ml/jax#39625, open): with the optimizer state donated, half of a
-  GPT's layers kept the `active` False of the dense warm-up for the rest of
-  training, and `compress_params` left them dense. Values XLA cannot prove
-  equal are each written."""
+  Without a ramp every layer's flag is one value. On a GPU, XLA writes a
+  value that a jitted step returns at three or more places into only some
+  of the donated buffers they alias (jax-ml/jax#39625, open): with the
+  optimizer state donated, half of a GPT's layers kept the `active` False
+  of the dense warm-up for the rest of training, and `compress_params` left
+  them dense. Values XLA cannot prove equal are each written."""
   never = {path: flip < 0 for path, flip in flips.items()}
-  masks = _map_layers(
+  return _map_layers(
       lambda layer, _, path: layer if layer["active"] is None
       else {**layer, "active": layer["active"] | never[path]}, masks, masks)
-  sparsity = _map_layers(lambda _, s, path: jnp.where(never[path], jnp.nan, s), masks, sparsity)
-  return masks, sparsity
 
 
 def _with_active(masks: Mapping, flags) -> dict:
@@ -1024,7 +1010,13 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
     return {"/".join(str(k.key) for k in path): v
             for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
-  sparsity = by_path(state.layer_sparsity)
+  # Derived from the flags, not kept in the state: a leaf of the state that
+  # the update writes without reading is an input that a jitted step drops
+  # (`jax.jit`'s `keep_unused=False`), so its output cannot take the donated
+  # buffer: a new allocation every step, at a new address.
+  sparsity = by_path(_per_layer(lambda layer: jnp.broadcast_to(
+      jnp.where(True if layer["active"] is None else layer["active"], 1 - DENSITY, 0.0),
+      _stack_shape(layer)).astype(jnp.float32), state.masks))
   score = {} if state.score is None else by_path(state.score)
   return {path: {"flip_rate": flip, "sparsity": sparsity[path],
                  **({"score": score[path]} if path in score else {})}

@@ -217,12 +217,15 @@ def test_pinning_the_count_copies_nothing_from_the_host():
   """`_gpt.at_count` sets mask_update's count from the device's own count: a
   count copied from the host before every timed 2:4 step would wait, on a
   GPU, for the steps queued before it, and time the 2:4 steps one at a time
-  against queued dense steps."""
+  against queued dense steps. The new count takes the old one's buffer, as
+  a training step's count does."""
   layer = jsparse24.SparseDense(4)
   variables = layer.init(jax.random.key(0), jnp.ones((1, 8)))
   tx = optax.chain(jsparse24.optim.mask_update(variables["sparsity"]), optax.sgd(0.1))
   state = jax.jit(tx.init)(variables["params"])
+  address = state[0].count.unsafe_buffer_pointer()
   with jax.transfer_guard("disallow"):
     pinned = _gpt.at_count(state, 7)
   assert int(pinned[0].count) == 7 and pinned[0].count.dtype == state[0].count.dtype
+  assert pinned[0].count.unsafe_buffer_pointer() == address
   assert pinned[1:] == state[1:] and pinned[0].masks is state[0].masks

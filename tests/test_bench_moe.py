@@ -148,7 +148,8 @@ def test_moe_apply_draws_a_new_mvue_key_per_step():
   dense_grad = jax.grad(lambda p: jnp.sum(bench_moe.moe_apply(model.clone(weight_grad="dense"))(
       p, opt, x)[0] ** 2))(v["params"])
   first = grad(v["params"], opt)
-  later = grad(v["params"], bench_moe.at_count(opt, count=1))
+  # at_count consumes the count it is given: a copy, as `opt` is used again.
+  later = grad(v["params"], bench_moe.at_count(jax.tree.map(jnp.copy, opt), count=1))
   up = lambda g: np.asarray(g["experts"]["up"]["kernel"])  # noqa: E731
   assert not np.allclose(up(first), up(dense_grad))  # MVUE-pruned, not dense
   assert not np.allclose(up(first), up(later))  # another key at another count

@@ -310,6 +310,40 @@ def test_donated_step_returns_no_value_twice(ramp):
   assert int(optim.masks(state)["up"]["active"]) == int(optim.masks(state)["down"]["active"]) == 1
 
 
+@pytest.mark.parametrize("schedule,mask_rebuild", [
+    (optim.MaskSchedule(rebuild_every=4), None),
+    (optim.MaskSchedule(rebuild_every=4), False),
+    (optim.MaskSchedule(warmup_steps=2, rebuild_every=4), False),
+    (optim.MaskSchedule(rebuild_every=4, ramp=optim.SparsityRamp(start=1, end=3)), None),
+    (optim.MaskSchedule(rebuild_every=4, ramp=optim.SparsityRamp(start=1, end=3)), False),
+])
+def test_donating_step_writes_the_state_in_place(schedule, mask_rebuild):
+  """A jitted step that donates params and optimizer state writes every new
+  leaf into the buffer of the old one: each leaf of mask_update's state is
+  read by its update. A leaf written without being read is an input that
+  `jax.jit` drops (`keep_unused=False`); its output then cannot alias the
+  donated buffer and lands at a new address every step (the per-layer
+  sparsity did, before `stats` derived it from the flags)."""
+  model, tx, variables, x, y = _setup(schedule, decay=0.1)
+  params = variables["params"]
+
+  def step(params, state):
+    grads = jax.grad(_loss, argnums=1)(model, params, optim.masks(state), x, y)
+    updates, state = tx.update(grads, state, params, mask_rebuild=mask_rebuild)
+    return optax.apply_updates(params, updates), state
+
+  def addresses(tree):
+    return {jax.tree_util.keystr(path): leaf.unsafe_buffer_pointer()
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+  donating = jax.jit(step, donate_argnums=(0, 1))
+  state = donating(params, tx.init(params))  # the leaves' buffers from now on
+  before = addresses(state)
+  state = donating(*state)
+  moved = sorted(path for path, address in addresses(state).items() if address != before[path])
+  assert not moved, f"leaves written to new buffers: {moved}"
+
+
 class _ScannedMixedNet(nn.Module):
   """Transposable layers stacked with nn.scan, and one plain-mask layer."""
 
