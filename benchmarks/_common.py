@@ -1,5 +1,6 @@
 """Shared benchmark plumbing: timing (`bench`; `threaded` for training steps
-that donate their state; `compile_step`), measured ceilings
+that donate their state; `in_turn` for steps compared on a drifting host;
+`compile_step`), measured ceilings
 (`copy_bandwidth`, `dense_peak`), the PyTorch peer (`torch_cuda`,
 `torch_bench`), errors (`rel_err`), and the results table under
 benchmarks/results/<gpu>.md (`write_section`, `table`, `environment`)."""
@@ -170,6 +171,26 @@ def threaded(step: Callable, params, opt_state, at: Callable | None = None):
     return state["params"], state["opt"]  # blocking on these waits for the whole step
 
   return run, state
+
+
+def in_turn(runs: dict[str, Callable], *args, rounds: int = 5, min_time: float = 1.0,
+            quick: bool = False) -> dict[str, float]:
+  """Seconds per call of each of `runs` (callables for `bench`, e.g.
+  `threaded` steps), timed one after another `rounds` times (a run of >=
+  `min_time` s each), the fastest round of each. Where the host dispatches
+  the steps (small models: the host's time per step is the step's), its
+  speed drifts by tens of percent over seconds on a shared machine: two
+  steps timed minutes apart differ by that drift, two timed in turn see the
+  same. The fastest round: drift only slows a round. `quick` (a CPU smoke
+  test): one call each."""
+  if quick:
+    rounds, min_time = 1, 0.0
+  best: dict[str, float] = {}
+  for _ in range(rounds):
+    for name, run in runs.items():
+      t = bench(run, *args, min_time=min_time, repeats=1)
+      best[name] = min(best.get(name, math.inf), t)
+  return best
 
 
 def timers(quick: bool) -> tuple[Callable, Callable]:

@@ -34,7 +34,11 @@ its own jitted program at the model's shapes; then the ceilings the breakdown
 implies. Every width's dense model (and its parts) is timed before any 2:4
 model runs: a process that has run a cuSPARSELt matmul runs its other
 compute-bound kernels slower from then on (see `setup_width`), which a dense
-model in its own process never pays. Tables are printed and written to
+model in its own process never pays. A width whose 2:4 model runs no
+cuSPARSELt product has no such tax: its dense step is timed again in turn
+with the 2:4 step (`_common.in_turn`), and that pair gives its ratio, since
+at the small end the host's dispatch bounds both steps and the host's speed
+drifts between timings minutes apart. Tables are printed and written to
 benchmarks/results/<gpu>.md.
 
 `--small`: where users start, a row per shape in place of a row per width:
@@ -93,6 +97,9 @@ SMALL_LAYERS = 2
 # sharded_train's row: one GPU's share of its default run, data parallel over
 # this many GPUs (each multiplies its own rows of every product).
 SHARDED_GPUS = 4
+# Rounds of `_common.in_turn` for the rows whose dense and 2:4 steps are
+# timed in turn (no cuSPARSELt product in the 2:4 model): 5 x 2 runs of >= 1 s.
+IN_TURN_ROUNDS = 5
 
 
 def small_rows() -> tuple[list[dict], int]:
@@ -439,7 +446,22 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   _phase(result, f"2:4: timing (mask_update count pinned at {plain}: no rebuild)")
   run, state = _common.threaded(step, params, opt_state,
                                 functools.partial(at_count, count=plain))
-  sp["step_ms"] = step_timer(run, tokens) * 1e3
+  # No cuSPARSELt product, no tax to keep the dense step from (the comment
+  # above `setup_width`): the two steps are timed in turn, so that the
+  # host's drift between a timing and the next (small models are bound by
+  # the host) is not read as a difference between the models.
+  in_turn = not uses_cusparselt(result)
+  if in_turn:
+    dense_params = whole(ctx["dense_init"](key_init, tokens[:, :-1])["params"])
+    dense_run, _ = _common.threaded(ctx["dense_step"], dense_params,
+                                    jax.jit(adamw.init)(dense_params))
+    del dense_params
+    times = _common.in_turn({"dense": dense_run, "2:4": run}, tokens, rounds=IN_TURN_ROUNDS,
+                            quick=cfg["quick"])
+    sp["step_ms"], dense["step_ms_in_turn"] = times["2:4"] * 1e3, times["dense"] * 1e3
+    del dense_run
+  else:
+    sp["step_ms"] = step_timer(run, tokens) * 1e3
   sp["tokens_per_s"] = tokens_per_step / sp["step_ms"] * 1e3
   # Where the step ran: the devices holding its params, and the split of its batch.
   sp["devices"] = len(jax.tree.leaves(state["params"])[0].sharding.device_set)
@@ -447,9 +469,12 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   last = int(state["opt"][0].last_rebuild)
   if last != 0:
     raise AssertionError(f"a timed 2:4 step rebuilt the masks (last_rebuild={last})")
-  result["ratio"] = sp["tokens_per_s"] / dense["tokens_per_s"]
+  result["ratio_dense"] = "in turn" if in_turn else "first"
+  result["ratio"] = (dense["step_ms_in_turn"] if in_turn else dense["step_ms"]) / sp["step_ms"]
   print(f"{_tag(result)} 2:4: {sp['step_ms']:.2f} ms/step, {sp['tokens_per_s']:,.0f} tokens/s,"
-        f" {result['ratio']:.3f}x dense", flush=True)
+        f" {result['ratio']:.3f}x dense"
+        + (f" (dense timed in turn with it: {dense['step_ms_in_turn']:.2f} ms/step)"
+           if in_turn else ""), flush=True)
 
   _phase(result, f"2:4: timing a rebuild step (count pinned at {rebuild})")
   run, state = _common.threaded(rebuild_step, state["params"], state["opt"],
@@ -459,8 +484,8 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
   if last != rebuild_every:
     raise AssertionError(f"the rebuild step did not rebuild (last_rebuild={last})")
   sp["rebuild_extra_ms_per_step"] = (sp["rebuild_step_ms"] - sp["step_ms"]) / rebuild_every
-  result["ratio_with_rebuilds"] = dense["step_ms"] / (sp["step_ms"]
-                                                      + sp["rebuild_extra_ms_per_step"])
+  result["ratio_with_rebuilds"] = result["ratio"] * sp["step_ms"] / (
+      sp["step_ms"] + sp["rebuild_extra_ms_per_step"])
   print(f"{_tag(result)} 2:4 rebuild step: {sp['rebuild_step_ms']:.2f} ms, amortised over"
         f" {rebuild_every} steps {sp['rebuild_extra_ms_per_step']:.3f} ms/step", flush=True)
   if "breakdown_dense" in result:  # a part of the breakdown, as AdamW alone in `run_dense`
@@ -469,15 +494,20 @@ def run_sparse(cfg: dict, timer, result: dict, ctx: dict, step_timer=None) -> No
                                         **plain_update_args(cfg)) * 1e3
   del params, opt_state, run, state, step, rebuild_step
 
-  _phase(result, "dense: timing again, in this process after the 2:4 steps")
-  params = whole(ctx["dense_init"](key_init, tokens[:, :-1])["params"])
-  run, state = _common.threaded(ctx.pop("dense_step"), params, jax.jit(adamw.init)(params))
-  dense["step_ms_after_sparse"] = step_timer(run, tokens) * 1e3
+  if in_turn:  # timed after 2:4 steps already
+    dense["step_ms_after_sparse"] = dense["step_ms_in_turn"]
+    ctx.pop("dense_step")
+  else:
+    _phase(result, "dense: timing again, in this process after the 2:4 steps")
+    params = whole(ctx["dense_init"](key_init, tokens[:, :-1])["params"])
+    run, state = _common.threaded(ctx.pop("dense_step"), params, jax.jit(adamw.init)(params))
+    dense["step_ms_after_sparse"] = step_timer(run, tokens) * 1e3
+    del params, run, state
   dense["after_sparse"] = dense["step_ms_after_sparse"] / dense["step_ms"] - 1
   print(f"{_tag(result)} dense again: {dense['step_ms_after_sparse']:.2f} ms/step"
-        f" ({dense['after_sparse']:+.1%} over its timing before any 2:4 step; not used in the"
-        f" ratio)", flush=True)
-  del params, run, state
+        f" ({dense['after_sparse']:+.1%} over its timing before any 2:4 step; "
+        + ("timed in turn with the 2:4 step, used in the ratio)" if in_turn else
+           "not used in the ratio)"), flush=True)
 
   if "breakdown_dense" in result:
     _phase(result, "2:4: breakdown parts (linear layers, attention)")
@@ -506,6 +536,11 @@ def attempt(result: dict, fn, *args, label: str | None = None) -> bool:
   return ok
 
 
+def uses_cusparselt(result: dict) -> bool:
+  """Whether the automatic choice runs a product of this row's 2:4 model on cuSPARSELt."""
+  return "cusparselt" in result.get("implementations", {}).values()
+
+
 def run_widths(cfg: dict, rows: list[dict], timer, step_timer) -> list[dict]:
   """Every row's dense model, then every row's 2:4 model (the comment above
   `setup_width` says why). `rows`: {"d_model", "layers", "remat", "batch",
@@ -525,10 +560,7 @@ def run_widths(cfg: dict, rows: list[dict], timer, step_timer) -> list[dict]:
       contexts.pop(i, None)
   # The 2:4 models that run no cuSPARSELt product (the automatic choice at
   # the narrow widths) first, in a process that has not paid the tax either.
-  def uses_cusparselt(i):
-    return "cusparselt" in results[i].get("implementations", {}).values()
-
-  for i in sorted(range(len(results)), key=uses_cusparselt):
+  for i in sorted(range(len(results)), key=lambda i: uses_cusparselt(results[i])):
     if i in contexts:
       attempt(results[i], run_sparse, row_cfgs[i], timer, results[i], contexts.pop(i),
               step_timer)
@@ -943,14 +975,15 @@ def main_table(results: list[dict]) -> str:
            _get(r, "dense", "tokens_per_s"), _get(r, "dense", "step_ms_after_sparse"),
            _percent(_get(r, "dense", "after_sparse")),
            _get(r, "sparse", "step_ms"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
-           _get(r, "sparse", "rebuild_step_ms"), _get(r, "sparse", "rebuild_extra_ms_per_step"),
+           _get(r, "ratio_dense"), _get(r, "sparse", "rebuild_step_ms"), _get(r, "sparse", "rebuild_extra_ms_per_step"),
            _get(r, "ratio_with_rebuilds"), r["status"]]
           for r in results]
   return _labelled(["d_model", "blocks", "tokens per step (batch x seq)", "dense ms/step",
                     "dense tokens/s",
-                    "dense ms/step again, after the 2:4 steps (not in the ratio)",
+                    "dense ms/step again, after the 2:4 steps",
                     "again / first - 1", "2:4 ms/step",
-                    "2:4 tokens/s", "ratio (2:4 / dense tokens/s)", "2:4 rebuild step ms",
+                    "2:4 tokens/s", "ratio (2:4 / dense tokens/s)", "ratio's dense timing",
+                    "2:4 rebuild step ms",
                     "rebuild extra ms/step (amortised)", "ratio with rebuilds", "status"],
                    rows, results)
 
@@ -1048,8 +1081,13 @@ def notes(cfg: dict) -> str:
       f" consecutive steps, dispatched asynchronously as in a training loop (median of 5"
       f" runs). Every width's dense model is timed before any 2:4 step runs in the"
       f" process: {_common.CUSPARSELT_TAX}."
-      + ("" if cfg["layouts"] else " The dense step timed again after the 2:4 steps shows"
-                                   " that; the ratios use the first timing.")
+      + ("" if cfg["layouts"] else
+         " The dense step timed again after the 2:4 steps shows that; the ratio uses the first"
+         " timing (\"first\" in the table) where the 2:4 model runs a cuSPARSELt product,"
+         " else the timing again (\"in turn\"): there the dense and 2:4 steps are timed in"
+         f" turn, {IN_TURN_ROUNDS} rounds of a >= 1 s run each, the fastest round of each"
+         " (a host's speed drifts by tens of percent over seconds, which a model bound by"
+         " its host's dispatch shows whole; timed in turn, both see the same drift).")
       + (f" Data parallel: one `jax.jit` step over a mesh of {cfg['devices']} GPUs, the"
          f" batch split over them, params and optimizer state replicated (no breakdown)."
          if cfg["devices"] > 1 and not cfg["layouts"] else "")
@@ -1203,7 +1241,7 @@ def main(argv=None) -> dict:
          "attention": attention, "mask": args.mask,
          "weight_grad": args.weight_grad, "devices": args.devices,
          "remat_policy": args.remat_policy, "layouts": layouts,
-         "model_devices": args.model_devices}
+         "model_devices": args.model_devices, "quick": args.quick}
   timer, step_timer = _common.timers(args.quick)
   env = _common.environment()
   print(env, flush=True)

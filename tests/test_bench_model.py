@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jsparse24
-from benchmarks import _gpt, bench_model
+from benchmarks import _common, _gpt, bench_model
 
 LAYERS = 2
 
@@ -29,13 +29,18 @@ def no_cleanup_between_widths(monkeypatch):
   monkeypatch.setattr(bench_model.jax, "clear_caches", lambda: None)
 
 
-@pytest.mark.parametrize("weight_grad,rebuilds", [("dense", "host"), ("mvue", "run-time flag")])
-def test_bench_model_runs_on_cpu(capsys, weight_grad, rebuilds):
+@pytest.mark.parametrize("weight_grad,rebuilds,cusparselt",
+                         [("dense", "host", False), ("mvue", "run-time flag", True)])
+def test_bench_model_runs_on_cpu(capsys, monkeypatch, weight_grad, rebuilds, cusparselt):
   """Both weight gradients, and both ways of deciding a mask rebuild: the
   host's schedule (the default: one program with and one without the
   rebuild) and mask_update's run-time flag (--rebuild-flag, one program).
   The benchmark checks that the timed plain step rebuilt no mask and the
-  timed rebuild step did."""
+  timed rebuild step did. Both ways of timing the dense step the ratio
+  uses: in turn with the 2:4 step (no cuSPARSELt product, as on a CPU) and
+  before any 2:4 step (a row taken to run one)."""
+  if cusparselt:
+    monkeypatch.setattr(bench_model, "uses_cusparselt", lambda result: True)
   out = bench_model.main(["--widths", "128", "--layers", str(LAYERS), "--seq", "32",
                           "--batch", "2", "--vocab", "512", "--rebuild-every", "5",
                           "--weight-grad", weight_grad, "--quick", "--no-write"]
@@ -45,10 +50,18 @@ def test_bench_model_runs_on_cpu(capsys, weight_grad, rebuilds):
   assert r["sparse"]["rebuilds"] == rebuilds
   assert r["dense"]["tokens_per_s"] > 0 and r["sparse"]["tokens_per_s"] > 0
   assert math.isfinite(r["ratio"]) and r["ratio"] > 0
-  # The ratio uses the dense step timed before any 2:4 step; its timing after
-  # the 2:4 steps is reported beside it.
-  d = r["dense"]
-  assert r["ratio"] == pytest.approx(d["step_ms"] / r["sparse"]["step_ms"])
+  # With a cuSPARSELt product the ratio uses the dense step timed before any
+  # 2:4 step, its timing after them reported beside it; without, the dense
+  # step timed in turn with the 2:4 one, which is its timing after them.
+  d, sp = r["dense"], r["sparse"]
+  assert r["ratio_dense"] == ("first" if cusparselt else "in turn")
+  assert ("step_ms_in_turn" in d) == (not cusparselt)
+  ratio_ms = d["step_ms"] if cusparselt else d["step_ms_in_turn"]
+  assert r["ratio"] == pytest.approx(ratio_ms / sp["step_ms"])
+  assert r["ratio_with_rebuilds"] == pytest.approx(
+      ratio_ms / (sp["step_ms"] + sp["rebuild_extra_ms_per_step"]))
+  if not cusparselt:
+    assert d["step_ms_after_sparse"] == d["step_ms_in_turn"]
   assert d["step_ms_after_sparse"] > 0
   assert d["after_sparse"] == pytest.approx(d["step_ms_after_sparse"] / d["step_ms"] - 1)
   # One stacked mask per layer kind, leading axis = blocks (nn.scan).
@@ -164,6 +177,23 @@ def test_bench_model_small_rows_are_the_small_end_and_the_examples_defaults():
       for batch in (gpu["batch"], gpu["batch"] // bench_model.SHARDED_GPUS)]
   assert rows[-2]["label"] == "train_lm's GPU default (--size gpu)"
   assert rows[-1]["label"] == "sharded_train's GPU default (--size gpu), the rows of 1 of 4 GPUs"
+
+
+def test_in_turn_alternates_the_runs_and_keeps_each_ones_fastest_round(monkeypatch):
+  """`_common.in_turn`: the runs timed one after another in every round, each
+  run's figure its fastest round (drift only slows a round)."""
+  order = []
+  fake = {"dense": iter([3.0, 1.0, 2.0]), "2:4": iter([5.0, 6.0, 4.0])}
+
+  def bench(run, *args, min_time, repeats):
+    assert args == ("tokens",) and min_time == 1.0 and repeats == 1
+    order.append(run)
+    return next(fake[run])
+
+  monkeypatch.setattr(_common, "bench", bench)
+  times = _common.in_turn({"dense": "dense", "2:4": "2:4"}, "tokens", rounds=3)
+  assert order == ["dense", "2:4"] * 3
+  assert times == {"dense": 1.0, "2:4": 4.0}
 
 
 def test_bench_model_small_times_each_row_at_its_own_tokens(capsys, monkeypatch):
