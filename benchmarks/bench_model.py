@@ -1182,7 +1182,8 @@ def main(argv=None) -> dict:
                       " flag, instead of the host's schedule passing `mask_rebuild` (a program"
                       " with and one without the rebuild, as examples/train_lm.py trains)")
   p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
-                 help="dot_product_attention implementation (auto: cudnn on a GPU, else XLA)")
+                 help="dot_product_attention implementation (auto: cudnn on a GPU, XLA under --small"
+                      " (the examples' flax attention) or elsewhere)")
   p.add_argument("--mask", default="default", choices=sorted(MASK_KINDS),
                  help="2:4 mask kind of the sparse layers (default: the library's default)")
   p.add_argument("--weight-grad", default="dense", choices=("dense", "mvue"),
@@ -1232,7 +1233,10 @@ def main(argv=None) -> dict:
               f" the data axis of --layouts {name}")
   if args.rebuild_every < 2:
     p.error("--rebuild-every must be >= 2 (with 1 every step rebuilds)")
-  attention = {"auto": "cudnn" if jax.default_backend() == "gpu" else None,
+  # --small stands for the examples, whose attention is flax's
+  # `nn.MultiHeadDotProductAttention` (XLA's ops), and whose small steps
+  # are bound by the host, where cuDNN's attention costs more per call.
+  attention = {"auto": "cudnn" if jax.default_backend() == "gpu" and not args.small else None,
                "cudnn": "cudnn", "xla": "xla"}[args.attention]
   # Under --small each row has its own batch x seq (the rows' "batch", "seq").
   cfg = {"widths": widths, "small": args.small, "seq": args.seq, "batch": args.batch,

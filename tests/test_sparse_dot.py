@@ -253,6 +253,38 @@ def test_nonfinite_weights_pruned_do_not_leak():
     check_against_reference(x, w, m, dy, out, gradient, gradient)
 
 
+def _eqns(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs inside its equations."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+def test_reference_masking_makes_no_weight_sized_zeros():
+  """The reference backend masks a weight with no array of zeros of its
+  shape, forward and backward (the default straight-through gradient): XLA
+  hoisted `where(mask, w, 0)`'s broadcast zero out of `nn.scan`'s loops
+  and wrote it every step, a kernel per layer kind."""
+  rng = _rng("no-zeros")
+  x, w = _normal(rng, (3, 16), F32), _normal(rng, (16, 8), F32)
+  mask = jsparse24.Mask24.pack(random_24_mask(rng, 16, 8))
+  for gradient in ("ste", "masked"):
+    def loss(w, gradient=gradient):
+      return jsparse24.sparse_dot(x, w, mask, gradient=gradient, implementation="xla").sum()
+    programs = {"forward": jax.make_jaxpr(loss)(w).jaxpr}
+    if gradient == "ste":
+      programs["gradient"] = jax.make_jaxpr(jax.grad(loss))(w).jaxpr
+    for name, jaxpr in programs.items():
+      zeros = [e for e in _eqns(jaxpr) if e.primitive.name == "broadcast_in_dim"
+               and e.outvars[0].aval.shape == w.shape
+               and e.outvars[0].aval.dtype != jax.dtypes.float0]  # a symbolic zero tangent
+      assert not zeros, (gradient, name, zeros)
+
+
 # ---------------------------------------------------------------------------
 # Transforms: jit (above), vmap, pmap, checkpoint.
 # ---------------------------------------------------------------------------

@@ -36,16 +36,42 @@ def dense_mask(w: jax.Array, mask: jax.Array | Mask24 | None,
   return mask
 
 
+def _kept(w: jax.Array, mask: jax.Array) -> jax.Array:
+  """`jnp.where(mask, w, 0)` as an AND of `w`'s bits with all ones or none:
+  exactly 0 where pruned, NaN or inf there included, with no zero array.
+  The `where`'s zero is a broadcast that XLA hoisted out of `nn.scan`'s
+  loops and wrote to memory, one kernel per layer kind per training step,
+  which a step of a few hundred microseconds notices (the GPU program of
+  `benchmarks/_gpt.py`'s model at d_model 128). Not differentiable: the
+  callers' `custom_jvp`s give the derivative."""
+  bits = jnp.dtype(f"uint{8 * jnp.dtype(w.dtype).itemsize}")
+  ones = jnp.negative(mask.astype(bits))  # kept: every bit set; pruned: none
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(w, bits) & ones, w.dtype)
+
+
 @jax.custom_jvp
 def _mask_ste(w: jax.Array, mask: jax.Array) -> jax.Array:
   """`w * mask` whose derivative in `w` is the identity (straight-through)."""
-  return jnp.where(mask, w, jnp.zeros((), w.dtype))
+  return _kept(w, mask)
 
 
 @_mask_ste.defjvp
 def _mask_ste_jvp(primals, tangents):
   w, mask = primals
   return _mask_ste(w, mask), tangents[0]
+
+
+@jax.custom_jvp
+def _mask_exact(w: jax.Array, mask: jax.Array) -> jax.Array:
+  """`w * mask` whose derivative in `w` is masked too (`gradient="masked"`)."""
+  return _kept(w, mask)
+
+
+@_mask_exact.defjvp
+def _mask_exact_jvp(primals, tangents):
+  w, mask = primals
+  # A select, not `_kept`: JAX transposes it for the reverse pass.
+  return _mask_exact(w, mask), jnp.where(mask, tangents[0], jnp.zeros((), w.dtype))
 
 
 def _out(cfg: DotConfig, roles: str) -> dict:
@@ -88,7 +114,7 @@ class XlaBackend(Backend):
     if cfg.weight_grad == "mvue":
       return _mvue_dot(x, w, m, active, key, cfg)
     w = wc
-    wm = _mask_ste(w, m) if cfg.gradient == "ste" else jnp.where(m, w, jnp.zeros((), w.dtype))
+    wm = (_mask_ste if cfg.gradient == "ste" else _mask_exact)(w, m)
     # The dtype convention of nn.Dense: the product in x's dtype (XLA
     # accumulates 16-bit products in float32), not a float32 result cast
     # down afterwards, which costs a pass over y.
