@@ -2,11 +2,11 @@
 
 Runs everywhere (CPU, GPU, TPU) and defines the contract the other backends are
 tested against. It is written as a dense model's layer is, `x @ w` on the
-masked weight, and differentiated by JAX itself; only the straight-through
-gradient of the mask is a `custom_jvp` (the identity). So XLA sees what it
-sees for `nn.Dense` plus one select that it fuses into the weight's cast, and
-a model whose layers fall back to this backend runs at the dense model's
-speed; it also supports forward-mode autodiff, and batching keeps a shared
+masked weight, and differentiated by JAX itself; only the masking is a
+`custom_jvp` (its derivative the identity, straight-through, or the mask).
+So XLA sees what it sees for `nn.Dense` plus one AND of the weight's bits
+that it fuses into the weight's cast, and a model whose layers fall back to
+this backend runs at the dense model's speed; it also supports forward-mode autodiff, and batching keeps a shared
 weight's gradient one product.
 """
 
