@@ -322,8 +322,8 @@ def test_donating_step_writes_the_state_in_place(schedule, mask_rebuild):
   leaf into the buffer of the old one: each leaf of mask_update's state is
   read by its update. A leaf written without being read is an input that
   `jax.jit` drops (`keep_unused=False`); its output then cannot alias the
-  donated buffer and lands at a new address every step (the per-layer
-  sparsity did, before `stats` derived it from the flags)."""
+  donated buffer and lands at a new address every step (so the per-layer
+  sparsity is not a leaf: `stats` derives it from the flags)."""
   model, tx, variables, x, y = _setup(schedule, decay=0.1)
   params = variables["params"]
 
