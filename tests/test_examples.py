@@ -4,6 +4,7 @@
 """
 
 import contextlib
+import functools
 import importlib.util
 import io
 import math
@@ -369,12 +370,15 @@ def test_train_lm_moe_loss_adds_the_load_balancing_loss():
   model = module.CharLM(module.VOCAB, 16, 2, 2, 8, False, moe=(4, 2))
   x = jax.random.randint(jax.random.key(0), (3, 8), 0, module.VOCAB)
   y = jnp.roll(x, -1, axis=1)
-  variables = model.init(jax.random.key(1), x)
+  # Each call one jitted program, as in training (eagerly, every operation
+  # of the model compiled a program of its own).
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   assert set(variables) == {"params"}  # sparse=False: nn.Dense experts
-  _, state = model.apply(variables, x, mutable=["intermediates"])
+  _, state = jax.jit(functools.partial(model.apply, mutable=["intermediates"]))(variables, x)
   aux = [state["intermediates"][f"block_{i}"]["mlp"]["load_balancing_loss"][0] for i in range(2)]
-  plain = module.loss_fn(model, variables, x, y)
-  np.testing.assert_allclose(module.loss_fn(model, variables, x, y, aux_weight=0.5),
+  loss = jax.jit(module.loss_fn, static_argnums=0, static_argnames="aux_weight")
+  plain = loss(model, variables, x, y)
+  np.testing.assert_allclose(loss(model, variables, x, y, aux_weight=0.5),
                              plain + 0.5 * np.mean(aux), rtol=1e-6)
   assert all(float(a) > 0.5 for a in aux)  # ~K for a balanced router: the term is not zero
 
