@@ -121,8 +121,7 @@ def _run(implementation, mesh, param_spec, steps=3, gather=False, model=None, sh
       ref.append((loss, p, optim.masks(o)))
     return ref
 
-  # Shared: one reference for both backends, on the reference backend (as
-  # `_reference_step` says why).
+  # Shared: one reference for both backends (`_reference_step`).
   ref = (_reference(("step", steps), lambda: reference(_reference_step()))
          if shared else reference(step))
   if gather or model is not None or flagged:  # a new jit: traced again, not the reference's
