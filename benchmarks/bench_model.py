@@ -975,7 +975,8 @@ def main_table(results: list[dict]) -> str:
            _get(r, "dense", "tokens_per_s"), _get(r, "dense", "step_ms_after_sparse"),
            _percent(_get(r, "dense", "after_sparse")),
            _get(r, "sparse", "step_ms"), _get(r, "sparse", "tokens_per_s"), _get(r, "ratio"),
-           _get(r, "ratio_dense"), _get(r, "sparse", "rebuild_step_ms"), _get(r, "sparse", "rebuild_extra_ms_per_step"),
+           _get(r, "ratio_dense"), _get(r, "sparse", "rebuild_step_ms"),
+           _get(r, "sparse", "rebuild_extra_ms_per_step"),
            _get(r, "ratio_with_rebuilds"), r["status"]]
           for r in results]
   return _labelled(["d_model", "blocks", "tokens per step (batch x seq)", "dense ms/step",
@@ -1182,8 +1183,8 @@ def main(argv=None) -> dict:
                       " flag, instead of the host's schedule passing `mask_rebuild` (a program"
                       " with and one without the rebuild, as examples/train_lm.py trains)")
   p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
-                 help="dot_product_attention implementation (auto: cudnn on a GPU, XLA under --small"
-                      " (the examples' flax attention) or elsewhere)")
+                 help="dot_product_attention implementation (auto: cudnn on a GPU, XLA under"
+                      " --small (the examples' flax attention) or elsewhere)")
   p.add_argument("--mask", default="default", choices=sorted(MASK_KINDS),
                  help="2:4 mask kind of the sparse layers (default: the library's default)")
   p.add_argument("--weight-grad", default="dense", choices=("dense", "mvue"),

@@ -6,8 +6,8 @@ masked weight, and differentiated by JAX itself; only the masking is a
 `custom_jvp` (its derivative the identity, straight-through, or the mask).
 So XLA sees what it sees for `nn.Dense` plus one AND of the weight's bits
 that it fuses into the weight's cast, and a model whose layers fall back to
-this backend runs at the dense model's speed; it also supports forward-mode autodiff, and batching keeps a shared
-weight's gradient one product.
+this backend runs at the dense model's speed; it also supports forward-mode
+autodiff, and batching keeps a shared weight's gradient one product.
 """
 
 from __future__ import annotations
