@@ -56,7 +56,7 @@ the backward is batched by JAX: `dw` is formed per example and summed.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -100,13 +100,20 @@ def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = No
   return y, dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def input_sparse_product(x: jax.Array, w: jax.Array, gradient: str, precision: Any):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def input_sparse_product(x: jax.Array, w: jax.Array, gradient: str, precision: Any,
+                         forward: Callable[[jax.Array, jax.Array], jax.Array] | None):
   """`prune(x) @ w` for `x[M, K]` (the compute dtype) and `w[K, N]` (any
   float dtype, cast to x's inside, so that `dw` comes back in w's dtype as
-  the dense layer's does): the XLA backend's product, masked dense arrays
-  and XLA's dense products, with the gradients of the module docstring."""
-  return _fwd(x, w, gradient, precision)[0]
+  the dense layer's does), with the gradients of the module docstring.
+
+  `forward`: None for the XLA backend's product (masked dense arrays and
+  XLA's dense product), or a backend's `forward(x, w) -> y` that prunes `x`
+  itself and multiplies on the sparse tensor cores (`w` already in x's
+  dtype; hashable: a module-level function). The backward products are
+  XLA's either way: `dx`'s contraction runs over N and `dw`'s over M, and
+  the pruned `x` is 2:4 along neither."""
+  return _fwd(x, w, gradient, precision, forward)[0]
 
 
 def _pruned(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -114,8 +121,10 @@ def _pruned(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return m, jnp.where(m, x, jnp.zeros((), x.dtype))
 
 
-def _fwd(x, w, gradient, precision):
+def _fwd(x, w, gradient, precision, forward):
   del gradient
+  if forward is not None:
+    return forward(x, w.astype(x.dtype)), (x, w)
   _, xm = _pruned(x)
   # nn.Dense's dtype convention: the product in x's dtype, accumulated in
   # float32 by XLA for 16-bit inputs.
@@ -123,7 +132,8 @@ def _fwd(x, w, gradient, precision):
   return y, (x, w)
 
 
-def _bwd(gradient, precision, res, dy):
+def _bwd(gradient, precision, forward, res, dy):
+  del forward
   x, w = res
   m, xm = _pruned(x)
   # In dy's dtype (backends/_products.py's `matmul` says why): zeroing

@@ -97,9 +97,13 @@ def sparse_dot(
       options at their defaults): `y = prune(x) @ w`. The input's gradient
       is `"masked"` (`(dy @ w^T) * mask`, the derivative of the pruned
       product) or `"ste"` (`dy @ w^T`); `dw = prune(x)^T @ dy` (exact).
-      Reverse mode only; the `"xla"` backend (masked dense arrays and
-      XLA's products) for now. Sources and approximations: the
-      `jsparse24._input_sparse` module docstring.
+      Reverse mode only. The `"xla"` backend multiplies masked dense
+      arrays; `implementation="cusparselt"` prunes and compresses `x` in
+      one Pallas pass and runs `y` on the sparse tensor cores with `x` as
+      the sparse operand (K and N multiples of 64, 16-bit); the backward
+      products are XLA's on either. The automatic choice keeps `"xla"`.
+      Sources and approximations: the `jsparse24._input_sparse` module
+      docstring.
 
   Returns:
     `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in

@@ -824,3 +824,52 @@ def test_input_prune_compress_matches_reference(shape, dtype, layout):
   m = shape[0]
   assert _same_bits(values[:m], ref.values)
   assert _same_bits(meta, ref.meta)
+
+
+@pytest.mark.parametrize("m,k,dtype", [(4096, 16384, jnp.bfloat16), (192, 320, jnp.float16)])
+def test_cusparselt_input_sparse_buffer_is_cusparselts(m, k, dtype):
+  """2:4 activations: the Pallas pass's compressed x (values, then the
+  metadata pass) is byte for byte what cusparseLtSpMMACompress2 writes for
+  the pruned x as the product's structured B."""
+  from jsparse24._prune import prune_24
+  from jsparse24.backends import cusparselt
+  x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(dtype)
+  # Ties (kept: the lower indices). No kept value is zero: cuSPARSELt's
+  # compress then picks its own positions for the zeros, with other codes.
+  x = x.at[5, :8].set(1.0)
+  xm = jnp.where(prune_24(x, axis=-1), x, 0)
+  ours = jax.jit(cusparselt.input_compress_for_product)(x)
+  theirs = jax.jit(cusparselt.compress_input)(xm)
+  assert ours.shape == theirs.shape == cusparselt.buffer_shape(m, k, transpose=True)
+  assert _same_bits(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (3, 192, 320), (17, 4096, 1024),
+                                   (2000, 1024, 4096)])
+def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
+  """`sparse_dot(..., input_sparsity=g, implementation="cusparselt")`: x pruned
+  and compressed by the Pallas pass, the product on the sparse tensor cores
+  with x as the structured operand; forward and gradients against the "xla"
+  backend's (the same rule, dense products), M not a multiple of 64."""
+  x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(dtype)
+  w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+  dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
+
+  def vjp(impl, gradient):
+    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity=gradient,
+                                                        implementation=impl), x, w)
+    return (y, *back(dy))
+
+  for gradient in ("masked", "ste"):
+    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", gradient)
+    want = jax.jit(vjp, static_argnums=(0, 1))("xla", gradient)
+    for g, r in zip(got, want):
+      assert g.dtype == r.dtype == dtype
+      err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
+                  / jnp.linalg.norm(r.astype(jnp.float32)))
+      assert err < 1e-2, (gradient, err)
+  # The forward product is cuSPARSELt's: one FFI call with B structured.
+  hlo = jax.jit(lambda x, w: jsparse24.sparse_dot(
+      x, w, input_sparsity="masked", implementation="cusparselt")).lower(x, w).as_text()
+  assert "jsparse24_cusparselt_matmul" in hlo

@@ -29,9 +29,9 @@ def _close(a, b, dtype, k):
                              rtol=tol, atol=tol)
 
 
-def _vjp(x, w, dy, gradient, **kw):
-  y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity=gradient, **kw),
-                   x, w)
+def _vjp(x, w, dy, gradient, implementation=None):
+  y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity=gradient,
+                                                     implementation=implementation), x, w)
   return (y, *vjp(dy))
 
 
@@ -170,8 +170,56 @@ def test_sparse_dot_refuses_a_second_sparse_operand():
     jsparse24.sparse_dot(jnp.ones((2, 6)), jnp.ones((6, 4)), input_sparsity="masked")
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "cusparselt"])
-def test_backends_without_the_product_raise_by_name(implementation):
+def test_the_pallas_backend_has_no_product_and_says_so():
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
   x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
-  with pytest.raises(jsparse24.BackendUnavailableError, match=implementation):
-    jsparse24.sparse_dot(x, w, input_sparsity="masked", implementation=implementation)
+  with interpret_mode(), pytest.raises(jsparse24.BackendUnavailableError,
+                                       match="'pallas'.*no product with x as the sparse operand"):
+    jsparse24.sparse_dot(x, w, input_sparsity="masked", implementation="pallas")
+
+
+@pytest.mark.parametrize("dtype,k,n,match", [(jnp.bfloat16, 96, 64, "K=96, N=64.*multiples of 64"),
+                                             (jnp.float32, 64, 64, "bfloat16 or float16")])
+def test_the_cusparselt_product_refuses_what_cusparselt_cannot_take(monkeypatch, dtype, k, n,
+                                                                    match):
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  x, w = jnp.ones((8, k), dtype), jnp.ones((k, n), dtype)
+  with pytest.raises(jsparse24.BackendUnavailableError, match=f"'cusparselt'.*{match}"):
+    jsparse24.sparse_dot(x, w, input_sparsity="masked", implementation="cusparselt")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (17, 192, 320), (130, 64, 128)])
+def test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand(monkeypatch, dtype,
+                                                                           m, k, n):
+  """The "cusparselt" backend's 2:4-activation product on a CPU: the Pallas
+  kernel (interpreted) prunes and compresses x, M padded to 64 rows, and
+  cuSPARSELt's call is `tests/triton_removal.py`'s XLA stand-in, which
+  decodes that buffer as cuSPARSELt's structured B (the bytes of
+  cusparseLtSpMMACompress2: `test_gpu.py`). Forward and gradients equal the
+  "xla" backend's; the call is asked for `D[N, Mp] = w^T prune(x)^T`."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  from tests import triton_removal  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def recording(a, b, shape, **kw):
+    calls.append((a.shape, b.shape, tuple(shape), kw["m"], kw["n"], kw["k"]))
+    return triton_removal._stand_in_b_product(a, b, shape, **kw)  # pylint: disable=protected-access
+
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_sparse_b_matmul", recording)
+  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
+  with interpret_mode():
+    for gradient in ("masked", "ste"):
+      got = jax.jit(_vjp, static_argnums=(3, 4))(x, w, dy, gradient, "cusparselt")
+      want = jax.jit(_vjp, static_argnums=(3, 4))(x, w, dy, gradient, "xla")
+      for g, r in zip(got, want):
+        assert g.dtype == r.dtype == dtype
+        _close(g, r, dtype, k)
+  mp = m + -m % 64
+  assert calls and set(calls) == {((k, n), (mp + mp // 8, k // 2), (mp, n), n, mp, k)}, calls
+  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access

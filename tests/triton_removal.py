@@ -90,12 +90,25 @@ def _stand_in_product(a, b, shape, *, m, n, k, op_a, op_b, search, alg, batch=1)
   return d.astype(b.dtype)
 
 
+def _stand_in_b_product(a, b, shape, *, m, n, k, search, alg):
+  """`cusparselt._sparse_b_matmul` by XLA: the column-major `D[m, n] =
+  A[m, k] B[k, n]` is the row-major `[n, m]` array `B^T A^T`; A's buffer is
+  the row-major `w[k, m]`, B's the pruned `x[n, k]` compressed along k (the
+  layout of a weight's backward buffer)."""
+  del search, alg
+  xm = dense_of_buffer(b, n, k, transpose=True)
+  d = jnp.dot(xm, a.reshape(k, m), preferred_element_type=jnp.float32)
+  assert d.shape == tuple(shape), (d.shape, shape)
+  return d.astype(a.dtype)
+
+
 def install_stand_in() -> None:
   """Makes the `"cusparselt"` backend run on a CPU: its products by XLA on
   the decoded buffers; the buffers themselves are jsparse24's."""
   cusparselt.CusparseltBackend.unavailable_reason = lambda self: None
   cusparselt._check_size = lambda *args: None  # pylint: disable=protected-access
   cusparselt._sparse_a_matmul = _stand_in_product  # pylint: disable=protected-access
+  cusparselt._sparse_b_matmul = _stand_in_b_product  # pylint: disable=protected-access
 
 
 def _same_bytes(a, b) -> bool:

@@ -27,6 +27,10 @@ and results being the row-major JAX arrays read as column-major transposes.
 No transposed copy of `w` is ever materialised. M is padded to a multiple of
 16 inside each product.
 
+2:4 activations (`input_sparsity`): `input_sparse_matmul` prunes and
+compresses `x` (one Pallas pass) and multiplies it, as cuSPARSELt's
+structured B, by the dense weight; the backward products are XLA's.
+
 Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
 TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
 of compute capability 8.0+. The matmul plans and the algorithm picked on the
@@ -48,7 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
+from jsparse24._input_sparse import input_sparse_product
 from jsparse24._mvue import mvue_seeds
+from jsparse24._prune import prune_24
 from jsparse24._sharding import (one_call_per_element, partitioning_off, rows_contracted,
                                  rows_parallel, stack_rows_parallel, weight_grad_sharding,
                                  whole_on_each_device)
@@ -264,14 +270,19 @@ def compress(masked: jax.Array, *, transpose: bool) -> jax.Array:
   array of the weight's dtype."""
   k, n = masked.shape
   _check_size(masked.dtype, k, n)
-  call = jax.ffi.ffi_call(
-      "jsparse24_cusparselt_compress",
-      jax.ShapeDtypeStruct(buffer_shape(k, n, transpose=transpose), masked.dtype),
-      vmap_method="sequential")
   # The weight buffer w[K, N] is the column-major N x K structured matrix
   # A; op N compresses along K (forward), op T along N (backward).
-  return call(masked, rows=np.int64(n), cols=np.int64(k), order=np.int64(_COL),
-              op=np.int64(_T if transpose else _N), sparse_a=np.int64(1))
+  return _ffi_compress(masked, buffer_shape(k, n, transpose=transpose), rows=n, cols=k,
+                       op=_T if transpose else _N, sparse_a=1)
+
+
+def _ffi_compress(dense, shape, *, rows, cols, op, sparse_a):
+  """`cusparseLtSpMMACompress2` of the column-major `rows x cols` matrix that
+  `dense`'s buffer is, as operand A (`sparse_a`) or B, op `op`."""
+  call = jax.ffi.ffi_call("jsparse24_cusparselt_compress",
+                          jax.ShapeDtypeStruct(shape, dense.dtype), vmap_method="sequential")
+  return call(dense, rows=np.int64(rows), cols=np.int64(cols), order=np.int64(_COL),
+              op=np.int64(op), sparse_a=np.int64(sparse_a))
 
 
 # --- cuSPARSELt's compressed layout, written from jsparse24's own kernels ---------
@@ -431,9 +442,23 @@ def _sparse_a_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, ...], *, m: i
   the row-major `shape` array of b's dtype that its buffer is. `batch` > 1:
   that many products of these sizes, `a`, `b` and `D` stacked on axis 0
   (`shape` includes it), run by one call."""
-  call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul", jax.ShapeDtypeStruct(shape, b.dtype))
+  return _ffi_product(a, b, shape, b.dtype, m=m, n=n, k=k, op_a=op_a, op_b=op_b, sparse_a=1,
+                      search=search, alg=alg, batch=batch)
+
+
+def _sparse_b_matmul(a: jax.Array, b: jax.Array, shape: tuple[int, ...], *, m: int, n: int,
+                     k: int, search: int, alg: int) -> jax.Array:
+  """`_sparse_a_matmul` with the roles swapped: `D[m, n] = A[m, k] @ B[k, n]`
+  (column-major, op N on both), `A` the dense `a`, `B` the compressed
+  structured buffer `b` (2:4 along k); `D` in a's dtype."""
+  return _ffi_product(a, b, shape, a.dtype, m=m, n=n, k=k, op_a=_N, op_b=_N, sparse_a=0,
+                      search=search, alg=alg, batch=1)
+
+
+def _ffi_product(a, b, shape, dtype, *, m, n, k, op_a, op_b, sparse_a, search, alg, batch):
+  call = jax.ffi.ffi_call("jsparse24_cusparselt_matmul", jax.ShapeDtypeStruct(shape, dtype))
   d = call(a, b, m=np.int64(m), n=np.int64(n), k=np.int64(k), op_a=np.int64(op_a),
-           op_b=np.int64(op_b), sparse_a=np.int64(1), order_a=np.int64(_COL),
+           op_b=np.int64(op_b), sparse_a=np.int64(sparse_a), order_a=np.int64(_COL),
            order_b=np.int64(_COL), order_d=np.int64(_COL), search=np.int64(search),
            alg=np.int64(alg), batch=np.int64(batch))
   # Where the product is also written into a stacked buffer (an `nn.scan`
@@ -640,6 +665,78 @@ def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
   return rows_contracted(fn, x, dy, mvue_seeds(key), align=ALIGN_KN, stacks=True)
 
 
+# --- 2:4 activations (input_sparsity="masked" | "ste") ---------------------------
+#
+# y[M, N] = prune(x)[M, K] @ w[K, N]: the pruned x is cuSPARSELt's structured
+# operand B, the column-major K x M matrix its row-major buffer already is (2:4
+# along K: each column one row of x); w is the dense A, the column-major N x K
+# matrix its buffer is; D = y^T column-major, the row-major y. The compressed
+# B has the layout of a weight's backward buffer (`buffer_shape(M, K,
+# transpose=True)`: values [M, K/2], then M/8 rows of metadata), which
+# `input_prune24.prune_compress_rows(layout="cusparselt")` writes in one pass
+# over x, byte for byte what cusparseLtSpMMACompress2 writes (GPU test
+# `test_cusparselt_input_sparse_buffer_is_cusparselts`). Only this forward
+# product is sparse: dx contracts over N and dw over M, and the pruned x is
+# 2:4 along neither (`jsparse24._input_sparse`).
+
+
+def compress_input(xm: jax.Array) -> jax.Array:
+  """cuSPARSELt's compressed form of a pruned activation `xm[M, K]` (2:4
+  along K; M, K multiples of 64) as the structured B of `input_sparse_matmul`,
+  by `cusparseLtSpMMACompress2`: a `buffer_shape(M, K, transpose=True)` array."""
+  m, k = xm.shape
+  _check_size(xm.dtype, m, k)
+  return _ffi_compress(xm, buffer_shape(m, k, transpose=True), rows=k, cols=m, op=_N,
+                       sparse_a=0)
+
+
+def input_compress_for_product(x: jax.Array, interpret: bool | None = None) -> jax.Array:
+  """`x[M, K]` (M, K multiples of 64) pruned 2:4 along K by magnitude and
+  compressed for `input_sparse_matmul`: one Pallas pass, then the metadata
+  write; where the kernels cannot run, XLA's pruning and
+  `compress_input` (the same bytes, more passes). `interpret`: None,
+  `pallas.interpreting()`."""
+  m, k = x.shape
+  _check_aligned(m, k)
+  if _xla_fallback():
+    return compress_input(jnp.where(prune_24(x, axis=-1), x, jnp.zeros((), x.dtype)))
+  if interpret is None:
+    interpret = pallas_backend.interpreting()
+  buf, codes = pallas_backend.kernels().input_prune24.prune_compress_rows(
+      x, layout="cusparselt", interpret=interpret)
+  return _with_metadata(buf, m, codes, k // 4, interpret=interpret)
+
+
+@functools.cache
+def _input_sparse_local(search: int, alg: int, interpret: bool):
+  """The per-device `fn(x[M, K], w[K, N]) -> prune(x) @ w` (w in x's dtype):
+  M padded with zero rows to a multiple of 64 (zeros prune to zeros)."""
+
+  def run(x, w):
+    m, k = x.shape
+    n = w.shape[1]
+    pad = -m % ALIGN_KN
+    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    mp = m + pad
+    _check_size(x.dtype, mp, k)
+    buf = input_compress_for_product(xp, interpret)
+    # Column-major D[N, Mp] = A[N, K] (w) @ B[K, Mp] (the pruned x^T): the
+    # row-major y.
+    y = _sparse_b_matmul(w, buf, (mp, n), m=n, n=mp, k=k, search=search, alg=alg)
+    return y[:m] if pad else y
+
+  return run
+
+
+def input_sparse_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """`prune_24(x, axis=-1) * x @ w` for `x[M, K]` and `w[K, N]` of one 16-bit
+  dtype (K and N multiples of 64, any M), on the sparse tensor cores, float32
+  accumulation, in x's dtype; under `jit` with x's rows sharded each device
+  prunes and multiplies its own rows (the weight whole on each)."""
+  fn = _input_sparse_local(*_search_attrs(x.dtype), pallas_backend.interpreting())
+  return rows_parallel(fn, x, w)
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
   """What the forward pass builds once and the backward pass reuses (the
@@ -676,10 +773,6 @@ class CusparseltBackend(Backend):
     return _load_or_reason()[1]
 
   def check_supported(self, problem: Problem) -> None:
-    if problem.input_sparse:
-      raise NotImplementedError(
-          "2:4 activations (input_sparsity) run on the 'xla' backend for now; the"
-          " sparse-tensor-core product with x as the sparse operand is not built yet")
     if problem.dtype not in _DTYPE_CODES:
       raise NotImplementedError(
           f"dtype {problem.dtype}: cuSPARSELt's 2:4 products take bfloat16 or float16"
@@ -692,6 +785,11 @@ class CusparseltBackend(Backend):
   def prefers(self, problem: Problem) -> bool:
     i, j = _grid_index(problem.k), _grid_index(problem.n)
     if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
+      return False
+    if problem.input_sparse:
+      # Named explicitly only: with only its forward product sparse, the
+      # squared-ReLU block measured 0.98x of dense (benchmarks/results/
+      # nvidia-h200.md, "2:4 activations: squared-ReLU FFN block step").
       return False
     if problem.compressed:
       min_m = AUTO_MIN_M_COMPRESSED[i][j]
@@ -736,6 +834,9 @@ class CusparseltBackend(Backend):
     dw = mvue_weight_grad(x, dy, key).astype(w.dtype)
     sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw typed like w
     return dw if sharding is None else jax.sharding.reshard(dw, sharding)
+
+  def dot_input_sparse(self, x, w, gradient, precision):
+    return input_sparse_product(x, w, gradient, precision, input_sparse_matmul)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     # A Sparse24 is the portable format; this re-lays it out for cuSPARSELt

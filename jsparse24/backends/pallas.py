@@ -170,6 +170,7 @@ def kernels() -> types.ModuleType:
   # pylint: disable=g-import-not-at-top,unused-import
   import pallas_kernels.cusparselt_metadata
   import pallas_kernels.decode24
+  import pallas_kernels.input_prune24
   import pallas_kernels.mask_rebuild
   import pallas_kernels.masked_compress
   import pallas_kernels.mvue24
@@ -370,8 +371,8 @@ class PallasBackend(Backend):
   def check_supported(self, problem: Problem) -> None:
     if problem.input_sparse:
       raise NotImplementedError(
-          "2:4 activations (input_sparsity) run on the 'xla' backend for now; the"
-          " sparse-tensor-core product with x as the sparse operand is not built yet")
+          "2:4 activations (input_sparsity) run on the 'xla' and 'cusparselt' backends;"
+          " the Pallas backend has no product with x as the sparse operand")
     if problem.dtype not in DTYPES:
       raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
 

@@ -125,7 +125,7 @@ class XlaBackend(Backend):
     return matmul(x, decompress(sp), precision)
 
   def dot_input_sparse(self, x, w, gradient, precision):
-    return input_sparse_product(x, w, gradient, precision)
+    return input_sparse_product(x, w, gradient, precision, None)
 
   def dot_compressed(self, x, sp: Sparse24, precision, split=None):
     # Plain ops: JAX differentiates them itself (forward mode too), and XLA

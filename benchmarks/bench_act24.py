@@ -1,0 +1,188 @@
+"""2:4 activations on the sparse tensor cores (`input_sparsity`, the
+"cusparselt" backend): the prune + compress pass, the linear layer's
+training step over a grid of shapes, and a squared-ReLU feed-forward block.
+
+Sections (`--sections`, comma-separated):
+
+* `kernel`: `x[M, K]` pruned 2:4 along K and compressed for cuSPARSELt (the
+  Pallas pass and the metadata pass), against its floor: reading x and
+  writing 9/16 of its bytes at the measured copy bandwidth.
+* `layer`: `y = prune(x) @ w` with its gradients (y, dx, dw, as a layer in
+  a model needs them) against the dense product's, at M x (K, N) over the
+  automatic choice's grid; `--json` writes the timings, from which
+  `cusparselt.INPUT_SPARSE_AUTO_MIN_M` is read off.
+* `ffn`: a feed-forward block `relu(x @ w1)^2 @ w2` (d_model 4096, hidden
+  16384, 16,384 tokens) trained by SGD: dense; the down projection's input
+  2:4 (`input_sparsity="masked"`); and that with the up projection's weight
+  2:4 too (a stored transposable mask).
+
+Every dense step is timed before the process's first cuSPARSELt product, and
+again after the 2:4 ones (`_common.CUSPARSELT_TAX`); the ratios use the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jsparse24
+from benchmarks import _common
+from jsparse24.backends import cusparselt as cslt
+
+KERNEL_SHAPES = ((16384, 16384), (16384, 4096), (4096, 16384))
+LAYER_MS = (4096, 16384)
+LAYER_KN = (2048, 4096, 8192, 16384)
+FFN = {"d_model": 4096, "hidden": 16384, "tokens": 16384}
+
+
+def _rand(seed, shape, scale=1.0):
+  return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def section_kernel(bw):
+  rows = []
+  for m, k in KERNEL_SHAPES:
+    x = _rand(m, (m, k))
+    t = _common.bench(jax.jit(cslt.input_compress_for_product), x, min_time=0.3)
+    moved = m * k * 2 + m * k * 9 // 8  # read x; write the values and the metadata
+    rows.append([f"{m} x {k}", t * 1e3, moved / t / 1e9, 100 * moved / t / bw,
+                 moved / bw * 1e3])
+  return ("prune + compress of activations for cuSPARSELt (bf16)",
+          "`cusparselt.input_compress_for_product`: the Pallas prune + compress pass and"
+          " the metadata pass; floor = bytes read and written at the measured copy"
+          " bandwidth.\n\n"
+          + _common.table(["x [M, K]", "ms", "GB/s", "% of copy", "floor ms"], rows))
+
+
+def _layer_step(impl):
+  kw = {} if impl is None else {"input_sparsity": "masked", "implementation": impl}
+
+  @jax.jit
+  def step(x, w, dy):
+    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, **kw), x, w)
+    return y, *back(dy)
+
+  return step
+
+
+def _layer_args(m, k, n):
+  return _rand(1, (m, k)), _rand(2, (k, n), k ** -0.5), _rand(3, (m, n))
+
+
+def _layer_points():
+  return [(m, k, n) for m in LAYER_MS for k in LAYER_KN for n in LAYER_KN]
+
+
+def time_layer(impl):
+  """{(M, K, N): seconds per step}; the arrays made per point (the largest
+  three take 1.5 GB)."""
+  return {p: _common.bench(_layer_step(impl), *_layer_args(*p), min_time=0.1, repeats=3)
+          for p in _layer_points()}
+
+
+def section_layer(dense, records):
+  sparse = time_layer("cusparselt")
+  points = _layer_points()
+  rows = [[*p, dense[p] * 1e3, sparse[p] * 1e3, dense[p] / sparse[p]] for p in points]
+  records.append({"layer": [[*p, dense[p], sparse[p]] for p in points]})
+  return ("2:4 activations: linear-layer step over M, K, N (bf16)",
+          "y = prune(x) @ w and its dx, dw (`jax.vjp` of `sparse_dot(...,"
+          " input_sparsity='masked', implementation='cusparselt')`) against `x @ w`'s;"
+          " only the forward product is sparse.\n\n"
+          + _common.table(["M", "K", "N", "dense ms", "2:4 x ms", "dense / 2:4"], rows))
+
+
+def _ffn_step(variant, mask1):
+  """One SGD step of the block; variant "dense", "act" or "act+w"."""
+
+  def block(p, x):
+    if variant == "act+w":
+      h = jsparse24.sparse_dot(x, p["w1"], mask1, implementation="cusparselt")
+    else:
+      h = x @ p["w1"]
+    h = jnp.square(jax.nn.relu(h))
+    if variant == "dense":
+      return h @ p["w2"]
+    return jsparse24.sparse_dot(h, p["w2"], input_sparsity="masked", implementation="cusparselt")
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(p, x, target):
+    def loss(p):
+      return jnp.mean(jnp.square((block(p, x) - target).astype(jnp.float32)))
+    value, g = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 1e-3 * b.astype(a.dtype), p, g), value
+
+  return step
+
+
+def section_ffn():
+  d, hidden, tokens = FFN["d_model"], FFN["hidden"], FFN["tokens"]
+  x, target = _rand(1, (tokens, d)), _rand(2, (tokens, d))
+  params = {"w1": _rand(3, (d, hidden), d ** -0.5), "w2": _rand(4, (hidden, d), hidden ** -0.5)}
+  mask1 = jsparse24.Mask24.from_weights(params["w1"], transposable=True)
+  params = {"w1": jnp.where(mask1.unpack(), params["w1"], 0), "w2": params["w2"]}
+  times, losses = {}, {}
+
+  def run(name):
+    step = _ffn_step(name.split(" ")[0], mask1)
+    state = {"p": jax.tree.map(jnp.copy, params)}
+    losses.setdefault(name.split(" ")[0], float(step(jax.tree.map(jnp.copy, params), x,
+                                                     target)[1]))
+
+    def once(x, target):
+      state["p"], value = step(state["p"], x, target)
+      return value
+
+    times[name] = _common.bench(once, x, target, min_time=1.0)
+
+  for name in ("dense", "act", "act+w", "dense again"):
+    run(name)
+  base = times["dense"]
+  rows = [[name, t * 1e3, tokens / t, base / t] for name, t in times.items()]
+  return (f"2:4 activations: squared-ReLU FFN block step (d_model {d}, hidden {hidden},"
+          f" {tokens} tokens, bf16)",
+          "relu(x @ w1)^2 @ w2, SGD; `act`: the down projection's input pruned 2:4"
+          " (`input_sparsity='masked'`, cuSPARSELt with x as the sparse operand);"
+          " `act+w`: and the up projection 2:4 on a stored transposable mask (y and dx"
+          " sparse). First-step losses: "
+          + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()) + ".\n\n"
+          + _common.table(["block", "ms / step", "tokens / s", "dense / this"], rows))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--sections", default="kernel,layer,ffn")
+  p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
+  p.add_argument("--json", default=None, help="also write the layer timings to this JSON file")
+  args = p.parse_args(argv)
+  reason = jsparse24.available_implementations()["cusparselt"]
+  if reason is not None:
+    raise SystemExit(f"bench_act24: the cusparselt backend cannot run here: {reason}")
+  bw = _common.copy_bandwidth()
+  head = (f"{_common.environment()}; measured copy bandwidth {bw / 1e12:.3f} TB/s. Dense"
+          f" steps timed before the first cuSPARSELt product: {_common.CUSPARSELT_TAX}.\n\n")
+  print(head, flush=True)
+  records = []
+  sections = args.sections.split(",")
+  # Every dense step before the first cuSPARSELt product: the layer grid's
+  # here, the block's inside its section, which runs first.
+  dense_layer = time_layer(None) if "layer" in sections else None
+  run = {"kernel": lambda: section_kernel(bw), "ffn": section_ffn,
+         "layer": lambda: section_layer(dense_layer, records)}
+  for name in [s for s in ("ffn", "kernel", "layer") if s in sections]:
+    t0 = time.time()
+    title, body = run[name]()
+    print(f"\n## {title}\n\n{body}\n({time.time() - t0:.0f} s)\n", flush=True)
+    if not args.no_write:
+      _common.write_section(title, head + body)
+  if args.json:
+    _common.write_json(args.json, records)
+
+
+if __name__ == "__main__":
+  main()

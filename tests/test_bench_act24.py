@@ -1,0 +1,55 @@
+"""benchmarks/bench_act24.py on a CPU at tiny sizes: cuSPARSELt's products by
+`tests/triton_removal.py`'s XLA stand-in, the Pallas passes interpreted.
+Every section runs, and every dense step is timed before the run's first
+cuSPARSELt product (`_common.CUSPARSELT_TAX`)."""
+
+import jax
+
+from benchmarks import bench_act24
+from jsparse24.backends import cusparselt
+from jsparse24.backends.pallas import interpret_mode
+from tests import triton_removal
+
+
+def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
+  events = []
+
+  def product(stand_in):
+    def call(*args, **kw):
+      events.append("cusparselt")
+      return stand_in(*args, **kw)
+    return call
+
+  def bench(fn, *args, **_):
+    events.append("bench")
+    jax.block_until_ready(fn(*args))
+    return 1e-3
+
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_sparse_a_matmul",
+                      product(triton_removal._stand_in_product))  # pylint: disable=protected-access
+  monkeypatch.setattr(cusparselt, "_sparse_b_matmul",
+                      product(triton_removal._stand_in_b_product))  # pylint: disable=protected-access
+  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+  cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
+  monkeypatch.setattr(bench_act24._common, "bench", bench)
+  monkeypatch.setattr(bench_act24._common, "copy_bandwidth", lambda: 1e9)
+  monkeypatch.setattr(bench_act24, "KERNEL_SHAPES", ((64, 128),))
+  monkeypatch.setattr(bench_act24, "LAYER_MS", (64,))
+  monkeypatch.setattr(bench_act24, "LAYER_KN", (64, 128))
+  monkeypatch.setattr(bench_act24, "FFN", {"d_model": 64, "hidden": 128, "tokens": 64})
+  with interpret_mode():
+    bench_act24.main(["--no-write"])
+  out = capsys.readouterr().out
+  for title in ("squared-ReLU FFN block step", "prune + compress of activations",
+                "linear-layer step over M, K, N"):
+    assert title in out, out
+  # The layer grid's 4 dense steps, then the block's first (dense) step,
+  # before any product on the stand-in; then the 2:4 steps, and the block's
+  # dense step timed again at the end of its section.
+  first = events.index("cusparselt")
+  assert events[:first] == ["bench"] * 5, events
+  assert events.count("bench") == 4 + 4 + 1 + 4, events  # layer, block, kernel, layer
+  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+  cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
