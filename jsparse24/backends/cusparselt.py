@@ -783,13 +783,13 @@ class CusparseltBackend(Backend):
           f" multiples of {ALIGN_KN}")
 
   def prefers(self, problem: Problem) -> bool:
+    if problem.input_sparse:
+      # Named explicitly only: with only its forward product sparse, a
+      # squared-ReLU block measured 0.98x of dense (benchmarks/results/
+      # nvidia-h200.md, "2:4 activations on the sparse tensor cores").
+      return False
     i, j = _grid_index(problem.k), _grid_index(problem.n)
     if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
-      return False
-    if problem.input_sparse:
-      # Named explicitly only: with only its forward product sparse, the
-      # squared-ReLU block measured 0.98x of dense (benchmarks/results/
-      # nvidia-h200.md, "2:4 activations: squared-ReLU FFN block step").
       return False
     if problem.compressed:
       min_m = AUTO_MIN_M_COMPRESSED[i][j]
