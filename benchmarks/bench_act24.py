@@ -8,9 +8,10 @@ Sections (`--sections`, comma-separated):
   Pallas pass and the metadata pass), against its floor: reading x and
   writing 9/16 of its bytes at the measured copy bandwidth.
 * `layer`: `y = prune(x) @ w` with its gradients (y, dx, dw, as a layer in
-  a model needs them) against the dense product's, at M x (K, N) over the
-  automatic choice's grid; `--json` writes the timings, from which
-  `cusparselt.INPUT_SPARSE_AUTO_MIN_M` is read off.
+  a model needs them) against the dense product's, at M in `LAYER_MS` and K,
+  N in `LAYER_KN`; `--json` writes the timings, the sweep an automatic choice
+  for this product would be read from (today the choice never picks it:
+  `CusparseltBackend.prefers`).
 * `ffn`: a feed-forward block `relu(x @ w1)^2 @ w2` (d_model 4096, hidden
   16384, 16,384 tokens) trained by SGD: dense; the down projection's input
   2:4 (`input_sparsity="masked"`); and that with the up projection's weight
