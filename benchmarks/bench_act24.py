@@ -8,12 +8,13 @@ Sections (`--sections`, comma-separated):
   Pallas pass and the metadata pass), against its floor: reading x and
   writing 9/16 of its bytes at the measured copy bandwidth.
 * `layer`: `y = prune(x) @ w` with its gradients (y, dx, dw, as a layer in
-  a model needs them) against the dense product's, at M in `LAYER_MS` and K,
-  N in `LAYER_KN`; `--json` writes the timings, the sweep an automatic choice
-  for this product would be read from (today the choice never picks it:
-  `CusparseltBackend.prefers`).
+  a model needs them) on cuSPARSELt, against the same step on XLA (masked
+  dense products) and the dense layer's, at M in `--layer-ms` and K, N in
+  `--layer-kn`; `--json` writes the timings, the sweep that
+  `CusparseltBackend.prefers` reads its rule for this product from.
 * `ffn`: a feed-forward block `relu(x @ w1)^2 @ w2` (d_model 4096, hidden
-  16384, 16,384 tokens) trained by SGD: dense; the down projection's input
+  16384, 16,384 tokens) trained by SGD, its input's gradient computed as in a
+  model: dense; the down projection's input
   2:4 (`input_sparsity="masked"`); and that with the up projection's weight
   2:4 too (a stored transposable mask).
 
@@ -35,8 +36,6 @@ from benchmarks import _common
 from jsparse24.backends import cusparselt as cslt
 
 KERNEL_SHAPES = ((16384, 16384), (16384, 4096), (4096, 16384))
-LAYER_MS = (4096, 16384)
-LAYER_KN = (2048, 4096, 8192, 16384)
 FFN = {"d_model": 4096, "hidden": 16384, "tokens": 16384}
 
 
@@ -74,27 +73,24 @@ def _layer_args(m, k, n):
   return _rand(1, (m, k)), _rand(2, (k, n), k ** -0.5), _rand(3, (m, n))
 
 
-def _layer_points():
-  return [(m, k, n) for m in LAYER_MS for k in LAYER_KN for n in LAYER_KN]
-
-
-def time_layer(impl):
+def time_layer(impl, points):
   """{(M, K, N): seconds per step}; the arrays made per point (the largest
   three take 1.5 GB)."""
   return {p: _common.bench(_layer_step(impl), *_layer_args(*p), min_time=0.1, repeats=3)
-          for p in _layer_points()}
+          for p in points}
 
 
-def section_layer(dense, records):
-  sparse = time_layer("cusparselt")
-  points = _layer_points()
-  rows = [[*p, dense[p] * 1e3, sparse[p] * 1e3, dense[p] / sparse[p]] for p in points]
-  records.append({"layer": [[*p, dense[p], sparse[p]] for p in points]})
+def section_layer(dense, masked, points, records):
+  sparse = time_layer("cusparselt", points)
+  rows = [[*p, dense[p] * 1e3, masked[p] * 1e3, sparse[p] * 1e3, dense[p] / sparse[p],
+           masked[p] / sparse[p]] for p in points]
+  records.append({"layer": [[*p, dense[p], masked[p], sparse[p]] for p in points]})
   return ("2:4 activations: linear-layer step over M, K, N (bf16)",
           "y = prune(x) @ w and its dx, dw (`jax.vjp` of `sparse_dot(...,"
-          " input_sparsity='masked', implementation='cusparselt')`) against `x @ w`'s;"
-          " only the forward product is sparse.\n\n"
-          + _common.table(["M", "K", "N", "dense ms", "2:4 x ms", "dense / 2:4"], rows))
+          " input_sparsity='masked')`) on cuSPARSELt, where only the forward product is"
+          " sparse, and on XLA (masked dense products), against the dense `x @ w`'s.\n\n"
+          + _common.table(["M", "K", "N", "dense ms", "xla 2:4 x ms", "cuSPARSELt 2:4 x ms",
+                           "dense / cuSPARSELt", "xla / cuSPARSELt"], rows))
 
 
 def _ffn_step(variant, mask1):
@@ -110,12 +106,14 @@ def _ffn_step(variant, mask1):
       return h @ p["w2"]
     return jsparse24.sparse_dot(h, p["w2"], input_sparsity="masked", implementation="cusparselt")
 
+  # The input's gradient too, as a block inside a model computes it for the
+  # layers before it (without it XLA drops the up projection's dx product).
   @functools.partial(jax.jit, donate_argnums=0)
   def step(p, x, target):
-    def loss(p):
+    def loss(p, x):
       return jnp.mean(jnp.square((block(p, x) - target).astype(jnp.float32)))
-    value, g = jax.value_and_grad(loss)(p)
-    return jax.tree.map(lambda a, b: a - 1e-3 * b.astype(a.dtype), p, g), value
+    value, (g, dx) = jax.value_and_grad(loss, argnums=(0, 1))(p, x)
+    return jax.tree.map(lambda a, b: a - 1e-3 * b.astype(a.dtype), p, g), value, dx
 
   return step
 
@@ -135,8 +133,8 @@ def section_ffn():
                                                      target)[1]))
 
     def once(x, target):
-      state["p"], value = step(state["p"], x, target)
-      return value
+      state["p"], value, dx = step(state["p"], x, target)
+      return value, dx
 
     times[name] = _common.bench(once, x, target, min_time=1.0)
 
@@ -146,7 +144,7 @@ def section_ffn():
   rows = [[name, t * 1e3, tokens / t, base / t] for name, t in times.items()]
   return (f"2:4 activations: squared-ReLU FFN block step (d_model {d}, hidden {hidden},"
           f" {tokens} tokens, bf16)",
-          "relu(x @ w1)^2 @ w2, SGD; `act`: the down projection's input pruned 2:4"
+          "relu(x @ w1)^2 @ w2, SGD, with the input's gradient (6 products); `act`: the down projection's input pruned 2:4"
           " (`input_sparsity='masked'`, cuSPARSELt with x as the sparse operand);"
           " `act+w`: and the up projection 2:4 on a stored transposable mask (y and dx"
           " sparse). First-step losses: "
@@ -159,6 +157,9 @@ def main(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sections", default="kernel,layer,ffn")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
+  p.add_argument("--layer-ms", default="4096,16384", help="the layer section's M values")
+  p.add_argument("--layer-kn", default="2048,4096,8192,16384",
+                 help="the layer section's K and N values (every pair)")
   p.add_argument("--json", default=None, help="also write the layer timings to this JSON file")
   args = p.parse_args(argv)
   reason = jsparse24.available_implementations()["cusparselt"]
@@ -172,9 +173,12 @@ def main(argv=None):
   sections = args.sections.split(",")
   # Every dense step before the first cuSPARSELt product: the layer grid's
   # here, the block's inside its section, which runs first.
-  dense_layer = time_layer(None) if "layer" in sections else None
+  ms, kn = ([int(v) for v in a.split(",")] for a in (args.layer_ms, args.layer_kn))
+  points = [(m, k, n) for m in ms for k in kn for n in kn]
+  if "layer" in sections:
+    dense_layer, masked_layer = time_layer(None, points), time_layer("xla", points)
   run = {"kernel": lambda: section_kernel(bw), "ffn": section_ffn,
-         "layer": lambda: section_layer(dense_layer, records)}
+         "layer": lambda: section_layer(dense_layer, masked_layer, points, records)}
   for name in [s for s in ("ffn", "kernel", "layer") if s in sections]:
     t0 = time.time()
     title, body = run[name]()

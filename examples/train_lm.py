@@ -35,6 +35,12 @@ routed to its top K, capacity factor 1.25, each sequence a routing group):
 Transformer's, sown by `SparseMoE`) to the training loss; the losses
 reported are the cross-entropy alone.
 
+`--ffn-activation relu2 --sparse-activations masked` (or `ste`): both runs
+use a squared-ReLU MLP, and the 2:4 run prunes mlp/down's input (the
+activations) 2:4 at every step, its kernel dense; mlp/up keeps 2:4 weights,
+or with `--mlp-weights dense` a dense kernel, so that the runs differ only
+in the pruned activations (Haziza et al. 2025, arXiv 2503.16672).
+
 The text ships with Python: a fixed list of standard-library modules
 (`--corpus`: 8 files, ~0.6 MB, in the small preset; every `.py` file of the
 standard library, ~30 MB, in the gpu preset; the first 90% of each file trains,
@@ -239,8 +245,10 @@ class MLP(nn.Module):
   "gelu", or "relu2" (squared ReLU, whose outputs are mostly zero: the
   feed-forward of Haziza et al. 2025, arXiv 2503.16672). `input_sparsity`
   ("off", "masked", "ste"): in the sparse model, `down`'s input (the
-  activations) pruned 2:4 at every step and its kernel dense, `up` keeping
-  2:4 weights (`jsparse24.SparseDense(input_sparsity=...)`)."""
+  activations) pruned 2:4 at every step and its kernel dense
+  (`jsparse24.SparseDense(input_sparsity=...)`), `up` keeping 2:4 weights,
+  or with `weights="dense"` a dense kernel (`nn.Dense`): then the model
+  differs from the dense one only in its pruned activations."""
 
   hidden: int
   sparse: bool
@@ -252,6 +260,7 @@ class MLP(nn.Module):
   shardings: tuple = ()
   activation: str = "gelu"
   input_sparsity: str = "off"
+  weights: str = "2:4"  # the sparse model's `up` kernel with input_sparsity: "2:4" or "dense"
 
   @nn.compact
   def __call__(self, x):
@@ -266,6 +275,8 @@ class MLP(nn.Module):
       if self.input_sparsity != "off":
         linear["down"] = functools.partial(jsparse24.SparseDense, mask_source="none",
                                            input_sparsity=self.input_sparsity)
+        if self.weights == "dense":
+          linear["up"], kw["up"] = nn.Dense, {}
     h = linear["up"](self.hidden, dtype=self.dtype, name="up", **kw["up"])(x)
     h = ACTIVATIONS[self.activation](h)
     return linear["down"](x.shape[-1], dtype=self.dtype, name="down", **kw["down"])(h)
@@ -282,6 +293,7 @@ class Block(nn.Module):
   moe: tuple[int, int] | None = None  # (experts, top k): the MLP is a SparseMoE
   activation: str = "gelu"  # of the MLP (MLP.activation)
   input_sparsity: str = "off"  # of the 2:4 MLP's down projection (MLP.input_sparsity)
+  mlp_weights: str = "2:4"  # MLP.weights
 
   @nn.compact
   def __call__(self, x, mask):
@@ -299,7 +311,7 @@ class Block(nn.Module):
                                      name="mlp", **kind)(h)
     return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
                    self.weight_grad, self.mlp_shardings, self.activation, self.input_sparsity,
-                   name="mlp")(h)
+                   self.mlp_weights, name="mlp")(h)
 
 
 class CharLM(nn.Module):
@@ -319,6 +331,7 @@ class CharLM(nn.Module):
   moe: tuple[int, int] | None = None  # (experts, top k): every MLP a SparseMoE (Block.moe)
   activation: str = "gelu"  # MLP.activation
   input_sparsity: str = "off"  # MLP.input_sparsity
+  mlp_weights: str = "2:4"  # MLP.weights
 
   @nn.compact
   def __call__(self, tokens):
@@ -330,7 +343,7 @@ class CharLM(nn.Module):
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
                 self.weight_grad, self.mlp_shardings, self.moe, self.activation,
-                self.input_sparsity, name=f"block_{i}")(x, mask)
+                self.input_sparsity, self.mlp_weights, name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -345,7 +358,7 @@ class Run:
   name: str
   model: CharLM
   tx: optax.GradientTransformation
-  sparse: bool
+  sparse: bool  # the model has 2:4 weights (masks in the optimizer state)
   params: Any = None
   opt_state: Any = None
   step: int = 0
@@ -642,7 +655,11 @@ def sparse_layer_backends(args) -> dict[str, str]:
              transposable=n % 4 == 0 if transposable is None else transposable)
          for name, (k, n) in {"up": (d, 4 * d), "down": (4 * d, d)}.items()}
   if args.sparse_activations != "off":
-    out["mlp/down"] = "xla"  # the one backend with the 2:4-activation product
+    # The automatic choice takes XLA's masked products for 2:4 activations
+    # (CusparseltBackend.prefers says why).
+    out["mlp/down"] = "xla"
+    if args.mlp_weights == "dense":
+      del out["mlp/up"]
   return out
 
 
@@ -764,6 +781,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       " step and its kernel dense (mlp/up keeps 2:4 weights); the input's"
                       " gradient masked like the forward or straight-through"
                       " (SparseDense(input_sparsity=...)); best with --ffn-activation relu2")
+  p.add_argument("--mlp-weights", choices=("2:4", "dense"), default="2:4",
+                 help="with --sparse-activations: mlp/up's kernel in the 2:4 run, 2:4 or"
+                      " dense (then the runs differ only in the pruned activations)")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
   p.add_argument("--out", default=os.path.join("runs", "train_lm"), help="output folder")
   p.add_argument("--resume", action="store_true",
@@ -792,6 +812,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not 1 <= top_k <= experts:
       p.error(f"--moe {args.moe}: K={top_k} must lie in [1, E={experts}]")
     args.moe = (experts, top_k)
+  if args.mlp_weights == "dense":
+    clash = [flag for flag, on in (("--sparse-activations off", args.sparse_activations == "off"),
+                                   ("--mvue", args.mvue),
+                                   ("--sparsity-ramp", args.sparsity_ramp is not None)) if on]
+    if clash:
+      p.error(f"--mlp-weights dense leaves the 2:4 run no 2:4 weight: it needs"
+              f" --sparse-activations masked or ste, and takes no flag about 2:4 weights"
+              f" (got {', '.join(clash)}).")
   if args.d_model % 4 or args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} must be a multiple of 4 (2:4 groups) and of --heads.")
   if min(args.steps, args.batch, args.seq_len, args.eval_every, args.layers) < 1:
@@ -818,7 +846,10 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
                      " shard an MoE over its experts, or drop --moe.")
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
                  transposable, weight_grad, mlp_shardings, args.moe, args.ffn_activation,
-                 args.sparse_activations)
+                 args.sparse_activations, args.mlp_weights)
+  # --mlp-weights dense: the 2:4 run's only 2:4 operands are activations, so
+  # it has no masks to schedule and trains with the dense run's optimizer.
+  sparse = sparse and args.mlp_weights == "2:4"
   key = jax.random.key(args.seed)
   variables = jax.jit(model.init, out_shardings=_placed(state_sharding, model.init, key,
                                                         sample))(key, sample)
@@ -865,8 +896,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f" {len(files)} stdlib files; vocabulary {VOCAB} (ln = {math.log(VOCAB):.3f})")
   print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads,"
         f" seq {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr},"
-        f" {args.dtype}; 2:4 MLP ({args.mask} masks): dense warm-up {args.mask_warmup} steps, rebuild"
-        f" every {args.rebuild_every}, decay {args.decay}"
+        f" {args.dtype}; "
+        + ("no 2:4 weights (--mlp-weights dense)" if args.mlp_weights == "dense" else
+           f"2:4 MLP ({args.mask} masks): dense warm-up {args.mask_warmup} steps, rebuild"
+           f" every {args.rebuild_every}, decay {args.decay}")
         + (", MVUE weight gradients" if args.mvue else "")
         + (f"; every MLP a SparseMoE of {args.moe[0]} experts, top-{args.moe[1]} (load-balancing"
            f" loss weight {args.moe_aux_weight})" if args.moe else "")
@@ -880,12 +913,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if jax.tree.structure(runs[0].params) != jax.tree.structure(runs[1].params):
     raise AssertionError("the dense and 2:4 models should have the same params tree")
   n_params = sum(a.size for a in jax.tree.leaves(runs[0].params))
-  print(f"parameters: {n_params:,} in both runs; sparse layers:"
-        f" {sorted(jsparse24.optim.stats(runs[1].opt_state))}")
+  print(f"parameters: {n_params:,} in both runs; layers with 2:4 weights:"
+        f" {sorted(jsparse24.optim.stats(runs[1].opt_state)) if runs[1].sparse else 'none'}")
 
   start_steps = {}
   for run in runs:
-    ckpt_dir = os.path.join(args.out, "checkpoints", "sparse" if run.sparse else "dense")
+    ckpt_dir = os.path.join(args.out, "checkpoints", "dense" if run is runs[0] else "sparse")
     if args.resume:
       if os.path.isdir(ckpt_dir):
         with checkpoint_manager(ckpt_dir) as mngr:
@@ -963,6 +996,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"final validation loss: dense {final['dense']:.3f}  2:4 {final['sparse']:.3f}"
         f"  (gap {final['sparse'] - final['dense']:+.3f}; ln(vocab) = {math.log(VOCAB):.3f})")
 
+  if not sparse.sparse:
+    print("2:4 weights: none (--mlp-weights dense): the 2:4 run's only 2:4 operands are"
+          " mlp/down's activations, so its weights ship dense")
+    print(implementation_summary().splitlines()[0])
+    return {**_losses(runs, start_steps, speed), "sparse_layer_backends": backends,
+            "sparse_layers": [], "loss_curves_png": png, "params": sparse.params}
   stats = jsparse24.optim.stats(sparse.opt_state)
   last_rebuild = int(optax.tree_utils.tree_get(sparse.opt_state, "last_rebuild"))
   # Stacked layers (--moe's experts) have one value per expert.
@@ -1010,19 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"wrote {png} and checkpoints in {os.path.join(args.out, 'checkpoints')}")
 
   return {
-      "final_val_loss_dense": final["dense"],
-      "final_val_loss_sparse": final["sparse"],
-      "final_train_loss_dense": dense.history["train"][-1],
-      "final_train_loss_sparse": sparse.history["train"][-1],
-      "eval_steps": list(sparse.history["eval_steps"]),
-      "val_losses_dense": list(dense.history["val"]),
-      "val_losses_sparse": list(sparse.history["val"]),
-      "start_step_sparse": start_steps["2:4"],
-      "start_step_dense": start_steps["dense"],
-      "final_step": sparse.step,
-      "tokens_per_s": {name: v[0] for name, v in speed.items()},
-      "tokens_per_s_sparse_steps": {name: v[1] for name, v in speed.items()},
-      "train_step_programs": {run.name: len(run.programs) for run in runs},
+      **_losses(runs, start_steps, speed),
       "ramp_tokens_per_s_over_predicted": None if ramp is None else ramp[2],
       "sparse_layer_backends": backends,
       "mean_flip_rate": flip,
@@ -1036,6 +1063,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "checkpoint_dir": os.path.join(args.out, "checkpoints", "sparse"),
       "params": sparse.params,
       "sparsity_collection": masks,
+  }
+
+
+def _losses(runs: Sequence[Run], start_steps: dict, speed: dict) -> dict[str, Any]:
+  """`main`'s result: the losses, steps and speed of both runs."""
+  dense, sparse = runs
+  return {
+      "final_val_loss_dense": dense.history["val"][-1],
+      "final_val_loss_sparse": sparse.history["val"][-1],
+      "final_train_loss_dense": dense.history["train"][-1],
+      "final_train_loss_sparse": sparse.history["train"][-1],
+      "eval_steps": list(sparse.history["eval_steps"]),
+      "val_losses_dense": list(dense.history["val"]),
+      "val_losses_sparse": list(sparse.history["val"]),
+      "start_step_sparse": start_steps["2:4"],
+      "start_step_dense": start_steps["dense"],
+      "final_step": sparse.step,
+      "tokens_per_s": {name: v[0] for name, v in speed.items()},
+      "tokens_per_s_sparse_steps": {name: v[1] for name, v in speed.items()},
+      "train_step_programs": {run.name: len(run.programs) for run in runs},
   }
 
 

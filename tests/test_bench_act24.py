@@ -36,20 +36,18 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
   monkeypatch.setattr(bench_act24._common, "bench", bench)
   monkeypatch.setattr(bench_act24._common, "copy_bandwidth", lambda: 1e9)
   monkeypatch.setattr(bench_act24, "KERNEL_SHAPES", ((64, 128),))
-  monkeypatch.setattr(bench_act24, "LAYER_MS", (64, 128))
-  monkeypatch.setattr(bench_act24, "LAYER_KN", (64,))
   monkeypatch.setattr(bench_act24, "FFN", {"d_model": 64, "hidden": 128, "tokens": 64})
   with interpret_mode():
-    bench_act24.main(["--no-write"])
+    bench_act24.main(["--no-write", "--layer-ms", "64,128", "--layer-kn", "64"])
   out = capsys.readouterr().out
   for title in ("squared-ReLU FFN block step", "prune + compress of activations",
                 "linear-layer step over M, K, N"):
     assert title in out, out
-  # The layer grid's 2 dense steps, then the block's first (dense) step,
-  # before any product on the stand-in; then the 2:4 steps, and the block's
-  # dense step timed again at the end of its section.
+  # The layer grid's 2 dense and 2 XLA steps, then the block's first (dense)
+  # step, before any product on the stand-in; then the 2:4 steps, and the
+  # block's dense step timed again at the end of its section.
   first = events.index("cusparselt")
-  assert events[:first] == ["bench"] * 3, events
-  assert events.count("bench") == 2 + 4 + 1 + 2, events  # layer, block, kernel, layer
+  assert events[:first] == ["bench"] * 5, events
+  assert events.count("bench") == 4 + 4 + 1 + 2, events  # layer, block, kernel, layer
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access

@@ -506,3 +506,36 @@ def test_train_lm_step_donates_params_and_optimizer_state():
     state = sum(a.nbytes for a in jax.tree.leaves((run.params, run.opt_state)))
     # All but a few bytes (scalars that XLA writes fresh, e.g. step counters).
     assert 0 <= state - memory.alias_size_in_bytes <= 16, (sparse, memory, state)
+
+
+def test_train_lm_24_activations_alone(tmp_path):
+  """--mlp-weights dense: the 2:4 run's mlp/up is an nn.Dense, so the runs
+  differ only in mlp/down's pruned activations; the 2:4 run has no masks
+  (plain AdamW), checkpoints apart from the dense run's, and learns."""
+  module = load_example("train_lm")
+  args = ["--steps", "6", "--eval-every", "3", "--d-model", "32", "--layers", "1",
+          "--heads", "2", "--seq-len", "32", "--batch", "8", "--eval-batches", "2",
+          "--lr", "1e-2", "--ffn-activation", "relu2", "--sparse-activations", "masked",
+          "--mlp-weights", "dense", "--out", str(tmp_path)]
+  with contextlib.redirect_stdout(io.StringIO()) as printed:
+    result = module.main(args)
+  assert "no 2:4 weights (--mlp-weights dense)" in printed.getvalue()
+  assert "2:4 weights: none (--mlp-weights dense)" in printed.getvalue()
+  assert result["sparse_layers"] == []
+  assert result["sparse_layer_backends"] == {"mlp/down": "xla"}
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["dense", "sparse"]
+  params = result["params"]["block_0"]["mlp"]
+  assert set(params) == {"up", "down"}
+  for run in ("dense", "sparse"):
+    val = result[f"val_losses_{run}"]
+    assert all(math.isfinite(v) for v in val) and val[-1] < val[0], (run, val)
+  # The pruned activations change the loss: the runs are not the same model.
+  assert result["val_losses_sparse"] != result["val_losses_dense"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--sparse-activations", "masked", "--mvue"]])
+def test_train_lm_dense_mlp_weights_need_24_activations_alone(flags, capsys):
+  module = load_example("train_lm")
+  with pytest.raises(SystemExit):
+    module.parse_args(["--mlp-weights", "dense", *flags])
+  assert "--mlp-weights dense leaves the 2:4 run no 2:4 weight" in capsys.readouterr().err

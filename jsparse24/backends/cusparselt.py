@@ -784,9 +784,13 @@ class CusparseltBackend(Backend):
 
   def prefers(self, problem: Problem) -> bool:
     if problem.input_sparse:
-      # Named explicitly only: with only its forward product sparse, a
-      # squared-ReLU block measured 0.98x of dense (benchmarks/results/
-      # nvidia-h200.md, "2:4 activations on the sparse tensor cores").
+      # Named explicitly only. Only the forward product is sparse, and the
+      # layer's step (y, dx, dw) measured 1.02-1.055x as fast as the same step
+      # on XLA's masked products over M = 4096-16384, K, N = 4096-16384 (bf16,
+      # H200): short of AUTO_MARGIN at all but one point, with the process's
+      # dense products slowed once a sparse MMA has run (benchmarks/results/
+      # nvidia-h200.md, "2:4 activations: the layer against XLA's masked
+      # product, the block with its input's gradient").
       return False
     i, j = _grid_index(problem.k), _grid_index(problem.n)
     if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
