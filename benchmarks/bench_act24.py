@@ -14,9 +14,9 @@ Sections (`--sections`, comma-separated):
   `CusparseltBackend.prefers` reads its rule for this product from.
 * `ffn`: a feed-forward block `relu(x @ w1)^2 @ w2` (d_model 4096, hidden
   16384, 16,384 tokens) trained by SGD, its input's gradient computed as in a
-  model: dense; the down projection's input
-  2:4 (`input_sparsity="masked"`); and that with the up projection's weight
-  2:4 too (a stored transposable mask).
+  model: dense; the down projection's input 2:4 (`input_sparsity="masked"`);
+  and that with the up projection's weight 2:4 too (a stored transposable
+  mask).
 
 Every dense step is timed before the process's first cuSPARSELt product, and
 again after the 2:4 ones (`_common.CUSPARSELT_TAX`); the ratios use the first.
@@ -144,8 +144,9 @@ def section_ffn():
   rows = [[name, t * 1e3, tokens / t, base / t] for name, t in times.items()]
   return (f"2:4 activations: squared-ReLU FFN block step (d_model {d}, hidden {hidden},"
           f" {tokens} tokens, bf16)",
-          "relu(x @ w1)^2 @ w2, SGD, with the input's gradient (6 products); `act`: the down projection's input pruned 2:4"
-          " (`input_sparsity='masked'`, cuSPARSELt with x as the sparse operand);"
+          "relu(x @ w1)^2 @ w2, SGD, with the input's gradient (6 products); `act`: the"
+          " down projection's input pruned 2:4 (`input_sparsity='masked'`, cuSPARSELt"
+          " with x as the sparse operand);"
           " `act+w`: and the up projection 2:4 on a stored transposable mask (y and dx"
           " sparse). First-step losses: "
           + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()) + ".\n\n"

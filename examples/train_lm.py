@@ -778,7 +778,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       " mostly zeros: the feed-forward that 2:4 activations suit)")
   p.add_argument("--sparse-activations", choices=("off", "masked", "ste"), default="off",
                  help="2:4 activations in the 2:4 run: mlp/down's input pruned 2:4 at every"
-                      " step and its kernel dense (mlp/up keeps 2:4 weights); the input's"
+                      " step and its kernel dense (mlp/up keeps 2:4 weights unless"
+                      " --mlp-weights dense); the input's"
                       " gradient masked like the forward or straight-through"
                       " (SparseDense(input_sparsity=...)); best with --ffn-activation relu2")
   p.add_argument("--mlp-weights", choices=("2:4", "dense"), default="2:4",
