@@ -997,12 +997,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"final validation loss: dense {final['dense']:.3f}  2:4 {final['sparse']:.3f}"
         f"  (gap {final['sparse'] - final['dense']:+.3f}; ln(vocab) = {math.log(VOCAB):.3f})")
 
-  if not sparse.sparse:
+  if sparse.sparse:
+    report = ship_report(sparse, val, args)
+  else:
     print("2:4 weights: none (--mlp-weights dense): the 2:4 run's only 2:4 operands are"
           " mlp/down's activations, so its weights ship dense")
-    print(implementation_summary().splitlines()[0])
-    return {**_losses(runs, start_steps, speed), "sparse_layer_backends": backends,
-            "sparse_layers": [], "loss_curves_png": png, "params": sparse.params}
+    report = {"sparse_layers": []}
+  print(implementation_summary().splitlines()[0])
+  print(f"wrote {png} and checkpoints in {os.path.join(args.out, 'checkpoints')}")
+
+  return {
+      **_losses(runs, start_steps, speed),
+      **report,
+      "ramp_tokens_per_s_over_predicted": None if ramp is None else ramp[2],
+      "sparse_layer_backends": backends,
+      "loss_curves_png": png,
+      "checkpoint_dir": os.path.join(args.out, "checkpoints", "sparse"),
+      "params": sparse.params,
+  }
+
+
+def ship_report(sparse: Run, val, args) -> dict[str, Any]:
+  """Prints the 2:4 run's masks, the bytes of its MLP kernels dense and
+  compressed, and the validation loss of its compressed weights; returns
+  them for `main`'s result."""
   stats = jsparse24.optim.stats(sparse.opt_state)
   last_rebuild = int(optax.tree_utils.tree_get(sparse.opt_state, "last_rebuild"))
   # Stacked layers (--moe's experts) have one value per expert.
@@ -1046,13 +1064,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     compressed_val = float(val_loss(shipped))
   print(f"validation loss of the 2:4 model with compressed {args.dtype} weights:"
         f" {compressed_val:.4f} (masked float32 weights: {masked_val:.4f})")
-  print(implementation_summary().splitlines()[0])
-  print(f"wrote {png} and checkpoints in {os.path.join(args.out, 'checkpoints')}")
-
   return {
-      **_losses(runs, start_steps, speed),
-      "ramp_tokens_per_s_over_predicted": None if ramp is None else ramp[2],
-      "sparse_layer_backends": backends,
       "mean_flip_rate": flip,
       "sparsity": density,
       "masks_are_24": masks_are_24,
@@ -1060,9 +1072,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "mlp_kernel_bytes": sizes,
       "val_loss_compressed": compressed_val,
       "val_loss_masked": masked_val,
-      "loss_curves_png": png,
-      "checkpoint_dir": os.path.join(args.out, "checkpoints", "sparse"),
-      "params": sparse.params,
       "sparsity_collection": masks,
   }
 
