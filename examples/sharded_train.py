@@ -262,7 +262,7 @@ def open_checkpoints(lm, run, args):
   """The run's Orbax checkpoints, which every process opens, writes and
   reads (each its own shards). `--resume`: `run` restored from the latest,
   in its current layout; otherwise the old ones go."""
-  directory = os.path.join(args.out, "checkpoints", "sparse" if run.sparse else "dense")
+  directory = os.path.join(args.out, "checkpoints", "dense" if run.name == "dense" else "sparse")
   if not args.resume and jax.process_index() == 0 and os.path.isdir(directory):
     shutil.rmtree(directory)  # a fresh run replaces the old checkpoints
   multihost_utils.sync_global_devices("sharded_train: checkpoints ready")
@@ -365,6 +365,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                           + (["--steps", str(args.steps)] if args.steps else [])
                           + (["--batch", str(args.batch)] if args.batch else []))
   lm_args.layout = args.layout
+  if lm_args.sparse_activations != "off" and args.layout != "fsdp":
+    p.error(f"--sparse-activations {lm_args.sparse_activations} runs under --layout fsdp only:"
+            f" the 2:4-activation layer (mlp/down, SparseDense(input_sparsity=...)) has no"
+            f" tensor-parallel products, and --layout {args.layout} gives the MLP layers a"
+            f" kernel_sharding.")
   log(f"preset {lm_args.size} ({lm_args.size_reason})")
 
   n = jax.device_count()  # every process's devices
@@ -403,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       continue
     run = lm.make_run(name, sparse, lm_args, sample,
                       mlp_shardings(layout), layout.state_sharding)
-    if sparse:  # each mask where its kernel's block is (tp, 2d, FSDP's sharded kernels)
+    if run.sparse:  # each mask where its kernel's block is (tp, 2d, FSDP's sharded kernels)
       run.opt_state = jsparse24.optim.masks_like_kernels(run.opt_state, run.params)
     out[name] = train(lm, run, lm_args, data, layout)
     r = out[name]

@@ -539,3 +539,20 @@ def test_train_lm_dense_mlp_weights_need_24_activations_alone(flags, capsys):
   with pytest.raises(SystemExit):
     module.parse_args(["--mlp-weights", "dense", *flags])
   assert "--mlp-weights dense leaves the 2:4 run no 2:4 weight" in capsys.readouterr().err
+
+
+def test_sharded_train_24_activations_alone_under_fsdp(tmp_path, capsys):
+  """sharded_train with --sparse-activations --mlp-weights dense: under FSDP
+  the 2:4 run has no masks and checkpoints apart from the dense run; the
+  layouts that give the MLP a kernel_sharding refuse the flag by name."""
+  module = load_example("sharded_train")
+  flags = ["--steps", "6", "--batch", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
+           "--seq-len", "32", "--lr", "1e-2", "--out", str(tmp_path), "--ffn-activation",
+           "relu2", "--sparse-activations", "masked", "--mlp-weights", "dense"]
+  with pytest.raises(SystemExit):
+    module.main(["--layout", "data", *flags])
+  assert "--sparse-activations masked runs under --layout fsdp only" in capsys.readouterr().err
+  out = module.main(["--layout", "fsdp", *flags])
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["dense", "sparse"]
+  for run in ("dense", "2:4"):
+    assert out[run]["loss_last"] < out[run]["loss_first"], (run, out[run])
