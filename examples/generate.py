@@ -252,8 +252,7 @@ def time_generate(fn, params, prompt, cache, key, repeats: int) -> tuple[float, 
 
 
 def checkpoint_dirs(out: str) -> dict[str, str]:
-  return {name: os.path.join(out, "checkpoints", sub)
-          for name, sub in (("dense", "dense"), ("2:4", "sparse"))}
+  return {name: lm.checkpoint_dir(out, name) for name in ("dense", "2:4")}
 
 
 def has_checkpoint(directory: str) -> bool:

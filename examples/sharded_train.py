@@ -262,7 +262,7 @@ def open_checkpoints(lm, run, args):
   """The run's Orbax checkpoints, which every process opens, writes and
   reads (each its own shards). `--resume`: `run` restored from the latest,
   in its current layout; otherwise the old ones go."""
-  directory = os.path.join(args.out, "checkpoints", "dense" if run.name == "dense" else "sparse")
+  directory = lm.checkpoint_dir(args.out, run.name)
   if not args.resume and jax.process_index() == 0 and os.path.isdir(directory):
     shutil.rmtree(directory)  # a fresh run replaces the old checkpoints
   multihost_utils.sync_global_devices("sharded_train: checkpoints ready")

@@ -876,6 +876,15 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
              aux_weight=args.moe_aux_weight if args.moe is not None else 0.0)
 
 
+def checkpoint_dir(out: str, run_name: str) -> str:
+  """Where a run's Orbax checkpoints go under `--out`: `checkpoints/dense`
+  for the dense run, `checkpoints/sparse` for the 2:4 one (by run, not by
+  whether the run has masks: a 2:4 run with dense weights, `--mlp-weights
+  dense`, keeps its own folder). examples/sharded_train.py and generate.py
+  read and write the same folders."""
+  return os.path.join(out, "checkpoints", "dense" if run_name == "dense" else "sparse")
+
+
 def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
   """`out_shardings` for `jax.jit(fn)(*args)`: `state_sharding(path, array)`
   of each array of its result (None: left to jit)."""
@@ -919,7 +928,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   start_steps = {}
   for run in runs:
-    ckpt_dir = os.path.join(args.out, "checkpoints", "dense" if run is runs[0] else "sparse")
+    ckpt_dir = checkpoint_dir(args.out, run.name)
     if args.resume:
       if os.path.isdir(ckpt_dir):
         with checkpoint_manager(ckpt_dir) as mngr:
@@ -993,9 +1002,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"the ramp's steps {first}-{end - 1} ran at {share:.1%} of the tokens/s that their"
           f" share of 2:4 layers predicts (each layer at the dense run's speed while dense and"
           f" at the fully 2:4 steps' {full:.3f}x while 2:4)")
-  final = {"dense": dense.history["val"][-1], "sparse": sparse.history["val"][-1]}
-  print(f"final validation loss: dense {final['dense']:.3f}  2:4 {final['sparse']:.3f}"
-        f"  (gap {final['sparse'] - final['dense']:+.3f}; ln(vocab) = {math.log(VOCAB):.3f})")
+  losses = _losses(runs, start_steps, speed)
+  final = losses["final_val_loss_dense"], losses["final_val_loss_sparse"]
+  print(f"final validation loss: dense {final[0]:.3f}  2:4 {final[1]:.3f}"
+        f"  (gap {final[1] - final[0]:+.3f}; ln(vocab) = {math.log(VOCAB):.3f})")
 
   if sparse.sparse:
     report = ship_report(sparse, val, args)
@@ -1007,12 +1017,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"wrote {png} and checkpoints in {os.path.join(args.out, 'checkpoints')}")
 
   return {
-      **_losses(runs, start_steps, speed),
+      **losses,
       **report,
       "ramp_tokens_per_s_over_predicted": None if ramp is None else ramp[2],
       "sparse_layer_backends": backends,
       "loss_curves_png": png,
-      "checkpoint_dir": os.path.join(args.out, "checkpoints", "sparse"),
+      "checkpoint_dir": checkpoint_dir(args.out, sparse.name),
       "params": sparse.params,
   }
 
