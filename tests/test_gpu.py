@@ -856,14 +856,17 @@ def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
   w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
   dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
 
-  def vjp(impl, gradient):
+  # x, w and dy are arguments, not constants of the program: XLA constant-
+  # folds products of constants at compile time, on the host (minutes at
+  # M = 2000).
+  def vjp(impl, gradient, x, w, dy):
     y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity=gradient,
                                                         implementation=impl), x, w)
     return (y, *back(dy))
 
   for gradient in ("masked", "ste"):
-    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", gradient)
-    want = jax.jit(vjp, static_argnums=(0, 1))("xla", gradient)
+    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", gradient, x, w, dy)
+    want = jax.jit(vjp, static_argnums=(0, 1))("xla", gradient, x, w, dy)
     for g, r in zip(got, want):
       assert g.dtype == r.dtype == dtype
       err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
