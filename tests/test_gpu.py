@@ -872,7 +872,9 @@ def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
       err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
                   / jnp.linalg.norm(r.astype(jnp.float32)))
       assert err < 1e-2, (gradient, err)
-  # The forward product is cuSPARSELt's: one FFI call with B structured.
+  # The forward product is cuSPARSELt's (the CPU test
+  # test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand
+  # checks the call's operands and sizes).
   hlo = jax.jit(lambda x, w: jsparse24.sparse_dot(
       x, w, input_sparsity="masked", implementation="cusparselt")).lower(x, w).as_text()
   assert "jsparse24_cusparselt_matmul" in hlo
