@@ -8,7 +8,10 @@ What it does:
    missing it first trains both by calling `train_lm.main` with the same
    flags, so `--size`, `--steps`, `--d-model`, ... are train_lm's (see its
    `--help`; without `--size`, the preset train_lm picks on this platform):
-   the checkpoint only loads into the model those flags describe;
+   the checkpoint only loads into the model those flags describe. train_lm
+   saves its flags as `--out/train_lm_flags.json`; where that file exists
+   they come first and the flags given here override them, so
+   `generate.py --out DIR` loads whatever train_lm trained into DIR;
 2. ships the 2:4 model as a user would: its params cast to the compute dtype
    and compressed by `jsparse24.compress_params` (each MLP kernel becomes a
    `Sparse24`, values + 4-bit metadata); the layers' default implementation
@@ -22,15 +25,17 @@ What it does:
    from `--seed`: the same seed gives the same text;
 4. checks the cache: the logits of the cached decode (prefill, then one token
    per step) equal those of train_lm's full-sequence forward, for both models;
-   and the compressed model's logits equal the dense model's on the masked
-   weights;
+   and the compressed model's logits equal those of its kernels given dense
+   (`kernel * mask`; the dense model's on the masked weights, where the run's
+   only 2:4 operands are weights);
 5. prints the generated text, the tokens/s of both models at batch 1, 8 and 32
    (`--batches`), and the bytes of the weights, dense and compressed.
 
 The decode model (`DecodeLM`) is train_lm's `CharLM` written for a cache: the
 same params tree (it loads train_lm's params unchanged), the same layers
-(train_lm's `MLP`, so the 2:4 layers are `jsparse24.SparseDense`), attention
-over the cached keys and values.
+(train_lm's `MLP` with the run's activation, 2:4 activations and kind of
+`up` weight, so the 2:4 layers are `jsparse24.SparseDense`), attention over
+the cached keys and values. Runs of train_lm --moe have no decode model.
 
 Run:
 
@@ -123,6 +128,9 @@ class CachedBlock(nn.Module):
   heads: int
   sparse_mlp: bool
   dtype: Any = None
+  activation: str = "gelu"  # train_lm's MLP.activation
+  input_sparsity: str = "off"  # MLP.input_sparsity
+  mlp_weights: str = "2:4"  # MLP.weights
 
   @nn.compact
   def __call__(self, x, cache, pos):
@@ -130,7 +138,9 @@ class CachedBlock(nn.Module):
     a, cache = CachedAttention(self.heads, self.dtype, name="attn")(h, cache, pos)
     x = x + a
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
-    return x + lm.MLP(4 * self.d_model, self.sparse_mlp, self.dtype, name="mlp")(h), cache
+    mlp = lm.MLP(4 * self.d_model, self.sparse_mlp, self.dtype, activation=self.activation,
+                 input_sparsity=self.input_sparsity, weights=self.mlp_weights, name="mlp")
+    return x + mlp(h), cache
 
 
 class DecodeLM(nn.Module):
@@ -147,6 +157,9 @@ class DecodeLM(nn.Module):
   max_len: int
   sparse_mlp: bool
   dtype: Any = None
+  activation: str = "gelu"  # CharLM's fields of the same names
+  input_sparsity: str = "off"
+  mlp_weights: str = "2:4"
 
   @nn.compact
   def __call__(self, tokens, cache, pos):
@@ -157,8 +170,9 @@ class DecodeLM(nn.Module):
     x = x.astype(self.dtype or jnp.float32)
     new_cache = []
     for i in range(self.layers):
-      x, c = CachedBlock(self.d_model, self.heads, self.sparse_mlp, self.dtype,
-                         name=f"block_{i}")(x, cache[i], pos)
+      x, c = CachedBlock(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.activation,
+                         self.input_sparsity, self.mlp_weights, name=f"block_{i}")(x, cache[i],
+                                                                                   pos)
       new_cache.append(c)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32), new_cache
@@ -169,9 +183,16 @@ class DecodeLM(nn.Module):
 
 
 def decode_model(model) -> DecodeLM:
-  """The `DecodeLM` of a train_lm `CharLM`."""
+  """The `DecodeLM` of a train_lm `CharLM`: the same feed-forward (its
+  activation, 2:4 activations and kind of `up` weight). A model with
+  SparseMoE feed-forwards (train_lm --moe) has no decode model here."""
+  if model.moe is not None:
+    raise ValueError(f"generate: the checkpoint's MLPs are SparseMoEs (train_lm --moe"
+                     f" {model.moe[0]},{model.moe[1]}); DecodeLM has no cached path for them:"
+                     f" generate from a run trained without --moe.")
   return DecodeLM(model.vocab, model.d_model, model.layers, model.heads, model.max_len,
-                  model.sparse_mlp, model.dtype)
+                  model.sparse_mlp, model.dtype, model.activation, model.input_sparsity,
+                  model.mlp_weights)
 
 
 # --- generation ----------------------------------------------------------------
@@ -291,10 +312,14 @@ def load_runs(targs, train_argv: Sequence[str]):
       try:
         lm.restore(mngr, run)
       except Exception as e:  # pylint: disable=broad-except
+        # The first line of Orbax's message: the rest lists every key of the
+        # checkpoint (tens of kilobytes); the chained exception keeps it all.
+        why = str(e).splitlines()[0] if str(e) else ""
+        why = why if len(why) <= 300 else why[:300] + " ..."
         raise ValueError(
             f"generate: the checkpoint in {dirs[name]!r} does not load into the model that"
-            f" train_lm's flags {list(train_argv)} describe ({type(e).__name__}: {e}). Pass the"
-            f" flags it was trained with, or another --out.") from e
+            f" train_lm's flags {list(train_argv)} describe ({type(e).__name__}: {why}). Pass"
+            f" the flags it was trained with, or another --out.") from e
     runs.append(run)
   return runs
 
@@ -329,12 +354,18 @@ def sparse_kernel_bytes(compressed) -> tuple[int, int]:
 
 
 def decode_backends(targs, batches: Sequence[int]) -> dict[int, dict[str, str]]:
-  """Per batch, the implementation `implementation=None` picks for each 2:4
-  layer's decode product (M = batch rows)."""
+  """Per batch, the implementation `implementation=None` picks for the decode
+  product (M = batch rows) of each layer that the 2:4 model ships compressed:
+  both MLP layers; with 2:4 activations (--sparse-activations) `up` alone,
+  and none with --mlp-weights dense (the pruned `down` keeps a dense
+  kernel)."""
   d = targs.d_model
   dtype = jnp.bfloat16 if targs.dtype == "bfloat16" else jnp.float32
+  shapes = {"mlp/up": (d, 4 * d), "mlp/down": (4 * d, d)}
+  if targs.sparse_activations != "off":
+    shapes = {} if targs.mlp_weights == "dense" else {"mlp/up": shapes["mlp/up"]}
   return {b: {name: jsparse24.selected_implementation((b, k), (k, n), dtype, compressed=True)
-              for name, (k, n) in {"mlp/up": (d, 4 * d), "mlp/down": (4 * d, d)}.items()}
+              for name, (k, n) in shapes.items()}
           for b in batches}
 
 
@@ -347,13 +378,18 @@ def max_rel_diff(got, ref) -> float:
 def check_cache(dense_model, sparse_model, dense_params, compressed, tokens, prefill: int,
                 tol: float, masked=None) -> dict[str, float]:
   """`max_rel_diff` of the logits: cached decode against train_lm's full
-  forward (both models), and the compressed model against the dense model on
-  the masked weights (`masked`; None: those `compressed` holds). Raises where
-  one exceeds `tol`."""
+  forward (both models), and the compressed model against its kernels
+  given dense (`masked`, each `kernel * mask`; None: those `compressed`
+  holds), with `nn.Dense` for its 2:4 weights and its activations pruned
+  as they are: for a model of 2:4 weights alone, the dense model on the
+  masked weights. Raises where one exceeds `tol`."""
 
-  def full(model, params):
+  def full(model, params, kernels_dense: bool = False):
+    sparse = model.sparse_mlp and not (kernels_dense and model.input_sparsity == "off")
     charlm = lm.CharLM(model.vocab, model.d_model, model.layers, model.heads, model.max_len,
-                       model.sparse_mlp, model.dtype)
+                       sparse, model.dtype, activation=model.activation,
+                       input_sparsity=model.input_sparsity,
+                       mlp_weights="dense" if kernels_dense else model.mlp_weights)
     return jax.jit(charlm.apply)({"params": params}, tokens)
 
   masked = masked_params(compressed) if masked is None else masked
@@ -364,8 +400,8 @@ def check_cache(dense_model, sparse_model, dense_params, compressed, tokens, pre
           cached_logits(dense_model, dense_params, tokens, prefill), dense_full),
       "2:4: cached vs full forward": max_rel_diff(
           cached_logits(sparse_model, compressed, tokens, prefill), sparse_full),
-      "2:4 compressed vs dense on the masked weights": max_rel_diff(
-          sparse_full, full(dense_model, masked)),
+      "2:4 compressed vs its masked kernels uncompressed": max_rel_diff(
+          sparse_full, full(sparse_model, masked, kernels_dense=True)),
   }
   bad = {k: v for k, v in diffs.items() if not v <= tol}
   if bad:
@@ -384,7 +420,8 @@ def parse_args(argv: Sequence[str] | None):
       allow_abbrev=False,  # --batch is train_lm's, not --batches
       epilog="Every other flag is train_lm.py's (--size, --out, the model and training flags;"
              " see its --help): they describe the checkpoint to load, and the training run"
-             " when there is none.")
+             " when there is none. Those that train_lm saved in --out/train_lm_flags.json come"
+             " first; flags given here override them.")
   p.add_argument("--prompt", default="def ", help="the text to continue (its UTF-8 bytes)")
   p.add_argument("--tokens", type=int, default=None,
                  help="new tokens (bytes) per generation (default: up to the model's context,"
@@ -396,6 +433,13 @@ def parse_args(argv: Sequence[str] | None):
                  help="batch sizes (comma-separated) to time both models at")
   p.add_argument("--repeats", type=int, default=5, help="timed calls per batch size (median)")
   args, rest = p.parse_known_args(argv)
+  # The flags train_lm saved beside its checkpoints describe their models;
+  # flags given here come after them, so they win.
+  out = lm.parse_args(rest).out
+  saved = lm.saved_flags(out)
+  args.flags_file = None if saved is None else os.path.join(out, lm.FLAGS_FILE)
+  if saved is not None:
+    rest = [*saved, *rest]
   targs = lm.parse_args(rest)
   prompt = args.prompt.encode("utf-8")
   if not prompt:
@@ -419,6 +463,9 @@ def parse_args(argv: Sequence[str] | None):
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args, targs, train_argv = parse_args(argv)
+  if args.flags_file is not None:
+    print(f"train_lm's flags from {args.flags_file} (flags given here override them):"
+          f" {' '.join(train_argv)}")
   print(f"preset {targs.size} ({targs.size_reason})")
   print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}, devices {jax.devices()}")
   dense_run, sparse_run = load_runs(targs, train_argv)
@@ -429,9 +476,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   # so the bytes read are those the models hold.
   dtype = dense_run.model.dtype or jnp.float32
   dense_params = jax.tree.map(lambda a: a.astype(dtype), dense_run.params)
-  sparsity = serving_masks(jsparse24.optim.masks(sparse_run.opt_state))
-  compressed = jsparse24.compress_params(
-      jax.tree.map(lambda a: a.astype(dtype), sparse_run.params), sparsity)
+  sparse_params = jax.tree.map(lambda a: a.astype(dtype), sparse_run.params)
+  if sparse_run.sparse:
+    sparsity = serving_masks(jsparse24.optim.masks(sparse_run.opt_state))
+    compressed = jsparse24.compress_params(sparse_params, sparsity)
+  else:  # train_lm --mlp-weights dense: 2:4 activations alone, no 2:4 weight to compress
+    compressed = sparse_params
   dense_model, sparse_model = decode_model(dense_run.model), decode_model(sparse_run.model)
 
   prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)
@@ -465,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"{'batch':>5} | {'dense tokens/s':>14} | {'2:4 tokens/s':>12} | 2:4 layers on")
   print("-" * 60)
   backends = decode_backends(targs, args.batches)
+  # What the 2:4 model's decode products are, by layer: its compressed
+  # weights' (`backends`), and the products whose input it prunes.
+  pruned = ["mlp/down"] if targs.sparse_activations != "off" else []
   speed = {}
   for b in args.batches:
     speed[b] = {}
@@ -473,8 +526,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       seconds, _ = time_generate(fns[name], params, prompts, model.empty_cache(b), key, args.repeats)
       speed[b][name] = b * args.tokens / seconds
     print(f"{b:>5} | {speed[b]['dense']:>14,.0f} | {speed[b]['2:4']:>12,.0f} |"
-          f" {sorted(set(backends[b].values()))}")
-  if all(set(v.values()) == {"xla"} for v in backends.values()):
+          f" {sorted(set(backends[b].values())) or 'no compressed weight'}")
+  if not any(backends.values()):
+    print(f"2:4 / dense tokens/s: no speed-up to report. The 2:4 model has no compressed"
+          f" weight (train_lm --mlp-weights dense): its only 2:4 operands are {pruned}'s"
+          f" activations, pruned on XLA's masked product at decode, so it reads the dense"
+          f" model's bytes.")
+  elif all(set(v.values()) == {"xla"} for v in backends.values()):
     print(f"2:4 / dense tokens/s: no speed-up to report. No 2:4 kernel ran: the automatic"
           f" choice took the masked dense reference for every 2:4 layer at every batch"
           f" ({backends[args.batches[0]]}), which multiplies by the decompressed weight, so"
@@ -489,8 +547,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   kernels = sparse_kernel_bytes(compressed)
   dname = jnp.dtype(dtype).name
   print(f"weights ({dname}): dense model {total['dense']:,} bytes, 2:4 model {total['2:4']:,}"
-        f" bytes ({total['2:4'] / total['dense']:.1%}); its 2:4 kernels {kernels[1]:,} bytes"
-        f" against {kernels[0]:,} dense ({kernels[1] / kernels[0]:.1%})")
+        f" bytes ({total['2:4'] / total['dense']:.1%}); "
+        + (f"its 2:4 kernels {kernels[1]:,} bytes against {kernels[0]:,} dense"
+           f" ({kernels[1] / kernels[0]:.1%})" if kernels[0] else "no 2:4 kernel"))
   return {"texts": texts, "tokens_per_s": speed, "backends": backends, "logit_diffs": diffs,
           "weight_bytes": total, "sparse_kernel_bytes": kernels,
           "steps": {"dense": dense_run.step, "2:4": sparse_run.step}}

@@ -82,9 +82,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
 import shutil
+import sys
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
@@ -885,6 +887,39 @@ def checkpoint_dir(out: str, run_name: str) -> str:
   return os.path.join(out, "checkpoints", "dense" if run_name == "dense" else "sparse")
 
 
+FLAGS_FILE = "train_lm_flags.json"
+
+
+def save_flags(args, argv: Sequence[str]) -> str:
+  """Writes the flags that describe this run's models to `--out/FLAGS_FILE`
+  and returns its path: the command line without `--out` and `--resume`
+  (where the folder is, and how to start, say nothing of the models), the
+  preset made explicit (without `--size` the preset follows the platform).
+  examples/generate.py reads them, so that loading the checkpoints does
+  not need the training flags typed again."""
+  kept, skip = ["--size", args.size], False
+  for token in argv:
+    if skip:
+      skip = False
+    elif token == "--out":
+      skip = True
+    elif not (token.startswith("--out=") or token == "--resume"):
+      kept.append(token)
+  path = os.path.join(args.out, FLAGS_FILE)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"argv": kept}, f, indent=1)
+  return path
+
+
+def saved_flags(out: str) -> list[str] | None:
+  """The flags `save_flags` wrote under `out`, or None where there are none."""
+  path = os.path.join(out, FLAGS_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return list(json.load(f)["argv"])
+
+
 def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
   """`out_shardings` for `jax.jit(fn)(*args)`: `state_sharding(path, array)`
   of each array of its result (None: left to jit)."""
@@ -894,6 +929,7 @@ def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   print(f"preset {args.size} ({args.size_reason})")
   print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}, devices {jax.devices()}")
@@ -918,6 +954,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            f" kernel)" if args.sparse_activations != "off" else ""))
 
   os.makedirs(args.out, exist_ok=True)
+  save_flags(args, argv)
   sample = jnp.zeros((1, args.seq_len), jnp.int32)
   runs = [make_run("dense", False, args, sample), make_run("2:4", True, args, sample)]
   if jax.tree.structure(runs[0].params) != jax.tree.structure(runs[1].params):

@@ -97,8 +97,27 @@ def test_generate_loads_the_checkpoint_and_greedy_repeats(generated, shipped):
 
 def test_generate_refuses_a_checkpoint_of_other_flags(generated):
   gen, argv, _, _ = generated
-  with pytest.raises(ValueError, match="does not load into the model"):
-    gen.main([*argv, "--d-model", "64"])
+  with pytest.raises(ValueError, match="does not load into the model") as refused:
+    gen.main([*argv, "--d-model", "64"])  # flags given override the saved ones
+  # The first line of Orbax's reason, not its list of every key.
+  assert len(str(refused.value)) < 1200, len(str(refused.value))
+
+
+def test_generate_reads_the_flags_train_lm_saved(generated):
+  """With only --out, generate loads the tiny model that its first run
+  trained there: train_lm saved those flags (the preset made explicit,
+  without --out), and they come first."""
+  gen, argv, _, _ = generated
+  out = argv[argv.index("--out") + 1]
+  saved = gen.lm.saved_flags(out)
+  assert saved[:2] == ["--size", gen.lm.choose_size(None)[0]] and "--out" not in saved
+  assert saved[2:] == TINY
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    result = gen.main(["--out", out, "--tokens", "4", "--batches", "1", "--repeats", "1"])
+  assert "training them first" not in printed.getvalue()
+  assert f"train_lm's flags from {out}" in printed.getvalue()
+  assert result["steps"] == {"dense": 4, "2:4": 4}
 
 
 def test_check_cache_fails_on_a_perturbed_compressed_weight(shipped):
@@ -110,7 +129,7 @@ def test_check_cache_fails_on_a_perturbed_compressed_weight(shipped):
   bad = jax.tree.map(lambda a: a, compressed)
   bad["block_0"]["mlp"]["up"]["kernel"] = dataclasses.replace(sp, values=sp.values * 1.5)
   masked = gen.masked_params(compressed)  # the dense reference keeps the true weights
-  with pytest.raises(AssertionError, match="compressed vs dense on the masked weights"):
+  with pytest.raises(AssertionError, match="compressed vs its masked kernels uncompressed"):
     gen.check_cache(dense_model, model, dense_params, bad, tokens, 4, 1e-4, masked=masked)
 
 
@@ -222,3 +241,43 @@ def test_bench_decode_logits_check_fails_on_a_perturbed_weight():
   bad["blocks"]["down"]["kernel"] = dataclasses.replace(sp, values=sp.values * 1.5)
   ok, err = bench_decode.logits_match(logits("2:4", bad), dense)
   assert not ok and err > bench_decode.LOGITS_TOL
+
+
+@pytest.mark.parametrize("mlp_weights", ["2:4", "dense"])
+def test_generate_decodes_a_squared_relu_model_with_24_activations(tmp_path, mlp_weights):
+  """A run of train_lm --ffn-activation relu2 --sparse-activations masked
+  (with 2:4 `up` weights, or --mlp-weights dense: no mask at all): generate
+  trains it, ships it and generates; its decode model has the run's
+  feed-forward, and its cached logits equal those of the run's own CharLM on
+  the trained variables."""
+  gen = load_generate()
+  out = str(tmp_path)
+  flags = TINY + ["--ffn-activation", "relu2", "--sparse-activations", "masked",
+                  "--mlp-weights", mlp_weights, "--out", out]
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    result = gen.main(flags + ["--tokens", "4", "--batches", "1", "--repeats", "1"])
+  assert result["steps"] == {"dense": 4, "2:4": 4}
+  assert ("no compressed weight" in printed.getvalue()) == (mlp_weights == "dense")
+  _, targs, train_argv = gen.parse_args(["--out", out])  # the flags train_lm saved
+  with contextlib.redirect_stdout(io.StringIO()):
+    _, sparse = gen.load_runs(targs, train_argv)
+  model = gen.decode_model(sparse.model)
+  assert (model.activation, model.input_sparsity, model.mlp_weights) == (
+      "relu2", "masked", mlp_weights)
+  variables, shipped = {"params": sparse.params}, sparse.params
+  if sparse.sparse:
+    variables["sparsity"] = jsparse24.optim.masks(sparse.opt_state)
+    shipped = jsparse24.compress_params(sparse.params,
+                                        gen.serving_masks(variables["sparsity"]))
+  tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 256, jnp.int32)
+  want = sparse.model.apply(variables, tokens)
+  got = gen.cached_logits(model, shipped, tokens, 5)
+  assert gen.max_rel_diff(got, want) < 1e-5
+
+
+def test_decode_model_refuses_a_moe_model_by_name():
+  gen = load_generate()
+  moe = gen.lm.CharLM(256, 32, 1, 2, 16, True, moe=(4, 2))
+  with pytest.raises(ValueError, match="SparseMoEs .*--moe 4,2"):
+    gen.decode_model(moe)
