@@ -312,14 +312,10 @@ def load_runs(targs, train_argv: Sequence[str]):
       try:
         lm.restore(mngr, run)
       except Exception as e:  # pylint: disable=broad-except
-        # The first line of Orbax's message: the rest lists every key of the
-        # checkpoint (tens of kilobytes); the chained exception keeps it all.
-        why = str(e).splitlines()[0] if str(e) else ""
-        why = why if len(why) <= 300 else why[:300] + " ..."
         raise ValueError(
             f"generate: the checkpoint in {dirs[name]!r} does not load into the model that"
-            f" train_lm's flags {list(train_argv)} describe ({type(e).__name__}: {why}). Pass"
-            f" the flags it was trained with, or another --out.") from e
+            f" train_lm's flags {list(train_argv)} describe ({lm.short_reason(e)}). Pass the"
+            f" flags it was trained with, or another --out.") from e
     runs.append(run)
   return runs
 

@@ -911,6 +911,13 @@ def save_flags(args, argv: Sequence[str]) -> str:
   return path
 
 
+def short_reason(e: Exception) -> str:
+  """`TypeName: first line` of an exception's message, cut at 300 characters:
+  Orbax's restore errors go on to list every key of the checkpoint."""
+  first = str(e).splitlines()[0] if str(e) else ""
+  return f"{type(e).__name__}: {first if len(first) <= 300 else first[:300] + ' ...'}"
+
+
 def saved_flags(out: str) -> list[str] | None:
   """The flags `save_flags` wrote under `out`, or None where there are none."""
   path = os.path.join(out, FLAGS_FILE)
@@ -930,7 +937,15 @@ def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   argv = sys.argv[1:] if argv is None else list(argv)
+  # --resume continues the models in --out: the flags their run saved come
+  # first, and those given now override them (e.g. a larger --steps).
+  saved = saved_flags(parse_args(argv).out) if "--resume" in argv else None
+  if saved is not None:
+    argv = [*saved, *argv]
   args = parse_args(argv)
+  if saved is not None:
+    print(f"flags from {os.path.join(args.out, FLAGS_FILE)} (flags given here override them):"
+          f" {' '.join(saved)}")
   print(f"preset {args.size} ({args.size_reason})")
   print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}, devices {jax.devices()}")
   print(implementation_summary())
@@ -954,7 +969,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            f" kernel)" if args.sparse_activations != "off" else ""))
 
   os.makedirs(args.out, exist_ok=True)
-  save_flags(args, argv)
+  if not args.resume:  # a resumed run continues the models its first run described
+    save_flags(args, argv)
   sample = jnp.zeros((1, args.seq_len), jnp.int32)
   runs = [make_run("dense", False, args, sample), make_run("2:4", True, args, sample)]
   if jax.tree.structure(runs[0].params) != jax.tree.structure(runs[1].params):
@@ -970,7 +986,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       if os.path.isdir(ckpt_dir):
         with checkpoint_manager(ckpt_dir) as mngr:
           if mngr.latest_step() is not None:
-            restore(mngr, run)
+            try:
+              restore(mngr, run)
+            except Exception as e:  # pylint: disable=broad-except
+              raise ValueError(
+                  f"train_lm --resume: the checkpoint in {ckpt_dir!r} does not load into the"
+                  f" model these flags describe ({short_reason(e)}). Resume with the flags it"
+                  f" was trained with, or start afresh without --resume.") from e
       print(f"{run.name}: resuming from step {run.step}" if run.step else
             f"{run.name}: no checkpoint in {ckpt_dir}, starting from step 0")
       if run.step >= args.steps:

@@ -203,8 +203,12 @@ def test_train_lm_writes_plot_and_checkpoint(train_lm):
 def test_train_lm_resume_continues_from_the_saved_step(train_lm, capsys):
   module, out, first = train_lm
   capsys.readouterr()
-  result = module.main(TINY_LM[:1] + ["40"] + TINY_LM[2:] + ["--out", str(out), "--resume"])
-  assert "| 10 steps run (of 40, resumed at step 30), " in capsys.readouterr().out
+  # Only what changes: the model's flags come from the first run's
+  # train_lm_flags.json, and --steps given here overrides its 30.
+  result = module.main(["--steps", "40", "--out", str(out), "--resume"])
+  printed = capsys.readouterr().out
+  assert f"flags from {out / 'train_lm_flags.json'}" in printed
+  assert "| 10 steps run (of 40, resumed at step 30), " in printed
   assert result["start_step_sparse"] == 30
   assert result["start_step_dense"] == 30
   assert result["final_step"] == 40
