@@ -53,7 +53,11 @@ Writes into `--out` (default `runs/train_lm`):
 * `checkpoints/sparse/<step>` and `checkpoints/dense/<step>`: Orbax
   checkpoints (params and the whole optimizer state, so the 2:4 run's masks and
   mask statistics too, plus the loss history), saved at every evaluation;
-  `--resume` continues each run from its latest one.
+  `--resume` continues each run from its latest one;
+* `train_lm_flags.json`: the flags that describe the models (the command line
+  without `--out` and `--resume`, the preset explicit). `--resume` and
+  examples/generate.py put them before the flags they are given, so those
+  need name only what changes.
 
 Run:
 
