@@ -432,10 +432,8 @@ def parse_args(argv: Sequence[str] | None):
   # The flags train_lm saved beside its checkpoints describe their models;
   # flags given here come after them, so they win.
   out = lm.parse_args(rest).out
-  saved = lm.saved_flags(out)
+  rest, saved = lm.with_saved_flags(out, rest)
   args.flags_file = None if saved is None else os.path.join(out, lm.FLAGS_FILE)
-  if saved is not None:
-    rest = [*saved, *rest]
   targs = lm.parse_args(rest)
   prompt = args.prompt.encode("utf-8")
   if not prompt:

@@ -894,13 +894,13 @@ def checkpoint_dir(out: str, run_name: str) -> str:
 FLAGS_FILE = "train_lm_flags.json"
 
 
-def save_flags(args, argv: Sequence[str]) -> str:
-  """Writes the flags that describe this run's models to `--out/FLAGS_FILE`
-  and returns its path: the command line without `--out` and `--resume`
-  (where the folder is, and how to start, say nothing of the models), the
-  preset made explicit (without `--size` the preset follows the platform).
-  examples/generate.py reads them, so that loading the checkpoints does
-  not need the training flags typed again."""
+def save_flags(args, argv: Sequence[str]) -> None:
+  """Writes the flags that describe this run's models to `--out/FLAGS_FILE`:
+  the command line without `--out` and `--resume` (where the folder is, and
+  how to start, say nothing of the models), the preset made explicit
+  (without `--size` the preset follows the platform). `--resume` and
+  examples/generate.py read them (`with_saved_flags`), so that loading the
+  checkpoints does not need the training flags typed again."""
   kept, skip = ["--size", args.size], False
   for token in argv:
     if skip:
@@ -909,10 +909,21 @@ def save_flags(args, argv: Sequence[str]) -> str:
       skip = True
     elif not (token.startswith("--out=") or token == "--resume"):
       kept.append(token)
-  path = os.path.join(args.out, FLAGS_FILE)
-  with open(path, "w", encoding="utf-8") as f:
+  with open(os.path.join(args.out, FLAGS_FILE), "w", encoding="utf-8") as f:
     json.dump({"argv": kept}, f, indent=1)
-  return path
+
+
+def with_saved_flags(out: str, argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+  """(`argv` after the flags `save_flags` wrote under `out` and `--out out`,
+  so that the flags in `argv` override the saved ones and the folder is
+  `out` whatever the saved flags say; the saved flags), or `(argv, None)`
+  where `out` holds none."""
+  path = os.path.join(out, FLAGS_FILE)
+  if not os.path.isfile(path):
+    return list(argv), None
+  with open(path, encoding="utf-8") as f:
+    saved = list(json.load(f)["argv"])
+  return [*saved, "--out", out, *argv], saved
 
 
 def short_reason(e: Exception) -> str:
@@ -920,15 +931,6 @@ def short_reason(e: Exception) -> str:
   Orbax's restore errors go on to list every key of the checkpoint."""
   first = str(e).splitlines()[0] if str(e) else ""
   return f"{type(e).__name__}: {first if len(first) <= 300 else first[:300] + ' ...'}"
-
-
-def saved_flags(out: str) -> list[str] | None:
-  """The flags `save_flags` wrote under `out`, or None where there are none."""
-  path = os.path.join(out, FLAGS_FILE)
-  if not os.path.isfile(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    return list(json.load(f)["argv"])
 
 
 def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
@@ -941,12 +943,12 @@ def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   argv = sys.argv[1:] if argv is None else list(argv)
-  # --resume continues the models in --out: the flags their run saved come
-  # first, and those given now override them (e.g. a larger --steps).
-  saved = saved_flags(parse_args(argv).out) if "--resume" in argv else None
-  if saved is not None:
-    argv = [*saved, *argv]
-  args = parse_args(argv)
+  args, saved = parse_args(argv), None
+  if args.resume:
+    # --resume continues the models in --out: the flags their run saved come
+    # first, and those given now override them (e.g. a larger --steps).
+    resumed, saved = with_saved_flags(args.out, argv)
+    args = parse_args(resumed)
   if saved is not None:
     print(f"flags from {os.path.join(args.out, FLAGS_FILE)} (flags given here override them):"
           f" {' '.join(saved)}")

@@ -109,7 +109,7 @@ def test_generate_reads_the_flags_train_lm_saved(generated):
   without --out), and they come first."""
   gen, argv, _, _ = generated
   out = argv[argv.index("--out") + 1]
-  saved = gen.lm.saved_flags(out)
+  _, saved = gen.lm.with_saved_flags(out, [])
   assert saved[:2] == ["--size", gen.lm.choose_size(None)[0]] and "--out" not in saved
   assert saved[2:] == TINY
   printed = io.StringIO()
