@@ -349,19 +349,19 @@ def sparse_kernel_bytes(compressed) -> tuple[int, int]:
           sum(a.nbytes for a in sparse))
 
 
-def decode_backends(targs, batches: Sequence[int]) -> dict[int, dict[str, str]]:
+def decode_backends(compressed, batches: Sequence[int]) -> dict[int, dict[str, str]]:
   """Per batch, the implementation `implementation=None` picks for the decode
-  product (M = batch rows) of each layer that the 2:4 model ships compressed:
-  both MLP layers; with 2:4 activations (--sparse-activations) `up` alone,
-  and none with --mlp-weights dense (the pruned `down` keeps a dense
-  kernel)."""
-  d = targs.d_model
-  dtype = jnp.bfloat16 if targs.dtype == "bfloat16" else jnp.float32
-  shapes = {"mlp/up": (d, 4 * d), "mlp/down": (4 * d, d)}
-  if targs.sparse_activations != "off":
-    shapes = {} if targs.mlp_weights == "dense" else {"mlp/up": shapes["mlp/up"]}
-  return {b: {name: jsparse24.selected_implementation((b, k), (k, n), dtype, compressed=True)
-              for name, (k, n) in shapes.items()}
+  product (M = batch rows) of each layer that `compressed` (the shipped 2:4
+  params) holds as a `Sparse24`, by its path within a block (the blocks
+  are alike): both MLP layers; with 2:4 activations `up` alone (the pruned
+  `down` keeps a dense kernel); none with --mlp-weights dense."""
+  is_sparse = lambda a: isinstance(a, jsparse24.Sparse24)  # noqa: E731
+  kernels = {"/".join(str(getattr(k, "key", k)) for k in path[1:-1]): sp
+             for path, sp in jax.tree_util.tree_leaves_with_path(compressed, is_leaf=is_sparse)
+             if is_sparse(sp) and getattr(path[0], "key", None) == "block_0"}
+  return {b: {name: jsparse24.selected_implementation((b, sp.shape[-2]), sp.shape, sp.dtype,
+                                                      compressed=True)
+              for name, sp in kernels.items()}
           for b in batches}
 
 
@@ -508,10 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f" (prefill included), median of {args.repeats} calls")
   print(f"{'batch':>5} | {'dense tokens/s':>14} | {'2:4 tokens/s':>12} | 2:4 layers on")
   print("-" * 60)
-  backends = decode_backends(targs, args.batches)
-  # What the 2:4 model's decode products are, by layer: its compressed
-  # weights' (`backends`), and the products whose input it prunes.
-  pruned = ["mlp/down"] if targs.sparse_activations != "off" else []
+  backends = decode_backends(compressed, args.batches)
   speed = {}
   for b in args.batches:
     speed[b] = {}
@@ -523,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f" {sorted(set(backends[b].values())) or 'no compressed weight'}")
   if not any(backends.values()):
     print(f"2:4 / dense tokens/s: no speed-up to report. The 2:4 model has no compressed"
-          f" weight (train_lm --mlp-weights dense): its only 2:4 operands are {pruned}'s"
+          f" weight (train_lm --mlp-weights dense): its only 2:4 operands are mlp/down's"
           f" activations, pruned on XLA's masked product at decode, so it reads the dense"
           f" model's bytes.")
   elif all(set(v.values()) == {"xla"} for v in backends.values()):

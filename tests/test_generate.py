@@ -67,6 +67,7 @@ def test_generate_trains_when_no_checkpoint_then_generates(generated):
   assert "training them first" in printed
   assert result["steps"] == {"dense": 4, "2:4": 4}
   assert set(result["texts"]) == {"dense", "2:4"}
+  assert set(result["backends"][1]) == {"mlp/up", "mlp/down"}  # both MLP layers compressed
   assert result["tokens_per_s"][1]["dense"] > 0 and result["tokens_per_s"][1]["2:4"] > 0
   # On a CPU no 2:4 kernel runs: a ratio would be noise shown as a speed-up.
   assert "no speed-up to report" in printed and "2:4 / dense tokens/s 0" not in printed
@@ -259,6 +260,8 @@ def test_generate_decodes_a_squared_relu_model_with_24_activations(tmp_path, mlp
     result = gen.main(flags + ["--tokens", "4", "--batches", "1", "--repeats", "1"])
   assert result["steps"] == {"dense": 4, "2:4": 4}
   assert ("no compressed weight" in printed.getvalue()) == (mlp_weights == "dense")
+  # The layers shipped compressed: `up` with 2:4 weights; the pruned `down` keeps its kernel.
+  assert set(result["backends"][1]) == ({"mlp/up"} if mlp_weights == "2:4" else set())
   _, targs, train_argv = gen.parse_args(["--out", out])  # the flags train_lm saved
   with contextlib.redirect_stdout(io.StringIO()):
     _, sparse = gen.load_runs(targs, train_argv)
