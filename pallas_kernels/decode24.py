@@ -84,16 +84,23 @@ class DecodeConfig:
     """Tiles from `benchmarks/tune_decode.py` on an H100 (2026-11-28, the
     four target shapes at M = 1, 16, 32, 64 and 128;
     benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps
-    of 128 from 17 to 128 rows and where N > K").
+    of 128 from 17 to 128 rows and where N > K") and, where N > K up to 32
+    rows, on an H200 at a d_model 4096 model's shapes
+    (benchmarks/results/nvidia-h200.md, "Decode kernel tiles where N > K",
+    2026-12-03).
 
-    Where N > K (e.g. 4096 x 16384), up to 64 rows: K steps of 128, four
-    stages and all of K per program (N / 64 column blocks already fill the
-    GPU): at 4096 x 16384 1.48-1.67x of dense XLA at M = 1-32 and 1.26x at
-    M = 64, against 1.26-1.42x and 0.79x with the wide tiles below. The
-    expanded `[block_n, block_k]` weight tile and x's `[block_m, block_k]`
-    tile live in registers together, so more rows want shorter K steps:
-    with 64 rows, K steps of 256 ran at 0.79-0.85x of dense XLA, K steps
-    of 128 at 1.04-1.19x (two K slices per column block where N <= K).
+    Where N > K (e.g. 4096 x 12288 and 4096 x 16384), up to 32 rows: K
+    steps of 256 at three stages, all of K per program where the column
+    blocks balance over the SMs (`_balanced`): on the H200 1.37-1.52x of
+    dense XLA at M = 1-16 where K steps of 128 at four stages ran at
+    1.06-1.46x (4096 x 12288: 192 blocks of 64 columns leave 60 SMs two
+    and 72 one, so blocks of 32 there). From 33 to 64 rows: K steps of
+    128, four stages, all of K per program (1.26x on the H100 at 4096 x
+    16384, against 0.79x with the wide tiles below). The expanded
+    `[block_n, block_k]` weight tile and x's `[block_m, block_k]` tile
+    live in registers together, so more rows want shorter K steps: with
+    64 rows, K steps of 256 ran at 0.79-0.85x of dense XLA, K steps of
+    128 at 1.04-1.19x (two K slices per column block where N <= K).
     Up to 16 rows, where K >= N and K >= 8192: column blocks of 32 with
     all of K per program (`block_n=32, block_k=512, waves=1`; 80-87% of
     copy bandwidth); elsewhere up to 32 rows column blocks of 64, K steps
@@ -105,8 +112,11 @@ class DecodeConfig:
     0.81x against 0.75x). 128-row tiles with K steps of 256 do not fit in
     shared memory at 16 bits (164 KiB at 2 stages): `_plan` would fit them
     to K steps of 128."""
+    if n > k and m <= 32:
+      block_n, splits = _balanced(m, n)
+      return cls(block_m=16 if m <= 16 else 32, block_n=block_n, splits=splits)
     if n > k and m <= 64:
-      return cls(block_m=16 if m <= 16 else 64, block_k=128, num_stages=4, waves=1)
+      return cls(block_m=64, block_k=128, num_stages=4, waves=1)
     if m <= 16:
       return cls(block_n=32, block_k=512, waves=1) if k >= max(n, 8192) else cls()
     if m <= 32:
@@ -116,6 +126,20 @@ class DecodeConfig:
     if n > k:
       return cls(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=2, waves=1)
     return cls(block_m=128, block_n=128, block_k=128, num_warps=8, waves=1)
+
+
+def _balanced(m: int, n: int) -> tuple[int, int]:
+  """`(block_n, splits)` for N > K: column blocks of 64 with all of K each,
+  unless narrower blocks (up to 16 rows) or two K slices (more rows: blocks
+  of 32 ran at 0.65-1.0x of dense XLA at M = 32) spread the work more evenly
+  over the SMs. A program's work is `block_n / splits` and the busiest SM
+  runs `ceil(programs / SMs)` of them; ties keep the earlier option (wide
+  blocks, no reduction of K slices). On an H200, 4096 x 12288 at M = 1-16:
+  blocks of 32 1.39-1.47x of dense XLA, of 64 1.14-1.20x, of 64 in two K
+  slices 1.32-1.36x; at 4096 x 16384 blocks of 64 1.39-1.50x, of 32
+  1.35-1.45x."""
+  options = ((64, 1), (32, 1), (64, 2)) if m <= 16 else ((64, 1), (64, 2))
+  return min(options, key=lambda o: pl.cdiv(pl.cdiv(n, o[0]) * o[1], _SMS) * o[0] / o[1])
 
 
 def _smem_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int) -> int:
