@@ -86,8 +86,8 @@ class DecodeConfig:
     benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps
     of 128 from 17 to 128 rows and where N > K") and, where N > K up to 32
     rows, on an H200 at a d_model 4096 model's shapes
-    (benchmarks/results/nvidia-h200.md, "Decode kernel tiles where N > K",
-    2026-12-03).
+    (benchmarks/results/nvidia-h200.md, "Decode: where the step's time
+    goes, and the kernel's tiles where N > K", 2026-12-03).
 
     Where N > K (e.g. 4096 x 12288 and 4096 x 16384), up to 32 rows: K
     steps of 256 at three stages, all of K per program where the column
