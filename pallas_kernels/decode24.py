@@ -87,7 +87,8 @@ class DecodeConfig:
     of 128 from 17 to 128 rows and where N > K") and, where N > K up to 32
     rows, on an H200 at a d_model 4096 model's shapes
     (benchmarks/results/nvidia-h200.md, "Decode: where the step's time
-    goes, and the kernel's tiles where N > K", 2026-12-03).
+    goes, and the kernel's tiles where N > K", 2026-12-03; not re-measured
+    on an H100).
 
     Where N > K (e.g. 4096 x 12288 and 4096 x 16384), up to 32 rows: K
     steps of 256 at three stages, all of K per program where the column
