@@ -8,6 +8,8 @@ benchmarks/results/<gpu>.md (`write_section`, `table`, `environment`)."""
 from __future__ import annotations
 
 import functools
+import glob
+import gzip
 import json
 import math
 import os
@@ -227,3 +229,17 @@ def rel_err(got, ref) -> float:
   """The relative error of `got` against `ref`, by norm, in float32."""
   got, ref = jnp.asarray(got, jnp.float32), jnp.asarray(ref, jnp.float32)
   return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+
+
+def gpu_events(path: str) -> list[dict]:
+  """The GPU kernels ("X" events of a GPU process) of the Perfetto trace that
+  `jax.profiler.trace(path, create_perfetto_trace=True)` wrote under `path`;
+  none where no trace or no GPU process is there (a CPU run)."""
+  traces = glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True)
+  if not traces:
+    return []
+  data = json.load(gzip.open(traces[0]))
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  return [e for e in events if e.get("ph") == "X" and "GPU" in names.get(e["pid"], "")]

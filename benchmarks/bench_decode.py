@@ -2,7 +2,7 @@
 its products at the decode shapes.
 
     PYTHONPATH=. python benchmarks/bench_decode.py [--widths 2048,4096] [--layers 8]
-        [--blocks scan|loop] [--no-write]
+        [--blocks scan|loop] [--profile] [--no-write]
     PYTHONPATH=. python benchmarks/bench_decode.py --quick --no-write   # CPU, tiny
 
 The model is `benchmarks/_gpt.py`'s `GPT` (random weights; bf16 compute;
@@ -34,7 +34,11 @@ Per width:
   on the compressed operand, with the automatic choice and with each other
   implementation that runs here forced, each timed over a rotation of weights
   (`rotation`); ms, GB/s (x, the weight and y moved once), % of the
-  measured copy bandwidth, speed-up over dense XLA.
+  measured copy bandwidth, speed-up over dense XLA;
+* with `--profile` (a GPU): where one decode step's GPU time goes at each
+  batch, both models (`jax.profiler` over `PROFILED_STEPS` steps, kernels
+  summed per step by kind: the decode kernel, cuSPARSELt, XLA's products,
+  the rest).
 
 Every dense timing of every width runs before the first 2:4 one (the
 method's rule 1 in benchmarks/README.md). Tables are printed and written to
@@ -44,9 +48,11 @@ benchmarks/results/<gpu>.md unless `--no-write`.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import pathlib
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -66,6 +72,10 @@ from benchmarks._gpt import GPT, HEAD_DIM, SPARSE_LAYERS, layer_shapes
 # propagates through the blocks.
 LOGITS_TOL = 3e-2
 IMPLEMENTATIONS = ("xla", "pallas", "cusparselt")
+# Steps traced per profile (after two untraced ones): the kernels are summed
+# over them and divided, so one step's stray kernel weighs a third.
+PROFILED_STEPS = 3
+KERNEL_KINDS = ("decode kernel", "cuSPARSELt", "XLA products", "the rest")
 QUICK = dict(widths="128", layers=2, context=32, batches="1,4", prefill=32, vocab=512)
 
 
@@ -247,6 +257,39 @@ def threaded_step(step, params, tokens, cache, pos):
   return run
 
 
+def kernel_kind(name: str) -> str:
+  """A GPU kernel's kind in the profile table (`KERNEL_KINDS`), by its name."""
+  n = name.lower()
+  if "jsparse24_decode" in n:
+    return "decode kernel"
+  if "sparse_gemm" in n or "xmma_sparse" in n or "sp_gemm" in n:
+    return "cuSPARSELt"
+  if any(s in n for s in ("gemm", "gemv", "nvjet", "cutlass", "xmma")):
+    return "XLA products"
+  return "the rest"
+
+
+def profile_steps(run) -> dict[str, Any] | None:
+  """GPU kernels per step of `run` (a `threaded_step`), by kind: `{"kernels":
+  count, "ms": total, kind: ms}`; None where no GPU kernel was traced (CPU)."""
+  run()
+  jax.block_until_ready(run())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      out = None
+      for _ in range(PROFILED_STEPS):
+        out = run()
+      jax.block_until_ready(out)
+    events = _common.gpu_events(trace_dir)
+  if not events:
+    return None
+  ms = collections.Counter()
+  for e in events:
+    ms[kernel_kind(e["name"])] += e.get("dur", 0) / 1e3 / PROFILED_STEPS
+  return {"kernels": len(events) / PROFILED_STEPS, "ms": sum(ms.values()),
+          **{kind: ms[kind] for kind in KERNEL_KINDS}}
+
+
 def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, Any]:
   """Decode steps at every batch and the prefill of one model: ms, tokens/s
   and the logits (the last position's, float32) the comparison needs."""
@@ -257,9 +300,13 @@ def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, A
     pos = jnp.asarray(cfg["context"] - 1, jnp.int32)
     step = models["steps"][name, False]
     logits = step(params, tokens, random_cache(cfg, d, b), pos)[0]  # its cache freed now
-    seconds = timer(threaded_step(step, params, tokens, random_cache(cfg, d, b), pos))
+    run = threaded_step(step, params, tokens, random_cache(cfg, d, b), pos)
+    seconds = timer(run)
     out["decode"][b] = {"ms": seconds * 1e3, "tokens_per_s": b / seconds,
                         "logits": logits[:, -1].astype(jnp.float32)}
+    if cfg.get("profile"):
+      out["decode"][b]["profile"] = profile_steps(run)
+    del run
   p = cfg["prefill"]
   tokens = jax.random.randint(jax.random.key(p), (1, p), 0, cfg["vocab"], jnp.int32)
   step = models["steps"][name, True]
@@ -340,6 +387,17 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
 # --- main ------------------------------------------------------------------------------
 
 
+def profile_section(rows: list[list]) -> str:
+  """The `--profile` table, or why it is empty."""
+  if all(row[4] != row[4] for row in rows):  # every kernel count NaN: nothing traced
+    return "\n\n`--profile`: no GPU kernel was traced (the profile needs a GPU)."
+  return (f"\n\n**Where a decode step's GPU time goes** (`--profile`: `jax.profiler` over"
+          f" {PROFILED_STEPS} steps, GPU kernels summed per step by kind; ms per step is the"
+          f" timing above, with steps queued back to back):\n\n"
+          + _common.table(["d_model", "batch", "model", "ms per step", "kernels per step",
+                           "kernel ms", *(f"{kind} ms" for kind in KERNEL_KINDS)], rows))
+
+
 def parse_args(argv: Sequence[str] | None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--widths", default=None, help="d_model values (comma-separated;"
@@ -360,6 +418,9 @@ def parse_args(argv: Sequence[str] | None):
                       " blocks with params of their own")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and short timings (CPU checks of the script)")
+  p.add_argument("--profile", action="store_true",
+                 help="also profile decode steps (jax.profiler; a GPU): where each batch's"
+                      " step time goes")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   p.add_argument("--json", default=None, help="also write the raw numbers to this file")
   args = p.parse_args(argv)
@@ -371,7 +432,8 @@ def parse_args(argv: Sequence[str] | None):
   cfg = {"widths": [int(v) for v in str(args.widths).split(",")],
          "batches": [int(v) for v in str(args.batches).split(",")],
          "layers": args.layers, "context": args.context, "prefill": args.prefill,
-         "vocab": args.vocab, "quick": args.quick, "blocks": args.blocks}
+         "vocab": args.vocab, "quick": args.quick, "blocks": args.blocks,
+         "profile": args.profile}
   cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
                       else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):
@@ -416,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   print(f"timings done {elapsed()}", flush=True)
   failures = []
-  model_rows, prefill_rows, kernel_rows = [], [], []
+  model_rows, prefill_rows, kernel_rows, profile_rows = [], [], [], []
   for d in cfg["widths"]:
     r, dense, sparse = results[d], results[d]["dense"], results[d]["2:4"]
     r["decode"], r["prefill"] = {}, {}
@@ -429,6 +491,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       r["decode"][b] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
                         "dense_tokens_per_s": b / t_d * 1e3, "sparse_tokens_per_s": b / t_s * 1e3,
                         "logits_rel_err": err, "backends": backends}
+      if cfg["profile"]:
+        r["decode"][b].update(dense_profile=dense["decode"][b]["profile"],
+                              sparse_profile=sparse["decode"][b]["profile"])
       model_rows.append([d, cfg["layers"], b, t_d, b / t_d * 1e3, t_s, b / t_s * 1e3, t_d / t_s,
                          ", ".join(backends), err, "ok" if ok else "MISMATCH"])
     ok, err = logits_match(sparse["prefill"]["logits"], dense["prefill"]["logits"])
@@ -451,6 +516,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       kernel_rows.append([d, row["m"], row["layer"], f"{row['k']}x{row['n']}",
                           row["implementation"], row["ms"], row.get("gb_s", float("nan")),
                           row.get("pct_copy", float("nan")), row["speedup"], row.get("note", "")])
+    for b in cfg["batches"] if cfg["profile"] else ():
+      for name in ("dense", "2:4"):
+        part = results[d][name]["decode"][b]
+        prof = part["profile"] or dict.fromkeys(("kernels", "ms", *KERNEL_KINDS), float("nan"))
+        profile_rows.append([d, b, name, part["ms"], prof["kernels"], prof["ms"],
+                             *(prof[kind] for kind in KERNEL_KINDS)])
     for name in ("dense", "2:4"):
       for part in r[name]["decode"].values():
         part.pop("logits")
@@ -479,6 +550,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             " `cusparselt` on a `Sparse24` re-lays it out for cuSPARSELt in every call):\n\n"
           + _common.table(["d_model", "M", "layer", "KxN", "implementation", "ms", "GB/s",
                            "% of copy bw", "speedup", "note"], kernel_rows)
+          + (profile_section(profile_rows) if cfg["profile"] else "")
           + "".join(f"\n\nNot run here: `{name}`, {reason}." for name, reason
                     in jsparse24.available_implementations().items() if reason))
   print("\n" + body)

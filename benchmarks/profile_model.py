@@ -29,10 +29,6 @@ HLO op. With `--out`, the optimised HLO of each variant's step is written there.
 """
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
 import pathlib
 import re
 import statistics
@@ -44,15 +40,7 @@ import optax
 
 import jsparse24
 from benchmarks import _gpt
-
-def gpu_events(path: str) -> list[dict]:
-  """The GPU ("X") events of the Perfetto trace written under `path`."""
-  trace = glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-  data = json.load(gzip.open(trace))
-  events = data["traceEvents"] if isinstance(data, dict) else data
-  names = {e["pid"]: e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  return [e for e in events if e.get("ph") == "X" and "GPU" in names.get(e["pid"], "")]
+from benchmarks._common import gpu_events
 
 
 def category(name: str) -> str:

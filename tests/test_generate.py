@@ -156,7 +156,7 @@ def test_sampling_is_deterministic_for_a_key(shipped):
 def test_bench_decode_runs_quick_on_cpu(capsys):
   out = bench_decode.main(["--quick", "--no-write", "--layers", "1", "--batches", "1",
                            "--context", "16", "--prefill", "8", "--vocab", "256",
-                           "--kernel-ms", "2"])
+                           "--kernel-ms", "2", "--profile"])
   assert not out["failures"]
   (r,) = out["widths"]
   assert set(r["decode"]) == {1}
@@ -171,6 +171,28 @@ def test_bench_decode_runs_quick_on_cpu(capsys):
       (2, layer) for layer in _gpt.layer_shapes(128)]
   printed = capsys.readouterr().out
   assert "No 2:4 kernel ran" in printed and "Not run here: `pallas`" in printed
+  # A CPU traces no GPU kernel: the profile says so instead of a table of NaNs.
+  assert r["decode"][1]["dense_profile"] is None and r["decode"][1]["sparse_profile"] is None
+  assert "`--profile`: no GPU kernel was traced" in printed
+
+
+def test_decode_profile_sums_kernels_per_step_by_kind(monkeypatch):
+  # The traced steps' kernels as a GPU trace lists them: each kind summed and
+  # divided by the steps traced.
+  steps = bench_decode.PROFILED_STEPS
+  names = ["jsparse24_decode", "jsparse24_decode__1", "gemm_fusion_dot_67",
+           "sm90_xmma_sparse_gemm_f16", "input_reduce_fusion_24", "loop_add_fusion"]
+  events = [{"name": n, "dur": 30.0 * (i + 1)} for i, n in enumerate(names)] * steps
+  monkeypatch.setattr(bench_decode._common, "gpu_events", lambda path: events)  # pylint: disable=protected-access
+  calls = []
+  prof = bench_decode.profile_steps(lambda: calls.append(1) or jnp.zeros(()))
+  assert len(calls) == 2 + steps  # two untraced, then the traced ones
+  assert prof["kernels"] == len(names)
+  np.testing.assert_allclose([prof[k] for k in bench_decode.KERNEL_KINDS],
+                             [0.09, 0.12, 0.09, 0.33])  # (30 + 60), 120, 90, (150 + 180) us
+  np.testing.assert_allclose(prof["ms"], 0.63)
+  table = bench_decode.profile_section([[4096, 1, "2:4", 1.1, *prof.values()]])
+  assert "| 4096 | 1 | 2:4 | 1.1 | 6 | 0.63 | 0.09 | 0.12 | 0.09 | 0.33 |" in table
 
 
 def test_product_table_rotates_about_200_mb_of_weights():
