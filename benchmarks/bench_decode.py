@@ -389,7 +389,7 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
 
 def profile_section(rows: list[list]) -> str:
   """The `--profile` table, or why it is empty."""
-  if all(row[4] != row[4] for row in rows):  # every kernel count NaN: nothing traced
+  if not rows:
     return "\n\n`--profile`: no GPU kernel was traced (the profile needs a GPU)."
   return (f"\n\n**Where a decode step's GPU time goes** (`--profile`: `jax.profiler` over"
           f" {PROFILED_STEPS} steps, GPU kernels summed per step by kind; ms per step is the"
@@ -491,9 +491,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       r["decode"][b] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
                         "dense_tokens_per_s": b / t_d * 1e3, "sparse_tokens_per_s": b / t_s * 1e3,
                         "logits_rel_err": err, "backends": backends}
-      if cfg["profile"]:
-        r["decode"][b].update(dense_profile=dense["decode"][b]["profile"],
-                              sparse_profile=sparse["decode"][b]["profile"])
       model_rows.append([d, cfg["layers"], b, t_d, b / t_d * 1e3, t_s, b / t_s * 1e3, t_d / t_s,
                          ", ".join(backends), err, "ok" if ok else "MISMATCH"])
     ok, err = logits_match(sparse["prefill"]["logits"], dense["prefill"]["logits"])
@@ -518,10 +515,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                           row.get("pct_copy", float("nan")), row["speedup"], row.get("note", "")])
     for b in cfg["batches"] if cfg["profile"] else ():
       for name in ("dense", "2:4"):
-        part = results[d][name]["decode"][b]
-        prof = part["profile"] or dict.fromkeys(("kernels", "ms", *KERNEL_KINDS), float("nan"))
-        profile_rows.append([d, b, name, part["ms"], prof["kernels"], prof["ms"],
-                             *(prof[kind] for kind in KERNEL_KINDS)])
+        part = r[name]["decode"][b]
+        if prof := part["profile"]:
+          profile_rows.append([d, b, name, part["ms"], prof["kernels"], prof["ms"],
+                               *(prof[kind] for kind in KERNEL_KINDS)])
     for name in ("dense", "2:4"):
       for part in r[name]["decode"].values():
         part.pop("logits")
