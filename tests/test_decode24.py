@@ -57,7 +57,7 @@ def _rel_err(got, x, sp):
     (17, 136, 24, jnp.float32, decode24.DecodeConfig(splits=1)),
     (3, 264, 72, jnp.bfloat16, decode24.DecodeConfig(block_n=64, splits=1)),
     # The defaults where N > K: up to 16 rows all of K per program, 17-32
-    # rows two K slices (here ragged: K is 2 steps of 256 and 4 bytes).
+    # rows two K slices (here the second ragged: K is one step of 256 and 4 more).
     (3, 136, 200, jnp.float16, None),
     (20, 260, 300, jnp.bfloat16, None),
 ])
