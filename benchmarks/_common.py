@@ -243,3 +243,24 @@ def gpu_events(path: str) -> list[dict]:
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   return [e for e in events if e.get("ph") == "X" and "GPU" in names.get(e["pid"], "")]
+
+
+def kernel_category(name: str) -> str:
+  """The kind of a GPU kernel, by its name, for the profiles' tables."""
+  n = name.lower()
+  if "jsparse24_decode" in n:
+    return "decode kernel"
+  if "sparse_gemm" in n or "xmma_sparse" in n:
+    return "sparse gemm"
+  if ("nvjet" in n or "gemm_fusion" in n or "cutlass" in n or "sm90_xmma_gemm" in n
+      or "gemv" in n):
+    return "dense gemm"
+  if "cudnn" in n or "flash" in n or "fmha" in n or "sdpa" in n:
+    return "attention"
+  if "memcpy" in n:
+    return "memcpy"
+  if "jsparse24" in n or "prune" in n or "compress" in n:
+    return "pallas compress"
+  if "dynamic_update_slice" in n or "dynamic_slice" in n:
+    return "dyn slice/update"
+  return "other fusions"

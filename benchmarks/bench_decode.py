@@ -75,7 +75,9 @@ IMPLEMENTATIONS = ("xla", "pallas", "cusparselt")
 # Steps traced per profile (after two untraced ones): the kernels are summed
 # over them and divided, so one step's stray kernel weighs a third.
 PROFILED_STEPS = 3
-KERNEL_KINDS = ("decode kernel", "cuSPARSELt", "XLA products", "the rest")
+# The profile table's columns: `_common.kernel_category`'s kinds of the
+# products (cuSPARSELt's "sparse gemm", XLA's "dense gemm"), all else summed.
+KERNEL_KINDS = ("decode kernel", "sparse gemm", "dense gemm", "the rest")
 QUICK = dict(widths="128", layers=2, context=32, batches="1,4", prefill=32, vocab=512)
 
 
@@ -257,18 +259,6 @@ def threaded_step(step, params, tokens, cache, pos):
   return run
 
 
-def kernel_kind(name: str) -> str:
-  """A GPU kernel's kind in the profile table (`KERNEL_KINDS`), by its name."""
-  n = name.lower()
-  if "jsparse24_decode" in n:
-    return "decode kernel"
-  if "sparse_gemm" in n or "xmma_sparse" in n or "sp_gemm" in n:
-    return "cuSPARSELt"
-  if any(s in n for s in ("gemm", "gemv", "nvjet", "cutlass", "xmma")):
-    return "XLA products"
-  return "the rest"
-
-
 def profile_steps(run) -> dict[str, Any] | None:
   """GPU kernels per step of `run` (a `threaded_step`), by kind: `{"kernels":
   count, "ms": total, kind: ms}`; None where no GPU kernel was traced (CPU)."""
@@ -285,7 +275,8 @@ def profile_steps(run) -> dict[str, Any] | None:
     return None
   ms = collections.Counter()
   for e in events:
-    ms[kernel_kind(e["name"])] += e.get("dur", 0) / 1e3 / PROFILED_STEPS
+    kind = _common.kernel_category(e["name"])
+    ms[kind if kind in KERNEL_KINDS else "the rest"] += e.get("dur", 0) / 1e3 / PROFILED_STEPS
   return {"kernels": len(events) / PROFILED_STEPS, "ms": sum(ms.values()),
           **{kind: ms[kind] for kind in KERNEL_KINDS}}
 

@@ -40,24 +40,7 @@ import optax
 
 import jsparse24
 from benchmarks import _gpt
-from benchmarks._common import gpu_events
-
-
-def category(name: str) -> str:
-  n = name.lower()
-  if "sparse_gemm" in n or "xmma_sparse" in n:
-    return "sparse gemm"
-  if "nvjet" in n or "gemm_fusion" in n or "cutlass" in n or "sm90_xmma_gemm" in n:
-    return "dense gemm"
-  if "cudnn" in n or "flash" in n or "fmha" in n or "sdpa" in n:
-    return "attention"
-  if "memcpy" in n:
-    return "memcpy"
-  if "jsparse24" in n or "prune" in n or "compress" in n:
-    return "pallas compress"
-  if "dynamic_update_slice" in n or "dynamic_slice" in n:
-    return "dyn slice/update"
-  return "other fusions"
+from benchmarks._common import gpu_events, kernel_category
 
 
 def kernel_key(event: dict) -> str:
@@ -127,7 +110,7 @@ def profile(name, state, tokens, trace_dir):
     for table, k in tables:
       table[k][0] += e.get("dur", 0)
       table[k][1] += 1
-    cats[category(e["name"])] += e.get("dur", 0)
+    cats[kernel_category(e["name"])] += e.get("dur", 0)
   span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
   return dict(by), dict(cats), span, dict(calls)
 
