@@ -27,7 +27,7 @@ and the reduction of the slices weigh), 56-62% at M = 64 on the three large
 shapes (1.15-1.26x), and 0.82-0.97x of dense XLA at M = 128
 (benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps of
 128 from 17 to 128 rows and where N > K", 2026-11-28). On an H200, whose
-memory is faster, the same tiles at M = 64 ran at 0.71-0.93x of dense XLA,
+memory is faster, the same tiles at M = 64 ran at 0.70-0.95x of dense XLA,
 bound on chip: L1/shared memory 86% busy and DRAM 29% at 4096 x 16384, where
 M = 16 had DRAM 52% busy (benchmarks/results/nvidia-h200.md, "Decode:
 `bench_decode --profile`, and the weight as the first operand of the
