@@ -344,21 +344,14 @@ class MaskUpdateState(NamedTuple):
       1 bit per weight), "active": bool[]}`, `"active": None` when the
       schedule is `always_sparse` (module docstring).
     flip_rate: per layer, the fraction of weights whose kept/pruned state
-      changed at the last rebuild (0 before any): one float32 array, entry
-      `i` for layer `layer_names(state)[i]` (`stats` gives it per layer
-      path). One array, not one per layer: every leaf of the state is a
-      buffer that each step takes and returns, and where the host bounds
-      the step (small models) each costs dispatch time
-      (benchmarks/results/nvidia-h200.md, "The small end: a lean process
-      against bench_model's").
+      changed at the last rebuild (0 before any).
     last_rebuild: the step whose masks were last rebuilt (0 = at `init`;
       with a ramp, also the steps that rebuild the dense layers' masks for
       the layers entering 2:4).
     score: with a `SparsityRamp`, per layer, the share of its weights'
-      norm that its mask removes, `||w * (1 - mask)|| / ||w||`, from the
-      weights its mask was last rebuilt from: the dense layers with the
-      lowest scores go 2:4 first. One float32 array over the layers, as
-      `flip_rate`. None without a ramp.
+      norm that its mask removes, `||w * (1 - mask)|| / ||w||` (float32, the
+      stack's axes), from the weights its mask was last rebuilt from: the
+      dense layers with the lowest scores go 2:4 first. None without a ramp.
   """
 
   count: jax.Array
@@ -457,21 +450,25 @@ def mask_update(
     return _with_active(masks, lambda layer: jnp.array(
         jnp.broadcast_to(active, _stack_shape(layer)), copy=True))
 
+  def per_layer_value(masks, value):
+    return _per_layer(lambda layer: jnp.array(jnp.broadcast_to(
+        jnp.asarray(value, jnp.float32), _stack_shape(layer)), copy=True), masks)
+
   def init_fn(params):
     masks = rebuild_masks(params, template)
     def zero():  # count and last_rebuild: two arrays (see set_active)
       return jnp.zeros((), jnp.int32)
     if ramp is None:
       masks = set_active(masks, schedule.sparse(0))
-      return MaskUpdateState(zero(), masks, jnp.zeros((n_layers,), jnp.float32), zero())
+      return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), zero())
     held = _by_path(lambda layer, _, path: layer["mask"], masks, masks)
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), masks, params)
     score = {path: pruned_norm(kernels[path], held[path]) for path in held}
     dense = {path: jnp.zeros(_stack_shape({"mask": m}), jnp.bool_) for path, m in held.items()}
-    active = _grow(dense, score, ramp.count(0, n_layers), schedule.sparse(0), masks)
+    active = _grow(dense, score, ramp.count(0, n_layers), schedule.sparse(0))
     masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
-    return MaskUpdateState(zero(), masks, jnp.zeros((n_layers,), jnp.float32), zero(),
-                           _join_layers(score, masks))
+    return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), zero(),
+                           _map_layers(lambda _, __, path: score[path], masks, masks))
 
   def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
                 sparse: bool | frozenset[str] | None = None, **extra_args):
@@ -500,7 +497,7 @@ def mask_update(
     old_masks = _by_path(lambda layer, _, path: layer["mask"], state.masks, state.masks)
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
                        params)
-    old_flips = _split_layers(state.flip_rate, state.masks)
+    old_flips = _by_path(lambda _, f, path: f, state.masks, state.flip_rate)
     if ramp is not None:
       # Layers enter 2:4 where the ramp's count grows: the dense layers'
       # masks (and scores) are rebuilt then, so that the entering layers
@@ -553,7 +550,7 @@ def mask_update(
                    for path, new in new_masks.items()}
       flips = {path: jnp.where(per_layer[path], flip, old_flips[path])
                for path, flip in flips.items()}
-      old_score = _split_layers(state.score, state.masks)
+      old_score = _by_path(lambda _, s, path: s, state.masks, state.score)
       # Scores only where masks were rebuilt: one pass over those weights,
       # inside a conditional unless the host said (module docstring).
       score = when_rebuilding(
@@ -562,7 +559,7 @@ def mask_update(
           lambda: dict(old_score))
     masks = _map_layers(lambda layer, _, path: {**layer, "mask": new_masks[path]},
                         state.masks, state.masks)
-    flip = _join_layers(flips, state.masks)
+    flip = _map_layers(lambda _, __, path: flips[path], state.masks, state.masks)
     # The sparse kernels' updates depend on the rebuild's outputs, so that
     # the optimizer's in-place write of the new params (donated buffers)
     # provably follows the rebuild's read of the old ones. Without a data
@@ -578,7 +575,7 @@ def mask_update(
     # order to keep (None).
     after = None
     if mask_rebuild is not False:
-      after = jnp.sum(flip) >= 0
+      after = sum(jnp.sum(f) for f in jax.tree.leaves(flip)) >= 0
       if ramp is not None:
         after = after & ~(sum(jnp.sum(s) for s in score.values()) < 0)
     if uses_decay:
@@ -592,10 +589,11 @@ def mask_update(
       masks = set_active(masks, active)
       masks = _apart(masks, flips)
       return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, last)
-    active = _grow(was_active, score, count, schedule.sparse(nxt), state.masks)
+    active = _grow(was_active, score, count, schedule.sparse(nxt))
     masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
-    return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, last,
-                                    _join_layers(score, masks))
+    return updates, MaskUpdateState(
+        optax.safe_increment(step), masks, flip, last,
+        _map_layers(lambda _, __, path: score[path], masks, masks))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -619,13 +617,15 @@ def pruned_norm(kernel: jax.Array, mask: Mask24) -> jax.Array:
   return jnp.sqrt(jnp.where(total > 0, removed / jnp.where(total > 0, total, 1.0), 0.0))
 
 
-def _grow(active: Mapping, score: Mapping, count, allowed, masks: Mapping) -> dict:
+def _grow(active: Mapping, score: Mapping, count, allowed) -> dict:
   """Per layer path, the flags with enough dense layers made 2:4 for
   `count` 2:4 layers in all, the lowest scores first (ties to the first
-  layer in `layer_names`' order), all False where `allowed` is False.
-  Flags already True stay True."""
-  flat_active = _join_layers(active, masks)
-  flat_score = _join_layers(score, masks).astype(jnp.float32)
+  layer in the tree's order, then along the stack), all False where
+  `allowed` is False. Flags already True stay True."""
+  paths = list(active)
+  shapes = [tuple(jnp.shape(active[p])) for p in paths]
+  flat_active = jnp.concatenate([jnp.ravel(active[p]) for p in paths])
+  flat_score = jnp.concatenate([jnp.ravel(score[p]) for p in paths]).astype(jnp.float32)
   needed = jnp.asarray(count, jnp.int32) - jnp.sum(flat_active, dtype=jnp.int32)
   # Scores lie in [0, 1]: 2 puts the sparse layers after every dense one,
   # 1.5 a NaN score (NaN weights) after every finite one.
@@ -633,32 +633,8 @@ def _grow(active: Mapping, score: Mapping, count, allowed, masks: Mapping) -> di
   order = jnp.argsort(key, stable=True)
   rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
   flat = (flat_active | (rank < needed)) & jnp.asarray(allowed, jnp.bool_)
-  return _split_layers(flat, masks)
-
-
-def _layer_shapes(masks: Mapping) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """`{layer path: stack shape}` in the order of the paths: the order of
-  the state's per-layer arrays (`flip_rate`, `score`). Sorted, not the
-  tree's order: a dict that passes through `jax.jit` comes back with its
-  keys sorted, so the tree's order of a state made outside jit and one
-  returned by a step can differ."""
-  return {path: _stack_shape(layer) for path, layer in sorted(layers_by_path(masks).items())}
-
-
-def _join_layers(per_path: Mapping, masks: Mapping) -> jax.Array:
-  """One array of a value per layer (`{layer path: array of its stack
-  shape}`), in `_layer_shapes`' order."""
-  return jnp.concatenate([jnp.ravel(per_path[path]) for path in _layer_shapes(masks)])
-
-
-def _split_layers(flat: jax.Array, masks: Mapping) -> dict:
-  """`_join_layers`' inverse: `{layer path: array of its stack shape}`
-  (leading axes of `flat`, e.g. a state replicated by `jax.pmap`, kept)."""
-  shapes = _layer_shapes(masks)
-  ends = np.cumsum([int(np.prod(s)) for s in shapes.values()])
-  lead = jnp.shape(flat)[:-1]
-  return {path: part.reshape(lead + shape) for (path, shape), part
-          in zip(shapes.items(), jnp.split(flat, ends[:-1], axis=-1))}
+  ends = np.cumsum([int(np.prod(s)) for s in shapes])
+  return {p: part.reshape(s) for p, part, s in zip(paths, jnp.split(flat, ends[:-1]), shapes)}
 
 
 def _select_layers(take_new: jax.Array, new: Mask24, old: Mask24) -> Mask24:
@@ -967,17 +943,16 @@ def _layer_names(sparsity: Mapping) -> dict[tuple[str, ...], tuple[str, ...]]:
   `path[i]` for each layer of a stack (its stack axes flattened in C
   order, as `SparsityRamp` counts them)."""
   out = {}
-  for path, shape in _layer_shapes(sparsity).items():
-    name = "/".join(path)
+  for path, layer in layers_by_path(sparsity).items():
+    name, shape = "/".join(path), _stack_shape(layer)
     out[path] = (name,) if not shape else tuple(
         f"{name}[{i}]" for i in range(int(np.prod(shape))))
   return out
 
 
 def layer_names(opt_state) -> tuple[str, ...]:
-  """The names of the model's 2:4 layers, in the order of their paths (the
-  order of `MaskUpdateState.flip_rate`), each layer of a stack named
-  `"path[i]"` (flat index over the stack axes): the names that
+  """The names of the model's 2:4 layers, in the tree's order, each layer of
+  a stack named `"path[i]"` (flat index over the stack axes): the names that
   `sparse_layers` returns and `masks(opt_state, sparse=frozenset(...))`
   takes. Its length is the `layers` of `SparsityRamp.count` and
   `MaskSchedule.sparse_count`."""
@@ -1042,11 +1017,10 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
   sparsity = by_path(_per_layer(lambda layer: jnp.broadcast_to(
       jnp.where(True if layer["active"] is None else layer["active"], 1 - DENSITY, 0.0),
       _stack_shape(layer)).astype(jnp.float32), state.masks))
-  flips = _split_layers(state.flip_rate, state.masks)
-  score = {} if state.score is None else _split_layers(state.score, state.masks)
-  return {"/".join(path): {"flip_rate": flip, "sparsity": sparsity["/".join(path)],
-                           **({"score": score[path]} if path in score else {})}
-          for path, flip in flips.items()}
+  score = {} if state.score is None else by_path(state.score)
+  return {path: {"flip_rate": flip, "sparsity": sparsity[path],
+                 **({"score": score[path]} if path in score else {})}
+          for path, flip in by_path(state.flip_rate).items()}
 
 
 __all__ = ["MaskSchedule", "MaskUpdateState", "SparsityRamp", "layer_names", "mask_update",

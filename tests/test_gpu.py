@@ -136,7 +136,7 @@ def test_mask_update_rebuilds_without_a_conditional():
     before = params
     masks_before = optim.masks(state)
     params, state = step(params, state, jax.random.key(i))
-    flips = {name: s["flip_rate"] for name, s in optim.stats(state).items()}
+    flips = state[0].flip_rate
     for name, layer in optim.masks(state).items():
       w = before[name]["kernel"]
       if i % 2 == 0:

@@ -463,33 +463,6 @@ def test_state_fields_and_lookup():
     optim.mask_update(variables["params"]["up"]["kernel"])
 
 
-def test_flip_rates_are_one_array_in_the_order_of_the_paths():
-  """`flip_rate` is one array for all layers (one buffer per step, not one
-  per layer), indexed in the order of the layers' paths, so that it means
-  the same whatever the order of the state's dict (a state built or
-  restored outside `jax.jit` may keep its model's order, `up` before
-  `down`; one a jitted step returned has its keys sorted)."""
-  schedule = optim.MaskSchedule(rebuild_every=1)
-  _, _, variables, _, _ = _setup(schedule)
-  tx = optax.chain(optim.mask_update(variables["sparsity"], schedule), optax.sgd(1.0))
-  params = variables["params"]
-  state = tx.init(params)
-  assert isinstance(state[0].flip_rate, jax.Array) and state[0].flip_rate.shape == (2,)
-  held = state[0].masks
-  state = (state[0]._replace(masks={"up": held["up"], "down": held["down"]}), *state[1:])
-  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(3), p.shape), params)
-  params = optax.apply_updates(params, jax.tree.map(lambda g: 10.0 * g, grads))
-  _, state = tx.update(grads, state, params)  # not jitted: rebuilds both masks
-  assert list(optim.masks(state)) == ["up", "down"]
-  eager = {name: float(s["flip_rate"]) for name, s in optim.stats(state).items()}
-  assert eager["up"] > 0 and eager["down"] > 0 and eager["up"] != eager["down"]
-  keep = jax.jit(functools.partial(tx.update, mask_rebuild=False))
-  _, state = keep(grads, state, params)  # rebuilds nothing: the flip rates are kept
-  assert list(optim.masks(state)) == ["down", "up"]
-  assert {name: float(s["flip_rate"]) for name, s in optim.stats(state).items()} == eager
-  assert dict(zip(optim.layer_names(state), state[0].flip_rate.tolist())) == eager
-
-
 def _train(model, tx, params, state, x, y, steps):
   @jax.jit
   def step(params, state):
