@@ -15,8 +15,9 @@ Sections (`--sections`, comma-separated):
 * `ffn`: a feed-forward block `relu(x @ w1)^2 @ w2` (d_model 4096, hidden
   16384, 16,384 tokens) trained by SGD, its input's gradient computed as in a
   model: dense; the down projection's input 2:4 (`input_sparsity="masked"`);
-  and that with the up projection's weight 2:4 too (a stored transposable
-  mask).
+  that with the up projection's dx from its 2:4 output gradient
+  (`grad_output="2:4"`); and the down projection's input 2:4 with the up
+  projection's weight 2:4 (a stored transposable mask).
 
 Every dense step is timed before the process's first cuSPARSELt product, and
 again after the 2:4 ones (`_common.CUSPARSELT_TAX`); the ratios use the first.
@@ -94,11 +95,13 @@ def section_layer(dense, masked, points, records):
 
 
 def _ffn_step(variant, mask1):
-  """One SGD step of the block; variant "dense", "act" or "act+w"."""
+  """One SGD step of the block; variant "dense", "act", "act+dx" or "act+w"."""
 
   def block(p, x):
     if variant == "act+w":
       h = jsparse24.sparse_dot(x, p["w1"], mask1, implementation="cusparselt")
+    elif variant == "act+dx":
+      h = jsparse24.sparse_dot(x, p["w1"], grad_output="2:4", implementation="cusparselt")
     else:
       h = x @ p["w1"]
     h = jnp.square(jax.nn.relu(h))
@@ -138,7 +141,7 @@ def section_ffn():
 
     times[name] = _common.bench(once, x, target, min_time=1.0)
 
-  for name in ("dense", "act", "act+w", "dense again"):
+  for name in ("dense", "act", "act+dx", "act+w", "dense again"):
     run(name)
   base = times["dense"]
   rows = [[name, t * 1e3, tokens / t, base / t] for name, t in times.items()]
@@ -146,7 +149,9 @@ def section_ffn():
           f" {tokens} tokens, bf16)",
           "relu(x @ w1)^2 @ w2, SGD, with the input's gradient (6 products); `act`: the"
           " down projection's input pruned 2:4 (`input_sparsity='masked'`, cuSPARSELt"
-          " with x as the sparse operand);"
+          " with x as the sparse operand); `act+dx`: and the up projection's dx from its"
+          " output gradient, 2:4 behind the masked activations, as the sparse operand"
+          " (`grad_output='2:4'`);"
           " `act+w`: and the up projection 2:4 on a stored transposable mask (y and dx"
           " sparse). First-step losses: "
           + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()) + ".\n\n"

@@ -31,6 +31,7 @@ def sparse_dot(
     key: jax.Array | None = None,
     weight_sharding: jax.sharding.NamedSharding | None = None,
     input_sparsity: Literal["off", "masked", "ste"] = "off",
+    grad_output: Literal["dense", "2:4"] = "dense",
 ) -> Float[Array, "... N"]:
   """`x @ (w * mask)` with `w` 2:4 sparse along K, differentiable.
 
@@ -104,6 +105,14 @@ def sparse_dot(
       products are XLA's on either. The automatic choice keeps `"xla"`.
       Sources and approximations: the `jsparse24._input_sparse` module
       docstring.
+    grad_output: `"dense"` (default), or `"2:4"`: `w` is dense (as with
+      `input_sparsity`, which it may join) and the input's gradient is
+      `dx = prune(dy) @ w^T`, the output gradient pruned 2:4 along N by
+      magnitude, on `"cusparselt"` with `dy` as the sparse operand on the
+      sparse tensor cores (N and K multiples of 64, 16-bit). Exact where
+      `dy` is 2:4 along N already: the up projection of a feed-forward
+      whose down projection has `input_sparsity="masked"`.
+      `y` and `dw` are those of the dense product. Reverse mode only.
 
   Returns:
     `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in
@@ -120,7 +129,9 @@ def sparse_dot(
   opts = SparsityOptions.checked(fn, gradient=gradient, transposable=transposable,
                                  implementation=implementation, weight_grad=weight_grad,
                                  kernel_sharding=weight_sharding, input_sparsity=input_sparsity,
-                                 mask_source="collection" if input_sparsity == "off" else "none")
+                                 grad_output=grad_output,
+                                 mask_source=("collection" if (input_sparsity, grad_output)
+                                              == ("off", "dense") else "none"))
   return _dot(fn, x, w, mask, None, opts, precision=precision, key=key)
 
 
@@ -159,7 +170,7 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
   x = jnp.asarray(x)
   if x.ndim < 1:
     raise ValueError(f"{fn}: `x` must be [..., K], got a scalar.")
-  if opts.input_sparsity != "off":
+  if opts.activation_sparse:
     return _input_sparse_dot(fn, x, w, mask, active, opts, precision=precision, dtype=dtype)
 
   if isinstance(w, Sparse24):
@@ -224,9 +235,10 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
 
 
 def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype):
-  """`prune(x) @ w` with `w` dense (`opts.input_sparsity`, checked with the
-  other options when they were made)."""
-  arg = f"input_sparsity={opts.input_sparsity!r}"
+  """`prune(x) @ w` with `w` dense (`opts.input_sparsity`, and/or `dx` from
+  the pruned output gradient, `opts.grad_output`; checked with the other
+  options when they were made)."""
+  arg = opts.pruned_options()
   if isinstance(w, Sparse24):
     raise ValueError(f"{fn}: with {arg} `w` is the dense operand; got a Sparse24 (a"
                      f" compressed 2:4 weight). Pass the dense weight.")
@@ -247,15 +259,19 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
                      f" weights use jax.vmap.")
   _checks.check_nonempty(fn, "w", w.shape, (0, 1), "K or N")
   _check_contraction(fn, x, w.shape)
-  if x.shape[-1] % 4:
+  if opts.input_sparsity != "off" and x.shape[-1] % 4:
     raise ValueError(
         f"{fn}: with {arg} x is pruned 2:4 along K = x.shape[-1] = {x.shape[-1]}, which"
         f" must be a multiple of 4 (pad x's last axis and w's first with zeros).")
+  if opts.grad_output != "dense" and w.shape[1] % 4:
+    raise ValueError(
+        f"{fn}: with {arg} the output gradient is pruned 2:4 along N = w.shape[1] ="
+        f" {w.shape[1]}, which must be a multiple of 4 (pad w's last axis with zeros).")
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
   problem = dataclasses.replace(_problem(x.shape, w.shape, dtype, False), input_sparse=True)
   backend = backends.select(opts.implementation, problem)
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
-  y = backend.dot_input_sparse(x2, w, opts.input_sparsity, precision)
+  y = backend.dot_input_sparse(x2, w, opts.input_sparsity, opts.grad_output, precision)
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 

@@ -20,6 +20,7 @@ GRADIENT_MODES = ("ste", "masked")
 WEIGHT_GRADS = ("dense", "mvue")
 MASK_SOURCES = ("collection", "dynamic", "none")
 INPUT_SPARSITY = ("off", "masked", "ste")
+GRAD_OUTPUTS = ("dense", "2:4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +40,8 @@ class SparsityOptions:
       `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
       by `jsparse24.optim`); `"dynamic"`: prune the kernel by magnitude at
       every call (no collection needed); `"none"`: the kernel stays dense
-      (no mask anywhere), for a layer whose input is pruned instead
-      (`input_sparsity`), and only then.
+      (no mask anywhere), for a layer whose input or output gradient is
+      pruned instead (`input_sparsity`, `grad_output`), and only then.
     weight_grad: `"dense"`, or `"mvue"`: the kernel's gradient from the
       output gradient pruned 2:4 along the tokens by the minimum-variance
       unbiased rule (`jsparse24.sparse_dot`). Its randomness comes from the
@@ -62,6 +63,17 @@ class SparsityOptions:
       weight-only options at their defaults); put 2:4 weights on another
       layer (in a squared-ReLU feed-forward: the up projection 2:4 weights,
       the down projection 2:4 activations).
+    grad_output: `"dense"` (the default), or `"2:4"`: the gradient arriving
+      at the layer's output, `dy[..., N]`, is pruned 2:4 along N by
+      magnitude and the input's gradient `dx = prune(dy) @ kernel^T` runs
+      with it as the sparse operand (on `"cusparselt"`, the sparse tensor
+      cores; on `"xla"`, a masked dense product); `dw = x^T @ dy` takes the
+      whole `dy`. Exact where `dy` is 2:4 already: the up projection of a
+      feed-forward whose down projection has `input_sparsity="masked"`
+      (the gradient into the elementwise activation is zero where its
+      output was pruned, and so is the gradient out of it). Elsewhere an
+      approximation of `dx`. The kernel is dense
+      (`mask_source="none"`), as with `input_sparsity`; the two combine.
   """
 
   gradient: Literal["ste", "masked"] = "ste"
@@ -71,43 +83,57 @@ class SparsityOptions:
   weight_grad: Literal["dense", "mvue"] = "dense"
   kernel_sharding: Any = None
   input_sparsity: Literal["off", "masked", "ste"] = "off"
+  grad_output: Literal["dense", "2:4"] = "dense"
 
   def __post_init__(self):
     for name, allowed in (("gradient", GRADIENT_MODES), ("weight_grad", WEIGHT_GRADS),
-                          ("mask_source", MASK_SOURCES), ("input_sparsity", INPUT_SPARSITY)):
+                          ("mask_source", MASK_SOURCES), ("input_sparsity", INPUT_SPARSITY),
+                          ("grad_output", GRAD_OUTPUTS)):
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"unknown {name}={value!r}; expected one of {allowed}.")
-    self._check_input_sparsity()
+    self._check_dense_kernel()
 
-  def _check_input_sparsity(self) -> None:
-    """One sparse operand per product: 2:4 activations take a dense kernel,
-    said explicitly (`mask_source="none"`), and a dense kernel only goes with
-    them."""
-    pruned = self.input_sparsity != "off"
+  @property
+  def activation_sparse(self) -> bool:
+    """Whether an activation, not the kernel, is the sparse operand: the
+    input (`input_sparsity`) or the output's gradient (`grad_output`)."""
+    return self.input_sparsity != "off" or self.grad_output != "dense"
+
+  def pruned_options(self) -> str:
+    """The options that prune an activation, as a user wrote them."""
+    return " and ".join(f"{name}={getattr(self, name)!r}" for name, off in
+                        (("input_sparsity", "off"), ("grad_output", "dense"))
+                        if getattr(self, name) != off)
+
+  def _check_dense_kernel(self) -> None:
+    """One sparse operand per product: pruned activations take a dense
+    kernel, said explicitly (`mask_source="none"`), and a dense kernel only
+    goes with them."""
+    pruned = self.activation_sparse
     if pruned and self.mask_source != "none":
       raise ValueError(
-          f"input_sparsity={self.input_sparsity!r} prunes the input 2:4, and the sparse"
-          f" tensor cores take one sparse operand, so the kernel stays dense: set"
-          f" mask_source='none' (got {self.mask_source!r}); 2:4 weights go on another"
-          f" layer, e.g. the up projection of the feed-forward.")
+          f"{self.pruned_options()} prunes an activation 2:4, and the sparse tensor cores"
+          f" take one sparse operand, so the kernel stays dense: set mask_source='none'"
+          f" (got {self.mask_source!r}); 2:4 weights go on another layer, e.g. the up"
+          f" projection of the feed-forward.")
     if not pruned and self.mask_source == "none":
       raise ValueError(
           "mask_source='none' (a dense kernel) is for layers with input_sparsity='masked'"
-          " or 'ste'; with neither the layer is a plain dense layer: use nn.Dense /"
-          " nnx.Linear, or leave it out of the sparsify rules.")
+          " or 'ste', or grad_output='2:4'; with none of them the layer is a plain dense"
+          " layer: use nn.Dense / nnx.Linear, or leave it out of the sparsify rules.")
     if not pruned:
       return
     for name, default in (("gradient", "ste"), ("weight_grad", "dense")):
       if getattr(self, name) != default:
         raise ValueError(
             f"{name}={getattr(self, name)!r} is an option of a 2:4 kernel; with"
-            f" input_sparsity={self.input_sparsity!r} the kernel is dense and its gradient"
-            f" exact: leave {name} at {default!r}.")
+            f" {self.pruned_options()} the kernel is dense and its gradient exact: leave"
+            f" {name} at {default!r}.")
     if self.transposable:
       raise ValueError(
-          f"transposable=True is an option of a 2:4 kernel; with input_sparsity="
-          f"{self.input_sparsity!r} the kernel is dense: leave transposable at None.")
+          f"transposable=True is an option of a 2:4 kernel; with {self.pruned_options()}"
+          f" the kernel is dense: leave transposable at None.")
 
   @classmethod
   def checked(cls, fn: str, **options: Any) -> SparsityOptions:

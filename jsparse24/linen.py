@@ -95,7 +95,14 @@ def _check_widths(module: nn.Module, width: int, opts: SparsityOptions) -> None:
   leave_dense = (f"or leave this layer dense: give jsparse24.sparsify rules that do not"
                  f" match {'/'.join(module.path)!r}" if _patched(module)
                  else "or make this layer an nn.Dense")
-  if width % 4:
+  if opts.grad_output != "dense" and module.features % 4:
+    raise ValueError(
+        f"{_layer_name(module)}: the output width (features={module.features}) is not a"
+        f" multiple of 4; with grad_output={opts.grad_output!r} the output gradient is"
+        f" pruned 2:4 along it. Pad the output to {module.features + -module.features % 4}"
+        f" features, or leave grad_output at 'dense'.")
+  # The input axis is pruned where the input is or where the kernel is 2:4.
+  if width % 4 and (opts.input_sparsity != "off" or opts.mask_source != "none"):
     what = ("the input is pruned 2:4 along" if opts.input_sparsity != "off"
             else "2:4 sparsity keeps 2 of every 4 consecutive inputs (the")
     raise ValueError(
@@ -376,6 +383,7 @@ class SparseDense(nn.Module):
   weight_grad: Literal["dense", "mvue"] = "dense"
   kernel_sharding: Any = None
   input_sparsity: Literal["off", "masked", "ste"] = "off"
+  grad_output: Literal["dense", "2:4"] = "dense"
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -317,7 +317,8 @@ class SparseMoE(nn.Module):
   kernel_init: Any = nn.linear.default_kernel_init
   bias_init: Any = initializers.zeros_init()
   router_init: Any = nn.linear.default_kernel_init
-  # sparsity: SparseDense's (SparsityOptions's) fields but kernel_sharding
+  # sparsity: SparseDense's (SparsityOptions's) fields but kernel_sharding and the
+  # 2:4-activation ones (input_sparsity, grad_output)
   gradient: Literal["ste", "masked"] = "ste"
   transposable: bool | None = None
   implementation: str | None = None

@@ -69,11 +69,12 @@ class SparseLinear(nnx.Module):
   (`"ste"` or `"masked"`), `transposable`, `implementation`,
   `mask_source` (`"collection"`: a `SparsityMask` made from the initial
   kernel; `"dynamic"`: prune the kernel by magnitude at every call;
-  `"none"`: a dense kernel, with `input_sparsity`), `weight_grad`
+  `"none"`: a dense kernel, with `input_sparsity` or `grad_output`), `weight_grad`
   (`"mvue"`: the layer keeps a fork of `rngs["mvue"]`, or of the default
   stream, and draws one key per call from it) and `input_sparsity`
   (`"masked"` / `"ste"`: the input pruned 2:4 at every call, the kernel
-  dense; `jsparse24.sparse_dot`).
+  dense; `jsparse24.sparse_dot`) and `grad_output` (`"2:4"`: the input's
+  gradient from the output gradient pruned 2:4, the kernel dense).
   `transposable=None` (the default) is transposable where `out_features` is
   a multiple of 4, as in `jsparse24.SparseDense`. The layer keeps them as
   attributes of the same names (`transposable` resolved).
@@ -123,20 +124,29 @@ class SparseLinear(nnx.Module):
       weight_grad: Literal["dense", "mvue"] = "dense",
       kernel_sharding: Any = None,
       input_sparsity: Literal["off", "masked", "ste"] = "off",
+      grad_output: Literal["dense", "2:4"] = "dense",
   ):
     opts = SparsityOptions.checked(
         "SparseLinear", gradient=gradient, transposable=transposable,
         implementation=implementation, mask_source=mask_source, weight_grad=weight_grad,
-        kernel_sharding=kernel_sharding, input_sparsity=input_sparsity)
+        kernel_sharding=kernel_sharding, input_sparsity=input_sparsity,
+        grad_output=grad_output)
     opts = dataclasses.replace(opts, transposable=resolve_transposable(
         transposable, out_features, opts.mask_source))
-    if in_features % 4:
+    # The input axis is pruned where the input is or where the kernel is 2:4.
+    if in_features % 4 and (opts.input_sparsity != "off" or opts.mask_source != "none"):
       what = ("the input is pruned 2:4 along" if opts.input_sparsity != "off"
               else "2:4 sparsity keeps 2 of every 4 consecutive input features (the")
       raise ValueError(
           f"SparseLinear: in_features={in_features} is not a multiple of 4; {what}"
           f" contraction axis of the kernel). Pad the inputs' last axis to"
           f" {in_features + -in_features % 4}, or make this layer an nnx.Linear.")
+    if opts.grad_output != "dense" and out_features % 4:
+      raise ValueError(
+          f"SparseLinear: out_features={out_features} is not a multiple of 4; with"
+          f" grad_output={opts.grad_output!r} the output gradient is pruned 2:4 along"
+          f" the output features. Pad the output to {out_features + -out_features % 4}"
+          f" features, or leave grad_output at 'dense'.")
     if transposable and out_features % 4:
       raise ValueError(
           f"SparseLinear: out_features={out_features} is not a multiple of 4,"

@@ -48,6 +48,6 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
   # block's dense step timed again at the end of its section.
   first = events.index("cusparselt")
   assert events[:first] == ["bench"] * 5, events
-  assert events.count("bench") == 4 + 4 + 1 + 2, events  # layer, block, kernel, layer
+  assert events.count("bench") == 4 + 5 + 1 + 2, events  # layer, block, kernel, layer
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access

@@ -1,7 +1,8 @@
-"""2:4 activations (`input_sparsity`): the product `prune(x) @ w` and its
-gradients against the plain-`jnp` reference (`jsparse24._input_sparse`) and
-against JAX's own derivative of the masked product; the option through the
-layers; the combinations that raise."""
+"""2:4 activations (`input_sparsity`, `grad_output`): the product
+`prune(x) @ w` and its gradients, and `dx` from the pruned output gradient,
+against the plain-`jnp` reference (`jsparse24._input_sparse`) and against
+JAX's own derivative of the masked product; the options through the layers;
+the combinations that raise."""
 
 import math
 
@@ -140,6 +141,10 @@ def test_layers_and_rules_agree():
 @pytest.mark.parametrize("kw,match", [
     ({"input_sparsity": "masked"}, "set mask_source='none'"),
     ({"mask_source": "none"}, "mask_source='none' .* is for layers with input_sparsity"),
+    ({"grad_output": "2:4"}, "grad_output='2:4' prunes an activation.*set mask_source='none'"),
+    ({"mask_source": "none", "grad_output": "2:4", "gradient": "masked"},
+     "with grad_output='2:4' the kernel is dense.*leave gradient at 'ste'"),
+    ({"mask_source": "none", "grad_output": "24"}, "unknown grad_output='24'"),
     ({"mask_source": "none", "input_sparsity": "ste", "gradient": "masked"},
      "leave gradient at 'ste'"),
     ({"mask_source": "none", "input_sparsity": "ste", "weight_grad": "mvue"},
@@ -158,6 +163,85 @@ def test_combinations_that_make_no_sense_raise(kw, match):
     jsparse24.sparsify(nn.Dense(4), {".*": kw})
 
 
+def _grad_output_vjp(x, w, dy, input_sparsity, implementation=None):
+  y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(
+      x, w, input_sparsity=input_sparsity, grad_output="2:4", implementation=implementation),
+                   x, w)
+  return (y, *vjp(dy))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("input_sparsity", ["off", "masked", "ste"])
+@pytest.mark.parametrize("m,k,n", [(1, 8, 8), (3, 12, 4), (17, 32, 12), (16, 64, 36)])
+def test_grad_output_matches_the_reference(dtype, input_sparsity, m, k, n):
+  """`grad_output="2:4"`: `dx` from the output gradient pruned 2:4 along N
+  (alone, or with the input pruned too); `y` and `dw` those of the product
+  without it. On a random `dy` (not 2:4) the pruning changes `dx`."""
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 1, (m, n), dtype)
+  y, dx, dw = jax.jit(_grad_output_vjp, static_argnums=3)(x, w, dy, input_sparsity)
+  ry, rdx, rdw = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output="2:4")
+  assert y.dtype == dx.dtype == dw.dtype == dtype
+  _close(y, ry, dtype, k)
+  _close(dx, rdx, dtype, n)
+  _close(dw, rdw, dtype, m)
+  _, unpruned_dx, _ = input_sparse_reference(x, w, dy, gradient=input_sparsity)
+  assert float(jnp.abs(rdx.astype(jnp.float32) - unpruned_dx.astype(jnp.float32)).max()) > 0.1
+
+
+def test_grad_output_is_exact_behind_a_squared_relu_and_masked_activations():
+  """A squared-ReLU feed-forward with its down projection's input pruned
+  (`input_sparsity="masked"`): the gradient into the up projection's output
+  is 2:4 along the hidden axis, so `grad_output="2:4"` on the up projection
+  changes no gradient of the block. Behind `"ste"` it is not 2:4 and changes
+  the input's gradient."""
+  x, t = _rand(0, (24, 16)), _rand(1, (24, 16))
+  p = {"w1": _rand(2, (16, 32)) * 0.5, "w2": _rand(3, (32, 16)) * 0.5}
+
+  def grads(down, up_grad_output):
+    def loss(p, x):
+      h = (jsparse24.sparse_dot(x, p["w1"], grad_output="2:4") if up_grad_output
+           else x @ p["w1"])
+      y = jsparse24.sparse_dot(jax.nn.relu(h) ** 2, p["w2"], input_sparsity=down)
+      return (y * t).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x)
+
+  for down in ("masked", "ste"):
+    got, ref = grads(down, True), grads(down, False)
+    np.testing.assert_allclose(got[0]["w2"], ref[0]["w2"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[0]["w1"], ref[0]["w1"], rtol=1e-5, atol=1e-5)
+    dx_gap = float(jnp.abs(got[1] - ref[1]).max())
+    assert (dx_gap < 1e-5) if down == "masked" else (dx_gap > 1e-2), (down, dx_gap)
+
+
+def test_grad_output_through_the_layers():
+  """SparseDense, nnx.SparseLinear and a sparsify rule with
+  `grad_output="2:4"`: the dense layer's output, and the input gradient of
+  the reference."""
+  x, dy = _rand(0, (3, 16)), _rand(1, (3, 8))
+  opts = {"mask_source": "none", "grad_output": "2:4"}
+  dense = nn.Dense(8)
+  params = dense.init(jax.random.key(1), x)
+  kernel, bias = params["params"]["kernel"], params["params"]["bias"]
+  _, want_dx, _ = input_sparse_reference(x, kernel, dy, gradient="off", grad_output="2:4")
+  layer = jnnx.SparseLinear(16, 8, rngs=nnx.Rngs(1), **opts)
+  layer.kernel.set_value(kernel)
+  layer.bias.set_value(bias)
+  assert layer.mask is None and layer.grad_output == "2:4"
+  calls = {"linen": lambda x: jsparse24.SparseDense(8, **opts).apply(params, x),
+           "rule": lambda x: jsparse24.sparsify(dense, {".*": opts}).apply(params, x),
+           "nnx": layer}
+  for name, f in calls.items():
+    y, vjp = jax.vjp(f, x)
+    np.testing.assert_allclose(y, x @ kernel + bias, rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(vjp(dy)[0], want_dx, rtol=1e-5, atol=1e-5, err_msg=name)
+  with pytest.raises(ValueError, match="SparseDense: the output width .*features=6.* not a"):
+    jsparse24.SparseDense(6, **opts).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="SparseLinear: out_features=6 is not a multiple of 4"):
+    jnnx.SparseLinear(16, 6, rngs=nnx.Rngs(0), **opts)
+  # The input width is free: only the output gradient is pruned.
+  jsparse24.SparseDense(8, **opts).init(jax.random.key(0), jnp.ones((2, 6)))
+
+
 def test_sparse_dot_refuses_a_second_sparse_operand():
   x, w = jnp.ones((2, 8)), jnp.ones((8, 4))
   with pytest.raises(ValueError, match="sparse_dot: with input_sparsity='masked' .* mask=None"):
@@ -168,13 +252,18 @@ def test_sparse_dot_refuses_a_second_sparse_operand():
     jsparse24.sparse_dot(x, w, gradient="masked", input_sparsity="ste")
   with pytest.raises(ValueError, match="multiple of 4"):
     jsparse24.sparse_dot(jnp.ones((2, 6)), jnp.ones((6, 4)), input_sparsity="masked")
+  with pytest.raises(ValueError, match="sparse_dot: with grad_output='2:4' the output gradient"
+                                       " is pruned 2:4 along N = w.shape.1. = 6"):
+    jsparse24.sparse_dot(jnp.ones((2, 8)), jnp.ones((8, 6)), grad_output="2:4")
+  with pytest.raises(ValueError, match="sparse_dot: with grad_output='2:4' .* mask=None"):
+    jsparse24.sparse_dot(x, w, jsparse24.prune_24(w), grad_output="2:4")
 
 
 def test_the_pallas_backend_has_no_product_and_says_so():
   from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
   x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
   with interpret_mode(), pytest.raises(jsparse24.BackendUnavailableError,
-                                       match="'pallas'.*no product with x as the sparse operand"):
+                                       match="'pallas'.*no product with an activation as the sparse operand"):
     jsparse24.sparse_dot(x, w, input_sparsity="masked", implementation="pallas")
 
 
@@ -222,4 +311,41 @@ def test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand(monke
         _close(g, r, dtype, k)
   mp = m + -m % 64
   assert calls and set(calls) == {((k, n), (mp + mp // 8, k // 2), (mp, n), n, mp, k)}, calls
+  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("input_sparsity", ["off", "masked"])
+@pytest.mark.parametrize("m,k,n", [(3, 128, 64), (70, 64, 192)])
+def test_cusparselt_grad_output_takes_the_output_gradient_as_its_sparse_operand(
+    monkeypatch, input_sparsity, m, k, n):
+  """`grad_output="2:4"` on the "cusparselt" backend (on a CPU, as above):
+  `dx` is the product with the pruned `dy[M, N]` as the structured B and
+  `w^T` as the dense A (`D[K, Mp] = w prune(dy)^T`), and equals the "xla"
+  backend's."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  from tests import triton_removal  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def recording(a, b, shape, **kw):
+    calls.append((a.shape, b.shape, tuple(shape), kw["m"], kw["n"], kw["k"]))
+    return triton_removal._stand_in_b_product(a, b, shape, **kw)  # pylint: disable=protected-access
+
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_sparse_b_matmul", recording)
+  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+  dtype = jnp.bfloat16
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
+  with interpret_mode():
+    got = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity,
+                                                           "cusparselt")
+    want = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity, "xla")
+  for g, r in zip(got, want):
+    assert g.dtype == r.dtype == dtype
+    _close(g, r, dtype, max(k, n))
+  mp = m + -m % 64
+  dx_call = ((n, k), (mp + mp // 8, n // 2), (mp, k), k, mp, n)
+  y_call = ((k, n), (mp + mp // 8, k // 2), (mp, n), n, mp, k)
+  assert set(calls) == ({dx_call, y_call} if input_sparsity == "masked" else {dx_call}), calls
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access

@@ -26,7 +26,7 @@ def test_fields_and_defaults_match_dense():
     assert sparse[name].default == field.default, name
   extra = set(sparse) - set(dense)
   assert extra == {"gradient", "transposable", "implementation", "mask_source", "weight_grad",
-                   "kernel_sharding", "input_sparsity"}
+                   "kernel_sharding", "input_sparsity", "grad_output"}
 
 
 @pytest.mark.parametrize("use_bias", [True, False])

@@ -61,7 +61,7 @@ def test_signature_matches_nnx_linear():
   assert sparse["rngs"].default is inspect.Parameter.empty
   extra = {"gradient": "ste", "transposable": None, "implementation": None,
            "mask_source": "collection", "weight_grad": "dense", "kernel_sharding": None,
-           "input_sparsity": "off"}
+           "input_sparsity": "off", "grad_output": "dense"}
   for name, default in extra.items():
     assert sparse[name].kind == inspect.Parameter.KEYWORD_ONLY, name
     assert sparse[name].default == default, name

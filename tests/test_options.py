@@ -20,7 +20,8 @@ OPTIONS = {f.name: f for f in dataclasses.fields(SparsityOptions)}
 # kernel's sharding is the weight's.
 DOT_NAMES = {"gradient": "gradient", "transposable": "transposable",
              "implementation": "implementation", "weight_grad": "weight_grad",
-             "kernel_sharding": "weight_sharding", "input_sparsity": "input_sparsity"}
+             "kernel_sharding": "weight_sharding", "input_sparsity": "input_sparsity",
+             "grad_output": "grad_output"}
 
 
 def _type(annotation, namespace):

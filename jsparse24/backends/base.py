@@ -60,8 +60,8 @@ class Problem:
   # The weight arrives compressed (a `Sparse24`, e.g. from `compress_params`):
   # no pruning or compression is paid per call.
   compressed: bool = False
-  # The input is pruned 2:4 and the weight dense (`input_sparsity`):
-  # `Backend.dot_input_sparse`.
+  # An activation is pruned 2:4 and the weight dense (`input_sparsity`,
+  # `grad_output`): `Backend.dot_input_sparse`.
   input_sparse: bool = False
 
 
@@ -144,11 +144,13 @@ class Backend(abc.ABC):
     del self
     return _products.mvue_weight_grad_xla(x, dy, w, key, precision)
 
-  def dot_input_sparse(self, x: jax.Array, w: jax.Array, gradient: str,
-                       precision: Any) -> jax.Array:
+  def dot_input_sparse(self, x: jax.Array, w: jax.Array, input_sparsity: str,
+                       grad_output: str, precision: Any) -> jax.Array:
     """`prune_24(x, axis=-1) * x @ w` for `x[M, K]` in the compute dtype
     and a dense `w[K, N]` (cast inside; `dw` in its dtype), with the input
-    gradient `gradient` ("masked" or "ste"): `jsparse24._input_sparse`."""
+    gradient `input_sparsity` ("masked" or "ste"; "off": `x @ w`, unpruned)
+    and `dx` from the output gradient pruned 2:4 where `grad_output` is
+    "2:4": `jsparse24._input_sparse`."""
     raise NotImplementedError(f"the {self.name!r} backend has no 2:4-activation product")
 
   @abc.abstractmethod

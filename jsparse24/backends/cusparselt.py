@@ -29,7 +29,9 @@ No transposed copy of `w` is ever materialised. M is padded to a multiple of
 
 2:4 activations (`input_sparsity`): `input_sparse_matmul` prunes and
 compresses `x` (one Pallas pass) and multiplies it, as cuSPARSELt's
-structured B, by the dense weight; the backward products are XLA's.
+structured B, by the dense weight; under `grad_output="2:4"` the same
+product takes the output gradient and `w^T` (a transposed copy of the dense
+weight) for `dx`; `dw` is XLA's.
 
 Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
 TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
@@ -675,9 +677,9 @@ def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
 # transpose=True)`: values [M, K/2], then M/8 rows of metadata), which
 # `input_prune24.prune_compress_rows(layout="cusparselt")` writes in one pass
 # over x, byte for byte what cusparseLtSpMMACompress2 writes (GPU test
-# `test_cusparselt_input_sparse_buffer_is_cusparselts`). Only this forward
-# product is sparse: dx contracts over N and dw over M, and the pruned x is
-# 2:4 along neither (`jsparse24._input_sparse`).
+# `test_cusparselt_input_sparse_buffer_is_cusparselts`). The same product
+# gives `dx = prune(dy) @ w^T` under `grad_output="2:4"`; dw contracts over M,
+# and no pruned operand is 2:4 along M (`jsparse24._input_sparse`).
 
 
 def compress_input(xm: jax.Array) -> jax.Array:
@@ -784,8 +786,8 @@ class CusparseltBackend(Backend):
 
   def prefers(self, problem: Problem) -> bool:
     if problem.input_sparse:
-      # Named explicitly only. Only the forward product is sparse, and the
-      # layer's step (y, dx, dw) measured 1.02-1.055x as fast as the same step
+      # Named explicitly only. With input_sparsity only the forward product
+      # is sparse, and the layer's step (y, dx, dw) measured 1.02-1.055x as fast as the same step
       # on XLA's masked products over M = 4096-16384, K, N = 4096-16384 (bf16,
       # H200): short of AUTO_MARGIN at all but one point, with the process's
       # dense products slowed once a sparse MMA has run (benchmarks/results/
@@ -839,8 +841,9 @@ class CusparseltBackend(Backend):
     sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw typed like w
     return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
-  def dot_input_sparse(self, x, w, gradient, precision):
-    return input_sparse_product(x, w, gradient, precision, input_sparse_matmul)
+  def dot_input_sparse(self, x, w, input_sparsity, grad_output, precision):
+    return input_sparse_product(x, w, input_sparsity, grad_output, precision,
+                                input_sparse_matmul)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     # A Sparse24 is the portable format; this re-lays it out for cuSPARSELt

@@ -371,8 +371,9 @@ class PallasBackend(Backend):
   def check_supported(self, problem: Problem) -> None:
     if problem.input_sparse:
       raise NotImplementedError(
-          "2:4 activations (input_sparsity) run on the 'xla' and 'cusparselt' backends;"
-          " the Pallas backend has no product with x as the sparse operand")
+          "2:4 activations (input_sparsity, grad_output) run on the 'xla' and"
+          " 'cusparselt' backends; the Pallas backend has no product with an"
+          " activation as the sparse operand")
     if problem.dtype not in DTYPES:
       raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
 
