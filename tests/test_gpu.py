@@ -850,8 +850,10 @@ def test_cusparselt_input_sparse_buffer_is_cusparselts(m, k, dtype):
 def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
   """`sparse_dot(..., input_sparsity=g, implementation="cusparselt")`: x pruned
   and compressed by the Pallas pass, the product on the sparse tensor cores
-  with x as the structured operand; forward and gradients against the "xla"
-  backend's (the same rule, dense products), M not a multiple of 64."""
+  with x as the structured operand; with `grad_output="2:4"` (alone or with
+  the input pruned), dx with the pruned output gradient as the structured
+  operand. Forward and gradients against the "xla" backend's (the same
+  rules, dense products), M not a multiple of 64."""
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(dtype)
   w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
   dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
@@ -859,50 +861,29 @@ def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
   # x, w and dy are arguments, not constants of the program: XLA constant-
   # folds products of constants at compile time, on the host (minutes at
   # M = 2000).
-  def vjp(impl, gradient, x, w, dy):
-    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity=gradient,
-                                                        implementation=impl), x, w)
+  def vjp(impl, options, x, w, dy):
+    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, implementation=impl,
+                                                        **dict(options)), x, w)
     return (y, *back(dy))
 
-  for gradient in ("masked", "ste"):
-    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", gradient, x, w, dy)
-    want = jax.jit(vjp, static_argnums=(0, 1))("xla", gradient, x, w, dy)
+  for options in ((("input_sparsity", "masked"),), (("input_sparsity", "ste"),),
+                  (("grad_output", "2:4"),),
+                  (("input_sparsity", "masked"), ("grad_output", "2:4"))):
+    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", options, x, w, dy)
+    want = jax.jit(vjp, static_argnums=(0, 1))("xla", options, x, w, dy)
     for g, r in zip(got, want):
       assert g.dtype == r.dtype == dtype
       err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
                   / jnp.linalg.norm(r.astype(jnp.float32)))
-      assert err < 1e-2, (gradient, err)
-  # The forward product is cuSPARSELt's (the CPU test
+      assert err < 1e-2, (options, err)
+  # The products are cuSPARSELt's (the CPU tests
   # test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand
-  # checks the call's operands and sizes).
+  # and test_cusparselt_grad_output_takes_the_output_gradient_as_its_sparse_
+  # operand check the calls' operands and sizes): the forward with the input
+  # pruned, the backward with the output gradient pruned.
   hlo = jax.jit(lambda x, w: jsparse24.sparse_dot(
       x, w, input_sparsity="masked", implementation="cusparselt")).lower(x, w).as_text()
   assert "jsparse24_cusparselt_matmul" in hlo
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (3, 192, 320), (2000, 1024, 4096)])
-def test_cusparselt_grad_output_matches_xla(dtype, m, k, n):
-  """`sparse_dot(..., grad_output="2:4", implementation="cusparselt")`: dx
-  from the output gradient pruned and compressed by the Pallas pass, on the
-  sparse tensor cores; y, dx and dw against the "xla" backend's, alone and
-  with the input pruned too; the backward program calls cuSPARSELt."""
-  x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(dtype)
-  w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-  dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
-
-  def vjp(impl, input_sparsity, x, w, dy):
-    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(
-        x, w, input_sparsity=input_sparsity, grad_output="2:4", implementation=impl), x, w)
-    return (y, *back(dy))
-
-  for input_sparsity in ("off", "masked"):
-    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", input_sparsity, x, w, dy)
-    want = jax.jit(vjp, static_argnums=(0, 1))("xla", input_sparsity, x, w, dy)
-    for g, r in zip(got, want):
-      assert g.dtype == r.dtype == dtype
-      err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
-                  / jnp.linalg.norm(r.astype(jnp.float32)))
-      assert err < 1e-2, (input_sparsity, err)
-  hlo = jax.jit(vjp, static_argnums=(0, 1)).lower("cusparselt", "off", x, w, dy).as_text()
+  options = (("grad_output", "2:4"),)
+  hlo = jax.jit(vjp, static_argnums=(0, 1)).lower("cusparselt", options, x, w, dy).as_text()
   assert "jsparse24_cusparselt_matmul" in hlo

@@ -278,16 +278,14 @@ def test_the_cusparselt_product_refuses_what_cusparselt_cannot_take(monkeypatch,
     jsparse24.sparse_dot(x, w, input_sparsity="masked", implementation="cusparselt")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (17, 192, 320), (130, 64, 128)])
-def test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand(monkeypatch, dtype,
-                                                                           m, k, n):
-  """The "cusparselt" backend's 2:4-activation product on a CPU: the Pallas
-  kernel (interpreted) prunes and compresses x, M padded to 64 rows, and
-  cuSPARSELt's call is `tests/triton_removal.py`'s XLA stand-in, which
-  decodes that buffer as cuSPARSELt's structured B (the bytes of
-  cusparseLtSpMMACompress2: `test_gpu.py`). Forward and gradients equal the
-  "xla" backend's; the call is asked for `D[N, Mp] = w^T prune(x)^T`."""
+@pytest.fixture
+def cusparselt_b_products(monkeypatch):
+  """The "cusparselt" backend made to run on a CPU for its 2:4-activation
+  products: the Pallas kernel interpreted, and cuSPARSELt's call
+  `tests/triton_removal.py`'s XLA stand-in, which decodes the compressed
+  buffer as cuSPARSELt's structured B (the bytes of
+  cusparseLtSpMMACompress2: `test_gpu.py`). Yields the list of the calls'
+  `(A shape, B shape, D shape, m, n, k)`."""
   from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
   from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
   from tests import triton_removal  # pylint: disable=g-import-not-at-top
@@ -301,51 +299,48 @@ def test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand(monke
   monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
   monkeypatch.setattr(cusparselt, "_sparse_b_matmul", recording)
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
-  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
   with interpret_mode():
-    for gradient in ("masked", "ste"):
-      got = jax.jit(_vjp, static_argnums=(3, 4))(x, w, dy, gradient, "cusparselt")
-      want = jax.jit(_vjp, static_argnums=(3, 4))(x, w, dy, gradient, "xla")
-      for g, r in zip(got, want):
-        assert g.dtype == r.dtype == dtype
-        _close(g, r, dtype, k)
-  mp = m + -m % 64
-  assert calls and set(calls) == {((k, n), (mp + mp // 8, k // 2), (mp, n), n, mp, k)}, calls
+    yield calls
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (17, 192, 320), (130, 64, 128)])
+def test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand(
+    cusparselt_b_products, dtype, m, k, n):
+  """The "cusparselt" backend's 2:4-activation product on a CPU
+  (`cusparselt_b_products`): x pruned and compressed, M padded to 64 rows.
+  Forward and gradients equal the "xla" backend's; the call is asked for
+  `D[N, Mp] = w^T prune(x)^T`."""
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
+  for gradient in ("masked", "ste"):
+    got = jax.jit(_vjp, static_argnums=(3, 4))(x, w, dy, gradient, "cusparselt")
+    want = jax.jit(_vjp, static_argnums=(3, 4))(x, w, dy, gradient, "xla")
+    for g, r in zip(got, want):
+      assert g.dtype == r.dtype == dtype
+      _close(g, r, dtype, k)
+  mp = m + -m % 64
+  calls = cusparselt_b_products
+  assert calls and set(calls) == {((k, n), (mp + mp // 8, k // 2), (mp, n), n, mp, k)}, calls
 
 
 @pytest.mark.parametrize("input_sparsity", ["off", "masked"])
 @pytest.mark.parametrize("m,k,n", [(3, 128, 64), (70, 64, 192)])
 def test_cusparselt_grad_output_takes_the_output_gradient_as_its_sparse_operand(
-    monkeypatch, input_sparsity, m, k, n):
-  """`grad_output="2:4"` on the "cusparselt" backend (on a CPU, as above):
-  `dx` is the product with the pruned `dy[M, N]` as the structured B and
-  `w^T` as the dense A (`D[K, Mp] = w prune(dy)^T`), and equals the "xla"
-  backend's."""
-  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
-  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
-  from tests import triton_removal  # pylint: disable=g-import-not-at-top
-  calls = []
-
-  def recording(a, b, shape, **kw):
-    calls.append((a.shape, b.shape, tuple(shape), kw["m"], kw["n"], kw["k"]))
-    return triton_removal._stand_in_b_product(a, b, shape, **kw)  # pylint: disable=protected-access
-
-  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
-  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
-  monkeypatch.setattr(cusparselt, "_sparse_b_matmul", recording)
-  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+    cusparselt_b_products, input_sparsity, m, k, n):
+  """`grad_output="2:4"` on the "cusparselt" backend on a CPU
+  (`cusparselt_b_products`): `dx` is the product with the pruned `dy[M, N]`
+  as the structured B and `w^T` as the dense A (`D[K, Mp] = w
+  prune(dy)^T`), and equals the "xla" backend's."""
   dtype = jnp.bfloat16
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
-  with interpret_mode():
-    got = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity,
-                                                           "cusparselt")
-    want = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity, "xla")
+  got = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity, "cusparselt")
+  want = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity, "xla")
   for g, r in zip(got, want):
     assert g.dtype == r.dtype == dtype
     _close(g, r, dtype, max(k, n))
   mp = m + -m % 64
   dx_call = ((n, k), (mp + mp // 8, n // 2), (mp, k), k, mp, n)
   y_call = ((k, n), (mp + mp // 8, k // 2), (mp, n), n, mp, k)
+  calls = cusparselt_b_products
   assert set(calls) == ({dx_call, y_call} if input_sparsity == "masked" else {dx_call}), calls
-  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
