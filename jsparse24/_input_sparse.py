@@ -71,11 +71,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jsparse24._options import GRAD_OUTPUTS
+from jsparse24._options import GRAD_OUTPUTS, INPUT_SPARSITY
 from jsparse24._prune import prune_24
 from jsparse24.backends._products import accumulation_dtype, dense_weight_grad
-
-GRADIENTS = ("masked", "ste")
 
 
 def input_mask(x: jax.Array) -> jax.Array:
@@ -99,9 +97,9 @@ def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = No
   not pruned: `m` all ones); `grad_output`: `"dense"` or `"2:4"` (`dx`
   from `prune_24(dy, axis=-1) * dy`). Returns `y`, or `(y, dx, dw)` with
   `dy`."""
-  if gradient not in (*GRADIENTS, "off") or grad_output not in GRAD_OUTPUTS:
+  if gradient not in INPUT_SPARSITY or grad_output not in GRAD_OUTPUTS:
     raise ValueError(f"input_sparse_reference: gradient={gradient!r},"
-                     f" grad_output={grad_output!r}; expected one of {(*GRADIENTS, 'off')}"
+                     f" grad_output={grad_output!r}; expected one of {INPUT_SPARSITY}"
                      f" and one of {GRAD_OUTPUTS}.")
   acc = accumulation_dtype(x.dtype)
   m = input_mask(x) if gradient != "off" else jnp.ones(x.shape, bool)
