@@ -30,9 +30,10 @@ def _close(a, b, dtype, k):
                              rtol=tol, atol=tol)
 
 
-def _vjp(x, w, dy, gradient, implementation=None):
-  y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(x, w, input_sparsity=gradient,
-                                                     implementation=implementation), x, w)
+def _vjp(x, w, dy, gradient, implementation=None, grad_output="dense"):
+  y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(
+      x, w, input_sparsity=gradient, implementation=implementation, grad_output=grad_output),
+                   x, w)
   return (y, *vjp(dy))
 
 
@@ -163,13 +164,6 @@ def test_combinations_that_make_no_sense_raise(kw, match):
     jsparse24.sparsify(nn.Dense(4), {".*": kw})
 
 
-def _grad_output_vjp(x, w, dy, input_sparsity, implementation=None):
-  y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(
-      x, w, input_sparsity=input_sparsity, grad_output="2:4", implementation=implementation),
-                   x, w)
-  return (y, *vjp(dy))
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("input_sparsity", ["off", "masked", "ste"])
 @pytest.mark.parametrize("m,k,n", [(1, 8, 8), (3, 12, 4), (17, 32, 12), (16, 64, 36)])
@@ -178,7 +172,7 @@ def test_grad_output_matches_the_reference(dtype, input_sparsity, m, k, n):
   (alone, or with the input pruned too); `y` and `dw` those of the product
   without it. On a random `dy` (not 2:4) the pruning changes `dx`."""
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 1, (m, n), dtype)
-  y, dx, dw = jax.jit(_grad_output_vjp, static_argnums=3)(x, w, dy, input_sparsity)
+  y, dx, dw = jax.jit(_vjp, static_argnums=(3, 4, 5))(x, w, dy, input_sparsity, None, "2:4")
   ry, rdx, rdw = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output="2:4")
   assert y.dtype == dx.dtype == dw.dtype == dtype
   _close(y, ry, dtype, k)
@@ -262,8 +256,9 @@ def test_sparse_dot_refuses_a_second_sparse_operand():
 def test_the_pallas_backend_has_no_product_and_says_so():
   from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
   x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
-  with interpret_mode(), pytest.raises(jsparse24.BackendUnavailableError,
-                                       match="'pallas'.*no product with an activation as the sparse operand"):
+  with interpret_mode(), pytest.raises(
+      jsparse24.BackendUnavailableError,
+      match="'pallas'.*no product with an activation as the sparse operand"):
     jsparse24.sparse_dot(x, w, input_sparsity="masked", implementation="pallas")
 
 
@@ -334,8 +329,9 @@ def test_cusparselt_grad_output_takes_the_output_gradient_as_its_sparse_operand(
   prune(dy)^T`), and equals the "xla" backend's."""
   dtype = jnp.bfloat16
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
-  got = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity, "cusparselt")
-  want = jax.jit(_grad_output_vjp, static_argnums=(3, 4))(x, w, dy, input_sparsity, "xla")
+  vjp = jax.jit(_vjp, static_argnums=(3, 4, 5))
+  got = vjp(x, w, dy, input_sparsity, "cusparselt", "2:4")
+  want = vjp(x, w, dy, input_sparsity, "xla", "2:4")
   for g, r in zip(got, want):
     assert g.dtype == r.dtype == dtype
     _close(g, r, dtype, max(k, n))
