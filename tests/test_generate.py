@@ -207,17 +207,20 @@ def test_product_table_rotates_about_200_mb_of_weights():
 
 
 def test_decode_gpt_has_gpt_params_and_its_logits():
-  gpt = _gpt.GPT(64, 128, 2, 16, None, dtype=jnp.float32)
-  params = jax.jit(gpt.init)(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
-  d, tokens = 128, jax.random.randint(jax.random.key(1), (2, 16), 0, 64, jnp.int32)
+  # Two heads: with one, the two orders of qkv's columns coincide, and a
+  # decode model that mixes up heads in the cache would pass too.
+  gpt = _gpt.GPT(64, 256, 2, 16, None, dtype=jnp.float32)
+  gpt_params = jax.jit(gpt.init)(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+  params = bench_decode.qkv_as_blocks(gpt_params)
+  d, tokens = 256, jax.random.randint(jax.random.key(1), (2, 16), 0, 64, jnp.int32)
   prefill = bench_decode.DecodeGPT(64, d, 2, 16, True, jnp.float32)
   step = bench_decode.DecodeGPT(64, d, 2, 16, False, jnp.float32)
-  cache = {"k": jnp.zeros((2, 2, 16, 1, 128)), "v": jnp.zeros((2, 2, 16, 1, 128))}
+  cache = {"k": jnp.zeros((2, 2, 16, 2, 128)), "v": jnp.zeros((2, 2, 16, 2, 128))}
   shapes = jax.eval_shape(prefill.init, jax.random.key(0), tokens, cache, 0)["params"]
   assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, params)
   step_fn = jax.jit(step.apply)
   with jax.default_matmul_precision("highest"):
-    full = jax.jit(gpt.apply)({"params": params}, tokens)
+    full = jax.jit(gpt.apply)({"params": gpt_params}, tokens)
     logits, cache = jax.jit(prefill.apply)({"params": params}, tokens[:, :10], cache, 0)
     np.testing.assert_allclose(logits, full[:, :10], atol=1e-5, rtol=1e-5)
     for t in range(10, 16):  # then one token per step, through the cache
