@@ -8,12 +8,13 @@ its products at the decode shapes.
 The model is `benchmarks/_gpt.py`'s `GPT` (random weights; bf16 compute;
 blocks of four bias-free linear layers `qkv`, `out`, `up`, `down`, heads of
 128, a dense output head), written for a cache as `DecodeGPT`: the same params
-tree, blocks in `nn.scan` (`--blocks loop`: a Python loop of blocks with
-params of their own, so that no step copies a block's weights out of a
-stack), the cache `[layers, batch, context, heads, 128]`
-carried through the scan and written in place (`dynamic_update_slice`; the
-jitted step donates it), each block's keys and values read in the cache's
-own layout (`pinned`). The 2:4 model is the same module through
+tree (`qkv`'s output split as `[q | k | v]`, GPT-2's order: `qkv_as_blocks`),
+blocks in `nn.scan` (`--blocks loop`: a Python loop of blocks with params of
+their own, so that no step copies a block's weights out of a stack), the
+cache `[layers, batch, context, heads, 128]` carried through the scan and
+written in place (`dynamic_update_slice`; the jitted step donates it), each
+block's keys and values read in the cache's own layout (`pinned`). The 2:4
+model is the same module through
 `jsparse24.sparsify(model, {r".*/(qkv|out|up|down)": {"transposable": False}})`
 applied to `jsparse24.compress_params` output (bf16 `Sparse24`s: the forward
 operand only, as a model is shipped), each product on the implementation the
