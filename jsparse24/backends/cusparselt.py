@@ -787,12 +787,15 @@ class CusparseltBackend(Backend):
   def prefers(self, problem: Problem) -> bool:
     if problem.input_sparse:
       # Named explicitly only. With input_sparsity only the forward product
-      # is sparse, and the layer's step (y, dx, dw) measured 1.02-1.055x as fast as the same step
-      # on XLA's masked products over M = 4096-16384, K, N = 4096-16384 (bf16,
-      # H200): short of AUTO_MARGIN at all but one point, with the process's
-      # dense products slowed once a sparse MMA has run (benchmarks/results/
-      # nvidia-h200.md, "2:4 activations: the layer against XLA's masked
-      # product, the block with its input's gradient").
+      # is sparse, and the layer's step (y, dx, dw) measured 1.02-1.055x as
+      # fast as the same step on XLA's masked products over M = 4096-16384,
+      # K, N = 4096-16384 (bf16, H200): short of AUTO_MARGIN at all but one
+      # point, with the process's dense products slowed once a sparse MMA has
+      # run (benchmarks/results/nvidia-h200.md, "2:4 activations: the layer
+      # against XLA's masked product, the block with its input's gradient").
+      # grad_output="2:4" adds one sparse product (dx): the feed-forward
+      # block with both measured 1.025x of dense ("2:4 activations: the up
+      # projection's dx from its 2:4 output gradient; ...", 2026-12-03).
       return False
     i, j = _grid_index(problem.k), _grid_index(problem.n)
     if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
