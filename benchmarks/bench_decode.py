@@ -11,9 +11,10 @@ blocks of four bias-free linear layers `qkv`, `out`, `up`, `down`, heads of
 tree (`qkv`'s output split as `[q | k | v]`, GPT-2's order: `qkv_as_blocks`),
 blocks in `nn.scan` (`--blocks loop`: a Python loop of blocks with params of
 their own, so that no step copies a block's weights out of a stack), the
-cache `[layers, batch, context, heads, 128]` carried through the scan and
-written in place (`dynamic_update_slice`; the jitted step donates it), each
-block's keys and values read in the cache's own layout (`pinned`). The 2:4
+cache head-major, `[layers, batch, heads, context, 128]`, carried through the
+scan and written in place (`dynamic_update_slice`; the jitted step donates
+it), each block's keys and values read in the cache's own layout (`pinned`)
+by an attention written as two einsums (`cached_attention`). The 2:4
 model is the same module through
 `jsparse24.sparsify(model, {r".*/(qkv|out|up|down)": {"transposable": False}})`
 applied to `jsparse24.compress_params` output (bf16 `Sparse24`s: the forward
@@ -79,6 +80,14 @@ PROFILED_STEPS = 3
 # The profile table's columns: `_common.kernel_category`'s kinds of the
 # products (cuSPARSELt's "sparse gemm", XLA's "dense gemm"), all else summed.
 KERNEL_KINDS = ("decode kernel", "sparse gemm", "dense gemm", "the rest")
+# Seconds of consecutive decode steps per timed run (the median of 5 runs is
+# reported). A run pays the first call's dispatch (0.4-0.8 ms for these steps)
+# and the final sync once: runs of 0.02 s held 3 steps at batch 64, where
+# this put 0.2-0.5 ms on each step and two timings of one 2:4 model differed
+# by 0.4 ms (H200, 2026-12-03, benchmarks/results/nvidia-h200.md, "Decode:
+# the steps timed over longer runs, ..."). A generation is a long run of
+# steps: time one.
+STEP_MIN_TIME = 0.3
 QUICK = dict(widths="128", layers=2, context=32, batches="1,4", prefill=32, vocab=512)
 
 
@@ -102,14 +111,34 @@ def pinned(a: jax.Array) -> jax.Array:
   return layout.with_layout_constraint(a, layout.Layout(major_to_minor=tuple(range(a.ndim))))
 
 
+def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, pos) -> jax.Array:
+  """One query per sequence, `q [batch, heads, HEAD_DIM]`, against a
+  head-major cache (`keys`, `values`: `[batch, heads, context, HEAD_DIM]`)
+  up to position `pos`: `jax.nn.dot_product_attention`'s XLA computation
+  (float32 logits and softmax) written as two einsums.
+
+  That function takes the cache context-major (`[batch, context, heads,
+  HEAD_DIM]`), where its decode attention took 36.9 and 94.2 us per block at
+  batch 1 and 8 against 24.3 and 80.9 us here (H200, 2026-12-03,
+  benchmarks/results/nvidia-h200.md, "Decode: products on the CUDA cores at
+  1-4 rows, ..."); in the model the head-major cache made both models' steps
+  7-11% faster and left their ratio as it was ("Decode: the steps timed
+  over longer runs, ...")."""
+  logits = jnp.einsum("bhd,bhkd->bhk", q, keys, preferred_element_type=jnp.float32)
+  logits = jnp.where(jnp.arange(keys.shape[2]) <= pos, logits * HEAD_DIM ** -0.5, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
+  return jnp.einsum("bhk,bhkd->bhd", probs, values,
+                    preferred_element_type=jnp.float32).astype(q.dtype)
+
+
 class DecodeBlock(nn.Module):
   """`_gpt.Block` over a cache; scanned, so it takes and returns a carry
-  `(x, k_cache, v_cache)` (caches of every block, `[layers, batch, context,
-  heads, HEAD_DIM]`) and gets its block index as the scanned input.
+  `(x, k_cache, v_cache)` (caches of every block, `[layers, batch, heads,
+  context, HEAD_DIM]`) and gets its block index as the scanned input.
 
   `prefill`: the tokens are the first ones (`pos` = 0): causal attention over
   them alone (cuDNN where it runs, as in training). Otherwise one token at
-  `pos`: attention over the cache up to it (`key_value_seq_lengths`)."""
+  `pos`: attention over the cache up to it (`cached_attention`)."""
 
   d_model: int
   prefill: bool
@@ -127,11 +156,16 @@ class DecodeBlock(nn.Module):
     # 2:4 model's step took 1.68 ms at batch 8 and 8.18 ms at batch 64
     # against 1.54 and 6.96 ms, the dense one's the same (H200, 2026-12-03,
     # benchmarks/results/nvidia-h200.md, "Decode: the order of qkv's
-    # columns, ...").
+    # columns, ..."): XLA fuses the strided slice of q out of the decode
+    # kernel's output into the attention's reduction, which then reads the
+    # cache 1.6x more slowly ("Decode: the steps timed over longer runs, the
+    # per-head split's attention, ...").
     q, k, v = jnp.unstack(qkv.reshape(batch, seq, 3, heads, HEAD_DIM), axis=2)
-    at = (layer, 0, pos, 0, 0)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), at)
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), at)
+    at = (layer, 0, 0, pos, 0)
+    k_cache = jax.lax.dynamic_update_slice(
+        k_cache, jnp.swapaxes(k, 1, 2)[None].astype(k_cache.dtype), at)
+    v_cache = jax.lax.dynamic_update_slice(
+        v_cache, jnp.swapaxes(v, 1, 2)[None].astype(v_cache.dtype), at)
     if self.prefill:
       a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     else:
@@ -139,8 +173,7 @@ class DecodeBlock(nn.Module):
         raise ValueError(f"DecodeBlock: a decode step takes one token per sequence, got {seq}.")
       keys, values = (pinned(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False))
                       for c in (k_cache, v_cache))
-      a = jax.nn.dot_product_attention(
-          q, keys, values, key_value_seq_lengths=jnp.full((batch,), pos + 1, jnp.int32))
+      a = cached_attention(q[:, 0], keys, values, pos)
     x = x + nn.Dense(d, use_bias=False, dtype=self.dtype, name="out")(a.reshape(batch, seq, d))
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
     h = nn.gelu(nn.Dense(4 * d, use_bias=False, dtype=self.dtype, name="up")(h))
@@ -216,7 +249,7 @@ def unstack_blocks(params: dict, layers: int) -> dict:
 def random_cache(cfg: dict, d: int, batch: int, seed: int = 0) -> dict[str, jax.Array]:
   """A full cache of random keys and values (the same for a given seed, so the
   dense and the 2:4 model see the same one)."""
-  shape = (cfg["layers"], batch, cfg["context"], d // HEAD_DIM, HEAD_DIM)
+  shape = (cfg["layers"], batch, d // HEAD_DIM, cfg["context"], HEAD_DIM)
   return _random_cache(jax.random.key(seed), shape)
 
 
@@ -469,10 +502,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   env = _common.environment()
   print(env, flush=True)
   if cfg["quick"]:
-    timer = functools.partial(_common.bench, min_time=0.005, repeats=3)
+    timer = step_timer = functools.partial(_common.bench, min_time=0.005, repeats=3)
     bandwidth = _common.copy_bandwidth() if jax.default_backend() == "gpu" else float("nan")
   else:
     timer = functools.partial(_common.bench, min_time=0.02, repeats=5)
+    step_timer = functools.partial(_common.bench, min_time=STEP_MIN_TIME, repeats=5)
     bandwidth = _common.copy_bandwidth()
   print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s; config {cfg}", flush=True)
 
@@ -484,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   for name in ("dense", "2:4"):
     for d in cfg["widths"]:
       print(f"[d_model {d}] {name}: decode steps and prefill {elapsed()}", flush=True)
-      results[d][name] = time_model(cfg, d, models[d], name, timer)
+      results[d][name] = time_model(cfg, d, models[d], name, step_timer)
       print(f"[d_model {d}] {name}: products {elapsed()}", flush=True)
       results[d][f"kernels_{name}"] = time_kernels(cfg, d, timer, name == "2:4", bandwidth)
 
@@ -544,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f" Logits: relative error by norm of the 2:4 model's against the dense model's"
           f" (tolerance {LOGITS_TOL}).\n\n"
           f"**Decode step** (one new token per sequence at position {cfg['context'] - 1}, the"
-          f" cache holding {cfg['context']} positions):\n\n"
+          f" cache holding {cfg['context']} positions; ms per step, the median of"
+          f" {3 if cfg['quick'] else 5} runs of consecutive steps, each at least"
+          f" {0.005 if cfg['quick'] else STEP_MIN_TIME} s):\n\n"
           + _common.table(["d_model", "blocks", "batch", "dense ms", "dense tokens/s", "2:4 ms",
                            "2:4 tokens/s", "speedup", "2:4 layers on", "logits rel err",
                            "check"], model_rows)

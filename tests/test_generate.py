@@ -215,7 +215,8 @@ def test_decode_gpt_has_gpt_params_and_its_logits():
   d, tokens = 256, jax.random.randint(jax.random.key(1), (2, 16), 0, 64, jnp.int32)
   prefill = bench_decode.DecodeGPT(64, d, 2, 16, True, jnp.float32)
   step = bench_decode.DecodeGPT(64, d, 2, 16, False, jnp.float32)
-  cache = {"k": jnp.zeros((2, 2, 16, 2, 128)), "v": jnp.zeros((2, 2, 16, 2, 128))}
+  # [layers, batch, heads, context, 128]
+  cache = {"k": jnp.zeros((2, 2, 2, 16, 128)), "v": jnp.zeros((2, 2, 2, 16, 128))}
   shapes = jax.eval_shape(prefill.init, jax.random.key(0), tokens, cache, 0)["params"]
   assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, params)
   step_fn = jax.jit(step.apply)
@@ -233,7 +234,7 @@ def test_decode_gpt_loop_of_blocks_matches_the_scan():
   # weights, split per block by unstack_blocks (a wrong block order or a
   # block reading another's cache slot breaks it).
   d, tokens = 128, jax.random.randint(jax.random.key(2), (2, 1), 0, 64, jnp.int32)
-  cache = {k: jax.random.normal(jax.random.key(i), (3, 2, 16, 1, 128))
+  cache = {k: jax.random.normal(jax.random.key(i), (3, 2, 1, 16, 128))
            for i, k in enumerate("kv")}
   scanned = bench_decode.DecodeGPT(64, d, 3, 16, False, jnp.float32)
   params = jax.jit(scanned.init)(jax.random.key(0), tokens, cache, 5)["params"]
