@@ -159,3 +159,32 @@ def resolve_transposable(transposable: bool | None, features: int,
   if mask_source == "none":
     return False
   return features % 4 == 0 if transposable is None else bool(transposable)
+
+
+def check_widths(layer: str, opts: SparsityOptions, *, inputs: str, in_width: int,
+                 outputs: str, out_width: int, leave_dense: str) -> None:
+  """Raises where a layer's widths cannot take its options, naming the layer
+  and the fix: before the mask is built, whose own error would name
+  `prune_24` and not the layer. `layer`: how the error names it; `inputs`,
+  `outputs`: how it names the two widths (`"the input width 6"`,
+  `"in_features=6"`); `in_width`, `out_width`: the widths; `leave_dense`:
+  the way to a dense layer, said last (`"or make this layer an nn.Dense"`).
+  `opts.transposable` as requested (True raises on an output width that is
+  not a multiple of 4; None picks a plain mask there)."""
+  # The input axis is pruned where the input is or where the kernel is 2:4.
+  if in_width % 4 and (opts.input_sparsity != "off" or opts.mask_source != "none"):
+    what = ("the input is pruned 2:4 along" if opts.input_sparsity != "off"
+            else "2:4 sparsity keeps 2 of every 4 consecutive inputs (the")
+    raise ValueError(
+        f"{layer}: {inputs} is not a multiple of 4; {what} kernel's contraction axis)."
+        f" Pad the inputs' last axis to {in_width + -in_width % 4}, {leave_dense}.")
+  if opts.grad_output != "dense" and out_width % 4:
+    raise ValueError(
+        f"{layer}: {outputs} is not a multiple of 4; with grad_output="
+        f"{opts.grad_output!r} the output gradient is pruned 2:4 along it. Pad the output"
+        f" to {out_width + -out_width % 4} features, or leave grad_output at 'dense'.")
+  if opts.transposable and out_width % 4:
+    raise ValueError(
+        f"{layer}: {outputs} is not a multiple of 4, which a transposable mask (2:4"
+        f" along both kernel axes) needs. Set transposable=None (transposable wherever"
+        f" the output width allows) or False, {leave_dense}.")

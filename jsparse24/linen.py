@@ -30,7 +30,7 @@ from flax.linen.dtypes import promote_dtype as _promote_dtype
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
 from jsparse24._ops import compress, sparse_dot
-from jsparse24._options import SparsityOptions, resolve_transposable
+from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
 from jsparse24._phase import STATIC_DENSE, is_static_dense
 
 COLLECTION = "sparsity"
@@ -89,32 +89,13 @@ def _patched(module: nn.Module) -> bool:
 
 
 def _check_widths(module: nn.Module, width: int, opts: SparsityOptions) -> None:
-  """Raises, naming the layer, where its kernel cannot be 2:4 sparse: before
-  the mask is built, whose own error would name `prune_24` and not the
-  layer."""
+  """`check_widths` for an `nn.Dense`-like module with `width` inputs."""
   leave_dense = (f"or leave this layer dense: give jsparse24.sparsify rules that do not"
                  f" match {'/'.join(module.path)!r}" if _patched(module)
                  else "or make this layer an nn.Dense")
-  if opts.grad_output != "dense" and module.features % 4:
-    raise ValueError(
-        f"{_layer_name(module)}: the output width (features={module.features}) is not a"
-        f" multiple of 4; with grad_output={opts.grad_output!r} the output gradient is"
-        f" pruned 2:4 along it. Pad the output to {module.features + -module.features % 4}"
-        f" features, or leave grad_output at 'dense'.")
-  # The input axis is pruned where the input is or where the kernel is 2:4.
-  if width % 4 and (opts.input_sparsity != "off" or opts.mask_source != "none"):
-    what = ("the input is pruned 2:4 along" if opts.input_sparsity != "off"
-            else "2:4 sparsity keeps 2 of every 4 consecutive inputs (the")
-    raise ValueError(
-        f"{_layer_name(module)}: the input width {width} is not a multiple of 4; {what}"
-        f" kernel's contraction axis). Pad the inputs' last axis to {width + -width % 4},"
-        f" {leave_dense}.")
-  if opts.transposable and module.features % 4:
-    raise ValueError(
-        f"{_layer_name(module)}: transposable=True needs the output width (features="
-        f"{module.features}) to be a multiple of 4 (the mask is 2:4 along both kernel"
-        f" axes). Set transposable=None (transposable wherever features allows) or"
-        f" False, {leave_dense}.")
+  check_widths(_layer_name(module), opts, inputs=f"the input width {width}", in_width=width,
+               outputs=f"the output width (features={module.features})",
+               out_width=module.features, leave_dense=leave_dense)
 
 
 def _found_in_collection(module: nn.Module) -> str:

@@ -46,7 +46,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
 from jsparse24._ops import compress
-from jsparse24._options import SparsityOptions, resolve_transposable
+from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
 from jsparse24.linen import MVUE_RNG, mask_like_kernel
 
 
@@ -131,27 +131,11 @@ class SparseLinear(nnx.Module):
         implementation=implementation, mask_source=mask_source, weight_grad=weight_grad,
         kernel_sharding=kernel_sharding, input_sparsity=input_sparsity,
         grad_output=grad_output)
+    check_widths("SparseLinear", opts, inputs=f"in_features={in_features}",
+                 in_width=in_features, outputs=f"out_features={out_features}",
+                 out_width=out_features, leave_dense="or make this layer an nnx.Linear")
     opts = dataclasses.replace(opts, transposable=resolve_transposable(
         transposable, out_features, opts.mask_source))
-    # The input axis is pruned where the input is or where the kernel is 2:4.
-    if in_features % 4 and (opts.input_sparsity != "off" or opts.mask_source != "none"):
-      what = ("the input is pruned 2:4 along" if opts.input_sparsity != "off"
-              else "2:4 sparsity keeps 2 of every 4 consecutive input features (the")
-      raise ValueError(
-          f"SparseLinear: in_features={in_features} is not a multiple of 4; {what}"
-          f" contraction axis of the kernel). Pad the inputs' last axis to"
-          f" {in_features + -in_features % 4}, or make this layer an nnx.Linear.")
-    if opts.grad_output != "dense" and out_features % 4:
-      raise ValueError(
-          f"SparseLinear: out_features={out_features} is not a multiple of 4; with"
-          f" grad_output={opts.grad_output!r} the output gradient is pruned 2:4 along"
-          f" the output features. Pad the output to {out_features + -out_features % 4}"
-          f" features, or leave grad_output at 'dense'.")
-    if transposable and out_features % 4:
-      raise ValueError(
-          f"SparseLinear: out_features={out_features} is not a multiple of 4,"
-          f" which a transposable mask (2:4 along both kernel axes) needs; set"
-          f" transposable=None (transposable wherever out_features allows) or False.")
     if dot_general is not jax.lax.dot_general:
       raise ValueError(
           "SparseLinear: a custom `dot_general` cannot be combined with 2:4"

@@ -310,8 +310,8 @@ def test_an_input_width_not_a_multiple_of_4_names_the_layer_and_the_fix():
 
 
 def test_transposable_with_an_output_width_not_a_multiple_of_4_names_the_layer():
-  with pytest.raises(ValueError, match=r"^SparseDense 'up': transposable=True needs the output"
-                     r" width \(features=6\) to be a multiple of 4.*Set transposable=None"):
+  with pytest.raises(ValueError, match=r"^SparseDense 'up': the output width \(features=6\) is"
+                     r" not a multiple of 4, which a transposable mask .*Set transposable=None"):
     _Net(features=6, transposable=True).init(jax.random.key(0), X)
   # transposable=None makes a plain mask there: no error.
   v = _Net(features=6, transposable=None).init(jax.random.key(0), X)
@@ -322,5 +322,5 @@ def test_nnx_widths_not_a_multiple_of_4_say_the_fix():
   with pytest.raises(ValueError, match=r"SparseLinear: in_features=6 .*Pad the inputs' last axis"
                      r" to 8, or make this layer an nnx.Linear"):
     jnnx.SparseLinear(6, 8, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"SparseLinear: out_features=6 .*set transposable=None"):
+  with pytest.raises(ValueError, match=r"SparseLinear: out_features=6 .*Set transposable=None"):
     jnnx.SparseLinear(8, 6, transposable=True, rngs=nnx.Rngs(0))
