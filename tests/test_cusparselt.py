@@ -23,7 +23,7 @@ from jsparse24 import backends
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends import cusparselt
 from jsparse24.backends.pallas import interpret_mode
-from pallas_kernels import cusparselt_metadata
+from pallas_kernels import cusparselt_metadata, cusparselt_values
 
 DATA = pathlib.Path(__file__).parent / "data" / "cusparselt_layout.npz"
 
@@ -180,6 +180,45 @@ def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dt
                   static_argnums=(1, 3))
   with interpret_mode():
     check_metadata_pass(write, rows, groups, head, cols, dtype, seed=k + n + transpose)
+
+
+@pytest.mark.parametrize("k,n,dtype", [(64, 64, jnp.bfloat16), (192, 320, jnp.float16),
+                                       (640, 128, jnp.bfloat16)])
+def test_forward_buffer_has_from_sparse24s_bytes(k, n, dtype):
+  """The Pallas re-layout of a compressed weight for cuSPARSELt (values
+  transposed into the buffer, then the metadata in place) writes the bytes
+  of the XLA one, `from_sparse24`; 192 and 640 give K/2 tiles of 32, not 64."""
+  w = jax.random.normal(jax.random.key(k + n), (k, n), dtype)
+  sp = jax.jit(lambda w: jsparse24.compress(w, implementation="xla"))(w)
+  want = jax.jit(lambda sp: cusparselt.from_sparse24(sp)[0])(sp)
+  with interpret_mode():
+    got = jax.jit(cusparselt.forward_buffer)(sp)
+    if backends.pallas.triton_unavailable_reason() is None:  # the kernels, not the fallback
+      passes = str(jax.make_jaxpr(cusparselt.forward_buffer)(sp))
+      assert "jsparse24_cusparselt_values" in passes and "concatenate" not in passes
+  assert got.shape == want.shape == cusparselt.buffer_shape(k, n, transpose=False)
+  np.testing.assert_array_equal(_bytes(got), _bytes(want))
+
+
+@pytest.mark.parametrize("n,h,rows,dtype", [(64, 32, 36, jnp.bfloat16),
+                                            (320, 96, 108, jnp.float16), (96, 160, 160, jnp.bfloat16)])
+def test_values_into_buffer_writes_the_transpose_in_the_leading_rows(n, h, rows, dtype):
+  values = jax.random.normal(jax.random.key(n + h), (n, h), dtype)
+  got = jax.jit(functools.partial(cusparselt_values.values_into_buffer, rows=rows,
+                                  interpret=True))(values)
+  want = cusparselt_values.values_into_buffer_reference(values, rows)
+  assert got.shape == want.shape == (rows, n) and got.dtype == dtype
+  np.testing.assert_array_equal(_bytes(got[:h]), _bytes(want[:h]))
+  np.testing.assert_array_equal(_bytes(want[:h]), _bytes(values.T))
+
+
+def test_values_into_buffer_rejects_bad_shapes():
+  with pytest.raises(ValueError, match=r"values_into_buffer: .*multiples of 32 .* \[48, 32\]"):
+    cusparselt_values.values_into_buffer(jnp.zeros((48, 32), jnp.bfloat16), rows=40)
+  with pytest.raises(ValueError, match="rows >= H"):
+    cusparselt_values.values_into_buffer(jnp.zeros((64, 64), jnp.bfloat16), rows=32)
+  with pytest.raises(TypeError, match="values_into_buffer: `values` must be 16-bit"):
+    cusparselt_values.values_into_buffer(jnp.zeros((64, 64), jnp.float32), rows=64)
 
 
 def test_metadata_kernel_rejects_bad_shapes():

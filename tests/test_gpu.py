@@ -311,6 +311,20 @@ def test_cusparselt_buffers_equal_compress2(dtype, k, n):
   assert _same_bits(op.fwd, want_fwd) and _same_bits(op.bwd, want_bwd)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("k,n", [(256, 128), (192, 320), (4096, 2048)])
+def test_compressed_weight_relaid_out_as_compress2_writes_it(dtype, k, n):
+  # A Sparse24 re-laid out for cuSPARSELt by the Pallas passes
+  # (`forward_buffer`) holds exactly what cusparseLtSpMMACompress2 writes
+  # for the weight it stands for.
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  w = jax.random.normal(jax.random.key(k + n), (k, n), dtype)
+  sp = jax.jit(lambda w: jsparse24.compress(w, implementation="pallas"))(w)
+  got = jax.jit(cusparselt.forward_buffer)(sp)
+  want = jax.jit(lambda a: cusparselt.compress(a, transpose=False))(jsparse24.decompress(sp))
+  assert _same_bits(got, want)
+
+
 @pytest.mark.parametrize("rows,groups", [(4096, 1024), (192, 80), (64, 8)])
 @pytest.mark.parametrize("by_groups", [False, True])
 def test_cusparselt_metadata_kernel_on_gpu(rows, groups, by_groups):

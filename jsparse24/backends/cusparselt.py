@@ -122,7 +122,7 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # dense copy: without cuSPARSELt it multiplies through the decode kernel (up
 # to the `"pallas"` backend's DECODE_AUTO_MAX_M rows) or is decompressed for
 # XLA's product. implementation=None takes cuSPARSELt for it (the Sparse24
-# re-laid out for cuSPARSELt in every call, `from_sparse24`, then its
+# re-laid out for cuSPARSELt in every call, `forward_buffer`, then its
 # product: a prefill's products) from the M of this table on, rows K and
 # columns N of AUTO_GRID as above: the smallest M from which it measured at
 # least AUTO_MARGIN times as fast as the faster of those two at that M and
@@ -132,7 +132,10 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # for every GPU as AUTO_MIN_M is. From M = 512 on cuSPARSELt took 1.4-1.7x
 # less time than decompress + XLA at most points, and at M = 2048 ran at
 # 1.03-1.28x of dense XLA where K and N >= 4096. K or N = 1024: not swept,
-# None.
+# None. Swept with XLA's re-layout (`from_sparse24`), which took up to twice
+# as long as `forward_buffer` (2026-12-03, "Decode: the steps timed over
+# longer runs, ..."): at the table's Ms cuSPARSELt gains more now; at
+# smaller ones it was not measured again.
 AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
     (None, None, None, None, None),   # K 1024
     (None, 2048, 512, 512, 512),      # K 2048
@@ -371,6 +374,25 @@ def from_sparse24(sp: Sparse24) -> tuple[jax.Array, jax.Array | None]:
   if sp.has_transpose:
     bwd = jnp.concatenate([sp.values_t, _metadata_rows(sp.meta_t, n // 4, n // 2, sp.dtype)])
   return fwd, bwd
+
+
+def forward_buffer(sp: Sparse24) -> jax.Array:
+  """`from_sparse24(sp)[0]` in two Pallas passes: the values transposed
+  straight into the buffer (`cusparselt_values.values_into_buffer`), then
+  the metadata written in place (`_with_metadata`). XLA's concatenate of
+  the transposed values and the metadata copied the values twice: in a
+  2:4 model's prefill (H200, d_model 4096 x 8 blocks, 2048 tokens) those
+  copies took 1.96 of its 15.67 ms (2026-12-03,
+  benchmarks/results/nvidia-h200.md, "Decode: the steps timed over longer
+  runs, ..."). Where the kernels cannot run, `from_sparse24`."""
+  k, n = sp.shape
+  _check_aligned(k, n)
+  if _xla_fallback():
+    return from_sparse24(sp)[0]
+  write = functools.partial(pallas_backend.kernels().cusparselt_values.values_into_buffer,
+                            rows=buffer_shape(k, n, transpose=False)[0],
+                            interpret=pallas_backend.interpreting())
+  return _with_metadata(whole_on_each_device(write, sp.values), k // 2, sp.meta, k // 4)
 
 
 def _xla_fallback() -> bool:
@@ -850,7 +872,7 @@ class CusparseltBackend(Backend):
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     # A Sparse24 is the portable format; this re-lays it out for cuSPARSELt
-    # on every call (an XLA transpose of the values plus the metadata).
+    # on every call (`forward_buffer`).
     del precision
     k, n = sp.shape
-    return matmul(x, from_sparse24(sp)[0], k=k, n=n)
+    return matmul(x, forward_buffer(sp), k=k, n=n)

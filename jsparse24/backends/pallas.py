@@ -169,6 +169,7 @@ def kernels() -> types.ModuleType:
     raise BackendUnavailableError(f"jsparse24.backends.pallas: {reason}.")
   # pylint: disable=g-import-not-at-top,unused-import
   import pallas_kernels.cusparselt_metadata
+  import pallas_kernels.cusparselt_values
   import pallas_kernels.decode24
   import pallas_kernels.input_prune24
   import pallas_kernels.mask_rebuild
