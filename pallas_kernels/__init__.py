@@ -5,7 +5,8 @@
   alone (`transposable_mask`); `masked_compress`: compression with a stored
   mask; `mask_rebuild`: a mask rebuilt only where a run-time flag asks;
   `cusparselt_metadata`: cuSPARSELt's metadata written into a compressed
-  buffer, and `cusparselt_values` a `Sparse24`'s values. Their tiles: `prune_config.PruneConfig`.
+  buffer, `cusparselt_values` a `Sparse24`'s values. Their tiles:
+  `prune_config.PruneConfig`.
 * `spmm24`: `x @ W` reading the compressed operand and expanding it on chip.
 * `mvue24`: a gradient pruned 2:4 by the minimum-variance unbiased rule and
   compressed for cuSPARSELt in one pass (the rule itself, plain `jnp`, in

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Tile edge: 64 x 64 16-bit values per program (8 KB), a multiple of every
-# cuSPARSELt-aligned N (64) and K/2 (32) where it fits, else their gcd.
+# Tile edge: 64 x 64 16-bit values per program (8 KB). cuSPARSELt's
+# alignment makes N a multiple of 64 but K/2 only of 32: an edge that 64
+# does not divide takes its gcd with 64.
 TILE = 64
 
 

@@ -382,7 +382,8 @@ def forward_buffer(sp: Sparse24) -> jax.Array:
   the metadata written in place (`_with_metadata`). XLA's concatenate of
   the transposed values and the metadata copied the values twice: in a
   2:4 model's prefill (H200, d_model 4096 x 8 blocks, 2048 tokens) those
-  copies took 1.96 of its 15.67 ms (2026-12-03,
+  copies took 1.96 of its 15.67 ms; these passes ran at 74-97% of copy
+  bandwidth on its large shapes, where XLA's ran at 47-49% (2026-12-03,
   benchmarks/results/nvidia-h200.md, "Decode: the steps timed over longer
   runs, ..."). Where the kernels cannot run, `from_sparse24`."""
   k, n = sp.shape
