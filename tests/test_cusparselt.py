@@ -187,7 +187,8 @@ def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dt
 def test_forward_buffer_has_from_sparse24s_bytes(k, n, dtype):
   """The Pallas re-layout of a compressed weight for cuSPARSELt (values
   transposed into the buffer, then the metadata in place) writes the bytes
-  of the XLA one, `from_sparse24`; 192 and 640 give K/2 tiles of 32, not 64."""
+  of the XLA one, `from_sparse24`; K = 192 (K/2 = 96) takes K/2 tiles of 32,
+  the others tiles of 64."""
   w = jax.random.normal(jax.random.key(k + n), (k, n), dtype)
   sp = jax.jit(lambda w: jsparse24.compress(w, implementation="xla"))(w)
   want = jax.jit(lambda sp: cusparselt.from_sparse24(sp)[0])(sp)
@@ -201,7 +202,8 @@ def test_forward_buffer_has_from_sparse24s_bytes(k, n, dtype):
 
 
 @pytest.mark.parametrize("n,h,rows,dtype", [(64, 32, 36, jnp.bfloat16),
-                                            (320, 96, 108, jnp.float16), (96, 160, 160, jnp.bfloat16)])
+                                            (320, 96, 108, jnp.float16),
+                                            (96, 160, 160, jnp.bfloat16)])
 def test_values_into_buffer_writes_the_transpose_in_the_leading_rows(n, h, rows, dtype):
   values = jax.random.normal(jax.random.key(n + h), (n, h), dtype)
   got = jax.jit(functools.partial(cusparselt_values.values_into_buffer, rows=rows,
