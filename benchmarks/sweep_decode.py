@@ -85,8 +85,8 @@ def main(argv=None):
     points = [point for part in parts for point in part["points"]]
     environments = "; ".join(part["environment"] for part in parts)
     report(environments, gpus.pop(), bw, points,
-           command=f"`sweep_decode.py --ks ... --json PART` in {len(parts)} parts, side by side"
-                   f" on GPUs of one host, joined by `--from-json`", no_write=args.no_write)
+           command=f"`sweep_decode.py --ks ... --json PART` in {len(parts)} parts (on GPUs of"
+                   f" one kind), joined by `--from-json`", no_write=args.no_write)
     return
   ms = [int(v) for v in args.ms.split(",")]
   sizes = [int(v) for v in args.sizes.split(",")]

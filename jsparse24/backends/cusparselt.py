@@ -123,25 +123,24 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # to the `"pallas"` backend's DECODE_AUTO_MAX_M rows) or is decompressed for
 # XLA's product. implementation=None takes cuSPARSELt for it (the Sparse24
 # re-laid out for cuSPARSELt in every call, `forward_buffer`, then its
-# product: a prefill's products) from the M of this table on, rows K and
-# columns N of AUTO_GRID as above: the smallest M from which it measured at
-# least AUTO_MARGIN times as fast as the faster of those two at that M and
-# every larger M of the sweep (M = 256 ... 8192). Measured on an NVIDIA H200
-# (2026-11-28, benchmarks/results/nvidia-h200.md, "cuSPARSELt on compressed
-# weights (2026-11-28 08:26 UTC)", `sweep_decode.py --cusparselt`), taken
-# for every GPU as AUTO_MIN_M is. From M = 512 on cuSPARSELt took 1.4-1.7x
-# less time than decompress + XLA at most points, and at M = 2048 ran at
-# 1.03-1.28x of dense XLA where K and N >= 4096. K or N = 1024: not swept,
-# None. Swept with XLA's re-layout (`from_sparse24`), which took up to twice
-# as long as `forward_buffer` (2026-12-03, "Decode: the steps timed over
-# longer runs, ..."): at the table's Ms cuSPARSELt gains more now; at
-# smaller ones it was not measured again.
+# product: a prefill's products, a decode step's from a few hundred rows)
+# from the M of this table on, rows K and columns N of AUTO_GRID as above:
+# the smallest M from which it measured at least AUTO_MARGIN times as fast
+# as the faster of those two at that M and every larger M of the sweep.
+# Measured on an NVIDIA H200 with `forward_buffer`'s re-layout, M = 128 ...
+# 1024 (2026-12-03, benchmarks/results/nvidia-h200.md, "cuSPARSELt on
+# compressed weights, re-laid out by Pallas", `sweep_decode.py --cusparselt`),
+# and above that with the slower re-layout it replaced, M = 256 ... 8192
+# (2026-11-28, "cuSPARSELt on compressed weights (2026-11-28 08:26 UTC)"),
+# which alone gives (2048, 2048) its 2048; taken for every GPU as AUTO_MIN_M
+# is. At M = 1024 cuSPARSELt took 1.7-2.0x less time than the other
+# compressed products where K and N >= 4096. K or N = 1024: not swept, None.
 AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
     (None, None, None, None, None),   # K 1024
-    (None, 2048, 512, 512, 512),      # K 2048
-    (None, 4096, 512, 512, 256),      # K 4096
-    (None, 512, 512, 512, 256),       # K 8192
-    (None, 512, 512, 256, 512),       # K 16384
+    (None, 2048, 1024, 512, 256),     # K 2048
+    (None, 1024, 512, 256, 256),      # K 4096
+    (None, 512, 256, 256, 256),       # K 8192
+    (None, 512, 256, 256, 256),       # K 16384
 )
 
 
