@@ -107,7 +107,10 @@ def pinned(a: jax.Array) -> jax.Array:
   2026-11-28, benchmarks/results/nvidia-h200.md, "Decode: the KV cache
   re-laid out around the blocks' loop"). A kernel's operands are fixed
   row-major; XLA's own product takes any layout, so the dense model is
-  unaffected (4.26 ms either way)."""
+  unaffected (4.26 ms either way). Those figures are of the attention
+  then written, `jax.nn.dot_product_attention` over a context-major
+  cache; the head-major cache and `cached_attention` keep the pin and
+  were not timed without it."""
   return layout.with_layout_constraint(a, layout.Layout(major_to_minor=tuple(range(a.ndim))))
 
 
