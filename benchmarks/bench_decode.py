@@ -272,7 +272,8 @@ def make_models(cfg: dict, d: int) -> dict[str, Any]:
   variables = jax.jit(train_model.init)(jax.random.key(d), jnp.zeros((1, 8), jnp.int32))
   bf16 = jax.jit(lambda p: jax.tree.map(lambda a: a.astype(jnp.bfloat16), p))(
       variables["params"])
-  compressed = jsparse24.compress_params(bf16, variables["sparsity"])
+  compressed = jsparse24.compress_params(bf16, variables["sparsity"],
+                                         cusparselt=cfg.get("layout") == "cusparselt")
   del variables, bf16
   scan = cfg.get("blocks", "scan") == "scan"
   if not scan:
@@ -366,13 +367,13 @@ def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, A
   return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def kernel_operands(k: int, n: int, m: int, i: int = 0):
-  """(x [m, k], the `i`-th compressed random weight [k, n], its dense
-  `w * mask`), bf16."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def kernel_operands(k: int, n: int, m: int, i: int = 0, cusparselt: bool = False):
+  """(x [m, k], the `i`-th compressed random weight [k, n] (`cusparselt`: in
+  cuSPARSELt's layout), its dense `w * mask`), bf16."""
   x = jax.random.normal(jax.random.key(m * 31 + k), (m, k), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(k * 7 + n + 7919 * i), (k, n), jnp.bfloat16)
-  sp = jsparse24.compress(w)
+  sp = jsparse24.compress(w, cusparselt=cusparselt)
   return x, sp, jsparse24.decompress(sp)
 
 
@@ -396,19 +397,23 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
   for m in cfg["kernel_ms"]:
     for layer, (k, n) in layer_shapes(d).items():
       r = rotation(k, n, cfg["quick"])
-      operands = [kernel_operands(k, n, m, i) for i in range(r)]
+      cusparselt = cfg.get("layout") == "cusparselt"
+      operands = [kernel_operands(k, n, m, i, cusparselt) for i in range(r)]
       x, sps, ws = operands[0][0], [o[1] for o in operands], [o[2] for o in operands]
       del operands
       io = 2 * (m * k + m * n)
       if not sparse:
         runs = [("dense XLA", dense_mm, ws, io + 2 * k * n)]
       else:
-        auto = jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16,
-                                                   compressed=True)
-        runs = [(f"auto ({auto})", None, sps, io + sps[0].nbytes)]
+        auto = jsparse24.selected_implementation(
+            (m, k), (k, n), jnp.bfloat16, compressed="cusparselt" if cusparselt else True)
+        # Bytes read: cuSPARSELt's metadata rows (in its layout) by cuSPARSELt only.
+        read = lambda impl: (io + sps[0].nbytes if impl == "cusparselt"  # noqa: E731
+                             else io + k * n + sps[0].meta.size)
+        runs = [(f"auto ({auto})", None, sps, read(auto))]
         # Forced: every other implementation that runs here (the automatic
         # choice's own is its row).
-        runs += [(impl, impl, sps, io + sps[0].nbytes) for impl in IMPLEMENTATIONS
+        runs += [(impl, impl, sps, read(impl)) for impl in IMPLEMENTATIONS
                  if impl != auto and jsparse24.available_implementations()[impl] is None]
       for label, impl, ops, nbytes in runs:
         row = {"m": m, "layer": layer, "k": k, "n": n, "implementation": label, "rotation": r}
@@ -469,6 +474,10 @@ def parse_args(argv: Sequence[str] | None):
   p.add_argument("--profile", action="store_true",
                  help="also profile decode steps (jax.profiler; a GPU): where each batch's"
                       " step time goes")
+  p.add_argument("--layout", choices=("portable", "cusparselt"), default="portable",
+                 help="the 2:4 weights as `compress_params` gives them (portable, default) or"
+                      " in cuSPARSELt's layout (cusparselt=True), which cuSPARSELt multiplies"
+                      " in place")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   p.add_argument("--json", default=None, help="also write the raw numbers to this file")
   args = p.parse_args(argv)
@@ -481,7 +490,7 @@ def parse_args(argv: Sequence[str] | None):
          "batches": [int(v) for v in str(args.batches).split(",")],
          "layers": args.layers, "context": args.context, "prefill": args.prefill,
          "vocab": args.vocab, "quick": args.quick, "blocks": args.blocks,
-         "profile": args.profile}
+         "profile": args.profile, "layout": args.layout}
   cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
                       else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):
@@ -493,10 +502,13 @@ def parse_args(argv: Sequence[str] | None):
   return args, cfg
 
 
-def compressed_backends(d: int, m: int) -> list[str]:
+def compressed_backends(d: int, m: int, weights: str = "portable") -> list[str]:
   """The implementations the automatic choice takes for the 2:4 model's
-  products at `m` rows: its weights are compressed (`compress_params`)."""
-  return sorted({jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16, compressed=True)
+  products at `m` rows: its weights are compressed (`compress_params`, in
+  the `--layout` `weights`)."""
+  compressed = "cusparselt" if weights == "cusparselt" else True
+  return sorted({jsparse24.selected_implementation((m, k), (k, n), jnp.bfloat16,
+                                                   compressed=compressed)
                  for k, n in layer_shapes(d).values()})
 
 
@@ -535,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       ok, err = logits_match(sparse["decode"][b]["logits"], dense["decode"][b]["logits"])
       if not ok:
         failures.append(f"d_model {d}, batch {b}: logits relative error {err:.3g}")
-      backends = compressed_backends(d, b)
+      backends = compressed_backends(d, b, cfg["layout"])
       t_d, t_s = dense["decode"][b]["ms"], sparse["decode"][b]["ms"]
       r["decode"][b] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
                         "dense_tokens_per_s": b / t_d * 1e3, "sparse_tokens_per_s": b / t_s * 1e3,
@@ -547,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       failures.append(f"d_model {d}, prefill: logits relative error {err:.3g}")
     t_d, t_s = dense["prefill"]["ms"], sparse["prefill"]["ms"]
     p = cfg["prefill"]
-    backends = compressed_backends(d, p)
+    backends = compressed_backends(d, p, cfg["layout"])
     r["prefill"] = {"dense_ms": t_d, "sparse_ms": t_s, "speedup": t_d / t_s,
                     "logits_rel_err": err, "backends": backends}
     prefill_rows.append([d, cfg["layers"], p, t_d, p / t_d * 1e3, t_s, p / t_s * 1e3, t_d / t_s,
@@ -573,10 +585,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         part.pop("logits")
       r[name]["prefill"].pop("logits")
 
+  in_layout = ", in cuSPARSELt's layout" if cfg["layout"] == "cusparselt" else ""
   body = (f"{env}; measured copy bandwidth {bandwidth / 1e12:.3f} TB/s. Random weights, bf16;"
           f" {cfg['layers']} blocks ({'nn.scan, params stacked' if cfg['blocks'] == 'scan' else 'a Python loop, params per block'}),"
           f" vocabulary {cfg['vocab']}, every block's qkv, out, up and"
-          f" down 2:4 (compress_params, forward operand only), dense head. Dense: the same"
+          f" down 2:4 (compress_params, forward operand only{in_layout}),"
+          f" dense head. Dense: the same"
           f" model on the masked weights. Every dense timing ran before the first 2:4 one."
           f" Logits: relative error by norm of the 2:4 model's against the dense model's"
           f" (tolerance {LOGITS_TOL}).\n\n"
@@ -595,7 +609,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f" {'2 weights' if cfg['quick'] else '2-16 weights (about 200 MB compressed, at most 16)'},"
             " ms per product; GB/s: x, the weight (dense, or values + metadata) and y moved"
             " once; speed-up over dense XLA; `auto`: the automatic choice, which it names;"
-            " `cusparselt` on a `Sparse24` re-lays it out for cuSPARSELt in every call):\n\n"
+            + (" `cusparselt` multiplies the weights in its layout in place):\n\n"
+               if cfg["layout"] == "cusparselt" else
+               " `cusparselt` on a `Sparse24` re-lays it out for cuSPARSELt in every call):\n\n")
           + _common.table(["d_model", "M", "layer", "KxN", "implementation", "ms", "GB/s",
                            "% of copy bw", "speedup", "note"], kernel_rows)
           + (profile_section(profile_rows) if cfg["profile"] else "")

@@ -7,7 +7,7 @@ with the decompressing product: a compressed weight has no dense copy).
 
     PYTHONPATH=. python benchmarks/sweep_decode.py [--ms 1,2,4,...,256]
         [--sizes 2048,...,16384] [--ks K,...] [--ns N,...] [--no-write]
-        [--json PATH]
+        [--json PATH] [--cusparselt] [--cusparselt-layout]
     PYTHONPATH=. python benchmarks/sweep_decode.py --from-json A.json,B.json
 
 `--ks` / `--ns` sweep part of the grid (K or N from `--sizes` otherwise), so
@@ -27,6 +27,11 @@ model's layers do: one weight reused call after call would be read from L2.
 At most 16 weights: the smallest shapes' compressed weights then fit in L2
 together, their dense ones barely. Prints the `DECODE_AUTO_MAX_M` row
 literal for this GPU, and writes the table to benchmarks/results/<gpu>.md.
+`--cusparselt` also times `implementation="cusparselt"` on the `Sparse24`
+(re-laid out for cuSPARSELt in every call) and prints the
+`AUTO_MIN_M_COMPRESSED` row; `--cusparselt-layout` on the weights in
+cuSPARSELt's layout (`compress(..., cusparselt=True)`, multiplied in place)
+and prints the `AUTO_MIN_M_CUSPARSELT_LAYOUT` row.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ def main(argv=None):
   p.add_argument("--cusparselt", action="store_true",
                  help="also time sparse_dot(..., implementation='cusparselt') (large M, prefill)"
                       " and print the cuSPARSELt AUTO_MIN_M_COMPRESSED row")
+  p.add_argument("--cusparselt-layout", action="store_true",
+                 help="also time it on the weights in cuSPARSELt's layout (compress(...,"
+                      " cusparselt=True)) and print the AUTO_MIN_M_CUSPARSELT_LAYOUT row")
   p.add_argument("--from-json", default=None,
                  help="comma-separated --json files of parts of one sweep: join them")
   args = p.parse_args(argv)
@@ -109,6 +117,8 @@ def main(argv=None):
            ("decompress", decompress_f, "sps")]
   if args.cusparselt:
     kinds.append(("cusparselt", cusparselt_f, "sps"))
+  if args.cusparselt_layout:
+    kinds.append(("cusparselt_layout", cusparselt_f, "sps_layout"))
   raw = []
   pool = concurrent.futures.ThreadPoolExecutor(16)
   for k in ks:
@@ -122,6 +132,9 @@ def main(argv=None):
             for m in ms}
       # Compiled side by side: compilation, not the GPU, bounds the sweep.
       operands = {"ws": ws, "sps": sps}
+      if args.cusparselt_layout:
+        operands["sps_layout"] = [jsparse24.compress(w, sp.mask(), cusparselt=True)
+                                  for w, sp in zip(ws, sps)]
       futures = {(m, kind): pool.submit(lambda f, a: f.lower(*a).compile(), f,
                                         (xs[m], operands[ops]))
                  for m in ms for kind, f, ops in kinds}
@@ -147,16 +160,18 @@ def main(argv=None):
               f" {t_decompress * 1e3:.4f} ms, decode"
               f" {t_sparse * 1e3:.4f} ms ({t_dense / t_sparse:.2f}x), {io / t_sparse / 1e9:.0f}"
               f" GB/s = {100 * io / t_sparse / bw:.0f}% of copy; rel err {err:.2g}", flush=True)
-        if args.cusparselt:
-          got = compiled[m, "cusparselt"](xs[m], sps)[0].astype(jnp.float32)
+        for kind, ops in (("cusparselt", "sps"), ("cusparselt_layout", "sps_layout")):
+          if (m, kind) not in compiled:
+            continue
+          got = compiled[m, kind](xs[m], operands[ops])[0].astype(jnp.float32)
           err_c = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
           if not err_c < 1e-2:
-            raise SystemExit(f"M={m} K={k} N={n}: cusparselt relative error {err_c:.3g}")
-          raw[-1]["cusparselt_ms"] = 1e3 * _common.bench(
-              compiled[m, "cusparselt"], xs[m], sps, min_time=0.02, repeats=5) / r
-          print(f"M={m:4d} K={k:5d} N={n:5d}: cusparselt {raw[-1]['cusparselt_ms']:.4f} ms"
-                f" ({t_dense * 1e3 / raw[-1]['cusparselt_ms']:.2f}x of dense)", flush=True)
-      del sps, ws
+            raise SystemExit(f"M={m} K={k} N={n}: {kind} relative error {err_c:.3g}")
+          raw[-1][f"{kind}_ms"] = 1e3 * _common.bench(
+              compiled[m, kind], xs[m], operands[ops], min_time=0.02, repeats=5) / r
+          print(f"M={m:4d} K={k:5d} N={n:5d}: {kind} {raw[-1][f'{kind}_ms']:.4f} ms"
+                f" ({t_dense * 1e3 / raw[-1][f'{kind}_ms']:.2f}x of dense)", flush=True)
+      del sps, ws, operands
       if args.json:  # after every (K, N): a run stopped by a time limit keeps its points
         with open(args.json, "w") as f:
           json.dump(dict(environment=environment, gpu=_common.gpu_name(), copy_bw=bw,
@@ -211,12 +226,15 @@ def report(environment: str, gpu: str, bw: float, points: list[dict], *, command
              f" N = {ns}):\n\n"
              f"```\n{literal}\n```\n")
   body += cusparselt_report(points, ks, ns, ms)
+  body += cusparselt_report(points, ks, ns, ms, layout=True)
   print("\n" + body)
   if not no_write:
     # Dated: a later sweep adds its own section, and the tables that the
     # library's comments cite stay.
     started = re.search(r"run (\d{4}-\d\d-\d\d \d\d:\d\d UTC)", environment)
-    what = ("cuSPARSELt on compressed weights" if any("cusparselt_ms" in p for p in points)
+    what = ("cuSPARSELt on compressed weights in its layout"
+            if any("cusparselt_layout_ms" in p for p in points)
+            else "cuSPARSELt on compressed weights" if any("cusparselt_ms" in p for p in points)
             else "decode kernel sweep bf16")
     title = f"{what} ({started.group(1) if started else 'undated'})"
     print(f"\nwritten to {_common.write_section(title, body, gpu)}")
@@ -243,14 +261,18 @@ def decode_rows(points: list[dict]) -> int | tuple[int, int]:
   return hi if lo == 1 else (lo, hi)
 
 
-def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list[int]) -> str:
-  """The cuSPARSELt table of a `--cusparselt` sweep, and the
-  `AUTO_MIN_M_COMPRESSED` row it implies: for each (K, N), the smallest M
-  from which cuSPARSELt measured at least `AUTO_MARGIN` times as fast as
-  the faster of decompress + XLA and, up to DECODE_MAX_M rows, the decode
-  kernel (what a compressed weight multiplies through otherwise), at that M
-  and every larger M swept (None: at none)."""
-  if not any("cusparselt_ms" in p for p in points):
+def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list[int],
+                      layout: bool = False) -> str:
+  """The cuSPARSELt table of a `--cusparselt` sweep (`layout`: of a
+  `--cusparselt-layout` one, on weights in cuSPARSELt's layout), and the
+  `AUTO_MIN_M_COMPRESSED` (`AUTO_MIN_M_CUSPARSELT_LAYOUT`) row it implies:
+  for each (K, N), the smallest M from which cuSPARSELt measured at least
+  `AUTO_MARGIN` times as fast as the faster of decompress + XLA and, up to
+  DECODE_MAX_M rows, the decode kernel (what a compressed weight multiplies
+  through otherwise), at that M and every larger M swept (None: at none)."""
+  key, name = (("cusparselt_layout_ms", "AUTO_MIN_M_CUSPARSELT_LAYOUT") if layout
+               else ("cusparselt_ms", "AUTO_MIN_M_COMPRESSED"))
+  if not any(key in p for p in points):
     return ""
   by_point = {(p["m"], p["k"], p["n"]): p for p in points}
 
@@ -259,18 +281,20 @@ def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list
       return min(p["decompress_ms"], p["decode_ms"])
     return p["decompress_ms"]
 
-  rows = [[p["m"], p["k"], p["n"], p["dense_ms"], rival_ms(p), p["cusparselt_ms"],
-           p["dense_ms"] / p["cusparselt_ms"], rival_ms(p) / p["cusparselt_ms"]]
-          for p in sorted(points, key=lambda p: (p["k"], p["n"], p["m"])) if "cusparselt_ms" in p]
-  body = ("\n\ncuSPARSELt on the compressed weight (`implementation=\"cusparselt\"`: the"
-          " `Sparse24` re-laid out for cuSPARSELt in every call, then its product) against"
-          " dense XLA and against the faster of decompress + XLA and the decode kernel (up to"
-          f" {pallas_backend.DECODE_MAX_M} rows):\n\n"
+  rows = [[p["m"], p["k"], p["n"], p["dense_ms"], rival_ms(p), p[key],
+           p["dense_ms"] / p[key], rival_ms(p) / p[key]]
+          for p in sorted(points, key=lambda p: (p["k"], p["n"], p["m"])) if key in p]
+  what = ("the `Sparse24` in cuSPARSELt's layout (`compress(..., cusparselt=True)`), multiplied"
+          " in place" if layout else
+          "the `Sparse24` re-laid out for cuSPARSELt in every call, then its product")
+  body = (f"\n\ncuSPARSELt on the compressed weight (`implementation=\"cusparselt\"`: {what})"
+          " against dense XLA and against the faster of decompress + XLA and the decode kernel"
+          f" (up to {pallas_backend.DECODE_MAX_M} rows):\n\n"
           + _common.table(["M", "K", "N", "dense XLA ms", "other compressed ms",
                            "cuSPARSELt ms", "cuSPARSELt over dense",
                            "cuSPARSELt over other"], rows))
-  if not all("cusparselt_ms" in by_point.get((m, k, n), {}) for k in ks for n in ns for m in ms):
-    return body + "\n\nNo AUTO_MIN_M_COMPRESSED row: cuSPARSELt was not timed on the whole grid.\n"
+  if not all(key in by_point.get((m, k, n), {}) for k in ks for n in ns for m in ms):
+    return body + f"\n\nNo {name} row: cuSPARSELt was not timed on the whole grid.\n"
   margin = cusparselt_backend.AUTO_MARGIN
   table = []
   for k in ks:
@@ -279,12 +303,12 @@ def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list
       first = None
       for m in sorted(ms, reverse=True):
         p = by_point[m, k, n]
-        if rival_ms(p) / p["cusparselt_ms"] < margin:
+        if rival_ms(p) / p[key] < margin:
           break
         first = m
       row.append(first)
     table.append(tuple(row))
-  return (body + f"\n\nAUTO_MIN_M_COMPRESSED row (smallest M from which cuSPARSELt measured >="
+  return (body + f"\n\n{name} row (smallest M from which cuSPARSELt measured >="
           f" {margin}x of the other compressed product at that and every larger swept M; rows"
           f" K = {ks}, columns N = {ns}):\n\n```\n    {tuple(table)!r}\n```\n")
 

@@ -19,6 +19,13 @@ metadata about 56% of the dense bytes for bf16. The optional `values_t`,
 which exists when the mask is transposable; the backward product
 `dy @ (w*m)^T` reads it.
 
+In cuSPARSELt's layout (`Sparse24.cusparselt`, `compress(...,
+cusparselt=True)`) `values` is `[..., N + N/8, K/2]`: the same kept values,
+then the metadata in cuSPARSELt's own layout, which makes `values` exactly
+the compressed buffer cuSPARSELt multiplies (its structured operand read as
+the row-major `[N, K]` it is). Its products then read the weight in place;
+the portable layout is re-laid out for cuSPARSELt in every call.
+
 `Mask24` is a mask kept as training state: its metadata only (1 bit per
 element), plus the dense shape and whether it is transposable.
 """
@@ -133,24 +140,37 @@ class Sparse24:
   """A 2:4-compressed weight `w[..., K, N]` (sparse along K). A pytree.
 
   Attributes:
-    values: `[..., N, K/2]` kept values, K order, dtype of `w`.
+    values: `[..., N, K/2]` kept values, K order, dtype of `w`; with
+      `cusparselt`, `[..., N + N/8, K/2]`: those rows, then cuSPARSELt's
+      metadata (module docstring).
     meta: `uint8[..., N, ceil(K/8)]` 4-bit codes (module docstring).
     values_t, meta_t: the same for `w`'s transpose (sparse along N), or None.
+    cusparselt: static; whether `values` is in cuSPARSELt's layout.
 
-  The dense shape `(..., K, N)` (`shape`) is read off `values`, so stacks of
-  layers (`nn.scan`, `vmap`) slice and stack a `Sparse24` like any array.
+  The dense shape `(..., K, N)` (`shape`) is read off `values` and `meta`,
+  so stacks of layers (`nn.scan`, `vmap`) slice and stack a `Sparse24` like
+  any array.
   """
 
   values: jax.Array
   meta: jax.Array
   values_t: jax.Array | None = None
   meta_t: jax.Array | None = None
+  cusparselt: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def shape(self) -> tuple[int, ...]:
     """The dense shape `(..., K, N)`."""
-    *lead, n, half_k = self.values.shape
-    return (*lead, 2 * half_k, n)
+    *lead, _, half_k = self.values.shape
+    return (*lead, 2 * half_k, self.meta.shape[-2])
+
+  @property
+  def kept_values(self) -> jax.Array:
+    """The kept values `[..., N, K/2]` in either layout (a slice of `values`
+    in cuSPARSELt's: a copy where it is not fused into its reader)."""
+    if not self.cusparselt:
+      return self.values
+    return self.values[..., :self.meta.shape[-2], :]
 
   @property
   def dtype(self):
@@ -162,8 +182,19 @@ class Sparse24:
 
   @property
   def nbytes(self) -> int:
-    """Bytes of the forward operand (values + meta), without the transpose."""
+    """Bytes of the forward operand (values + meta; in cuSPARSELt's layout
+    its metadata rows too), without the transpose."""
     return int(self.values.size * self.values.dtype.itemsize + self.meta.size)
+
+  def astype(self, dtype) -> "Sparse24":
+    """This weight with its values in `dtype` (itself when they are). In
+    cuSPARSELt's layout a cast keeps the kept values only (the portable
+    layout): the metadata rows are bits, not numbers, and cuSPARSELt's
+    products take bfloat16 and float16 only, one buffer per dtype."""
+    if jnp.dtype(dtype) == self.dtype:
+      return self
+    return Sparse24(self.kept_values.astype(dtype), self.meta,
+                    None if self.values_t is None else self.values_t.astype(dtype), self.meta_t)
 
   def mask(self) -> Bool[Array, "... K N"]:
     """The dense bool mask this weight was compressed with."""
@@ -176,7 +207,7 @@ class Sparse24:
           "Sparse24.transpose: this weight was compressed without its"
           " transpose; compress with transposed=True (needs a transposable"
           " mask).")
-    return Sparse24(self.values_t, self.meta_t, self.values, self.meta)
+    return Sparse24(self.values_t, self.meta_t, self.kept_values, self.meta)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -198,7 +229,7 @@ def decompress(sp: Sparse24) -> Float[Array, "... K N"]:
   """The dense `w * mask` that `sp` was compressed from (exact)."""
   if not isinstance(sp, Sparse24):
     raise TypeError(f"decompress: expected a jsparse24.Sparse24, got {type(sp).__name__}.")
-  return jnp.swapaxes(_decompress_last(sp.values, sp.meta, sp.shape[-2]), -1, -2)
+  return jnp.swapaxes(_decompress_last(sp.kept_values, sp.meta, sp.shape[-2]), -1, -2)
 
 
 @jax.tree_util.register_dataclass

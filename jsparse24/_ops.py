@@ -16,6 +16,7 @@ from jsparse24 import _checks, _phase, backends
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._options import SparsityOptions
 from jsparse24._sharding import is_explicit, weight_split
+from jsparse24.backends.cusparselt import cusparselt_layout_unfit, to_cusparselt_layout
 
 
 def sparse_dot(
@@ -183,8 +184,15 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
       raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
     _check_contraction(fn, x, w.shape)
     dtype = jnp.result_type(x.dtype, w.dtype)
+    w = w.astype(dtype)
     backend, split = _backend_and_split(fn, opts, x.shape, w.shape, dtype, w.has_transpose,
-                                        compressed=True)
+                                        compressed="cusparselt" if w.cusparselt else True)
+    if split is not None and w.cusparselt:
+      raise ValueError(
+          f"{fn}: a Sparse24 in cuSPARSELt's layout (cusparselt=True) cannot be split"
+          f" across devices ({'weight_sharding' if fn == 'sparse_dot' else 'kernel_sharding'}"
+          f"): its metadata rows follow all N rows, not each device's block. Compress it"
+          f" with cusparselt=False for tensor parallelism.")
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
     y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)
@@ -306,19 +314,26 @@ def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:
 
 
 def _problem(x_shape, w_shape, dtype, transposable, compressed=False) -> backends.Problem:
+  """`compressed`: False (a dense weight), True (a `Sparse24`) or
+  "cusparselt" (a `Sparse24` in cuSPARSELt's layout)."""
   return backends.Problem(m=math.prod(x_shape[:-1]), k=w_shape[0], n=w_shape[1],
                           dtype=jnp.dtype(dtype), transposable=bool(transposable),
-                          platform=jax.default_backend(), compressed=bool(compressed))
+                          platform=jax.default_backend(), compressed=bool(compressed),
+                          cusparselt_layout=compressed == "cusparselt")
 
 
 def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False,
-                            compressed: bool = False) -> str:
+                            compressed: bool | str = False) -> str:
   """The backend `sparse_dot(..., implementation=None)` runs for these shapes
   (x `[..., K]`, w `[K, N]`) and dtype on this machine; `compressed=True`: for
   a `Sparse24` weight (`compress`, `compress_params`), which may take another
   backend than a dense weight with a mask (nothing to prune or compress per
-  call: the Pallas decode kernel at small M)."""
+  call: the Pallas decode kernel at small M); `compressed="cusparselt"`: for
+  one in cuSPARSELt's layout (`compress(..., cusparselt=True)`), which
+  cuSPARSELt multiplies in place, so from fewer rows."""
   fn = "selected_implementation"
+  if compressed not in (False, True, "cusparselt"):
+    raise ValueError(f"{fn}: compressed must be False, True or 'cusparselt', got {compressed!r}.")
   _checks.check_float_dtype(fn, "dtype", dtype)
   if len(tuple(w_shape)) != 2 or not tuple(x_shape):
     raise ValueError(f"{fn}: expected x_shape [..., K] and w_shape [K, N], got {tuple(x_shape)}"
@@ -338,6 +353,7 @@ def compress(
     *,
     transposed: bool = False,
     implementation: str | None = None,
+    cusparselt: bool = False,
 ) -> Sparse24:
   """Compresses `w` with a 2:4 mask (along K, axis -2) into a `Sparse24`.
 
@@ -352,6 +368,11 @@ def compress(
       too, i.e. transposable; N a multiple of 4).
     implementation: None (the fused Pallas kernel on a GPU for 2-D weights,
       else the reference), `"xla"` or `"pallas"`. All give identical bits.
+    cusparselt: store the values in cuSPARSELt's layout (`Sparse24.cusparselt`:
+      the kept values followed by cuSPARSELt's metadata, N*K/8 bytes more),
+      which cuSPARSELt multiplies in place: for inference at a prefill's or a
+      large batch's rows. bfloat16 or float16, K and N multiples of 64; not
+      for a weight split across devices.
 
   Returns:
     A `Sparse24` with `decompress(compress(w, m)) == w * m` exactly.
@@ -371,4 +392,5 @@ def compress(
       raise ValueError(f"{fn}: transposed=True needs a transposable Mask24.")
   elif mask is not None:
     mask = _checks.check_dense_mask(fn, mask, w.shape, transposed)
-  return backends.select_compress(implementation, w).compress(w, mask, transposed)
+  sp = backends.select_compress(implementation, w).compress(w, mask, transposed)
+  return to_cusparselt_layout(sp, fn) if cusparselt else sp

@@ -29,7 +29,7 @@ from flax.linen.dtypes import promote_dtype as _promote_dtype
 
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24._ops import compress, sparse_dot
+from jsparse24._ops import compress, cusparselt_layout_unfit, sparse_dot
 from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
 from jsparse24._phase import STATIC_DENSE, is_static_dense
 
@@ -318,9 +318,7 @@ def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
   bias = module.get_variable("params", "bias") if module.use_bias else None
   dtype = module.dtype or jnp.result_type(inputs.dtype, sp.dtype)
   # Like nn.Dense's promote_dtype: the weight computes in the module's dtype.
-  sp = dataclasses.replace(
-      sp, values=sp.values.astype(dtype),
-      values_t=None if sp.values_t is None else sp.values_t.astype(dtype))
+  sp = sp.astype(dtype)
   y = sparse_dot(inputs.astype(dtype), sp, implementation=opts.implementation,
                  precision=module.precision, weight_sharding=opts.kernel_sharding)
   if bias is not None:
@@ -756,13 +754,18 @@ def map_sparse_kernels(fn, layers: Mapping[tuple, Any], tree: Any, *rest: Any):
   return out, sorted("/".join(map(str, p)) for p in set(layers) - seen)
 
 
-def compress_params(params: Mapping, sparsity: Mapping) -> Any:
+def compress_params(params: Mapping, sparsity: Mapping, *, cusparselt: bool = False) -> Any:
   """`params` with every active sparse layer's kernel replaced by its
   `Sparse24` (values + metadata; with the transposed copy when the mask is
   transposable). A model applied to the result computes with the compressed
   weights; no `"sparsity"` collection is needed then. A stack of layers
   (`nn.scan`) becomes one stacked `Sparse24`. The container types of `params`
   are kept (`FrozenDict` too).
+
+  `cusparselt=True` stores each kernel in cuSPARSELt's layout (`compress`'s
+  `cusparselt`): cuSPARSELt then multiplies it in place, for a prefill's and
+  a large batch's rows (N*K/8 bytes more per kernel); bfloat16 or float16
+  kernels with K and N multiples of 64, raising otherwise (naming the layer).
 
   Call it outside `jax.jit`: it decides per layer, from the concrete
   `active` flags, whether to compress (layers in a dense phase keep their
@@ -793,7 +796,10 @@ def compress_params(params: Mapping, sparsity: Mapping) -> Any:
     if isinstance(kernel, Sparse24):  # map_sparse_kernels hands it over whole
       raise TypeError(f"{fn}: the kernel of layer {'/'.join(path)!r} is already a Sparse24"
                       f" (were the params compressed twice?); pass the dense params.")
-    return compress(kernel, mask, transposed=mask.transposable)
+    reason = cusparselt and cusparselt_layout_unfit(kernel.shape, kernel.dtype)
+    if reason:
+      raise ValueError(f"{fn}: layer {'/'.join(path)!r}: cusparselt=True {reason}")
+    return compress(kernel, mask, transposed=mask.transposable, cusparselt=cusparselt)
 
   out, missing = map_sparse_kernels(compress_kernel, chosen, params)
   if missing:

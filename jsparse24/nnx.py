@@ -45,7 +45,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24._ops import compress
+from jsparse24._ops import compress, cusparselt_layout_unfit
 from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
 from jsparse24.linen import MVUE_RNG, mask_like_kernel
 
@@ -225,9 +225,7 @@ class SparseLinear(nnx.Module):
     # promotion); the kept values are cast to it here, as Linen's SparseDense
     # does, since sparse_dot computes in the dtype of `x` and `w` together.
     inputs, values, bias = self.promote_dtype((inputs, sp.values, bias), dtype=self.dtype)
-    sp = dataclasses.replace(
-        sp, values=values,
-        values_t=None if sp.values_t is None else sp.values_t.astype(values.dtype))
+    sp = sp.astype(values.dtype)
     # A Sparse24's gradient is that of its kept values: the MVUE estimate of
     # a dense `dw` has nothing to apply to, and no key is drawn.
     opts = dataclasses.replace(SparsityOptions.of(self), weight_grad="dense")
@@ -275,7 +273,8 @@ def masks_like_kernels(model: nnx.Module) -> None:
                                             name, "nnx.masks_like_kernels"))
 
 
-def compress_params(model: nnx.Module, *, transposed: bool | None = None) -> None:
+def compress_params(model: nnx.Module, *, transposed: bool | None = None,
+                    cusparselt: bool = False) -> None:
   """Replaces, in place, the kernel of every active `SparseLinear` in `model`
   by its `Sparse24` (values + metadata), compressed with the layer's own mask;
   the NNX form of `jsparse24.compress_params`. The model then computes with
@@ -310,6 +309,10 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None) -> Non
       operand alone, which is all that inference reads (a transposable mask's
       copy doubles the kept values' bytes); True: always, and raise for a
       plain mask.
+    cusparselt: store each kernel in cuSPARSELt's layout (`jsparse24.compress`'s
+      `cusparselt`): cuSPARSELt then multiplies it in place, for a prefill's
+      and a large batch's rows; bfloat16 or float16 kernels with K and N
+      multiples of 64, raising otherwise (naming the layer).
 
   Example:
     >>> import jax.numpy as jnp, jsparse24
@@ -358,6 +361,10 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None) -> Non
           f"{fn}: transposed=True, but the mask of layer {_name(path)!r} is not"
           f" transposable (2:4 along K only), so its transpose is not 2:4; pass"
           f" transposed=None (a transposed copy where the mask allows) or False.")
+    reason = cusparselt and cusparselt_layout_unfit(layer.kernel.get_value().shape,
+                                                    layer.kernel.get_value().dtype)
+    if reason and flags.all():
+      raise ValueError(f"{fn}: layer {_name(path)!r}: cusparselt=True {reason}")
     if flags.all():
       chosen.append((layer, mask))
   if not stored:
@@ -368,7 +375,7 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None) -> Non
   for layer, mask in chosen:
     keep_transpose = mask.transposable if transposed is None else transposed
     layer.kernel = nnx.Param(compress(layer.kernel.get_value(), mask,
-                                      transposed=keep_transpose))
+                                      transposed=keep_transpose, cusparselt=cusparselt))
     layer.mask = nnx.data(None)
     layer.active = nnx.data(None)
 

@@ -131,22 +131,25 @@ def keep_from_meta(meta: jax.Array) -> list[jax.Array]:
 
 
 def check_operands(fn: str, x: jax.Array, values: jax.Array, meta: jax.Array,
-                   k: int) -> tuple[int, int]:
+                   k: int, rows_after_n: bool = False) -> tuple[int, int]:
   """The checks both sparse-operand matmuls (`spmm24`, `decode24`) make of
   `x [M, K]` and a compressed weight's arrays (values `[N, K/2]`, metadata
   `uint8[N, ceil(K/8)]`): shapes that agree and one supported dtype, each
-  failure named by `fn`. Returns `(M, N)`."""
+  failure named by `fn`. `rows_after_n`: values may have more rows than N
+  (other data after the values, read by nobody here). Returns `(M, N)`."""
   if x.ndim != 2:
     raise ValueError(f"{fn}: `x` must be [M, K], got shape {x.shape}.")
   m, kx = x.shape
-  n = values.shape[0]
+  n = meta.shape[0] if meta.ndim == 2 else values.shape[0]
   if kx != k or k % 4 or not k:
     raise ValueError(f"{fn}: x.shape[1] = {kx} must equal k = {k}, a positive multiple of 4.")
-  if (values.shape != (n, k // 2) or meta.shape != (n, math.ceil(k / 8))
-      or meta.dtype != jnp.uint8):
+  rows_ok = values.shape[0] >= n if rows_after_n else values.shape[0] == n
+  if (values.ndim != 2 or not rows_ok or values.shape[1] != k // 2
+      or meta.shape != (n, math.ceil(k / 8)) or meta.dtype != jnp.uint8):
     raise ValueError(
-        f"{fn}: expected values [N, {k // 2}] and uint8 meta [N, {math.ceil(k / 8)}],"
-        f" got {values.dtype}{list(values.shape)} and {meta.dtype}{list(meta.shape)}.")
+        f"{fn}: expected values [N{' or more' if rows_after_n else ''}, {k // 2}] and uint8"
+        f" meta [N, {math.ceil(k / 8)}], got {values.dtype}{list(values.shape)} and"
+        f" {meta.dtype}{list(meta.shape)}.")
   if x.dtype != values.dtype:
     raise TypeError(f"{fn}: x ({x.dtype}) and values ({values.dtype}) must share a dtype.")
   if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):

@@ -262,10 +262,12 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   `uint8[N, ceil(K/8)]`): float32 accumulation, output in x's dtype.
 
   Any M, N and K (K a multiple of 4), read in place (no padded copy of W).
-  Meant for few rows (its defaults are tuned up to M = 64); `spmm24.sparse_matmul`
-  is the kernel for larger M.
+  `values` may have rows after its N (N is meta's): they are not read, so a
+  buffer holding other data after the values (cuSPARSELt's metadata) is
+  multiplied without a copy. Meant for few rows (its defaults are tuned up to
+  M = 64); `spmm24.sparse_matmul` is the kernel for larger M.
   """
-  m, n = _tiles.check_operands("decode_matmul", x, values, meta, k)
+  m, n = _tiles.check_operands("decode_matmul", x, values, meta, k, rows_after_n=True)
   if not m or not n:
     return jnp.zeros((m, n), x.dtype)
   itemsize = jnp.dtype(x.dtype).itemsize
@@ -273,8 +275,8 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   pairs = itemsize == 2
   # A group's two 16-bit values as one 32-bit word (a bitcast: no copy of W).
-  w = (jax.lax.bitcast_convert_type(values.reshape(n, k // 4, 2), jnp.uint32) if pairs
-       else values)
+  w = (jax.lax.bitcast_convert_type(values.reshape(values.shape[0], k // 4, 2), jnp.uint32)
+       if pairs else values)
   # One slice writes y itself; several write float32 partial products.
   out_shape = (m, n) if splits == 1 else (splits, m, n)
   out_dtype = x.dtype if splits == 1 else jnp.float32

@@ -909,3 +909,104 @@ def test_mvue_weight_grad_partial_sums_are_in_the_products_dtype(dtype, monkeypa
   with interpret_mode():
     whole = jax.eval_shape(cusparselt.mvue_weight_grad, x, dy, jax.random.key(0))
   assert whole.dtype == dtype, whole
+
+
+# --- a Sparse24 in cuSPARSELt's layout (`compress(..., cusparselt=True)`) ----------
+
+
+def _codes(sp):
+  """The 4-bit codes `[..., N, K/4]` of a Sparse24's metadata."""
+  low, high = sp.meta & 0xF, sp.meta >> 4
+  return jnp.stack([low, high], axis=-1).reshape(*sp.meta.shape[:-1], -1)[..., :sp.shape[-2] // 4]
+
+
+@pytest.mark.parametrize("shape,dtype", [((64, 64), jnp.bfloat16), ((192, 320), jnp.float16),
+                                         ((3, 256, 128), jnp.bfloat16)])
+def test_cusparselt_layout_holds_the_values_then_cusparselts_metadata(shape, dtype):
+  """The kept values unchanged in the first N rows, then the metadata bytes
+  of `metadata_layout` (the byte-by-byte definition checked against
+  cusparseLtSpMMACompress2's recorded bytes) for the `[N, K/4]` codes: the
+  transposed buffer of `w^T` (`buffer_shape(N, K, transpose=True)`)."""
+  w = jax.random.normal(jax.random.key(sum(shape)), shape, dtype)
+  sp = jsparse24.compress(w)
+  sc = jsparse24.compress(w, cusparselt=True)
+  *lead, k, n = shape
+  assert sc.cusparselt and not sp.cusparselt and sc.shape == sp.shape == tuple(shape)
+  assert sc.values.shape == (*lead, *cusparselt.buffer_shape(n, k, transpose=True))
+  assert sc.nbytes == sp.nbytes + int(np.prod(lead, dtype=int)) * n * k // 8
+  np.testing.assert_array_equal(_bytes(sc.values[..., :n, :]), _bytes(sp.values))
+  np.testing.assert_array_equal(_bytes(sc.meta), _bytes(sp.meta))
+  for i in np.ndindex(*lead):
+    tail = _bytes(sc.values[i][n:])
+    np.testing.assert_array_equal(tail, np.asarray(cusparselt.metadata_layout(_codes(sp)[i])))
+  np.testing.assert_array_equal(jsparse24.decompress(sc), jsparse24.decompress(sp))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_cusparselt_layout_multiplies_as_the_portable_one(m, implementation):
+  """The decode kernel reads the first N rows of the buffer in place: the
+  same bits as on the portable Sparse24; the gradient in the buffer is the
+  kept values' in its first N rows and zero on the metadata rows."""
+  k, n = 192, 320
+  w = jax.random.normal(jax.random.key(m), (k, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(m + 1), (m, k), jnp.bfloat16)
+  sp, sc = jsparse24.compress(w), jsparse24.compress(w, cusparselt=True)
+
+  def loss(x, s):
+    return jnp.sum(jsparse24.sparse_dot(x, s, implementation=implementation)
+                   .astype(jnp.float32) ** 2)
+
+  with interpret_mode():
+    y = jax.jit(lambda x, s: jsparse24.sparse_dot(x, s, implementation=implementation))
+    np.testing.assert_array_equal(_bytes(y(x, sc)), _bytes(y(x, sp)))
+    (gx, gc), (wx, wp) = [jax.jit(jax.grad(loss, (0, 1), allow_int=True))(x, s)
+                          for s in (sc, sp)]
+  np.testing.assert_array_equal(_bytes(gx), _bytes(wx))
+  assert gc.values.shape == sc.values.shape
+  np.testing.assert_array_equal(_bytes(gc.values[:n]), _bytes(wp.values))
+  assert not np.asarray(gc.values[n:], np.float32).any()
+
+
+def test_cusparselt_layout_errors_name_the_fix():
+  w = jax.random.normal(jax.random.key(0), (128, 64), jnp.float32)
+  with pytest.raises(ValueError, match=r"compress: cusparselt=True needs bfloat16 or float16"
+                                       r" .*got float32; cast the weight"):
+    jsparse24.compress(w, cusparselt=True)
+  with pytest.raises(ValueError, match=r"compress: cusparselt=True needs K and N multiples of"
+                                       r" 64 .*got K=96, N=64; pass cusparselt=False"):
+    jsparse24.compress(w[:96].astype(jnp.bfloat16), cusparselt=True)
+  with pytest.raises(ValueError, match="compressed must be False, True or 'cusparselt'"):
+    jsparse24.selected_implementation((1, 128), (128, 64), jnp.bfloat16, compressed="yes")
+  sc = jsparse24.compress(w.astype(jnp.bfloat16), cusparselt=True)
+  mesh = jax.make_mesh((8,), ("model",))
+  with pytest.raises(ValueError, match=r"sparse_dot: a Sparse24 in cuSPARSELt's layout"
+                                       r" .*cannot be split across devices \(weight_sharding\)"):
+    jsparse24.sparse_dot(jnp.ones((8, 128), jnp.bfloat16), sc, implementation="xla",
+                         weight_sharding=jax.sharding.NamedSharding(
+                             mesh, jax.sharding.PartitionSpec(None, "model")))
+
+
+def test_cusparselt_layout_cast_keeps_the_kept_values():
+  """A cast (a layer computing in another dtype) gives the portable layout:
+  the metadata rows are bits, not numbers."""
+  w = jax.random.normal(jax.random.key(0), (128, 64), jnp.bfloat16)
+  sc = jsparse24.compress(w, cusparselt=True)
+  assert sc.astype(jnp.bfloat16) is sc
+  f32 = sc.astype(jnp.float32)
+  assert not f32.cusparselt and f32.values.shape == (64, 64) and f32.dtype == jnp.float32
+  np.testing.assert_array_equal(jsparse24.decompress(f32),
+                                jsparse24.decompress(sc).astype(jnp.float32))
+
+
+def test_automatic_choice_reads_the_cusparselt_layout_table():
+  """A weight in cuSPARSELt's layout takes cuSPARSELt from its own table's
+  rows (no re-layout per call), the portable one from AUTO_MIN_M_COMPRESSED."""
+  backend = cusparselt.CusparseltBackend()
+  problem = backends.Problem(m=128, k=4096, n=8192, dtype=jnp.dtype(jnp.bfloat16),
+                             transposable=False, platform="gpu", compressed=True)
+  assert cusparselt.AUTO_MIN_M_CUSPARSELT_LAYOUT[2][3] == 128
+  assert cusparselt.AUTO_MIN_M_COMPRESSED[2][3] == 256
+  assert backend.prefers(dataclasses.replace(problem, cusparselt_layout=True))
+  assert not backend.prefers(problem)
+  assert backend.prefers(dataclasses.replace(problem, m=256))

@@ -115,6 +115,19 @@ def test_column_blocks_balance_over_the_sms(m, n, want):
   assert (cfg.block_n, cfg.splits, cfg.block_k, cfg.block_m) == (*want, 256, 16 if m <= 16 else 32)
 
 
+def test_decode_matmul_reads_only_the_first_n_rows_of_values():
+  """Rows after N (cuSPARSELt's metadata in its layout) are not read: NaN
+  there changes nothing; fewer rows than N are refused."""
+  x, sp = _operand(5, 3, 256, 72, jnp.bfloat16)
+  want = decode24.decode_matmul(x, sp.values, sp.meta, k=256, interpret=True)
+  tail = jnp.full((9, sp.values.shape[1]), jnp.nan, sp.values.dtype)
+  got = decode24.decode_matmul(x, jnp.concatenate([sp.values, tail]), sp.meta, k=256,
+                               interpret=True)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  with pytest.raises(ValueError, match=r"decode_matmul: expected values \[N or more, 128\]"):
+    decode24.decode_matmul(x, sp.values[:-1], sp.meta, k=256, interpret=True)
+
+
 def test_decode_matmul_rejects_bad_input():
   x, sp = _operand(0, 2, 16, 8, jnp.float32)
   with pytest.raises(ValueError, match="decode_matmul: x.shape"):

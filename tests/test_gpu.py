@@ -325,6 +325,47 @@ def test_compressed_weight_relaid_out_as_compress2_writes_it(dtype, k, n):
   assert _same_bits(got, want)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("k,n", [(256, 128), (192, 320), (4096, 2048)])
+def test_cusparselt_layout_is_what_compress2_writes_for_the_transpose(dtype, k, n):
+  # `compress(..., cusparselt=True)`'s values are byte for byte what
+  # cusparseLtSpMMACompress2 writes for the structured `[N, K]` operand read
+  # transposed (the transposed buffer of w^T), with no transpose of the
+  # kept values.
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  w = jax.random.normal(jax.random.key(k * n), (k, n), dtype)
+  sp = jax.jit(lambda w: jsparse24.compress(w, cusparselt=True))(w)
+  assert sp.cusparselt and sp.values.shape == cusparselt.buffer_shape(n, k, transpose=True)
+  want = jax.jit(lambda a: cusparselt.compress(a, transpose=True))(jsparse24.decompress(sp).T)
+  assert _same_bits(sp.values, want)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "cusparselt", None])
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (3, 192, 320), (17, 256, 128),
+                                   (2048, 1024, 512), (100, 320, 448)])
+def test_cusparselt_layout_products_match(implementation, m, k, n):
+  """A weight in cuSPARSELt's layout multiplies as its portable Sparse24 does
+  on every backend (the decode kernel reads its first N rows in place;
+  cuSPARSELt the whole buffer), forward and both gradients."""
+  w = jax.random.normal(jax.random.key(m + k), (k, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(n), (m, k), jnp.bfloat16)
+  sp = jsparse24.compress(w, implementation="pallas")
+  sc = jsparse24.compress(w, cusparselt=True)
+
+  def loss(impl):
+    return lambda x, s: jnp.sum(jsparse24.sparse_dot(x, s, implementation=impl)
+                                .astype(jnp.float32) ** 2)
+
+  got_y = jax.jit(lambda x, s: jsparse24.sparse_dot(x, s, implementation=implementation))(x, sc)
+  want_y = jax.jit(lambda x, s: jsparse24.sparse_dot(x, s, implementation="xla"))(x, sp)
+  assert _rel_err(got_y, want_y) < 1e-2
+  gx, gs = jax.jit(jax.grad(loss(implementation), (0, 1), allow_int=True))(x, sc)
+  wx, ws = jax.jit(jax.grad(loss("xla"), (0, 1), allow_int=True))(x, sp)
+  assert _rel_err(gx, wx) < 1e-2
+  assert _rel_err(gs.values[:n], ws.values) < 1e-2
+  assert not np.asarray(gs.values[n:], np.float32).any()  # the metadata rows
+
+
 @pytest.mark.parametrize("rows,groups", [(4096, 1024), (192, 80), (64, 8)])
 @pytest.mark.parametrize("by_groups", [False, True])
 def test_cusparselt_metadata_kernel_on_gpu(rows, groups, by_groups):

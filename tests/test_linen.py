@@ -233,6 +233,31 @@ def test_compress_params_serves_the_same_outputs():
     jax.jit(jsparse24.compress_params)(v["params"], v["sparsity"])
 
 
+def test_compress_params_in_cusparselts_layout():
+  """`cusparselt=True`: the kernels in cuSPARSELt's layout, the outputs of
+  the portable ones exactly; a kernel that cannot take it raises naming
+  the layer."""
+
+  class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(64, name="down")(nn.relu(nn.Dense(192, name="up")(x)))
+
+  patched = jsparse24.sparsify(Wide(), {".*": {"transposable": False}})
+  x = _rand(0, (3, 128)).astype(jnp.bfloat16)
+  v = patched.init(jax.random.key(0), x)
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), v["params"])
+  portable = jsparse24.compress_params(params, v["sparsity"])
+  laid_out = jsparse24.compress_params(params, v["sparsity"], cusparselt=True)
+  assert all(laid_out[name]["kernel"].cusparselt for name in ("up", "down"))
+  np.testing.assert_array_equal(
+      np.asarray(patched.apply({"params": laid_out}, x), np.float32),
+      np.asarray(patched.apply({"params": portable}, x), np.float32))
+  with pytest.raises(ValueError, match=r"compress_params: layer '(up|down)': cusparselt=True needs"
+                                       r" bfloat16 or float16 weights"):
+    jsparse24.compress_params(v["params"], v["sparsity"], cusparselt=True)
+
+
 def test_sparse_dense_works_under_jit_vmap_and_remat():
   """Against the formula, not against itself: y = x @ (kernel * mask) + bias,
   and the straight-through gradients (dkernel = x^T dy for every weight)."""

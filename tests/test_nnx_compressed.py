@@ -370,3 +370,31 @@ def test_errors_name_the_function_and_the_fix():
   with pytest.raises(ValueError, match=r"SparseLinear: this layer takes its 2:4 mask from"
                                        r" `layer.mask`.*but its mask is None"):
     model.up(_x(33, (3, K)))
+
+
+def test_compress_params_in_cusparselts_layout():
+  """`cusparselt=True`: every kernel in cuSPARSELt's layout, the same
+  outputs bit for bit; a kernel that cannot take it (K, N not multiples of
+  64, float32) raises naming the layer before any layer changes."""
+  model = _Mlp(nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"nnx.compress_params: layer '(up|down)': cusparselt=True needs K"
+                                       r" and N multiples of 64"):
+    jnnx.compress_params(model, cusparselt=True)
+  assert not isinstance(model.up.kernel.get_value(), jsparse24.Sparse24)
+
+  class Wide(nnx.Module):
+    def __init__(self, rngs):
+      self.up = jnnx.SparseLinear(128, 192, rngs=rngs, param_dtype=jnp.bfloat16)
+      self.down = jnnx.SparseLinear(192, 64, rngs=rngs, param_dtype=jnp.bfloat16)
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x)))
+
+  model = Wide(nnx.Rngs(1))
+  _randomize(model, 2)
+  x = _x(3, (5, 128), jnp.bfloat16)
+  before = model(x)
+  jnnx.compress_params(model, transposed=False, cusparselt=True)
+  for layer in (model.up, model.down):
+    assert layer.kernel.get_value().cusparselt
+  np.testing.assert_array_equal(np.asarray(model(x), np.float32), np.asarray(before, np.float32))

@@ -334,8 +334,11 @@ def _compressed_product_bwd(backend: Backend, precision, split, res, dy):
       return jnp.zeros_like(a)
     return np.zeros(a.shape, jax.dtypes.float0)
 
-  d_sp = Sparse24(kept.values.astype(sp.values.dtype), zero(sp.meta), zero(sp.values_t),
-                  zero(sp.meta_t))
+  d_values = kept.values.astype(sp.values.dtype)
+  if sp.cusparselt:  # cuSPARSELt's metadata rows after the values: bits, no gradient
+    tail = sp.values.shape[-2] - d_values.shape[-2]
+    d_values = jnp.concatenate([d_values, jnp.zeros((tail, d_values.shape[-1]), d_values.dtype)])
+  d_sp = Sparse24(d_values, zero(sp.meta), zero(sp.values_t), zero(sp.meta_t), sp.cusparselt)
   return dx.astype(x.dtype), d_sp
 
 

@@ -60,6 +60,9 @@ class Problem:
   # The weight arrives compressed (a `Sparse24`, e.g. from `compress_params`):
   # no pruning or compression is paid per call.
   compressed: bool = False
+  # ... in cuSPARSELt's layout (`Sparse24.cusparselt`): its products read it
+  # in place.
+  cusparselt_layout: bool = False
   # An activation is pruned 2:4 and the weight dense (`input_sparsity`,
   # `grad_output`): `Backend.dot_input_sparse`.
   input_sparse: bool = False

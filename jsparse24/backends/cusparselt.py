@@ -143,6 +143,21 @@ AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
     (None, 512, 256, 256, 256),       # K 16384
 )
 
+# The same for a `Sparse24` in cuSPARSELt's layout (`compress(...,
+# cusparselt=True)`), which cuSPARSELt multiplies in place, so from fewer
+# rows. Measured on an NVIDIA H200, M = 128, 256, 512 (2026-12-04,
+# benchmarks/results/nvidia-h200.md, "cuSPARSELt on compressed weights in its
+# layout", `sweep_decode.py --cusparselt-layout`); above 512 rows the table
+# above's sweeps, where the re-layout in every call already paid, stand for
+# it: so (2048, 2048), which did not pay by 512 rows, keeps 2048.
+AUTO_MIN_M_CUSPARSELT_LAYOUT: tuple[tuple[int | None, ...], ...] = (
+    (None, None, None, None, None),   # K 1024
+    (None, 2048, 256, 256, 256),      # K 2048
+    (None, 512, 256, 128, 256),       # K 4096
+    (None, 512, 256, 128, 128),       # K 8192
+    (None, 256, 256, 128, 128),       # K 16384
+)
+
 
 def _grid_index(size: int) -> int | None:
   """Index of the largest AUTO_GRID value <= size (None: below the grid)."""
@@ -393,6 +408,49 @@ def forward_buffer(sp: Sparse24) -> jax.Array:
                             rows=buffer_shape(k, n, transpose=False)[0],
                             interpret=pallas_backend.interpreting())
   return _with_metadata(whole_on_each_device(write, sp.values), k // 2, sp.meta, k // 4)
+
+
+def cusparselt_layout_unfit(shape: tuple[int, ...], dtype) -> str | None:
+  """Why a `[..., K, N]` weight of `dtype` cannot take cuSPARSELt's layout
+  (`to_cusparselt_layout`), with the fix; None: it can."""
+  k, n = shape[-2:]
+  if jnp.dtype(dtype) not in _DTYPE_CODES:
+    return (f"needs bfloat16 or float16 weights (cuSPARSELt's 2:4 products), got"
+            f" {jnp.dtype(dtype)}; cast the weight first or pass cusparselt=False.")
+  if k % ALIGN_KN or n % ALIGN_KN:
+    return (f"needs K and N multiples of {ALIGN_KN} (cuSPARSELt's layout), got K={k},"
+            f" N={n}; pass cusparselt=False for this weight.")
+  return None
+
+
+def to_cusparselt_layout(sp: Sparse24, fn: str = "compress") -> Sparse24:
+  """`sp` in cuSPARSELt's layout (`Sparse24.cusparselt`): its kept values,
+  then the metadata cuSPARSELt reads, in one `[..., N + N/8, K/2]` array.
+
+  cuSPARSELt's structured operand declared as the row-major `[N, K]` a
+  Sparse24's values describe (op T: the transposed buffer of `w^T`,
+  `buffer_shape(N, K, transpose=True)`) compresses to those values followed
+  by `_metadata_rows` of the same codes: `from_sparse24`'s buffers without
+  the transpose of the values (checked byte for byte against
+  cusparseLtSpMMACompress2 on the GPU, tests/test_gpu.py). Products then
+  read the weight in place: on an H200 at 2048 rows, 1.41-1.66x of dense XLA
+  against 1.26-1.45x with `forward_buffer` in every call (2026-12-03,
+  benchmarks/results/nvidia-h200.md, "Where the re-layout goes, and what is
+  left without it"). Costs N*K/8 bytes more (1/9 of the values for 16-bit
+  weights); the decode kernel reads the first N rows and the 4-bit `meta`."""
+  if sp.cusparselt:
+    return sp
+  *lead, k, n = sp.shape
+  reason = cusparselt_layout_unfit(sp.shape, sp.dtype)
+  if reason:
+    raise ValueError(f"{fn}: cusparselt=True {reason}")
+
+  def one(values, meta):
+    return jnp.concatenate([values, _metadata_rows(meta, k // 4, k // 2, values.dtype)])
+
+  for _ in lead:
+    one = jax.vmap(one)
+  return dataclasses.replace(sp, values=one(sp.values, sp.meta), cusparselt=True)
 
 
 def _xla_fallback() -> bool:
@@ -822,7 +880,9 @@ class CusparseltBackend(Backend):
     i, j = _grid_index(problem.k), _grid_index(problem.n)
     if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
       return False
-    if problem.compressed:
+    if problem.cusparselt_layout:
+      min_m = AUTO_MIN_M_CUSPARSELT_LAYOUT[i][j]
+    elif problem.compressed:
       min_m = AUTO_MIN_M_COMPRESSED[i][j]
     else:
       min_m = AUTO_MIN_M[problem.transposable][i][j]
@@ -871,8 +931,9 @@ class CusparseltBackend(Backend):
                                 input_sparse_matmul)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
-    # A Sparse24 is the portable format; this re-lays it out for cuSPARSELt
-    # on every call (`forward_buffer`).
     del precision
     k, n = sp.shape
+    if sp.cusparselt:  # the values are cuSPARSELt's buffer (`to_cusparselt_layout`)
+      return matmul(x, sp.values, k=n, n=k, transpose=True)
+    # The portable format, re-laid out for cuSPARSELt on every call.
     return matmul(x, forward_buffer(sp), k=k, n=n)

@@ -396,7 +396,7 @@ class PallasBackend(Backend):
   def forward(self, x, operand: Sparse24, precision):
     del precision
     # Partitioned over M under jit with sharded activations (_sharding).
-    return rows_parallel(_spmm(operand.shape[0], interpreting()), x, operand.values,
+    return rows_parallel(_spmm(operand.shape[0], interpreting()), x, operand.kept_values,
                          operand.meta)
 
   def backward_dx(self, dy, operand: Sparse24, precision):
@@ -420,5 +420,6 @@ class PallasBackend(Backend):
     del precision
     if x.shape[0] > DECODE_MAX_M:
       return self.forward(x, sp, None)
-    # Partitioned over M under jit with sharded activations (_sharding).
+    # Partitioned over M under jit with sharded activations (_sharding). In
+    # cuSPARSELt's layout the kernel reads the values' first N rows in place.
     return rows_parallel(_decode(sp.shape[0], interpreting()), x, sp.values, sp.meta)
