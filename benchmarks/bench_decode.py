@@ -2,17 +2,18 @@
 its products at the decode shapes.
 
     PYTHONPATH=. python benchmarks/bench_decode.py [--widths 2048,4096] [--layers 8]
-        [--blocks scan|loop] [--profile] [--no-write]
+        [--blocks loop|scan] [--layout portable|cusparselt] [--profile] [--no-write]
     PYTHONPATH=. python benchmarks/bench_decode.py --quick --no-write   # CPU, tiny
 
 The model is `benchmarks/_gpt.py`'s `GPT` (random weights; bf16 compute;
 blocks of four bias-free linear layers `qkv`, `out`, `up`, `down`, heads of
 128, a dense output head), written for a cache as `DecodeGPT`: the same params
 tree (`qkv`'s output split as `[q | k | v]`, GPT-2's order: `qkv_as_blocks`),
-blocks in `nn.scan` (`--blocks loop`: a Python loop of blocks with params of
-their own, so that no step copies a block's weights out of a stack), the
+a Python loop of blocks with params of their own (`--blocks scan`: the
+blocks in `nn.scan` over stacked params, where each step copies every
+block's weights out of the stacks, as a generator should not), the
 cache head-major, `[layers, batch, heads, context, 128]`, carried through the
-scan and written in place (`dynamic_update_slice`; the jitted step donates
+blocks and written in place (`dynamic_update_slice`; the jitted step donates
 it), each block's keys and values read in the cache's own layout (`pinned`)
 by an attention written as two einsums (`cached_attention`). The 2:4
 model is the same module through
@@ -30,7 +31,8 @@ Per width:
   (relative error by norm within `LOGITS_TOL`, else the script exits with an
   error after printing);
 * prefill: `--prefill` tokens of one sequence written into the cache (causal
-  attention over them), tokens/s of both;
+  attention over them: cuDNN's fused attention on a GPU, `--attention`) and
+  the last one's logits, tokens/s of both;
 * the products at the model's shapes (`layer_shapes`; M = each batch and the
   prefill length): dense XLA `x @ w` against `jsparse24.sparse_dot(x, sp)`
   on the compressed operand, with the automatic choice and with each other
@@ -140,12 +142,16 @@ class DecodeBlock(nn.Module):
   context, HEAD_DIM]`) and gets its block index as the scanned input.
 
   `prefill`: the tokens are the first ones (`pos` = 0): causal attention over
-  them alone (cuDNN where it runs, as in training). Otherwise one token at
-  `pos`: attention over the cache up to it (`cached_attention`)."""
+  them alone (`jax.nn.dot_product_attention` with `implementation=attention`:
+  None is XLA's, which writes the float32 logits of every pair of tokens to
+  memory; "cudnn" is a fused flash attention, as a serving prefill runs).
+  Otherwise one token at `pos`: attention over the cache up to it
+  (`cached_attention`)."""
 
   d_model: int
   prefill: bool
   dtype: Any = jnp.bfloat16
+  attention: str | None = None
 
   @nn.compact
   def __call__(self, carry, layer, pos):
@@ -170,7 +176,7 @@ class DecodeBlock(nn.Module):
     v_cache = jax.lax.dynamic_update_slice(
         v_cache, jnp.swapaxes(v, 1, 2)[None].astype(v_cache.dtype), at)
     if self.prefill:
-      a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
     else:
       if seq != 1:
         raise ValueError(f"DecodeBlock: a decode step takes one token per sequence, got {seq}.")
@@ -186,7 +192,13 @@ class DecodeBlock(nn.Module):
 
 class DecodeGPT(nn.Module):
   """`_gpt.GPT` with a KV cache: `__call__(tokens [B, S], cache, pos) ->
-  (logits [B, S, vocab], cache)`.
+  (logits [B, S, vocab], cache)`; a `prefill` returns the last token's
+  logits only (`[B, 1, vocab]`), the ones the next token is drawn from, as a
+  generator's prefill does (at 2048 tokens and a vocabulary of 32768 the
+  head over every token is a 0.55-TFLOP product).
+
+  `attention`: the prefill's `implementation=` of
+  `jax.nn.dot_product_attention` (`DecodeBlock`).
 
   `scan` (the default): the blocks in `nn.scan`, params stacked as in
   `_gpt.GPT` (the same tree). Otherwise a Python loop over blocks
@@ -202,6 +214,7 @@ class DecodeGPT(nn.Module):
   prefill: bool
   dtype: Any = jnp.bfloat16
   scan: bool = True
+  attention: str | None = None
 
   @nn.compact
   def __call__(self, tokens, cache, pos):
@@ -214,13 +227,15 @@ class DecodeGPT(nn.Module):
     if self.scan:
       blocks = nn.scan(DecodeBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                        in_axes=(0, nn.broadcast), length=self.layers)
-      carry, _ = blocks(self.d_model, self.prefill, self.dtype, name="blocks")(
+      carry, _ = blocks(self.d_model, self.prefill, self.dtype, self.attention, name="blocks")(
           carry, jnp.arange(self.layers), pos)
     else:
       for i in range(self.layers):
-        carry, _ = DecodeBlock(self.d_model, self.prefill, self.dtype, name=f"block_{i}")(
-            carry, i, pos)
+        carry, _ = DecodeBlock(self.d_model, self.prefill, self.dtype, self.attention,
+                               name=f"block_{i}")(carry, i, pos)
     x, k_cache, v_cache = carry
+    if self.prefill:
+      x = x[:, -1:]
     x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
     logits = nn.Dense(self.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
     return logits, {"k": k_cache, "v": v_cache}
@@ -275,12 +290,13 @@ def make_models(cfg: dict, d: int) -> dict[str, Any]:
   compressed = jsparse24.compress_params(bf16, variables["sparsity"],
                                          cusparselt=cfg.get("layout") == "cusparselt")
   del variables, bf16
-  scan = cfg.get("blocks", "scan") == "scan"
+  scan = cfg.get("blocks", "loop") == "scan"
   if not scan:
     compressed = unstack_blocks(compressed, layers)
   out = {"compressed": compressed, "masked": masked_params(compressed), "steps": {}}
   for prefill in (False, True):
-    model = DecodeGPT(vocab, d, layers, context, prefill, scan=scan)
+    model = DecodeGPT(vocab, d, layers, context, prefill, scan=scan,
+                      attention=cfg.get("attention"))
     for name, m in (("dense", model), ("2:4", jsparse24.sparsify(model, rules))):
       out["steps"][name, prefill] = jax.jit(
           lambda params, tokens, cache, pos, m=m: m.apply({"params": params}, tokens, cache, pos),
@@ -363,7 +379,7 @@ def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, A
   logits = step(params, tokens, random_cache(cfg, d, 1), zero)[0]
   seconds = timer(threaded_step(step, params, tokens, random_cache(cfg, d, 1), zero))
   out["prefill"] = {"ms": seconds * 1e3, "tokens_per_s": p / seconds,
-                    "logits": logits[0, -16:].astype(jnp.float32)}
+                    "logits": logits[0].astype(jnp.float32)}
   return out
 
 
@@ -466,9 +482,10 @@ def parse_args(argv: Sequence[str] | None):
   p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32768; --quick: 512)")
   p.add_argument("--kernel-ms", default=None,
                  help="M (rows of x) of the product table (default: --batches and --prefill)")
-  p.add_argument("--blocks", choices=("scan", "loop"), default="scan",
-                 help="the blocks in nn.scan with stacked params (default), or a Python loop of"
-                      " blocks with params of their own")
+  p.add_argument("--blocks", choices=("loop", "scan"), default="loop",
+                 help="a Python loop of blocks with params of their own (default), or the blocks"
+                      " in nn.scan with stacked params (each step then copies every block's"
+                      " weights out of the stacks, dense and 2:4 alike)")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and short timings (CPU checks of the script)")
   p.add_argument("--profile", action="store_true",
@@ -478,6 +495,10 @@ def parse_args(argv: Sequence[str] | None):
                  help="the 2:4 weights as `compress_params` gives them (portable, default) or"
                       " in cuSPARSELt's layout (cusparselt=True), which cuSPARSELt multiplies"
                       " in place")
+  p.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
+                 help="the prefill's causal attention (jax.nn.dot_product_attention's"
+                      " implementation; auto: cudnn on a GPU, else xla); a decode step's"
+                      " attention is always `cached_attention`")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   p.add_argument("--json", default=None, help="also write the raw numbers to this file")
   args = p.parse_args(argv)
@@ -490,7 +511,9 @@ def parse_args(argv: Sequence[str] | None):
          "batches": [int(v) for v in str(args.batches).split(",")],
          "layers": args.layers, "context": args.context, "prefill": args.prefill,
          "vocab": args.vocab, "quick": args.quick, "blocks": args.blocks,
-         "profile": args.profile, "layout": args.layout}
+         "profile": args.profile, "layout": args.layout,
+         "attention": {"auto": "cudnn" if jax.default_backend() == "gpu" else None,
+                       "cudnn": "cudnn", "xla": None}[args.attention]}
   cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
                       else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):
@@ -601,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           + _common.table(["d_model", "blocks", "batch", "dense ms", "dense tokens/s", "2:4 ms",
                            "2:4 tokens/s", "speedup", "2:4 layers on", "logits rel err",
                            "check"], model_rows)
-          + f"\n\n**Prefill** ({cfg['prefill']} tokens, one sequence):\n\n"
+          + f"\n\n**Prefill** ({cfg['prefill']} tokens, one sequence; causal attention"
+            f" `implementation={cfg['attention']!r}`; the last token's logits):\n\n"
           + _common.table(["d_model", "blocks", "tokens", "dense ms", "dense tokens/s", "2:4 ms",
                            "2:4 tokens/s", "speedup", "2:4 layers on", "logits rel err",
                            "check"], prefill_rows)

@@ -158,6 +158,7 @@ def test_bench_decode_runs_quick_on_cpu(capsys):
                            "--context", "16", "--prefill", "8", "--vocab", "256",
                            "--kernel-ms", "2", "--profile"])
   assert not out["failures"]
+  assert out["config"]["blocks"] == "loop" and out["config"]["attention"] is None  # CPU: XLA's
   (r,) = out["widths"]
   assert set(r["decode"]) == {1}
   for part in (*r["decode"].values(), r["prefill"]):
@@ -223,7 +224,7 @@ def test_decode_gpt_has_gpt_params_and_its_logits():
   with jax.default_matmul_precision("highest"):
     full = jax.jit(gpt.apply)({"params": gpt_params}, tokens)
     logits, cache = jax.jit(prefill.apply)({"params": params}, tokens[:, :10], cache, 0)
-    np.testing.assert_allclose(logits, full[:, :10], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits, full[:, 9:10], atol=1e-5, rtol=1e-5)  # the last token's
     for t in range(10, 16):  # then one token per step, through the cache
       logits, cache = step_fn({"params": params}, tokens[:, t:t + 1], cache, t)
       np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5, err_msg=t)
@@ -263,9 +264,9 @@ def test_bench_decode_logits_check_fails_on_a_perturbed_weight():
 
   dense = logits("dense", models["masked"])
   assert bench_decode.logits_match(logits("2:4", models["compressed"]), dense)[0]
-  sp = models["compressed"]["blocks"]["down"]["kernel"]
+  sp = models["compressed"]["block_0"]["down"]["kernel"]  # --blocks loop, the default
   bad = jax.tree.map(lambda a: a, models["compressed"])
-  bad["blocks"]["down"]["kernel"] = dataclasses.replace(sp, values=sp.values * 1.5)
+  bad["block_0"]["down"]["kernel"] = dataclasses.replace(sp, values=sp.values * 1.5)
   ok, err = bench_decode.logits_match(logits("2:4", bad), dense)
   assert not ok and err > bench_decode.LOGITS_TOL
 

@@ -84,10 +84,18 @@ DECODE_MAX_M = 256
 # kernel sweep bf16 (2026-11-28 08:20 UTC)", M = 1-256, K and N 2048-16384):
 # the kernel took the median 4.75x less time than decompress + XLA at M <= 32
 # and 2.41x at M = 64-256; below DECODE_MARGIN at M = 1 where K = 2048 and
-# N <= 4096 and at (4096, 2048) (0.75-1.01x: XLA's product of one row with
-# the small decompressed weight), and at (2048, 2048) between 0.92x and
-# 1.48x from M to M. The pairs of this row (a d_model 2048 model's `qkv` and
-# `out`) were not measured in a whole model. Against dense XLA on the
+# N <= 4096 and at (4096, 2048) (0.75-1.01x), and at (2048, 2048) between
+# 0.92x and 1.48x from M to M. Where K = 2048 the row now follows a whole
+# d_model 2048 model instead (`bench_decode.py --widths 2048`, 2026-12-04,
+# nvidia-h200.md, "Decode: cuDNN's attention in the prefill, and a d_model
+# 2048 model's products at one row"): with decompress + XLA at M = 1 for
+# `qkv` (2048 x 6144) and `out` (2048 x 2048) it decoded at 0.714x of dense
+# at batch 1 and 0.841x at batch 4; those products took 2.4-3.0x and
+# 1.3-1.9x the decode kernel's time in two runs of that day (the sweep's
+# M = 1 points are suspect: its dense XLA at M = 1 took 1.6-3.6x its time
+# at M = 2). With the kernel from one row: 1.149x and 1.005x. (2048, 2048)
+# stays on the kernel up to 32 rows: at 64-256 it measured 0.92-1.53x of
+# decompress + XLA, run to run (2026-11-28 to 2026-12-04). Against dense XLA on the
 # decompressed weight: median 1.27x at M <= 32 where K and N >= 4096, and
 # 0.31-0.96x at M = 64-256: there a compressed weight multiplies more slowly
 # than a dense one would, and still much faster than decompressing it.
@@ -117,7 +125,7 @@ DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int], ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
-    "NVIDIA H200": (((16, 32), (2, 256), 256, 256),   # 2048
+    "NVIDIA H200": ((32, 256, 256, 256),     # 2048
                     ((2, 256), 256, 256, 256),        # 4096
                     (256, 256, 256, 256),    # 8192
                     (256, 256, 256, 256)),   # 16384
