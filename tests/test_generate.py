@@ -230,6 +230,28 @@ def test_decode_gpt_has_gpt_params_and_its_logits():
       np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5, err_msg=t)
 
 
+def test_decode_gpt_prefill_takes_its_attention_and_returns_the_last_logits(monkeypatch):
+  # --attention reaches the prefill's dot_product_attention (cuDNN on a GPU:
+  # recorded here and run as XLA's on the CPU), in the scan and in the loop.
+  calls = []
+  xla = jax.nn.dot_product_attention
+
+  def recording(*args, implementation=None, **kwargs):
+    calls.append(implementation)
+    return xla(*args, implementation=None, **kwargs)
+
+  monkeypatch.setattr(bench_decode.jax.nn, "dot_product_attention", recording)
+  tokens = jax.random.randint(jax.random.key(3), (1, 8), 0, 64, jnp.int32)
+  cache = {"k": jnp.zeros((2, 1, 1, 16, 128)), "v": jnp.zeros((2, 1, 1, 16, 128))}
+  for scan in (True, False):
+    model = bench_decode.DecodeGPT(64, 128, 2, 16, True, jnp.float32, scan=scan,
+                                   attention="cudnn")
+    params = jax.jit(model.init)(jax.random.key(0), tokens, cache, 0)
+    logits, _ = model.apply(params, tokens, cache, 0)
+    assert logits.shape == (1, 1, 64)
+  assert calls and set(calls) == {"cudnn"}
+
+
 def test_decode_gpt_loop_of_blocks_matches_the_scan():
   # --blocks loop: the same function as the scanned model on the same
   # weights, split per block by unstack_blocks (a wrong block order or a

@@ -91,14 +91,17 @@ DECODE_MAX_M = 256
 # 2048 model's products at one row"): with decompress + XLA at M = 1 for
 # `qkv` (2048 x 6144) and `out` (2048 x 2048) it decoded at 0.714x of dense
 # at batch 1 and 0.841x at batch 4; those products took 2.4-3.0x and
-# 1.3-1.9x the decode kernel's time in two runs of that day (the sweep's
-# M = 1 points are suspect: its dense XLA at M = 1 took 1.6-3.6x its time
-# at M = 2). With the kernel from one row: 1.149x and 1.005x. (2048, 2048)
-# stays on the kernel up to 32 rows: at 64-256 it measured 0.92-1.53x of
-# decompress + XLA, run to run (2026-11-28 to 2026-12-04). Against dense XLA on the
-# decompressed weight: median 1.27x at M <= 32 where K and N >= 4096, and
-# 0.31-0.96x at M = 64-256: there a compressed weight multiplies more slowly
-# than a dense one would, and still much faster than decompressing it.
+# 1.3-1.9x the decode kernel's time in two runs of that day. With the
+# kernel from one row: 1.149x and 1.005x. The sweep's single points at
+# M = 1 had the kernel at 0.75x and 0.79x of decompress + XLA at (2048,
+# 2048) and (2048, 4096) (timings of 15-21 us; at (2048, 4096) the kernel
+# took 0.0094 ms at M = 2): the cells follow the model's shapes. (2048,
+# 2048) stays on the kernel up to 32 rows: at 64-256 it measured 0.92-1.53x
+# of decompress + XLA, run to run (2026-11-28 to 2026-12-04). Against dense
+# XLA on the decompressed weight: median 1.27x at M <= 32 where K and N >=
+# 4096, and 0.31-0.96x at M = 64-256: there a compressed weight multiplies
+# more slowly than a dense one would, and still much faster than
+# decompressing it.
 # NVIDIA H100 80GB HBM3 (2026-11-28, benchmarks/results/nvidia-h100-80gb-hbm3.md,
 # "Decode kernel: K steps of 128 from 17 to 128 rows and where N > K"):
 # decompress + XLA took 1.5-6.1x as long as the kernel at every point the
