@@ -17,6 +17,7 @@ from jsparse24._format import Mask24, Sparse24
 from jsparse24._options import SparsityOptions
 from jsparse24._sharding import is_explicit, weight_split
 from jsparse24.backends.cusparselt import cusparselt_layout_unfit, to_cusparselt_layout
+from jsparse24.backends.pallas import warn_if_unmeasured
 
 
 def sparse_dot(
@@ -193,6 +194,8 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
           f" across devices ({'weight_sharding' if fn == 'sparse_dot' else 'kernel_sharding'}"
           f"): its metadata rows follow all N rows, not each device's block. Compress it"
           f" with cusparselt=False for tensor parallelism.")
+    if opts.implementation is None and backend.name == "xla":
+      warn_if_unmeasured(math.prod(x.shape[:-1]), dtype)
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
     y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)

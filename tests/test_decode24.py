@@ -4,6 +4,7 @@ and the automatic choice that sends a compressed weight's small-M products
 to it."""
 
 import functools
+import warnings
 
 import flax.linen as nn
 import jax
@@ -264,6 +265,46 @@ def test_unmeasured_gpu_stays_dense(monkeypatch):
   monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
   assert jsparse24.selected_implementation((1, 4096), (4096, 4096), jnp.bfloat16,
                                            compressed=True) == "xla"
+
+
+def _decompressed_warnings(m, dtype, implementation=None):
+  """The UnmeasuredChoiceWarnings of tracing one compressed product."""
+  pallas_backend._warn_unmeasured.cache_clear()  # pylint: disable=protected-access
+  sp = jax.eval_shape(lambda w: jsparse24.compress(w, implementation="xla"),
+                      jax.ShapeDtypeStruct((256, 128), dtype))
+  x = jax.ShapeDtypeStruct((m, 256), dtype)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    jax.eval_shape(functools.partial(jsparse24.sparse_dot, implementation=implementation), x, sp)
+  return [w for w in record if issubclass(w.category, jsparse24.backends.UnmeasuredChoiceWarning)]
+
+
+def test_decompressing_for_want_of_a_measurement_warns(monkeypatch):
+  """A compressed weight that the automatic choice decompresses only because
+  DECODE_AUTO_MAX_M has no row for the GPU (or no measurement of the dtype)
+  says so once, naming the GPU and the fix; a measured GPU's bfloat16, an
+  explicit implementation, and rows above the decode kernel's say nothing."""
+  monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "Unswept GPU")
+  (w,) = _decompressed_warnings(1, jnp.bfloat16)
+  assert "'Unswept GPU'" in str(w.message) and "implementation='pallas'" in str(w.message)
+  assert not _decompressed_warnings(1, jnp.bfloat16, implementation="xla")
+  assert not _decompressed_warnings(pallas_backend.DECODE_MAX_M + 1, jnp.bfloat16)
+  assert not _decompressed_warnings(1, jnp.float32)
+  grid = len(pallas_backend.DECODE_GRID)
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "Test GPU")
+  monkeypatch.setitem(pallas_backend.DECODE_AUTO_MAX_M, "Test GPU", ((0,) * grid,) * grid)
+  assert not _decompressed_warnings(1, jnp.bfloat16)  # measured: the cell said decompress
+  (w,) = _decompressed_warnings(1, jnp.float16)
+  assert "bfloat16 only, not float16" in str(w.message)
+  # Once per process and case: a second product of the same kind is quiet.
+  sp = jax.eval_shape(lambda w: jsparse24.compress(w, implementation="xla"),
+                      jax.ShapeDtypeStruct((256, 128), jnp.float16))
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    jax.eval_shape(jsparse24.sparse_dot, jax.ShapeDtypeStruct((2, 256), jnp.float16), sp)
+  assert not record
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ from jsparse24 import _pallas_runtime
 from jsparse24._format import Mask24
 from jsparse24.backends import pallas as _pallas
 from jsparse24.backends.base import (Backend, BackendUnavailableError, DotConfig, Problem,
-                                     XlaFallbackWarning)
+                                     UnmeasuredChoiceWarning, XlaFallbackWarning)
 from jsparse24.backends.cusparselt import CusparseltBackend
 from jsparse24.backends.pallas import PallasBackend
 from jsparse24.backends.xla import XlaBackend
@@ -88,7 +88,8 @@ def select_compress(implementation: str | None, w) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem",
-           "XlaFallbackWarning", "rebuild_where", "select", "select_compress"]
+           "UnmeasuredChoiceWarning", "XlaFallbackWarning", "rebuild_where", "select",
+           "select_compress"]
 
 
 def rebuild_where(w, old: Mask24, rebuild) -> tuple[Mask24, jax.Array] | None:

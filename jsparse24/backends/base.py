@@ -41,6 +41,12 @@ class BackendUnavailableError(ValueError):
   """An explicitly requested backend cannot run here (the message says why)."""
 
 
+class UnmeasuredChoiceWarning(UserWarning):
+  """The automatic choice took a slow path only because nothing was measured
+  for this GPU or dtype (the message says which table lacks it and how to
+  fill it or choose by hand). Issued once per process and case."""
+
+
 class XlaFallbackWarning(UserWarning):
   """XLA code with the same bits replaces kernels that cannot run here
   (slower, still correct; the message says which and why). Issued once per

@@ -53,7 +53,8 @@ from jsparse24._sharding import columns_parallel, partitioning_off, rows_paralle
 from jsparse24._sharding import unpartitioned as unpartitioned_scope
 from jsparse24.backends._products import matmul
 from jsparse24.backends._tensor_parallel import sparse24_roles
-from jsparse24.backends.base import Backend, BackendUnavailableError, Problem, XlaFallbackWarning
+from jsparse24.backends.base import (Backend, BackendUnavailableError, Problem,
+                                     UnmeasuredChoiceWarning, XlaFallbackWarning)
 
 # implementation=None takes this backend only for M (rows of x) up to this:
 # 0, since it measured slower than dense XLA at every shape, M = 16 included:
@@ -154,6 +155,38 @@ def decode_auto_rows(k: int, n: int) -> tuple[int, int]:
     return 1, 0
   cell = table[below[0][-1]][below[1][-1]]
   return (1, cell) if isinstance(cell, int) else cell
+
+
+def warn_if_unmeasured(m: int, dtype) -> None:
+  """Warns where `implementation=None` has just multiplied a compressed
+  weight decompressed (decompress + XLA: the whole weight written out dense
+  in every call, 0.2-0.4x of the dense weight's own product at few rows on
+  the GPUs measured) only because `DECODE_AUTO_MAX_M` has no measurement for
+  this GPU or dtype, while the decode kernel could run the product."""
+  dtype = jnp.dtype(dtype)
+  if (jax.default_backend() != "gpu" or m > DECODE_MAX_M
+      or dtype not in (jnp.bfloat16, jnp.float16)):
+    return
+  kind = _gpu_kind()
+  if kind in DECODE_AUTO_MAX_M and dtype == jnp.bfloat16:
+    return  # measured: the cell decided
+  if PallasBackend().unavailable_reason() is not None:
+    return
+  _warn_unmeasured(kind, dtype.name, kind in DECODE_AUTO_MAX_M)
+
+
+@functools.cache
+def _warn_unmeasured(kind: str, dtype: str, kind_measured: bool) -> None:
+  what = (f"the decode kernel was measured on this GPU ({kind!r}) for bfloat16 only, not"
+          f" {dtype}" if kind_measured else
+          f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M has no row for this GPU ({kind!r})")
+  warnings.warn(
+      f"jsparse24: compressed {dtype} weights (Sparse24) multiply decompressed here: {what},"
+      f" so implementation=None writes each weight out dense before XLA's product, several"
+      f" times slower than the dense weight at decoding's few rows. Pass"
+      f" implementation='pallas' (sparse_dot, SparseDense, nnx.SparseLinear) to take the"
+      f" decode kernel, or measure a row with benchmarks/sweep_decode.py.",
+      UnmeasuredChoiceWarning, stacklevel=5)
 
 
 @functools.cache
