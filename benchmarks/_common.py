@@ -33,6 +33,18 @@ CUSPARSELT_TAX = ("once a cuSPARSELt matmul (ours, or PyTorch's), or any kernel 
                   " in its own process never pays")
 
 
+ATTENTION_CHOICES = ("auto", "cudnn", "xla")
+
+
+def attention_implementation(choice: str, cudnn_on_gpu: bool = True) -> str | None:
+  """`jax.nn.dot_product_attention`'s `implementation=` for a benchmark's
+  `--attention` choice: "auto" is cuDNN's fused attention on a GPU (where
+  `cudnn_on_gpu`), else None (XLA's)."""
+  if choice == "auto":
+    return "cudnn" if cudnn_on_gpu and jax.default_backend() == "gpu" else None
+  return choice
+
+
 def compressed_bytes(k: int, n: int) -> int:
   """Bytes of a 16-bit `Sparse24` of a `[K, N]` weight: values `[N, K/2]`
   and a metadata byte per 8 of K (56.25% of the dense weight's)."""

@@ -495,7 +495,7 @@ def parse_args(argv: Sequence[str] | None):
                  help="the 2:4 weights as `compress_params` gives them (portable, default) or"
                       " in cuSPARSELt's layout (cusparselt=True), which cuSPARSELt multiplies"
                       " in place")
-  p.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
+  p.add_argument("--attention", choices=_common.ATTENTION_CHOICES, default="auto",
                  help="the prefill's causal attention (jax.nn.dot_product_attention's"
                       " implementation; auto: cudnn on a GPU, else xla); a decode step's"
                       " attention is always `cached_attention`")
@@ -512,8 +512,7 @@ def parse_args(argv: Sequence[str] | None):
          "layers": args.layers, "context": args.context, "prefill": args.prefill,
          "vocab": args.vocab, "quick": args.quick, "blocks": args.blocks,
          "profile": args.profile, "layout": args.layout,
-         "attention": {"auto": "cudnn" if jax.default_backend() == "gpu" else None,
-                       "cudnn": "cudnn", "xla": None}[args.attention]}
+         "attention": _common.attention_implementation(args.attention)}
   cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
                       else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):

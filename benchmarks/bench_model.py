@@ -1194,7 +1194,7 @@ def main(argv=None) -> dict:
                  help="one 2:4 step program deciding mask rebuilds on mask_update's run-time"
                       " flag, instead of the host's schedule passing `mask_rebuild` (a program"
                       " with and one without the rebuild, as examples/train_lm.py trains)")
-  p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
+  p.add_argument("--attention", default="auto", choices=_common.ATTENTION_CHOICES,
                  help="dot_product_attention implementation (auto: cudnn on a GPU, XLA under"
                       " --small (the examples' flax attention) or elsewhere)")
   p.add_argument("--mask", default="default", choices=sorted(MASK_KINDS),
@@ -1249,8 +1249,7 @@ def main(argv=None) -> dict:
   # --small stands for the examples, whose attention is flax's
   # `nn.MultiHeadDotProductAttention` (XLA's ops), and whose small steps
   # are bound by the host, where cuDNN's attention costs more per call.
-  attention = {"auto": "cudnn" if jax.default_backend() == "gpu" and not args.small else None,
-               "cudnn": "cudnn", "xla": "xla"}[args.attention]
+  attention = _common.attention_implementation(args.attention, cudnn_on_gpu=not args.small)
   # Under --small each row has its own batch x seq (the rows' "batch", "seq").
   cfg = {"widths": widths, "small": args.small, "seq": args.seq, "batch": args.batch,
          "vocab": args.vocab,

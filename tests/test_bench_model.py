@@ -269,3 +269,13 @@ def test_pinning_the_count_copies_nothing_from_the_host():
   assert int(pinned[0].count) == 7 and pinned[0].count.dtype == state[0].count.dtype
   assert pinned[0].count.unsafe_buffer_pointer() == address
   assert pinned[1:] == state[1:] and pinned[0].masks is state[0].masks
+
+
+def test_attention_choice_is_cudnn_on_a_gpu_unless_told(monkeypatch):
+  # One mapping of --attention for bench_model and bench_decode: auto is
+  # cuDNN on a GPU (not for bench_model --small), XLA's elsewhere.
+  pick = _common.attention_implementation
+  assert [pick("auto"), pick("cudnn"), pick("xla")] == [None, "cudnn", "xla"]
+  monkeypatch.setattr(_common.jax, "default_backend", lambda: "gpu")
+  assert pick("auto") == "cudnn" and pick("auto", cudnn_on_gpu=False) is None
+  assert pick("xla") == "xla"

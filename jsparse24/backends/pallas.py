@@ -160,8 +160,8 @@ def decode_auto_rows(k: int, n: int) -> tuple[int, int]:
 def warn_if_unmeasured(m: int, dtype) -> None:
   """Warns where `implementation=None` has just multiplied a compressed
   weight decompressed (decompress + XLA: the whole weight written out dense
-  in every call, 0.2-0.4x of the dense weight's own product at few rows on
-  the GPUs measured) only because `DECODE_AUTO_MAX_M` has no measurement for
+  in every call: 0.2-0.4x of the dense weight's own product at one row on
+  most of the H200's shapes, 2026-12-04) only because `DECODE_AUTO_MAX_M` has no measurement for
   this GPU or dtype, while the decode kernel could run the product."""
   dtype = jnp.dtype(dtype)
   if (jax.default_backend() != "gpu" or m > DECODE_MAX_M
