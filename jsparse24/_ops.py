@@ -195,7 +195,7 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
           f"): its metadata rows follow all N rows, not each device's block. Compress it"
           f" with cusparselt=False for tensor parallelism.")
     if opts.implementation is None and backend.name == "xla":
-      warn_if_unmeasured(math.prod(x.shape[:-1]), dtype)
+      warn_if_unmeasured(math.prod(x.shape[:-1]), *w.shape, dtype)
     # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
     # axis as M before this flattening).
     y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)

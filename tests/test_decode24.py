@@ -267,12 +267,12 @@ def test_unmeasured_gpu_stays_dense(monkeypatch):
                                            compressed=True) == "xla"
 
 
-def _decompressed_warnings(m, dtype, implementation=None):
+def _decompressed_warnings(m, dtype, implementation=None, k=256, n=128):
   """The UnmeasuredChoiceWarnings of tracing one compressed product."""
   pallas_backend._warn_unmeasured.cache_clear()  # pylint: disable=protected-access
   sp = jax.eval_shape(lambda w: jsparse24.compress(w, implementation="xla"),
-                      jax.ShapeDtypeStruct((256, 128), dtype))
-  x = jax.ShapeDtypeStruct((m, 256), dtype)
+                      jax.ShapeDtypeStruct((k, n), dtype))
+  x = jax.ShapeDtypeStruct((m, k), dtype)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     jax.eval_shape(functools.partial(jsparse24.sparse_dot, implementation=implementation), x, sp)
@@ -295,7 +295,8 @@ def test_decompressing_for_want_of_a_measurement_warns(monkeypatch):
   grid = len(pallas_backend.DECODE_GRID)
   monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "Test GPU")
   monkeypatch.setitem(pallas_backend.DECODE_AUTO_MAX_M, "Test GPU", ((0,) * grid,) * grid)
-  assert not _decompressed_warnings(1, jnp.bfloat16)  # measured: the cell said decompress
+  assert not _decompressed_warnings(1, jnp.bfloat16)  # below the grid: decided, never
+  assert not _decompressed_warnings(1, jnp.bfloat16, k=4096, n=4096)  # measured: decompress
   (w,) = _decompressed_warnings(1, jnp.float16)
   assert "bfloat16 only, not float16" in str(w.message)
   # Once per process and case: a second product of the same kind is quiet.
@@ -305,6 +306,14 @@ def test_decompressing_for_want_of_a_measurement_warns(monkeypatch):
     warnings.simplefilter("always")
     jax.eval_shape(jsparse24.sparse_dot, jax.ShapeDtypeStruct((2, 256), jnp.float16), sp)
   assert not record
+  # A row's cell that was not measured (None) is no measurement either.
+  table = [[0] * grid for _ in range(grid)]
+  table[0][1] = None  # K 2048, N 4096
+  monkeypatch.setitem(pallas_backend.DECODE_AUTO_MAX_M, "Test GPU", tuple(map(tuple, table)))
+  assert pallas_backend.decode_auto_rows(2048, 6144) == (1, 0)
+  (w,) = _decompressed_warnings(1, jnp.bfloat16, k=2048, n=6144)
+  assert "(K, N) = (2048, 4096)" in str(w.message)
+  assert not _decompressed_warnings(1, jnp.bfloat16, k=4096, n=6144)
 
 
 @pytest.mark.gpu

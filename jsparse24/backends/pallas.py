@@ -109,7 +109,9 @@ DECODE_MAX_M = 256
 # sweep reached (K = 4096 and 8192, M = 1-256). K = 16384 was not reached;
 # there the kernel ran at 0.51-1.55x of dense XLA (M = 1-256, the same
 # section's tile tables), where decompress + XLA ran at 0.24-0.59x of dense
-# XLA at the shapes the sweep did reach.
+# XLA at the shapes the sweep did reach. Its sweeps had K and N of 4096 to
+# 16384: the cells where K or N = 2048 are None (not measured: decompress +
+# XLA, with an `UnmeasuredChoiceWarning`).
 # Both rows are the sweeps' own. A model whose KV cache is carried through a
 # loop over its blocks (`nn.scan` with the cache in the carry) and whose
 # attention output feeds a product on this kernel should pin the layout of
@@ -127,16 +129,16 @@ DECODE_MAX_M = 256
 # row", 2026-11-28).
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
-DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int], ...], ...]] = {
+DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((32, 256, 256, 256),     # 2048
                     ((2, 256), 256, 256, 256),        # 4096
                     (256, 256, 256, 256),    # 8192
                     (256, 256, 256, 256)),   # 16384
-    "NVIDIA H100 80GB HBM3": ((0, 0, 0, 0),           # 2048
-                              (0, 256, 256, 256),     # 4096
-                              (0, 256, 256, 256),     # 8192
-                              (0, 256, 256, 256)),    # 16384
+    "NVIDIA H100 80GB HBM3": ((None, None, None, None),  # 2048
+                              (None, 256, 256, 256),     # 4096
+                              (None, 256, 256, 256),     # 8192
+                              (None, 256, 256, 256)),    # 16384
 }
 
 
@@ -145,41 +147,57 @@ def _gpu_kind() -> str:
   return jax.devices()[0].device_kind
 
 
+def _decode_cell(k: int, n: int):
+  """This GPU's `DECODE_AUTO_MAX_M` cell for a `[K, N]` weight: 0 below the
+  grid, None where the GPU or the cell was not measured."""
+  table = DECODE_AUTO_MAX_M.get(_gpu_kind())
+  below = [[i for i, g in enumerate(DECODE_GRID) if g <= size] for size in (k, n)]
+  if table is None:
+    return None
+  if not below[0] or not below[1]:
+    return 0
+  return table[below[0][-1]][below[1][-1]]
+
+
 def decode_auto_rows(k: int, n: int) -> tuple[int, int]:
   """The fewest and the most rows of x for which `implementation=None`
   multiplies a compressed `[K, N]` weight with the decode kernel on this GPU
   (`(1, 0)`: never)."""
-  table = DECODE_AUTO_MAX_M.get(_gpu_kind())
-  below = [[i for i, g in enumerate(DECODE_GRID) if g <= size] for size in (k, n)]
-  if table is None or not below[0] or not below[1]:
+  cell = _decode_cell(k, n)
+  if cell is None:
     return 1, 0
-  cell = table[below[0][-1]][below[1][-1]]
   return (1, cell) if isinstance(cell, int) else cell
 
 
-def warn_if_unmeasured(m: int, dtype) -> None:
+def warn_if_unmeasured(m: int, k: int, n: int, dtype) -> None:
   """Warns where `implementation=None` has just multiplied a compressed
-  weight decompressed (decompress + XLA: the whole weight written out dense
-  in every call: 0.2-0.4x of the dense weight's own product at one row on
-  most of the H200's shapes, 2026-12-04) only because `DECODE_AUTO_MAX_M` has no measurement for
-  this GPU or dtype, while the decode kernel could run the product."""
+  `[K, N]` weight decompressed (decompress + XLA: the whole weight written
+  out dense in every call: 0.2-0.4x of the dense weight's own product at one
+  row on most of the H200's shapes, 2026-12-04) only because
+  `DECODE_AUTO_MAX_M` has no measurement for this GPU, dtype or grid point,
+  while the decode kernel could run the product."""
   dtype = jnp.dtype(dtype)
   if (jax.default_backend() != "gpu" or m > DECODE_MAX_M
       or dtype not in (jnp.bfloat16, jnp.float16)):
     return
-  kind = _gpu_kind()
-  if kind in DECODE_AUTO_MAX_M and dtype == jnp.bfloat16:
+  kind, cell = _gpu_kind(), _decode_cell(k, n)
+  if kind not in DECODE_AUTO_MAX_M:
+    what = f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M has no row for this GPU ({kind!r})"
+  elif dtype != jnp.bfloat16:
+    what = f"the decode kernel was measured on this GPU ({kind!r}) for bfloat16 only, not {dtype}"
+  elif cell is None:
+    grid = [max(g for g in DECODE_GRID if g <= size) for size in (k, n)]
+    what = (f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M's row for this GPU ({kind!r}) has"
+            f" no measurement at its grid point (K, N) = ({grid[0]}, {grid[1]})")
+  else:
     return  # measured: the cell decided
   if PallasBackend().unavailable_reason() is not None:
     return
-  _warn_unmeasured(kind, dtype.name, kind in DECODE_AUTO_MAX_M)
+  _warn_unmeasured(dtype.name, what)
 
 
 @functools.cache
-def _warn_unmeasured(kind: str, dtype: str, kind_measured: bool) -> None:
-  what = (f"the decode kernel was measured on this GPU ({kind!r}) for bfloat16 only, not"
-          f" {dtype}" if kind_measured else
-          f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M has no row for this GPU ({kind!r})")
+def _warn_unmeasured(dtype: str, what: str) -> None:
   warnings.warn(
       f"jsparse24: compressed {dtype} weights (Sparse24) multiply decompressed here: {what},"
       f" so implementation=None writes each weight out dense before XLA's product, several"
