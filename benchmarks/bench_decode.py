@@ -143,8 +143,9 @@ class DecodeBlock(nn.Module):
 
   `prefill`: the tokens are the first ones (`pos` = 0): causal attention over
   them alone (`jax.nn.dot_product_attention` with `implementation=attention`:
-  None is XLA's, which writes the float32 logits of every pair of tokens to
-  memory; "cudnn" is a fused flash attention, as a serving prefill runs).
+  None or "xla" is XLA's, which writes the float32 logits of every pair of
+  tokens to memory; "cudnn" is a fused flash attention, as a serving prefill
+  runs).
   Otherwise one token at `pos`: attention over the cache up to it
   (`cached_attention`)."""
 
