@@ -281,8 +281,8 @@ def _decompressed_warnings(m, dtype, implementation=None, k=256, n=128):
 
 def test_decompressing_for_want_of_a_measurement_warns(monkeypatch):
   """A compressed weight that the automatic choice decompresses only because
-  DECODE_AUTO_MAX_M has no row for the GPU (or no measurement of the dtype)
-  says so once, naming the GPU and the fix; a measured GPU's bfloat16, an
+  DECODE_AUTO_MAX_M has no row for the GPU (or no measurement of the dtype,
+  or a None cell) says so once, naming the GPU and the fix; a measured GPU's bfloat16, an
   explicit implementation, and rows above the decode kernel's say nothing."""
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)

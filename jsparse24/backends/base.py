@@ -43,8 +43,8 @@ class BackendUnavailableError(ValueError):
 
 class UnmeasuredChoiceWarning(UserWarning):
   """The automatic choice took a slow path only because nothing was measured
-  for this GPU or dtype (the message says which table lacks it and how to
-  fill it or choose by hand). Issued once per process and case."""
+  for this GPU, dtype or shape (the message says which table lacks it and
+  how to fill it or choose by hand). Issued once per process and case."""
 
 
 class XlaFallbackWarning(UserWarning):

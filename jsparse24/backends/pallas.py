@@ -147,16 +147,20 @@ def _gpu_kind() -> str:
   return jax.devices()[0].device_kind
 
 
+def _grid_index(size: int) -> int | None:
+  """The index of the `DECODE_GRID` point at or below `size` (None below the grid)."""
+  below = [i for i, g in enumerate(DECODE_GRID) if g <= size]
+  return below[-1] if below else None
+
+
 def _decode_cell(k: int, n: int):
   """This GPU's `DECODE_AUTO_MAX_M` cell for a `[K, N]` weight: 0 below the
   grid, None where the GPU or the cell was not measured."""
   table = DECODE_AUTO_MAX_M.get(_gpu_kind())
-  below = [[i for i, g in enumerate(DECODE_GRID) if g <= size] for size in (k, n)]
   if table is None:
     return None
-  if not below[0] or not below[1]:
-    return 0
-  return table[below[0][-1]][below[1][-1]]
+  i, j = _grid_index(k), _grid_index(n)
+  return 0 if i is None or j is None else table[i][j]
 
 
 def decode_auto_rows(k: int, n: int) -> tuple[int, int]:
@@ -186,9 +190,9 @@ def warn_if_unmeasured(m: int, k: int, n: int, dtype) -> None:
   elif dtype != jnp.bfloat16:
     what = f"the decode kernel was measured on this GPU ({kind!r}) for bfloat16 only, not {dtype}"
   elif cell is None:
-    grid = [max(g for g in DECODE_GRID if g <= size) for size in (k, n)]
+    point = tuple(DECODE_GRID[_grid_index(size)] for size in (k, n))
     what = (f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M's row for this GPU ({kind!r}) has"
-            f" no measurement at its grid point (K, N) = ({grid[0]}, {grid[1]})")
+            f" no measurement at its grid point (K, N) = {point}")
   else:
     return  # measured: the cell decided
   if PallasBackend().unavailable_reason() is not None:
