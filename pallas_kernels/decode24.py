@@ -40,8 +40,9 @@ because its inline PTX is what the expansion needs; Pallas Mosaic GPU has
 no lowering for the lane splits and joins used here. A Mosaic GPU kernel
 written around that (TMA pipeline, warpgroup products, the weight laid out
 so that selects rebuild it without lane shuffles) ran at 0.86-0.91x of dense
-XLA on an H200 where this one runs at 1.35-1.49x: the selects cost more
-than the byte permutes. Its TMA loads, from persistent CTAs in K steps of
+XLA on an H200 where this one runs at 1.35-1.49x, held there by the work
+of its loop body (its loads alone: 84-96% of copy bandwidth, the whole
+product 54-58%). Its TMA loads, from persistent CTAs in K steps of
 1024, streamed the compressed weight at dense XLA's rate (1.72-1.77x of its
 time), room a Mosaic GPU kernel with a cheap expansion could use
 (benchmarks/results/nvidia-h200.md, "Decode on Pallas Mosaic GPU",
