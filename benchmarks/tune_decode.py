@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/tune_decode.py [--budget 240]
     PYTHONPATH=. python benchmarks/tune_decode.py --quick   # the defaults only
+    PYTHONPATH=. python benchmarks/tune_decode.py --mma [--cells K:N,...] [--ms 1,4,8,16]
 
 A developer tool (it calls `pallas_kernels` directly, and needs neither
 jsparse24 nor Flax): checks `decode24.decode_matmul` against its reference
@@ -13,6 +14,11 @@ call multiplies by several weights in turn (one jitted function), together
 well over the L2 cache, as the layers of a model do: one weight reused call
 after call would be read from L2. `--quick` times only the defaults at the
 four target shapes (M = 1, 16, 32, 64, 128) against the wide tiles.
+`--mma` times the sparse-tensor-core kernel (`decode24_mma`, Hopper) against
+the Triton kernel's defaults and dense XLA at the (K, N) of `--cells` (by
+default the d_model 2048 and 4096 models' products and 8192 x 8192) and
+prints `jsparse24.backends.pallas.DECODE_MMA_MAX_M`'s row: per grid cell,
+the most rows up to which it was the faster at every swept M.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import _common
-from pallas_kernels import decode24
+from pallas_kernels import decode24, decode24_mma
 from pallas_kernels import prune_rule as rule
 
 TARGETS = ((4096, 4096), (4096, 16384), (16384, 4096), (8192, 8192))
@@ -159,17 +165,60 @@ def quick(bw: float) -> None:
                        "config"], rows))
 
 
+MMA_CELLS = ((2048, 2048), (2048, 6144), (2048, 8192), (8192, 2048), (4096, 4096),
+             (4096, 12288), (4096, 16384), (16384, 4096), (8192, 8192))
+GRID = (2048, 4096, 8192, 16384)  # jsparse24.backends.pallas.DECODE_GRID
+
+
+def mma(bw: float, cells, ms) -> None:
+  """The sparse-tensor-core kernel against the Triton kernel and dense XLA."""
+  rows, faster = [], {}
+  for (k, n), m in itertools.product(cells, ms):
+    point = Point(m, k, n)
+    t_dense, t_triton = point.dense(), point.sparse(None)
+    f = jax.jit(lambda x, ops: [decode24_mma.decode_matmul(x, v, mt, k=k) for v, mt in ops])
+    t_mma = _common.bench(f, point.x, point.ops) / point.r
+    rows.append([m, k, n, t_dense * 1e3, t_triton * 1e3, t_dense / t_triton, t_mma * 1e3,
+                 t_dense / t_mma, 100 * point.sparse_bytes / t_mma / bw])
+    faster[(k, n, m)] = t_mma < t_triton
+    print(rows[-1], flush=True)
+    del point
+  cell = {}
+  for k, n in cells:
+    top = 0
+    for m in ms:
+      if not faster[(k, n, m)]:
+        break
+      top = m
+    cell[(max(g for g in GRID if g <= k), max(g for g in GRID if g <= n))] = top
+  print(_common.table(["M", "K", "N", "dense ms", "Triton ms", "Triton x dense", "mma.sp ms",
+                       "mma.sp x dense", "mma.sp % copy bw"], rows))
+  print("DECODE_MMA_MAX_M row (columns N = 2048 ... 16384, rows K; None: not swept):")
+  for k in GRID:
+    print(f"  ({', '.join(str(cell.get((k, n))) for n in GRID)}),  # {k}")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--budget", type=float, default=240.0)
   p.add_argument("--quick", action="store_true",
                  help="only the defaults at the target shapes against the other tiles"
                       " (no checks: tests/test_decode24.py's gpu tests run odd shapes)")
+  p.add_argument("--mma", action="store_true",
+                 help="the sparse-tensor-core kernel against the Triton kernel (no checks:"
+                      " tests/test_decode24.py's gpu tests run it on odd shapes)")
+  p.add_argument("--cells", default=",".join(f"{k}:{n}" for k, n in MMA_CELLS),
+                 help="--mma: the (K, N) to time, as K:N,...")
+  p.add_argument("--ms", default="1,4,8,16", help="--mma: the rows of x to time")
   args = p.parse_args(argv)
   start = time.time()
   print(_common.environment(), flush=True)
   bw = _common.copy_bandwidth()
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+  if args.mma:
+    mma(bw, [tuple(map(int, c.split(":"))) for c in args.cells.split(",")],
+        [int(m) for m in args.ms.split(",")])
+    return
   if args.quick:
     quick(bw)
     return

@@ -37,14 +37,13 @@ Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`,
 deprecated since JAX 0.11), because this package's kernels, their shared
 tile helpers and their CPU tests (interpret mode) are written for it, and
 because its inline PTX is what the expansion needs; Pallas Mosaic GPU has
-no lowering for the lane splits and joins used here. A Mosaic GPU kernel
-written around that (TMA pipeline, warpgroup products, the weight laid out
-so that selects rebuild it without lane shuffles) ran at 0.86-0.91x of dense
-XLA on an H200 where this one runs at 1.35-1.49x, held there by the work
-of its loop body (its loads alone: 84-96% of copy bandwidth, the whole
-product 54-58%). Its TMA loads, from persistent CTAs in K steps of
-1024, streamed the compressed weight at dense XLA's rate (1.72-1.77x of its
-time), room a Mosaic GPU kernel with a cheap expansion could use
+no lowering for the lane splits and joins used here. On Hopper, up to 16
+rows, `decode24_mma` (Pallas Mosaic GPU) multiplies the same arrays on the
+sparse tensor cores without expanding them, 1.13-1.25x faster than this
+kernel on the large shapes (H200, 2026-12-04); this kernel keeps more rows,
+float32, shapes that one does not take (K not a multiple of 1024) and GPUs
+before Hopper. Rebuilding the dense tile in Mosaic GPU instead (warpgroup
+products, the weight rebuilt by selects) ran at 0.86-0.91x of dense XLA
 (benchmarks/results/nvidia-h200.md, "Decode on Pallas Mosaic GPU",
 2026-12-04; docs/mosaic_gpu.md).
 

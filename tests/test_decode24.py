@@ -1,7 +1,8 @@
-"""The decode kernel (`pallas_kernels.decode24`): interpreted on CPU against
-its reference on odd shapes, compiled on a GPU at real sizes (`gpu` marker),
-and the automatic choice that sends a compressed weight's small-M products
-to it."""
+"""The decode kernels: `pallas_kernels.decode24` (Triton) interpreted on CPU
+against its reference on odd shapes and compiled on a GPU at real sizes
+(`gpu` marker); `decode24_mma` (Mosaic GPU, the sparse tensor cores: no CPU
+interpreter) lowered for Hopper on CPU and run on the GPU; and the automatic
+choice that sends a compressed weight's small-M products to them."""
 
 import functools
 import warnings
@@ -15,7 +16,7 @@ import pytest
 import jsparse24
 from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends.pallas import interpret_mode
-from pallas_kernels import _prmt, decode24, spmm24
+from pallas_kernels import _prmt, decode24, decode24_mma, spmm24
 from pallas_kernels import prune_rule as rule
 
 _TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -325,3 +326,114 @@ def test_decode_matmul_on_gpu(m, k, n, dtype):
   assert _rel_err(got, x, sp) < _TOL[dtype]
   y = jax.jit(lambda x, sp: jsparse24.sparse_dot(x, sp, implementation="pallas"))(x, sp)
   assert _rel_err(y, x, sp) < _TOL[dtype]
+
+
+@pytest.mark.parametrize("n,k,want", [
+    (8192, 8192, (1, 128, 1)),     # one block per CTA, all of K
+    (16384, 4096, (1, 128, 2)),    # two blocks per CTA
+    (12288, 4096, (2, 128, 3)),    # K in two slices: 6 steps per CTA, not 8
+    (4096, 16384, (2, 128, 1)),    # 64 blocks: two K slices of 8 steps
+    (4096, 4096, (2, 128, 1)),
+    (1000, 2048, (2, 32, 1)),      # 16 blocks (the last one short)
+])
+def test_mma_plan_deals_equal_runs_to_at_most_one_cta_per_sm(n, k, want):
+  splits, ctas, per_cta = decode24_mma.plan(n, k, 132)
+  assert (splits, ctas, per_cta) == want
+  blocks, steps = -(-n // decode24_mma.ROWS), k // decode24_mma.K_STEP
+  assert steps % splits == 0 and ctas * per_cta == blocks * splits and ctas <= 132
+
+
+def test_mma_kernel_names_what_it_cannot_take():
+  reason = decode24_mma.unsupported_reason
+  assert reason(16, 4096, 4104, jnp.float16) is None
+  assert "M = 17" in reason(17, 4096, 4096, jnp.bfloat16)
+  assert "K = 4100" in reason(1, 4100, 4096, jnp.bfloat16)
+  assert "N = 4100" in reason(1, 4096, 4100, jnp.bfloat16)
+  assert "float32" in reason(1, 4096, 4096, jnp.float32)
+  x, sp = _operand(0, 3, 1028, 16, jnp.bfloat16)
+  with pytest.raises(ValueError, match="decode24_mma.decode_matmul: K = 1028 .* decode24"):
+    decode24_mma.decode_matmul(x, sp.values, sp.meta, k=1028)
+
+
+@pytest.mark.parametrize("m,k,n,dtype,rows_after_n", [
+    (1, 2048, 1000, jnp.bfloat16, 0), (9, 4096, 256, jnp.float16, 32)])
+def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n):
+  """The Mosaic GPU program builds (lowered for CUDA on the CPU: its inline
+  PTX and swizzled tiles, 1 and 9 rows, a values buffer with rows after N);
+  what it computes is checked on the GPU below."""
+  x = jax.ShapeDtypeStruct((m, k), dtype)
+  values = jax.ShapeDtypeStruct((n + rows_after_n, k // 2), dtype)
+  meta = jax.ShapeDtypeStruct((n, k // 8), jnp.uint8)
+  f = jax.jit(functools.partial(decode24_mma.decode_matmul, k=k))
+  text = f.trace(x, values, meta).lower(lowering_platforms=("cuda",)).as_text()
+  assert "jsparse24_decode_mma" in text
+
+
+@pytest.fixture
+def mma_gpu(monkeypatch, decode_gpu):
+  """`decode_gpu` on a Hopper GPU whose sweep took the sparse-tensor-core
+  kernel up to 8 rows where K = 4096 and N = 4096-8191, 16 where N >= 16384."""
+  del decode_gpu
+  monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
+  grid = len(pallas_backend.DECODE_GRID)
+  table = [[None] * grid for _ in range(grid)]
+  table[1][1], table[1][3] = 8, 16
+  monkeypatch.setitem(pallas_backend.DECODE_MMA_MAX_M, "Test GPU", tuple(map(tuple, table)))
+
+
+def test_mma_kernel_takes_the_rows_and_shapes_its_sweep_measured_faster(mma_gpu):
+  del mma_gpu
+  takes = pallas_backend.mma_takes
+  assert takes(1, 4096, 4096, jnp.bfloat16) and takes(8, 4096, 6144, jnp.float16)
+  assert not takes(9, 4096, 4096, jnp.bfloat16)  # above the cell
+  assert takes(16, 4096, 16384, jnp.bfloat16) and not takes(17, 4096, 16384, jnp.bfloat16)
+  assert not takes(1, 8192, 8192, jnp.bfloat16)  # not measured: the Triton kernel
+  assert not takes(1, 4096, 4100, jnp.bfloat16)  # a shape the kernel cannot take
+  assert not takes(1, 4096, 4096, jnp.float32)
+  with interpret_mode():
+    assert not takes(1, 4096, 4096, jnp.bfloat16)
+
+
+def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
+  """sparse_dot on a Sparse24 and SparseDense applied to compress_params
+  output take decode24_mma where the table says, the Triton kernel above it."""
+  del mma_gpu
+  sp = jax.eval_shape(lambda w: jsparse24.compress(w, implementation="xla"),
+                      jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16))
+  f = lambda x, sp: jsparse24.sparse_dot(x, sp)  # noqa: E731
+  few = str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16), sp))
+  assert "jsparse24_decode_mma" in few
+  more = str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((9, 4096), jnp.bfloat16), sp))
+  assert "jsparse24_decode_mma" not in more and "jsparse24_decode" in more
+  model = jsparse24.sparsify(nn.Dense(4096, use_bias=False, dtype=jnp.bfloat16),
+                             {r".*": {"transposable": False}})
+  x = jnp.ones((2, 4096), jnp.bfloat16)
+  v = model.init(jax.random.key(0), x)
+  params = jsparse24.compress_params(v["params"], v["sparsity"])
+  applied = str(jax.make_jaxpr(lambda p, x: model.apply({"params": p}, x))(params, x))
+  assert "jsparse24_decode_mma" in applied
+
+
+# Odd shapes the kernel takes: M = 1, 3, 9 (x padded to 16 rows), 15, 16; N not
+# a multiple of the 64-row block; K 2048-16384 in one or several slices; a
+# cuSPARSELt buffer's values (rows after N).
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,dtype,cusparselt", [
+    (1, 4096, 4096, jnp.bfloat16, False), (3, 2048, 1000, jnp.bfloat16, False),
+    (9, 8192, 264, jnp.float16, False), (16, 16384, 4096, jnp.bfloat16, False),
+    (15, 2048, 2048, jnp.float16, False), (5, 4096, 12288, jnp.bfloat16, False),
+    (2, 3072, 5120, jnp.bfloat16, True)])
+def test_mma_decode_matmul_on_gpu(m, k, n, dtype, cusparselt):
+  if decode24_mma.unsupported_reason(m, k, n, dtype) is not None or not str(
+      getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
+    pytest.skip("decode24_mma runs on Hopper")
+  x, sp = _operand(m + k + n, m, k, n, dtype)
+  values = sp.values
+  if cusparselt:  # rows after N that the product must not read
+    values = jnp.concatenate([values, jnp.full((n // 8, k // 2), jnp.nan, dtype)])
+  got = decode24_mma.decode_matmul(x, values, sp.meta, k=k)
+  assert got.shape == (m, n) and got.dtype == dtype
+  assert _rel_err(got, x, sp) < _TOL[dtype]
+  if pallas_backend.mma_takes(m, k, n, dtype):
+    y = jax.jit(lambda x, sp: jsparse24.sparse_dot(x, sp, implementation="pallas"))(x, sp)
+    assert _rel_err(y, x, sp) < _TOL[dtype]

@@ -12,11 +12,14 @@ compressed copies. The search alone (the mask only) builds
 `Mask24.from_weights`'s masks on a GPU (`_pallas_runtime`), and
 `rebuild_mask` the mask rebuilds.
 
-The kernels cannot use the sparse tensor cores (Triton cannot issue `mma.sp`):
-they save bytes, not FLOPs, so `implementation=None` picks this backend only
-for the shapes where it measured faster than dense XLA (`AUTO_MAX_M`; for a
-weight already compressed, a `Sparse24` from `compress_params`, the split-K
-decode kernel's sweep per GPU, `DECODE_AUTO_MAX_M`).
+The Triton kernels cannot use the sparse tensor cores (Triton cannot issue
+`mma.sp`): they save bytes, not FLOPs, so `implementation=None` picks this
+backend only for the shapes where it measured faster than dense XLA
+(`AUTO_MAX_M`; for a weight already compressed, a `Sparse24` from
+`compress_params`, the split-K decode kernel's sweep per GPU,
+`DECODE_AUTO_MAX_M`). On Hopper, a compressed weight's product with up to 16
+rows runs on the sparse tensor cores where that measured faster
+(`DECODE_MMA_MAX_M`: `pallas_kernels.decode24_mma`, Pallas Mosaic GPU).
 
 The kernels are written for Pallas's Triton lowering
 (`jax.experimental.pallas.triton`, deprecated since JAX 0.11), which their
@@ -139,6 +142,29 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
                               (None, 256, 256, 256),     # 4096
                               (None, 256, 256, 256),     # 8192
                               (None, 256, 256, 256)),    # 16384
+}
+
+
+# On Hopper, up to DECODE_MMA_MAX_M rows a compressed weight multiplies on the
+# sparse tensor cores instead (`pallas_kernels.decode24_mma`: Pallas Mosaic
+# GPU, `mma.sp`, the same arrays read in place; K a multiple of 1024, N of 8,
+# 16-bit dtypes, `decode24_mma.unsupported_reason`). Per GPU, rows K and
+# columns N of DECODE_GRID as DECODE_AUTO_MAX_M's: the most rows of x for
+# which it measured faster than the Triton decode kernel at every M of the
+# sweep up to them (0: never; None: not measured, the Triton kernel).
+# NVIDIA H200 (2026-12-04 16:39 UTC, benchmarks/results/nvidia-h200.md,
+# "Decode on the sparse tensor cores", `tune_decode.py --mma`, M = 1, 4, 8,
+# 16 at the d_model 2048 and 4096 models' shapes and 8192 x 8192): 1.49-1.67x
+# of dense XLA where K * N >= 8192² (the Triton kernel 1.25-1.42x); at 4096 x
+# 12288 faster up to 4 rows; at 4096 x 4096 up to 8; where K or N = 2048
+# (products of 8-16 us, timings that move 30% from M to M) at one row or never.
+# An H100 has no row: the Triton kernel there.
+DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | None, ...], ...]] = {
+    # columns N = 2048, 4096, 8192, 16384; rows K as marked
+    "NVIDIA H200": ((1, 0, 0, None),           # 2048
+                    (None, 8, 4, 16),          # 4096
+                    (1, None, 16, None),       # 8192
+                    (None, 16, None, None)),   # 16384
 }
 
 
@@ -421,6 +447,44 @@ def _decode(k: int, interpret: bool):
   return functools.partial(kernels().decode24.decode_matmul, k=k, interpret=interpret)
 
 
+def _mma_kernel() -> types.ModuleType:
+  """`pallas_kernels.decode24_mma`, imported when first used (it imports
+  Pallas Mosaic GPU)."""
+  # pylint: disable-next=g-import-not-at-top
+  import pallas_kernels.decode24_mma
+  return pallas_kernels.decode24_mma
+
+
+def mma_takes(m: int, k: int, n: int, dtype) -> bool:
+  """Whether a compressed `[K, N]` weight's product with `m` rows runs on
+  the sparse tensor cores (`decode24_mma`) here: a Hopper GPU whose
+  DECODE_MMA_MAX_M cell took it at least up to `m` rows, and a shape the
+  kernel takes."""
+  if interpreting() or jax.default_backend() != "gpu":
+    return False
+  table = DECODE_MMA_MAX_M.get(_gpu_kind())
+  i, j = _grid_index(k), _grid_index(n)
+  if table is None or i is None or j is None or not table[i][j] or m > table[i][j]:
+    return False
+  if getattr(jax.devices()[0], "compute_capability", "9.0").split(".")[0] != "9":
+    return False
+  try:
+    kernel = _mma_kernel()
+  except ImportError as e:
+    _warn_no_mma(f"{type(e).__name__}: {e}")
+    return False
+  return kernel.unsupported_reason(m, k, n, dtype) is None
+
+
+@functools.cache
+def _warn_no_mma(why: str) -> None:
+  warnings.warn(
+      f"jsparse24: the sparse-tensor-core decode kernel (pallas_kernels.decode24_mma) cannot be"
+      f" imported with this jax ({why}); compressed weights multiply on the Triton decode"
+      f" kernel, which took 1.13-1.25x as long at up to 16 rows on an H200's large shapes."
+      f" Use the jax versions pyproject.toml names.", XlaFallbackWarning, stacklevel=4)
+
+
 class PallasBackend(Backend):
   name = "pallas"
 
@@ -487,5 +551,9 @@ class PallasBackend(Backend):
     if x.shape[0] > DECODE_MAX_M:
       return self.forward(x, sp, None)
     # Partitioned over M under jit with sharded activations (_sharding). In
-    # cuSPARSELt's layout the kernel reads the values' first N rows in place.
-    return rows_parallel(_decode(sp.shape[0], interpreting()), x, sp.values, sp.meta)
+    # cuSPARSELt's layout the kernels read the values' first N rows in place.
+    k, n = sp.shape
+    if mma_takes(x.shape[0], k, n, x.dtype):
+      return rows_parallel(functools.partial(_mma_kernel().decode_matmul, k=k), x, sp.values,
+                           sp.meta)
+    return rows_parallel(_decode(k, interpreting()), x, sp.values, sp.meta)
