@@ -394,6 +394,16 @@ def test_mma_kernel_takes_the_rows_and_shapes_its_sweep_measured_faster(mma_gpu)
     assert not takes(1, 4096, 4096, jnp.bfloat16)
 
 
+def test_mma_kernel_stays_off_gpus_before_hopper(mma_gpu, monkeypatch):
+  del mma_gpu
+  ampere = type("Device", (), {"compute_capability": "8.0", "device_kind": "Test GPU"})()
+  monkeypatch.setattr(pallas_backend.jax, "devices", lambda *a: [ampere])
+  assert not pallas_backend.mma_takes(1, 4096, 4096, jnp.bfloat16)
+  hopper = type("Device", (), {"compute_capability": "9.0", "device_kind": "Test GPU"})()
+  monkeypatch.setattr(pallas_backend.jax, "devices", lambda *a: [hopper])
+  assert pallas_backend.mma_takes(1, 4096, 4096, jnp.bfloat16)
+
+
 def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
   """sparse_dot on a Sparse24 and SparseDense applied to compress_params
   output take decode24_mma where the table says, the Triton kernel above it."""

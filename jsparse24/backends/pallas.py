@@ -447,6 +447,12 @@ def _decode(k: int, interpret: bool):
   return functools.partial(kernels().decode24.decode_matmul, k=k, interpret=interpret)
 
 
+@functools.cache
+def _decode_mma(k: int):
+  """The per-device product on the sparse tensor cores (`decode24_mma`)."""
+  return functools.partial(_mma_kernel().decode_matmul, k=k)
+
+
 def _mma_kernel() -> types.ModuleType:
   """`pallas_kernels.decode24_mma`, imported when first used (it imports
   Pallas Mosaic GPU)."""
@@ -552,8 +558,7 @@ class PallasBackend(Backend):
       return self.forward(x, sp, None)
     # Partitioned over M under jit with sharded activations (_sharding). In
     # cuSPARSELt's layout the kernels read the values' first N rows in place.
-    k, n = sp.shape
+    k, n = sp.shape[-2:]
     if mma_takes(x.shape[0], k, n, x.dtype):
-      return rows_parallel(functools.partial(_mma_kernel().decode_matmul, k=k), x, sp.values,
-                           sp.meta)
+      return rows_parallel(_decode_mma(k), x, sp.values, sp.meta)
     return rows_parallel(_decode(k, interpreting()), x, sp.values, sp.meta)
