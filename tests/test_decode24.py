@@ -372,12 +372,13 @@ def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n):
 @pytest.fixture
 def mma_gpu(monkeypatch, decode_gpu):
   """`decode_gpu` on a Hopper GPU whose sweep took the sparse-tensor-core
-  kernel up to 8 rows where K = 4096 and N = 4096-8191, 16 where N >= 16384."""
+  kernel up to 8 rows where K and N = 2048-4095 and where K = 4096 and N =
+  4096-8191, 16 where K = 4096 and N >= 16384."""
   del decode_gpu
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
   grid = len(pallas_backend.DECODE_GRID)
   table = [[None] * grid for _ in range(grid)]
-  table[1][1], table[1][3] = 8, 16
+  table[0][0], table[1][1], table[1][3] = 8, 8, 16
   monkeypatch.setitem(pallas_backend.DECODE_MMA_MAX_M, "Test GPU", tuple(map(tuple, table)))
 
 
@@ -415,9 +416,9 @@ def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
   assert "jsparse24_decode_mma" in few
   more = str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((9, 4096), jnp.bfloat16), sp))
   assert "jsparse24_decode_mma" not in more and "jsparse24_decode" in more
-  model = jsparse24.sparsify(nn.Dense(4096, use_bias=False, dtype=jnp.bfloat16),
+  model = jsparse24.sparsify(nn.Dense(2048, use_bias=False, dtype=jnp.bfloat16),
                              {r".*": {"transposable": False}})
-  x = jnp.ones((2, 4096), jnp.bfloat16)
+  x = jnp.ones((2, 2048), jnp.bfloat16)
   v = model.init(jax.random.key(0), x)
   params = jsparse24.compress_params(v["params"], v["sparsity"])
   applied = str(jax.make_jaxpr(lambda p, x: model.apply({"params": p}, x))(params, x))
