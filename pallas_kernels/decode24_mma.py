@@ -87,6 +87,10 @@ ROWS = 64  # rows of W per block: 4 tiles of mma.sp's M (16)
 _K_TILES = K_STEP // 128  # k32 tiles per warp per step
 # Streaming multiprocessors where the device does not say (H100 and H200 SXM).
 _SMS = 132
+# jax 0.12's pipelines reject a block that passes its array's bounds when it
+# is traced; 0.11's copy x's M < 8 rows into the 8-row tile (rows past M stay
+# unwritten and their outputs unstored), which spares an XLA pad of x.
+_PAD_ROWS = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
 # TMA copies into 128-byte swizzled tiles: 8 rows of 128 bytes.
 _X_TF = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _V_TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
@@ -331,7 +335,7 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -
     )(x_ref, v_ref, m_ref)
 
   # TMA's 8-row tiles take x's rows as they are up to 8, else a multiple of 8.
-  if 8 < m < 8 * nt:
+  if m % 8 and (m > 8 or _PAD_ROWS):
     x = jnp.pad(x, ((0, 8 * nt - m), (0, 0)))
   if values.shape[0] % 8:  # TMA's 8-row tiles; a cuSPARSELt buffer (N % 64 == 0) never is
     values = values[:n]
