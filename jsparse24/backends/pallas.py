@@ -179,10 +179,11 @@ def _grid_index(size: int) -> int | None:
   return below[-1] if below else None
 
 
-def _decode_cell(k: int, n: int):
-  """This GPU's `DECODE_AUTO_MAX_M` cell for a `[K, N]` weight: 0 below the
-  grid, None where the GPU or the cell was not measured."""
-  table = DECODE_AUTO_MAX_M.get(_gpu_kind())
+def _decode_cell(k: int, n: int, tables=DECODE_AUTO_MAX_M):
+  """This GPU's cell of `tables` (`DECODE_AUTO_MAX_M`, `DECODE_MMA_MAX_M`)
+  for a `[K, N]` weight: 0 below the grid, None where the GPU or the cell
+  was not measured."""
+  table = tables.get(_gpu_kind())
   if table is None:
     return None
   i, j = _grid_index(k), _grid_index(n)
@@ -468,9 +469,8 @@ def mma_takes(m: int, k: int, n: int, dtype) -> bool:
   kernel takes."""
   if interpreting() or jax.default_backend() != "gpu":
     return False
-  table = DECODE_MMA_MAX_M.get(_gpu_kind())
-  i, j = _grid_index(k), _grid_index(n)
-  if table is None or i is None or j is None or not table[i][j] or m > table[i][j]:
+  cell = _decode_cell(k, n, DECODE_MMA_MAX_M)
+  if not cell or m > cell:
     return False
   if getattr(jax.devices()[0], "compute_capability", "9.0").split(".")[0] != "9":
     return False
