@@ -1,4 +1,4 @@
-"""`x @ W` for up to 16 rows of x on the sparse tensor cores (Pallas Mosaic GPU).
+"""`x @ W` for up to 64 rows of x on the sparse tensor cores (Pallas Mosaic GPU).
 
 The same product as `decode24.decode_matmul` (its reference,
 `decode24.decode_matmul_reference`, is this kernel's), on the same arrays: a
@@ -8,8 +8,8 @@ multiplies it on the dense tensor cores, this kernel hands the compressed
 values and their codes to `mma.sp` (PTX's warp-level sparse product,
 `m16n8k32`), which takes a 2:4 operand as it is stored: nothing is expanded.
 The weight is the sparse operand `A` (rows: output features), x the dense `B`
-(its rows: columns of the `n8` tile, M padded to 8 or 16), so one row of x
-costs the same as eight.
+(its rows: columns of the `n8` tile, M padded to a multiple of 8), so one row
+of x costs the same as eight.
 
 **Why Mosaic GPU.** The loads decide a decode kernel's speed once nothing is
 expanded: persistent CTAs copying K steps of 1024 by TMA in a pipeline that
@@ -23,12 +23,17 @@ thread loads exactly the fragment `mma.sp` wants of it. Pallas's Triton
 lowering cannot do that: its layouts place elements in threads as it sees fit.
 
 **The layout in shared memory.** Each CTA owns blocks of 64 rows of W (4 tiles
-of 16) and walks K in steps of 1024 (`K_STEP`); its four warps split each
-step's K four ways and all own the 4 row tiles, so a warp's x fragment serves
-four products. TMA copies each step's tiles swizzled (128 bytes): the values
-as uint32 pairs `[64, 256]` (a group's two 16-bit values, as `_prmt` reads
-them), the codes `uint8[64, 128]` and x `[8 or 16, 1024]`; with the swizzle
-the 8 row groups of a warp read 8 different banks. For `mma.sp`'s `A`, thread
+of 16) and walks K in steps of 1024 (`K_STEP`; 512 past 16 rows of x,
+`K_STEP_WIDE`, so that two stages of x's tile fit beside the weight's). Up to
+16 rows its four warps split each step's K four ways and all own the 4 row
+tiles, so a warp's x fragment serves four products; past 16 (`warps`) each
+warp takes 16 rows of x, so that its accumulators stay at 32 registers, and K
+is split the two ways (17-32 rows) or the one way (33-64) left. TMA copies
+each step's tiles swizzled: the values as uint32 pairs `[64, K_STEP / 4]` (a
+group's two 16-bit values, as `_prmt` reads them) and x `[8 .. 64, K_STEP]`
+in 128-byte swizzle, the codes `uint8[64, K_STEP / 8]` in 128-byte (64-byte
+in steps of 512); with the swizzle the 8 row groups of a warp read 8
+different banks. For `mma.sp`'s `A`, thread
 `(g, t)` (lane `4g + t`) holds groups `t` and `t + 4` of rows `g` and `g + 8`
 of its 16-row tile: four 32-bit loads. Its metadata register holds the codes
 of row `g` (low half) and `g + 8` (high half), 16 bits each: the codes of
@@ -40,24 +45,25 @@ t = 2, 3 do, so each thread builds one register for two row tiles (one
 
 **Splitting the work.** Work units are (64-row block, slice of K); a CTA runs
 one pipeline over the K steps of its units (`plan`: as many CTAs as the
-units divide into, at most one per SM). Where a K slice ends, the four warps'
-partial sums meet in shared memory and each thread writes its outputs; with
-one slice per block the kernel writes y itself, with several it writes
-float32 partial products that one XLA reduction sums (deterministic: no
-atomic adds).
+units divide into, at most one per SM). Where a K slice ends, the partial
+sums of the warps that split K meet in shared memory and each thread writes
+its outputs; with one slice per block the kernel writes y itself, with
+several it writes float32 partial products that one XLA reduction sums
+(deterministic: no atomic adds).
 
-**Measured** (one H200, jax 0.11.2, 2026-12-04 16:39 UTC;
-benchmarks/results/nvidia-h200.md, "Decode on the sparse tensor cores";
-`benchmarks/tune_decode.py --mma`): at M = 1-16 on 8192 x 8192, 4096 x 16384
-and 16384 x 4096 it ran 1.49-1.67x as fast as dense XLA, reading the
-compressed weight at 96-110% of copy bandwidth, where the Triton kernel ran
-1.25-1.42x as fast; at 4096 x 12288 1.26-1.60x (faster than the
-Triton kernel up to 4 rows); at 4096 x 4096 0.86-1.14x, and 0.59-1.97x
-where K or N = 2048: products of 8-16 us, where the launch and the K-slice
-reduction weigh (at 4096 x 4096 and one row the kernel itself took 6.9-7.4
-us, a call 8.5-14.9 us, in two profiles of the same day).
+**Measured** (one H200, jax 0.11.2, 2026-12-04 19:01 UTC;
+benchmarks/results/nvidia-h200.md, "Decode on the sparse tensor cores up to
+64 rows"; `benchmarks/tune_decode.py --mma`): on 8192 x 8192, 4096 x 16384
+and 16384 x 4096 it ran 1.52-1.69x as fast as dense XLA at M = 1-16
+(reading the compressed weight at 98-111% of copy bandwidth), 1.48-1.56x at
+32 and 1.32-1.44x at 64, where the Triton kernel ran 1.27-1.44x, 1.19-1.28x
+and 0.85-0.90x; at 4096 x 12288 1.21-1.58x. Products of 8-18 us (K or N =
+2048, and 4096 x 4096) moved by up to 70% from one sweep to the next, the
+kernel and the Triton one each the faster in turn (at 4096 x 4096 and one
+row the kernel itself took 6.9-7.4 us, a call 8.5-14.9 us, in two profiles
+of the same day).
 
-**Limits** (`unsupported_reason`): 1-16 rows, K a multiple of 1024, N a
+**Limits** (`unsupported_reason`): 1-64 rows, K a multiple of 1024, N a
 multiple of 8, bfloat16 or float16; Hopper (TMA, `plgpu.kernel`). There is
 no CPU interpreter for it (Mosaic GPU's interprets neither the inline PTX
 nor swizzled tiles): CPU tests check the plan, the checks and that the
@@ -81,10 +87,12 @@ import numpy as np
 
 from pallas_kernels import _tiles
 
-MAX_M = 16
-K_STEP = 1024  # K per pipeline step: 32 tiles of mma.sp's K (32), 8 per warp
+MAX_M = 64
+K_STEP = 1024  # K per pipeline step up to 16 rows: 32 tiles of mma.sp's K (32)
+# Past 16 rows x's tile would not fit twice in shared memory beside the
+# weight's: steps of 512.
+K_STEP_WIDE = 512
 ROWS = 64  # rows of W per block: 4 tiles of mma.sp's M (16)
-_K_TILES = K_STEP // 128  # k32 tiles per warp per step
 # Streaming multiprocessors where the device does not say (H100 and H200 SXM).
 _SMS = 132
 # jax 0.12's pipelines reject a block that passes its array's bounds when it
@@ -95,6 +103,27 @@ _PAD_ROWS = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
 _X_TF = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _V_TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 _M_TF = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+# Steps of 512 hold 64 bytes of codes per row: 64-byte swizzle (16-byte
+# chunks XORed with row // 2 % 4), so a warp's 8 rows still hit 8 banks.
+_M_TF_WIDE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+
+
+def warps(m: int) -> tuple[int, int, int]:
+  """`(ways of K, ways of x's rows, 8-row tiles of x per warp)`: how the
+  four warps share a step for `m` rows. Up to 16 rows they split K four ways
+  and each holds all of x's tiles; past 16, x's rows in two (17-32) or four
+  (33-64) parts of 16 rows, each warp its own outputs, K in the two ways
+  left (or one)."""
+  tiles = pl.cdiv(m, 8)
+  if tiles <= 2:
+    return 4, 1, tiles
+  ways_m = 2 if tiles <= 4 else 4
+  return 4 // ways_m, ways_m, 2
+
+
+def k_step(m: int) -> int:
+  """K per pipeline step for `m` rows."""
+  return K_STEP if m <= 16 else K_STEP_WIDE
 
 
 def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
@@ -111,13 +140,14 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   return None
 
 
-def plan(n: int, k: int, sms: int = _SMS) -> tuple[int, int, int]:
+def plan(n: int, k: int, sms: int = _SMS, step: int = K_STEP) -> tuple[int, int, int]:
   """`(splits, ctas, units per CTA)`: each 64-row block's K steps in
   `splits` slices (a divisor of the steps, at most 8), the units (block,
   slice) dealt to `ctas` CTAs (at most `sms`) in equal runs. The plan with
   the fewest K steps per CTA wins; a tie, the fewer slices (each slice past
-  the first writes a float32 partial product that XLA then sums)."""
-  blocks, steps = pl.cdiv(n, ROWS), k // K_STEP
+  the first writes a float32 partial product that XLA then sums). `step`:
+  K per pipeline step (`k_step`)."""
+  blocks, steps = pl.cdiv(n, ROWS), k // step
   best = None
   for splits in (1, 2, 4, 8):
     if steps % splits:
@@ -157,9 +187,11 @@ def _thread():
   return c, ix, arith.shrui(tid, c(5)), arith.shrui(lane, c(2)), arith.andi(lane, c(3))
 
 
-def _step_fn(nt: int, acc_layout, acc_width: int, dtype):
+def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dtype):
   """One pipeline step: the accumulators plus this step's products."""
   ptx_type = "bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16"
+  k_tiles = step_k // 32 // ways_k  # k32 tiles per warp per step
+  wide = step_k != K_STEP
 
   def mma_sp(selector: int) -> str:
     return (f"mma.sp.sync.aligned.m16n8k32.row.col.f32.{ptx_type}.{ptx_type}.f32"
@@ -167,33 +199,39 @@ def _step_fn(nt: int, acc_layout, acc_width: int, dtype):
             f" {selector};")
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(_X_TF), plgpu.RefType(_V_TF), plgpu.RefType(_M_TF), acc_layout),
+      arg_types=(plgpu.RefType(_X_TF), plgpu.RefType(_V_TF),
+                 plgpu.RefType(_M_TF_WIDE if wide else _M_TF), acc_layout),
       return_type=plgpu.ShapeDtypeStruct((128, acc_width), jnp.float32, layout=acc_layout))
   def step(ctx, x_s, v_s, m_s, acc):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     f32 = ir.F32Type.get()
     c, ix, warp, g, t = _thread()
+    way_k, way_m = arith.remui(warp, c(ways_k)), arith.divui(warp, c(ways_k))
     (reg,) = acc.registers.flat
     accs = [_ext(reg, i) for i in range(acc_width)]
     x_pair = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
     four_bytes = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
     g_ix = ix(g)
     t2 = arith.muli(t, c(2))
+    x_tiles = [ix(arith.addi(arith.muli(way_m, c(ntw)), c(j))) for j in range(ntw)]
     # The metadata register: bytes 2h, 2h + 1 of row g's word (low half) and
     # of row g + 8's (high half), h = t % 2.
     halves = arith.addi(c(0x5410), arith.muli(arith.andi(t, c(1)), c(0x2222)))
     selector_tiles = arith.muli(arith.shrui(t, c(1)), c(2))
-    for kk in range(_K_TILES):
-      q = arith.addi(arith.muli(warp, c(_K_TILES)), c(kk))  # k32 tile of the step, 0..31
+    # The 16-byte chunks of a row of codes are XORed with the row (128-byte
+    # swizzle) or with row // 2 (64-byte swizzle).
+    m_swizzle = arith.andi(arith.shrui(g, c(1)), c(3)) if wide else g
+    for kk in range(k_tiles):
+      q = arith.addi(arith.muli(way_k, c(k_tiles)), c(kk))  # k32 tile of the step
       # B: x[row, 32q + 8i + 2t : +2], i = 0..3, for row g of each 8-row tile.
-      b_regs = [[] for _ in range(nt)]
+      b_regs = [[] for _ in range(ntw)]
       for i in range(4):
         col = arith.addi(arith.muli(q, c(32)), c(8 * i))
         chunk = arith.xori(arith.andi(arith.shrui(col, c(3)), c(7)), g)
         inner = ix(arith.addi(arith.muli(chunk, c(8)), t2))
-        for tile in range(nt):
-          pair = vector.load(x_pair, x_s, [ix(c(tile)), ix(arith.shrui(col, c(6))), g_ix, inner],
+        for tile in range(ntw):
+          pair = vector.load(x_pair, x_s, [x_tiles[tile], ix(arith.shrui(col, c(6))), g_ix, inner],
                              alignment=4)
           b_regs[tile].append(mgpu_utils.bitcast(pair, i32))
       # A: the pair words of groups t and t + 4 of k32 tile q (word columns
@@ -203,7 +241,7 @@ def _step_fn(nt: int, acc_layout, acc_width: int, dtype):
           arith.addi(arith.muli(arith.andi(q, c(3)), c(2)), c(ci)), g), c(4)), t))
                  for ci in range(2)]
       # Metadata: bytes 4q .. 4q + 3 of each row (16 groups' codes).
-      m_inner = ix(arith.addi(arith.muli(arith.xori(arith.shrui(q, c(2)), g), c(16)),
+      m_inner = ix(arith.addi(arith.muli(arith.xori(arith.shrui(q, c(2)), m_swizzle), c(16)),
                               arith.muli(arith.andi(q, c(3)), c(4))))
       meta_regs = []
       for pair_of_tiles in range(2):
@@ -216,8 +254,8 @@ def _step_fn(nt: int, acc_layout, acc_width: int, dtype):
       for r in range(4):
         a_regs = [memref.load(v_s, [ix(c(2 * r + i % 2)), v_tile, g_ix, v_inner[i // 2]])
                   for i in range(4)]
-        for tile in range(nt):
-          base = (r * nt + tile) * 4
+        for tile in range(ntw):
+          base = (r * ntw + tile) * 4
           accs[base:base + 4] = _ptx(
               mma_sp(r % 2), *a_regs, *b_regs[tile], *accs[base:base + 4], meta_regs[r // 2],
               results=[f32] * 4)
@@ -228,9 +266,11 @@ def _step_fn(nt: int, acc_layout, acc_width: int, dtype):
   return step
 
 
-def _finish_fn(m: int, n: int, nt: int, acc_layout, acc_width: int, out_dtype, split_out: bool):
-  """Where a unit ends: the four warps' sums through shared memory, each
-  thread storing its outputs (y, or its K slice's float32 partial)."""
+def _finish_fn(m: int, n: int, ways_k: int, ntw: int, acc_layout, acc_width: int, out_dtype,
+               split_out: bool):
+  """Where a unit ends: the sums of the warps that split K (through shared
+  memory; none to add with one way of K), each thread storing its outputs
+  (y, or its K slice's float32 partial)."""
 
   @plgpu.inline_mgpu(arg_types=(acc_layout, plgpu.RefType(), plgpu.RefType(),
                                 plgpu.Layout.WG_SPLAT(()), plgpu.Layout.WG_SPLAT(())))
@@ -238,37 +278,49 @@ def _finish_fn(m: int, n: int, nt: int, acc_layout, acc_width: int, out_dtype, s
     del ctx
     f32 = ir.F32Type.get()
     c, ix, warp, g, t = _thread()
+    way_k, way_m = arith.remui(warp, c(ways_k)), arith.divui(warp, c(ways_k))
     scalar = lambda a: (_ext(a.registers.flat[0], 0)
                         if isinstance(a.registers.flat[0].type, ir.VectorType)
                         else a.registers.flat[0])
-    tid = arith.addi(arith.muli(warp, c(32)), arith.addi(arith.muli(g, c(4)), t))
+    lane = arith.addi(arith.muli(g, c(4)), t)
     (reg,) = acc.registers.flat
-    mgpu_utils.warpgroup_barrier()  # the previous unit's reads of `red` are done
-    vector.store(reg, red, [ix(tid), ix(c(0))])
-    mgpu_utils.warpgroup_barrier()
-    # Element e = (r * nt + tile) * 4 + reg of a lane's accumulators: this
-    # thread sums row tile r = warp over the four warps.
-    width = acc_width // 4
-    total = None
-    for w in range(4):
-      part = vector.load(ir.VectorType.get((width,), f32), red,
-                         [ix(arith.addi(c(32 * w), arith.subi(tid, arith.muli(warp, c(32))))),
-                          ix(arith.muli(warp, c(width)))])
-      total = part if total is None else arith.addf(total, part)
+    # Element e = (r * ntw + tile) * 4 + reg of a lane's accumulators: of
+    # W's four 16-row tiles r this warp writes the `row_tiles` from r0, summed
+    # over the `ways_k` warps of its part of x's rows.
+    row_tiles = 4 // ways_k
+    r0 = arith.muli(way_k, c(row_tiles))
+    if ways_k == 1:
+      total = reg
+    else:
+      mgpu_utils.warpgroup_barrier()  # the previous unit's reads of `red` are done
+      vector.store(reg, red, [ix(arith.addi(arith.muli(warp, c(32)), lane)), ix(c(0))])
+      mgpu_utils.warpgroup_barrier()
+      width = acc_width // ways_k
+      total = None
+      for w in range(ways_k):
+        other = arith.addi(arith.muli(way_m, c(ways_k)), c(w))
+        part = vector.load(ir.VectorType.get((width,), f32), red,
+                           [ix(arith.addi(arith.muli(other, c(32)), lane)),
+                            ix(arith.muli(r0, c(4 * ntw)))])
+        total = part if total is None else arith.addf(total, part)
     col0, split = scalar(col0), scalar(split)
-    # Accumulator register (tile, hi, lo): y[8 tile + 2t + lo, col0 + 16 warp + 8 hi + g].
-    for tile in range(nt):
-      for hi in range(2):
-        col = arith.addi(col0, arith.addi(arith.muli(warp, c(16)), arith.addi(g, c(8 * hi))))
-        for lo in range(2):
-          row = arith.addi(c(8 * tile + lo), arith.muli(t, c(2)))
-          val = _ext(total, tile * 4 + hi * 2 + lo)
-          if jnp.dtype(out_dtype) != jnp.float32:
-            val = arith.truncf(mgpu_utils.dtype_to_ir_type(out_dtype), val)
-          inside = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, row, c(m)),
-                              arith.cmpi(arith.CmpIPredicate.ult, col, c(n)))
-          with mgpu_utils.when(inside):
-            memref.store(val, out, ([ix(split)] if split_out else []) + [ix(row), ix(col)])
+    # Accumulator register (tile, hi, lo) of row tile r:
+    # y[8 (way_m ntw + tile) + 2t + lo, col0 + 16 r + 8 hi + g].
+    for rr in range(row_tiles):
+      for tile in range(ntw):
+        for hi in range(2):
+          col = arith.addi(col0, arith.addi(arith.muli(arith.addi(r0, c(rr)), c(16)),
+                                            arith.addi(g, c(8 * hi))))
+          for lo in range(2):
+            row = arith.addi(arith.muli(arith.addi(arith.muli(way_m, c(ntw)), c(tile)), c(8)),
+                             arith.addi(arith.muli(t, c(2)), c(lo)))
+            val = _ext(total, (rr * ntw + tile) * 4 + hi * 2 + lo)
+            if jnp.dtype(out_dtype) != jnp.float32:
+              val = arith.truncf(mgpu_utils.dtype_to_ir_type(out_dtype), val)
+            inside = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, row, c(m)),
+                                arith.cmpi(arith.CmpIPredicate.ult, col, c(n)))
+            with mgpu_utils.when(inside):
+              memref.store(val, out, ([ix(split)] if split_out else []) + [ix(row), ix(col)])
 
   return finish
 
@@ -289,19 +341,21 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -
   if reason is not None:
     raise ValueError(f"decode24_mma.decode_matmul: {reason}; decode24.decode_matmul takes"
                      " any shape.")
-  nt = pl.cdiv(m, 8)
-  splits, ctas, per_cta = plan(n, k, _sms())
-  steps = k // K_STEP // splits
-  acc_width = 16 * nt  # 4 row tiles x nt column tiles x 4 registers
+  ways_k, ways_m, ntw = warps(m)
+  tiles = ways_m * ntw  # 8-row tiles of x in a step
+  step_k = k_step(m)
+  splits, ctas, per_cta = plan(n, k, _sms(), step_k)
+  steps = k // step_k // splits
+  acc_width = 16 * ntw  # 4 row tiles x ntw column tiles x 4 registers
   acc_layout = plgpu.Layout.WG_STRIDED((128, acc_width), vec_size=acc_width)
-  step = _step_fn(nt, acc_layout, acc_width, x.dtype)
+  step = _step_fn(ways_k, ntw, step_k, acc_layout, acc_width, x.dtype)
   out_dtype = x.dtype if splits == 1 else jnp.float32
-  finish = _finish_fn(m, n, nt, acc_layout, acc_width, out_dtype, splits > 1)
+  finish = _finish_fn(m, n, ways_k, ntw, acc_layout, acc_width, out_dtype, splits > 1)
 
   def jsparse24_decode_mma(x_ref, v_ref, m_ref, o_ref, red):
     cta = lax.axis_index("cta")
     unit = lambda j: cta * per_cta + j
-    k_step = lambda j, s: (unit(j) % splits) * steps + s
+    k_at = lambda j, s: (unit(j) % splits) * steps + s
     zeros = plgpu.layout_cast(jnp.zeros((128, acc_width), jnp.float32), acc_layout)
 
     def body(idx, x_s, v_s, m_s, acc):
@@ -324,26 +378,28 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -
         body,
         grid=(per_cta, steps),
         in_specs=[
-            plgpu.BlockSpec((8 * nt, K_STEP), lambda j, s: (0, k_step(j, s)), transforms=_X_TF),
-            plgpu.BlockSpec((ROWS, K_STEP // 4), lambda j, s: (unit(j) // splits, k_step(j, s)),
+            plgpu.BlockSpec((8 * tiles, step_k), lambda j, s: (0, k_at(j, s)), transforms=_X_TF),
+            plgpu.BlockSpec((ROWS, step_k // 4), lambda j, s: (unit(j) // splits, k_at(j, s)),
                             transforms=_V_TF),
-            plgpu.BlockSpec((ROWS, K_STEP // 8), lambda j, s: (unit(j) // splits, k_step(j, s)),
-                            transforms=_M_TF),
+            plgpu.BlockSpec((ROWS, step_k // 8), lambda j, s: (unit(j) // splits, k_at(j, s)),
+                            transforms=_M_TF if step_k == K_STEP else _M_TF_WIDE),
         ],
         max_concurrent_steps=2,
         init_carry=zeros,
     )(x_ref, v_ref, m_ref)
 
-  # TMA's 8-row tiles take x's rows as they are up to 8, else a multiple of 8.
-  if m % 8 and (m > 8 or _PAD_ROWS):
-    x = jnp.pad(x, ((0, 8 * nt - m), (0, 0)))
+  # TMA's 8-row tiles take x's rows as they are up to 8, else the kernel's
+  # whole tiles.
+  if m != 8 * tiles and (m > 8 or _PAD_ROWS):
+    x = jnp.pad(x, ((0, 8 * tiles - m), (0, 0)))
   if values.shape[0] % 8:  # TMA's 8-row tiles; a cuSPARSELt buffer (N % 64 == 0) never is
     values = values[:n]
   pairs = lax.bitcast_convert_type(values.reshape(values.shape[0], k // 4, 2), jnp.uint32)
   out = plgpu.kernel(
       jsparse24_decode_mma,
       out_type=jax.ShapeDtypeStruct((m, n) if splits == 1 else (splits, m, n), out_dtype),
-      scratch_types=[plgpu.SMEM((128, acc_width), jnp.float32)],
+      # The warps' partial sums where they split K (unused with one way).
+      scratch_types=[plgpu.SMEM((128 if ways_k > 1 else 8, acc_width), jnp.float32)],
       grid=(ctas,),
       grid_names=("cta",),
   )(x, pairs, meta)

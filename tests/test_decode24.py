@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import tune_decode
 import jsparse24
 from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends.pallas import interpret_mode
@@ -328,25 +329,28 @@ def test_decode_matmul_on_gpu(m, k, n, dtype):
   assert _rel_err(y, x, sp) < _TOL[dtype]
 
 
-@pytest.mark.parametrize("n,k,want", [
-    (8192, 8192, (1, 128, 1)),     # one block per CTA, all of K
-    (16384, 4096, (1, 128, 2)),    # two blocks per CTA
-    (12288, 4096, (2, 128, 3)),    # K in two slices: 6 steps per CTA, not 8
-    (4096, 16384, (2, 128, 1)),    # 64 blocks: two K slices of 8 steps
-    (4096, 4096, (2, 128, 1)),
-    (1000, 2048, (2, 32, 1)),      # 16 blocks (the last one short)
+@pytest.mark.parametrize("n,k,want,step", [
+    (8192, 8192, (1, 128, 1), 1024),  # one block per CTA, all of K
+    (16384, 4096, (1, 128, 2), 1024),  # two blocks per CTA
+    (12288, 4096, (2, 128, 3), 1024),  # K in two slices: 6 steps per CTA, not 8
+    (4096, 16384, (2, 128, 1), 1024),  # 64 blocks: two K slices of 8 steps
+    (4096, 4096, (2, 128, 1), 1024),
+    (1000, 2048, (2, 32, 1), 1024),  # 16 blocks (the last one short)
+    (4096, 4096, (2, 128, 1), 512),  # steps of 512 (past 16 rows): two slices of 4
+    (264, 4096, (8, 40, 1), 512),  # 5 blocks, 8 slices of one step
 ])
-def test_mma_plan_deals_equal_runs_to_at_most_one_cta_per_sm(n, k, want):
-  splits, ctas, per_cta = decode24_mma.plan(n, k, 132)
+def test_mma_plan_deals_equal_runs_to_at_most_one_cta_per_sm(n, k, want, step):
+  splits, ctas, per_cta = decode24_mma.plan(n, k, 132, step)
   assert (splits, ctas, per_cta) == want
-  blocks, steps = -(-n // decode24_mma.ROWS), k // decode24_mma.K_STEP
+  blocks, steps = -(-n // decode24_mma.ROWS), k // step
   assert steps % splits == 0 and ctas * per_cta == blocks * splits and ctas <= 132
 
 
 def test_mma_kernel_names_what_it_cannot_take():
   reason = decode24_mma.unsupported_reason
   assert reason(16, 4096, 4104, jnp.float16) is None
-  assert "M = 17" in reason(17, 4096, 4096, jnp.bfloat16)
+  assert reason(64, 4096, 4096, jnp.bfloat16) is None
+  assert "M = 65" in reason(65, 4096, 4096, jnp.bfloat16)
   assert "K = 4100" in reason(1, 4100, 4096, jnp.bfloat16)
   assert "N = 4100" in reason(1, 4096, 4100, jnp.bfloat16)
   assert "float32" in reason(1, 4096, 4096, jnp.float32)
@@ -356,11 +360,13 @@ def test_mma_kernel_names_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("m,k,n,dtype,rows_after_n", [
-    (1, 2048, 1000, jnp.bfloat16, 0), (9, 4096, 256, jnp.float16, 32)])
+    (1, 2048, 1000, jnp.bfloat16, 0), (9, 4096, 256, jnp.float16, 32),
+    (17, 2048, 1000, jnp.bfloat16, 0), (64, 4096, 264, jnp.float16, 64)])
 def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n):
   """The Mosaic GPU program builds (lowered for CUDA on the CPU: its inline
-  PTX and swizzled tiles, 1 and 9 rows, a values buffer with rows after N);
-  what it computes is checked on the GPU below."""
+  PTX and swizzled tiles, K split four ways (1 and 9 rows), two (17) and not
+  at all (64: steps of 512, the codes' 64-byte swizzle), a values buffer
+  with rows after N); what it computes is checked on the GPU below."""
   x = jax.ShapeDtypeStruct((m, k), dtype)
   values = jax.ShapeDtypeStruct((n + rows_after_n, k // 2), dtype)
   meta = jax.ShapeDtypeStruct((n, k // 8), jnp.uint8)
@@ -373,12 +379,13 @@ def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n):
 def mma_gpu(monkeypatch, decode_gpu):
   """`decode_gpu` on a Hopper GPU whose sweep took the sparse-tensor-core
   kernel up to 8 rows where K and N = 2048-4095 and where K = 4096 and N =
-  4096-8191, 16 where K = 4096 and N >= 16384."""
+  4096-8191, 16 where K = 4096 and N >= 16384, from 17 to 64 rows where K >=
+  16384 and N = 4096-8191."""
   del decode_gpu
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
   grid = len(pallas_backend.DECODE_GRID)
   table = [[None] * grid for _ in range(grid)]
-  table[0][0], table[1][1], table[1][3] = 8, 8, 16
+  table[0][0], table[1][1], table[1][3], table[3][1] = 8, 8, 16, (17, 64)
   monkeypatch.setitem(pallas_backend.DECODE_MMA_MAX_M, "Test GPU", tuple(map(tuple, table)))
 
 
@@ -388,11 +395,23 @@ def test_mma_kernel_takes_the_rows_and_shapes_its_sweep_measured_faster(mma_gpu)
   assert takes(1, 4096, 4096, jnp.bfloat16) and takes(8, 4096, 6144, jnp.float16)
   assert not takes(9, 4096, 4096, jnp.bfloat16)  # above the cell
   assert takes(16, 4096, 16384, jnp.bfloat16) and not takes(17, 4096, 16384, jnp.bfloat16)
+  assert not takes(16, 16384, 4096, jnp.bfloat16)  # below a (lo, hi) cell
+  assert takes(17, 16384, 4096, jnp.bfloat16) and takes(64, 16384, 4096, jnp.bfloat16)
   assert not takes(1, 8192, 8192, jnp.bfloat16)  # not measured: the Triton kernel
   assert not takes(1, 4096, 4100, jnp.bfloat16)  # a shape the kernel cannot take
   assert not takes(1, 4096, 4096, jnp.float32)
   with interpret_mode():
     assert not takes(1, 4096, 4096, jnp.bfloat16)
+
+
+def test_mma_cell_takes_the_longest_run_within_the_margin():
+  ms = [1, 4, 8, 16, 32, 64]
+  cell = lambda mma, triton: tune_decode.mma_cell(ms, mma, triton, 1.03)  # noqa: E731
+  assert cell([10] * 6, [10.2] * 6) == 64  # a tie within the margin: every row
+  assert cell([10, 10, 10, 11, 10, 10], [10] * 6) == 8  # the longer run
+  assert cell([11, 11, 10, 10, 10, 11], [10] * 6) == (8, 32)
+  assert cell([11, 10, 11, 11, 10, 10], [10] * 6) == (32, 64)  # as long: more rows
+  assert cell([11] * 6, [10] * 6) == 0
 
 
 def test_mma_kernel_stays_off_gpus_before_hopper(mma_gpu, monkeypatch):
@@ -425,15 +444,19 @@ def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
   assert "jsparse24_decode_mma" in applied
 
 
-# Odd shapes the kernel takes: M = 1, 3, 9 (x padded to 16 rows), 15, 16; N not
-# a multiple of the 64-row block; K 2048-16384 in one or several slices; a
-# cuSPARSELt buffer's values (rows after N).
+# Odd shapes the kernel takes: M = 1, 3, 9 (x padded to 16 rows), 15, 16, and
+# past 16 rows (steps of 512; x's rows split between the warps) 17, 32, 33,
+# 47, 64; N not a multiple of the 64-row block; K 2048-16384 in one or several
+# slices; a cuSPARSELt buffer's values (rows after N).
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,dtype,cusparselt", [
     (1, 4096, 4096, jnp.bfloat16, False), (3, 2048, 1000, jnp.bfloat16, False),
     (9, 8192, 264, jnp.float16, False), (16, 16384, 4096, jnp.bfloat16, False),
     (15, 2048, 2048, jnp.float16, False), (5, 4096, 12288, jnp.bfloat16, False),
-    (2, 3072, 5120, jnp.bfloat16, True)])
+    (2, 3072, 5120, jnp.bfloat16, True), (17, 2048, 1000, jnp.bfloat16, False),
+    (32, 4096, 4096, jnp.float16, False), (33, 4096, 264, jnp.bfloat16, False),
+    (47, 3072, 5120, jnp.bfloat16, True), (64, 8192, 8192, jnp.bfloat16, False),
+    (64, 16384, 1032, jnp.float16, False)])
 def test_mma_decode_matmul_on_gpu(m, k, n, dtype, cusparselt):
   if decode24_mma.unsupported_reason(m, k, n, dtype) is not None or not str(
       getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):

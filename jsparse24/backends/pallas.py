@@ -17,7 +17,7 @@ The Triton kernels cannot use the sparse tensor cores (Triton cannot issue
 backend only for the shapes where it measured faster than dense XLA
 (`AUTO_MAX_M`; for a weight already compressed, a `Sparse24` from
 `compress_params`, the split-K decode kernel's sweep per GPU,
-`DECODE_AUTO_MAX_M`). On Hopper, a compressed weight's product with up to 16
+`DECODE_AUTO_MAX_M`). On Hopper, a compressed weight's product with up to 64
 rows runs on the sparse tensor cores where that measured faster
 (`DECODE_MMA_MAX_M`: `pallas_kernels.decode24_mma`, Pallas Mosaic GPU).
 
@@ -100,8 +100,12 @@ DECODE_MAX_M = 256
 # M = 1 had the kernel at 0.75x and 0.79x of decompress + XLA at (2048,
 # 2048) and (2048, 4096) (timings of 15-21 us; at (2048, 4096) the kernel
 # took 0.0094 ms at M = 2): the cells follow the model's shapes. (2048,
-# 2048) stays on the kernel up to 32 rows: at 64-256 it measured 0.92-1.53x
-# of decompress + XLA, run to run (2026-11-28 to 2026-12-04). Against dense
+# 2048) stays on the kernel up to 64 rows: at 64-256 it measured 0.92-1.53x
+# of decompress + XLA, run to run (2026-11-28 to 2026-12-04); with `out`
+# decompressed at batch 64 the d_model 2048 model decoded at 0.983x of dense,
+# its `out` product at 0.765x of dense XLA where the kernel's ran at 1.199x
+# (2026-12-04 19:12 UTC, nvidia-h200.md, "Decode on the sparse tensor cores
+# up to 64 rows"). Against dense
 # XLA on the decompressed weight: median 1.27x at M <= 32 where K and N >=
 # 4096, and 0.31-0.96x at M = 64-256: there a compressed weight multiplies
 # more slowly than a dense one would, and still much faster than
@@ -134,7 +138,7 @@ DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
-    "NVIDIA H200": ((32, 256, 256, 256),     # 2048
+    "NVIDIA H200": ((64, 256, 256, 256),     # 2048
                     ((2, 256), 256, 256, 256),        # 4096
                     (256, 256, 256, 256),    # 8192
                     (256, 256, 256, 256)),   # 16384
@@ -145,26 +149,30 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
 }
 
 
-# On Hopper, up to DECODE_MMA_MAX_M rows a compressed weight multiplies on the
-# sparse tensor cores instead (`pallas_kernels.decode24_mma`: Pallas Mosaic
-# GPU, `mma.sp`, the same arrays read in place; K a multiple of 1024, N of 8,
-# 16-bit dtypes, `decode24_mma.unsupported_reason`). Per GPU, rows K and
-# columns N of DECODE_GRID as DECODE_AUTO_MAX_M's: the most rows of x for
-# which it measured faster than the Triton decode kernel at every M of the
-# sweep up to them (0: never; None: not measured, the Triton kernel).
-# NVIDIA H200 (2026-12-04 16:39 UTC, benchmarks/results/nvidia-h200.md,
-# "Decode on the sparse tensor cores", `tune_decode.py --mma`, M = 1, 4, 8,
-# 16 at the d_model 2048 and 4096 models' shapes and 8192 x 8192): 1.49-1.67x
-# of dense XLA where K * N >= 8192² (the Triton kernel 1.25-1.42x); at 4096 x
-# 12288 faster up to 4 rows; at 4096 x 4096 up to 8; where K or N = 2048
-# (products of 8-16 us, timings that move 30% from M to M) at one row or never.
-# An H100 has no row: the Triton kernel there.
-DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | None, ...], ...]] = {
+# On Hopper, for the rows of x DECODE_MMA_MAX_M gives, a compressed weight
+# multiplies on the sparse tensor cores instead (`pallas_kernels.decode24_mma`:
+# Pallas Mosaic GPU, `mma.sp`, the same arrays read in place; up to 64 rows, K
+# a multiple of 1024, N of 8, 16-bit dtypes, `decode24_mma.unsupported_reason`).
+# Per GPU, rows K and columns N of DECODE_GRID as DECODE_AUTO_MAX_M's, with
+# its cells' meaning (an int M: 1 to M rows; (lo, hi): lo to hi rows; 0: never;
+# None: not measured, the Triton kernel): the longest run of swept Ms where it
+# took at most `benchmarks/tune_decode.py`'s MMA_MARGIN (1.03) times the Triton
+# decode kernel's time (`tune_decode.py --mma`, `mma_cell`).
+# NVIDIA H200 (2026-12-04, benchmarks/results/nvidia-h200.md, "Decode on the
+# sparse tensor cores up to 64 rows", M = 1, 4, 8, 16, 32, 64): where K * N >=
+# 4096 x 12288, 19:01 UTC: 1.21-1.69x of dense XLA, faster than the Triton
+# kernel at every M but one (4096 x 12288 at 16 rows: 1.03x its time), 1.46-
+# 1.77x as fast at 64 rows; the cells of the d_model 2048 model's shapes and
+# 4096 x 4096, 19:08 UTC, each the median of 3 timings: products of 9-18 us
+# whose timings moved by up to 70% from one sweep to the next, the kernel the
+# faster at 64 rows only (at 16-64 where K = 8192, N = 2048; never at 2048 x
+# 2048). An H100 has no row: the Triton kernel there.
+DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
-    "NVIDIA H200": ((1, 0, 0, None),           # 2048
-                    (None, 8, 4, 16),          # 4096
-                    (1, None, 16, None),       # 8192
-                    (None, 16, None, None)),   # 16384
+    "NVIDIA H200": ((0, (64, 64), (64, 64), None),   # 2048
+                    (None, (64, 64), 64, 64),        # 4096
+                    ((16, 64), None, 64, None),      # 8192
+                    (None, 64, None, None)),         # 16384
 }
 
 
@@ -190,14 +198,18 @@ def _decode_cell(k: int, n: int, tables=DECODE_AUTO_MAX_M):
   return 0 if i is None or j is None else table[i][j]
 
 
+def _cell_rows(cell) -> tuple[int, int]:
+  """A table cell's fewest and most rows (`(1, 0)`: none)."""
+  if cell is None:
+    return 1, 0
+  return (1, cell) if isinstance(cell, int) else cell
+
+
 def decode_auto_rows(k: int, n: int) -> tuple[int, int]:
   """The fewest and the most rows of x for which `implementation=None`
   multiplies a compressed `[K, N]` weight with the decode kernel on this GPU
   (`(1, 0)`: never)."""
-  cell = _decode_cell(k, n)
-  if cell is None:
-    return 1, 0
-  return (1, cell) if isinstance(cell, int) else cell
+  return _cell_rows(_decode_cell(k, n))
 
 
 def warn_if_unmeasured(m: int, k: int, n: int, dtype) -> None:
@@ -465,12 +477,11 @@ def _mma_kernel() -> types.ModuleType:
 def mma_takes(m: int, k: int, n: int, dtype) -> bool:
   """Whether a compressed `[K, N]` weight's product with `m` rows runs on
   the sparse tensor cores (`decode24_mma`) here: a Hopper GPU whose
-  DECODE_MMA_MAX_M cell took it at least up to `m` rows, and a shape the
-  kernel takes."""
+  DECODE_MMA_MAX_M cell holds `m` rows, and a shape the kernel takes."""
   if interpreting() or jax.default_backend() != "gpu":
     return False
-  cell = _decode_cell(k, n, DECODE_MMA_MAX_M)
-  if not cell or m > cell:
+  lo, hi = _cell_rows(_decode_cell(k, n, DECODE_MMA_MAX_M))
+  if not lo <= m <= hi:
     return False
   if getattr(jax.devices()[0], "compute_capability", "9.0").split(".")[0] != "9":
     return False
@@ -487,7 +498,7 @@ def _warn_no_mma(why: str) -> None:
   warnings.warn(
       f"jsparse24: the sparse-tensor-core decode kernel (pallas_kernels.decode24_mma) cannot be"
       f" imported with this jax ({why}); compressed weights multiply on the Triton decode"
-      f" kernel, which took 1.13-1.25x as long at up to 16 rows on an H200's large shapes."
+      f" kernel, which took 0.97-1.77x as long at 1-64 rows on an H200's large shapes."
       f" Use the jax versions pyproject.toml names.", XlaFallbackWarning, stacklevel=4)
 
 
