@@ -389,6 +389,21 @@ def mma_gpu(monkeypatch, decode_gpu):
   monkeypatch.setitem(pallas_backend.DECODE_MMA_MAX_M, "Test GPU", tuple(map(tuple, table)))
 
 
+@pytest.mark.parametrize("gpu", sorted(pallas_backend.DECODE_MMA_MAX_M))
+def test_mma_cells_lie_within_the_rows_the_backend_is_chosen_for(gpu):
+  """`implementation=None` picks the Pallas backend for a compressed weight by
+  DECODE_AUTO_MAX_M alone; a DECODE_MMA_MAX_M cell reaching past it would be
+  ignored without a word."""
+  cell_rows = pallas_backend._cell_rows  # pylint: disable=protected-access
+  for mma_row, auto_row in zip(pallas_backend.DECODE_MMA_MAX_M[gpu],
+                               pallas_backend.DECODE_AUTO_MAX_M[gpu]):
+    for mma_cell, auto_cell in zip(mma_row, auto_row):
+      lo, hi = cell_rows(mma_cell)
+      if lo <= hi:
+        auto_lo, auto_hi = cell_rows(auto_cell)
+        assert auto_lo <= lo and hi <= auto_hi, (gpu, mma_cell, auto_cell)
+
+
 def test_mma_kernel_takes_the_rows_and_shapes_its_sweep_measured_faster(mma_gpu):
   del mma_gpu
   takes = pallas_backend.mma_takes
