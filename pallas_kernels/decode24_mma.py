@@ -57,7 +57,7 @@ benchmarks/results/nvidia-h200.md, "Decode on the sparse tensor cores up to
 and 16384 x 4096 it ran 1.52-1.69x as fast as dense XLA at M = 1-16
 (reading the compressed weight at 98-111% of copy bandwidth), 1.48-1.56x at
 32 and 1.32-1.44x at 64, where the Triton kernel ran 1.27-1.44x, 1.19-1.28x
-and 0.85-0.90x; at 4096 x 12288 1.21-1.58x. Products of 8-18 us (K or N =
+and 0.85-0.90x; at 4096 x 12288 1.21-1.58x. Products of 9-18 us (K or N =
 2048, and 4096 x 4096) moved by up to 70% from one sweep to the next, the
 kernel and the Triton one each the faster in turn (at 4096 x 4096 and one
 row the kernel itself took 6.9-7.4 us, a call 8.5-14.9 us, in two profiles
