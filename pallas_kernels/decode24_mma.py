@@ -108,6 +108,12 @@ _M_TF = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 _M_TF_WIDE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
+def _codes_transforms(step_k: int):
+  """The TMA transforms of a step's codes (`k_step`): rows of 128 bytes in
+  128-byte swizzle, rows of 64 in 64-byte."""
+  return _M_TF if step_k == K_STEP else _M_TF_WIDE
+
+
 def warps(m: int) -> tuple[int, int, int]:
   """`(ways of K, ways of x's rows, 8-row tiles of x per warp)`: how the
   four warps share a step for `m` rows. Up to 16 rows they split K four ways
@@ -200,7 +206,7 @@ def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dty
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(_X_TF), plgpu.RefType(_V_TF),
-                 plgpu.RefType(_M_TF_WIDE if wide else _M_TF), acc_layout),
+                 plgpu.RefType(_codes_transforms(step_k)), acc_layout),
       return_type=plgpu.ShapeDtypeStruct((128, acc_width), jnp.float32, layout=acc_layout))
   def step(ctx, x_s, v_s, m_s, acc):
     del ctx
@@ -382,7 +388,7 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -
             plgpu.BlockSpec((ROWS, step_k // 4), lambda j, s: (unit(j) // splits, k_at(j, s)),
                             transforms=_V_TF),
             plgpu.BlockSpec((ROWS, step_k // 8), lambda j, s: (unit(j) // splits, k_at(j, s)),
-                            transforms=_M_TF if step_k == K_STEP else _M_TF_WIDE),
+                            transforms=_codes_transforms(step_k)),
         ],
         max_concurrent_steps=2,
         init_carry=zeros,
