@@ -16,6 +16,7 @@ import os
 import pathlib
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -58,6 +59,47 @@ def rotation(nbytes: int, total: float = 200e6, most: int | None = 16) -> int:
   L2, and one product per call is timed with its call's launch."""
   r = max(2, math.ceil(total / nbytes))
   return r if most is None else min(most, r)
+
+
+def rows_per_weight(key, m: int, k: int, count: int, dtype=jnp.bfloat16) -> list[jax.Array]:
+  """`count` different random `x[m, k]`, one for each weight of a rotation
+  (`rotation`), as a model's products each have their own input. XLA's dot
+  merger (GPU) merges products of one x by several weights in one program
+  into one product over the weights concatenated, sliced apart after: on an
+  H200 (2026-12-04, 2048 x 2048 at 8 rows, benchmarks/results/nvidia-h200.md,
+  "Decode products: GPU time against wall time") copying the weights together
+  took 4.9 of a dense product's 8.9 us."""
+  return [jax.random.normal(jax.random.fold_in(key, i), (m, k), dtype) for i in range(count)]
+
+
+def rotated(product: Callable) -> Callable:
+  """`product(x, w)` over a rotation, jitted: `f(xs, ws)` multiplies each
+  `xs[i]` by `ws[i]` (`rows_per_weight`)."""
+  return jax.jit(lambda xs, ws: [product(x, w) for x, w in zip(xs, ws)])
+
+
+def kernel_seconds(fn: Callable, *args, calls: int = 3) -> float | None:
+  """Seconds of GPU kernel time in one call of `fn(*args)` (jitted): the
+  durations of its kernels summed (`jax.profiler` over `calls` calls after a
+  warm-up), without the idle gaps between them that `bench`'s wall time
+  holds; None where no GPU kernel was traced (a CPU). A decode step of
+  `bench_decode`'s models keeps the GPU busy (its time at most 1.4% over its
+  kernels' summed time, d_model 2048 and 4096, batch 1-64; H200,
+  2026-12-04), so there a product costs its kernel time; a call of nothing
+  but Pallas Mosaic GPU products idled up to 13 us between them (H200,
+  2026-12-04, benchmarks/results/nvidia-h200.md, "Decode products: GPU time
+  against wall time")."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      out = None
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    events = gpu_events(trace_dir)
+  if not events:
+    return None
+  return sum(e.get("dur", 0) for e in events) / 1e6 / calls  # Perfetto's durations are in us
 
 
 def gpu_name() -> str:

@@ -386,9 +386,10 @@ def time_model(cfg: dict, d: int, models: dict, name: str, timer) -> dict[str, A
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def kernel_operands(k: int, n: int, m: int, i: int = 0, cusparselt: bool = False):
-  """(x [m, k], the `i`-th compressed random weight [k, n] (`cusparselt`: in
-  cuSPARSELt's layout), its dense `w * mask`), bf16."""
-  x = jax.random.normal(jax.random.key(m * 31 + k), (m, k), jnp.bfloat16)
+  """(the `i`-th x [m, k], the `i`-th compressed random weight [k, n]
+  (`cusparselt`: in cuSPARSELt's layout), its dense `w * mask`), bf16. Each
+  weight of a rotation has its own x (`_common.rows_per_weight` says why)."""
+  x = jax.random.normal(jax.random.key(m * 31 + k + 7919 * i), (m, k), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(k * 7 + n + 7919 * i), (k, n), jnp.bfloat16)
   sp = jsparse24.compress(w, cusparselt=cusparselt)
   return x, sp, jsparse24.decompress(sp)
@@ -410,13 +411,13 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
   or `sparse_dot` on the compressed operand, automatic and forced; each
   timing the mean over a rotation of weights (`rotation`)."""
   rows = []
-  dense_mm = jax.jit(lambda x, ws: [x @ w for w in ws])
+  dense_mm = _common.rotated(lambda x, w: x @ w)
   for m in cfg["kernel_ms"]:
     for layer, (k, n) in layer_shapes(d).items():
       r = rotation(k, n, cfg["quick"])
       cusparselt = cfg.get("layout") == "cusparselt"
       operands = [kernel_operands(k, n, m, i, cusparselt) for i in range(r)]
-      x, sps, ws = operands[0][0], [o[1] for o in operands], [o[2] for o in operands]
+      xs, sps, ws = ([o[j] for o in operands] for j in range(3))
       del operands
       io = 2 * (m * k + m * n)
       if not sparse:
@@ -434,11 +435,10 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
                  if impl != auto and jsparse24.available_implementations()[impl] is None]
       for label, impl, ops, nbytes in runs:
         row = {"m": m, "layer": layer, "k": k, "n": n, "implementation": label, "rotation": r}
-        fn = impl if callable(impl) else jax.jit(functools.partial(
-            lambda x, ops, impl: [jsparse24.sparse_dot(x, s, implementation=impl) for s in ops],
-            impl=impl))
+        fn = impl if callable(impl) else _common.rotated(functools.partial(
+            lambda x, s, impl: jsparse24.sparse_dot(x, s, implementation=impl), impl=impl))
         try:
-          seconds = timer(fn, x, ops) / r
+          seconds = timer(fn, xs, ops) / r
         except Exception as e:  # pylint: disable=broad-except
           # A forced implementation that cannot run a shape is a row of the
           # table saying why; the automatic choice must always run.
@@ -450,7 +450,7 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
         row.update(ms=seconds * 1e3, gb_s=nbytes / seconds / 1e9,
                    pct_copy=100 * nbytes / seconds / bandwidth)
         rows.append(row)
-      del x, sps, ws
+      del xs, sps, ws
   return rows
 
 

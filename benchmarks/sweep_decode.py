@@ -104,15 +104,14 @@ def main(argv=None):
   print(environment, flush=True)
   bw = _common.copy_bandwidth()
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-  dense_f = jax.jit(lambda x, ws: [x @ w for w in ws])
-  sparse_f = jax.jit(lambda x, sps: [jsparse24.sparse_dot(x, sp, implementation="pallas")
-                                     for sp in sps])
+  # Each weight of a rotation has its own x (`_common.rows_per_weight` says why).
+  dense_f = _common.rotated(lambda x, w: x @ w)
+  sparse_f = _common.rotated(lambda x, sp: jsparse24.sparse_dot(x, sp, implementation="pallas"))
   # What a compressed weight multiplies through without the decode kernel:
   # decompressed, then XLA's product (the automatic choice's alternative).
-  decompress_f = jax.jit(lambda x, sps: [jsparse24.sparse_dot(x, sp, implementation="xla")
-                                         for sp in sps])
-  cusparselt_f = jax.jit(lambda x, sps: [
-      jsparse24.sparse_dot(x, sp, implementation="cusparselt") for sp in sps])
+  decompress_f = _common.rotated(lambda x, sp: jsparse24.sparse_dot(x, sp, implementation="xla"))
+  cusparselt_f = _common.rotated(
+      lambda x, sp: jsparse24.sparse_dot(x, sp, implementation="cusparselt"))
   kinds = [("dense", dense_f, "ws"), ("sparse", sparse_f, "sps"),
            ("decompress", decompress_f, "sps")]
   if args.cusparselt:
@@ -128,8 +127,7 @@ def main(argv=None):
       key = jax.random.key(k * 7 + n)
       sps = [random_sparse(jax.random.fold_in(key, i), k, n) for i in range(r)]
       ws = [jsparse24.decompress(sp) for sp in sps]
-      xs = {m: jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.bfloat16)
-            for m in ms}
+      xs = {m: _common.rows_per_weight(jax.random.fold_in(key, 1000 + m), m, k, r) for m in ms}
       # Compiled side by side: compilation, not the GPU, bounds the sweep.
       operands = {"ws": ws, "sps": sps}
       if args.cusparselt_layout:
@@ -144,7 +142,7 @@ def main(argv=None):
       for m in ms:
         dense_c, sparse_c = compiled[m, "dense"], compiled[m, "sparse"]
         got = sparse_c(xs[m], sps)[0].astype(jnp.float32)
-        ref = jnp.dot(xs[m].astype(jnp.float32), ws[0].astype(jnp.float32),
+        ref = jnp.dot(xs[m][0].astype(jnp.float32), ws[0].astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
         err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
         if not err < 1e-2:

@@ -13,14 +13,20 @@ four target shapes (4096², 4096 x 16384, 16384 x 4096, 8192²), with the
 measured copy bandwidth. Each timed
 call multiplies by several weights in turn (one jitted function), together
 well over the L2 cache, as the layers of a model do: one weight reused call
-after call would be read from L2. `--quick` times only the defaults at the
+after call would be read from L2. Each weight has its own x, as in a model
+(`_common.rows_per_weight` says what XLA does to products that share one).
+`--quick` times only the defaults at the
 four target shapes (M = 1, 16, 32, 64, 128) against the wide tiles.
 `--mma` times the sparse-tensor-core kernel (`decode24_mma`, Hopper) against
 the Triton kernel's defaults and dense XLA at the (K, N) of `--cells` (by
-default the d_model 2048 and 4096 models' products and 8192 x 8192) and
-prints `jsparse24.backends.pallas.DECODE_MMA_MAX_M`'s row: per grid cell,
-the longest run of swept Ms where it took at most `MMA_MARGIN` times the
-Triton kernel's time (`mma_cell`).
+default the d_model 2048 and 4096 models' products and 8192 x 8192), wall
+time and GPU kernel time per product (`_common.kernel_seconds`), and prints
+`jsparse24.backends.pallas.DECODE_MMA_MAX_M`'s row: per grid cell, the
+longest run of swept Ms where the kernel took at most `MMA_MARGIN` times the
+Triton kernel's GPU time (`mma_cell`; wall time where no GPU kernel was
+traced). Kernel time, because a model's decode step keeps the GPU busy and
+pays that, while the wall time of a call of nothing but these products
+holds the gaps between their launches.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import statistics
 import time
 
@@ -86,7 +93,8 @@ def check(configs) -> None:
 
 
 class Point:
-  """One (M, K, N): R weights in rotation, dense and compressed."""
+  """One (M, K, N): R weights in rotation, each with its own x
+  (`_common.rows_per_weight`), dense and compressed."""
 
   def __init__(self, m: int, k: int, n: int):
     self.m, self.k, self.n = m, k, n
@@ -95,21 +103,28 @@ class Point:
     key = jax.random.key(k * 31 + n)
     self.ops = [random_operand(jax.random.fold_in(key, i), k, n, jnp.bfloat16)
                 for i in range(self.r)]
-    self.x = jax.random.normal(jax.random.fold_in(key, 99), (m, k), jnp.bfloat16)
+    self.xs = _common.rows_per_weight(jax.random.fold_in(key, 99), m, k, self.r)
     self.sparse_bytes = sparse_bytes + 2 * (m * k + m * n)
     self.dense_bytes = 2 * (k * n + m * k + m * n)
 
+  def times(self, product, operands, kernel: bool = False):
+    """(wall seconds per product, GPU kernel seconds per product or None)
+    of `product(x, operand)` over the rotation; the kernel time only with
+    `kernel` (`_common.kernel_seconds`)."""
+    f = _common.rotated(product)
+    wall = _common.bench(f, self.xs, operands) / self.r
+    t_kernel = _common.kernel_seconds(f, self.xs, operands) if kernel else None
+    return wall, None if t_kernel is None else t_kernel / self.r
+
+  def dense_weights(self) -> list[jax.Array]:
+    return [decode24.expand_reference(v, mt, self.k) for v, mt in self.ops]
+
   def dense(self) -> float:
-    ws = [decode24.expand_reference(v, mt, self.k) for v, mt in self.ops]
-    f = jax.jit(lambda x, ws: [x @ w for w in ws])
-    t = _common.bench(f, self.x, ws) / self.r
-    del ws
-    return t
+    return self.times(lambda x, w: x @ w, self.dense_weights())[0]
 
   def sparse(self, cfg) -> float:
-    f = jax.jit(lambda x, ops: [decode24.decode_matmul(x, v, mt, k=self.k, config=cfg)
-                                for v, mt in ops])
-    return _common.bench(f, self.x, self.ops) / self.r
+    return self.times(lambda x, op: decode24.decode_matmul(x, *op, k=self.k, config=cfg),
+                      self.ops)[0]
 
 
 def rows_block(m: int) -> int:
@@ -171,8 +186,12 @@ def quick(bw: float) -> None:
 MMA_CELLS = ((2048, 2048), (2048, 6144), (2048, 8192), (8192, 2048), (4096, 4096),
              (4096, 12288), (4096, 16384), (16384, 4096), (8192, 8192))
 GRID = (2048, 4096, 8192, 16384)  # jsparse24.backends.pallas.DECODE_GRID
-# A tie within this ratio goes to the sparse-tensor-core kernel: products of
-# 9-18 us moved by up to 70% from one sweep to the next (H200, 2026-12-04).
+# A tie within this ratio goes to the sparse-tensor-core kernel. The GPU time
+# of one product and plan, timed twice in one process, agreed within 1%, its
+# wall time not (4096 x 4096, one row: 7.99 and 8.00 us of GPU time, 13.2-
+# 14.4 and 20.5-20.8 us of wall time; H200, 2026-12-04,
+# benchmarks/results/nvidia-h200.md, "Decode products: GPU time against wall
+# time").
 MMA_MARGIN = 1.03
 
 
@@ -194,26 +213,40 @@ def mma_cell(ms, mma_t, triton_t, margin: float):
 
 def mma(bw: float, cells, ms, repeat: int) -> None:
   """The sparse-tensor-core kernel against the Triton kernel and dense XLA
-  (each the median of `repeat` timings, taken in turn)."""
-  rows, times = [], {}
+  (each the median of `repeat` timings, taken in turn): wall time and, on a
+  GPU, kernel time per product, which decides the row."""
+  rows, times, basis = [], {}, "GPU kernel time"
   for (k, n), m in itertools.product(cells, ms):
     point = Point(m, k, n)
-    f = jax.jit(lambda x, ops: [decode24_mma.decode_matmul(x, v, mt, k=k) for v, mt in ops])
-    runs = [(point.dense(), point.sparse(None), _common.bench(f, point.x, point.ops) / point.r)
+    impls = {"dense": (lambda x, w: x @ w, point.dense_weights()),
+             "triton": (lambda x, op, k=k: decode24.decode_matmul(x, *op, k=k), point.ops),
+             "mma": (lambda x, op, k=k: decode24_mma.decode_matmul(x, *op, k=k), point.ops)}
+    runs = [{name: point.times(f, ops, kernel=True) for name, (f, ops) in impls.items()}
             for _ in range(repeat)]
-    t_dense, t_triton, t_mma = (statistics.median(r[i] for r in runs) for i in range(3))
-    rows.append([m, k, n, t_dense * 1e3, t_triton * 1e3, t_dense / t_triton, t_mma * 1e3,
-                 t_dense / t_mma, 100 * point.sparse_bytes / t_mma / bw])
-    times[(k, n, m)] = t_mma, t_triton
+    wall = {name: statistics.median(r[name][0] for r in runs) for name in impls}
+    if any(r[name][1] is None for r in runs for name in impls):
+      kern, basis = dict.fromkeys(impls, float("nan")), "wall time (no GPU kernel traced)"
+    else:
+      kern = {name: statistics.median(r[name][1] for r in runs) for name in impls}
+    by = wall if math.isnan(kern["mma"]) else kern
+    rows.append([m, k, n, wall["dense"] * 1e3, wall["triton"] * 1e3, wall["mma"] * 1e3,
+                 kern["dense"] * 1e3, kern["triton"] * 1e3, kern["mma"] * 1e3,
+                 by["dense"] / by["triton"], by["dense"] / by["mma"],
+                 100 * point.sparse_bytes / by["mma"] / bw])
+    times[(k, n, m)] = by["mma"], by["triton"]
     print(rows[-1], flush=True)
-    del point
+    del point, impls
   cell = {}
   for k, n in cells:
     cell[(max(g for g in GRID if g <= k), max(g for g in GRID if g <= n))] = mma_cell(
         ms, [times[(k, n, m)][0] for m in ms], [times[(k, n, m)][1] for m in ms], MMA_MARGIN)
-  print(_common.table(["M", "K", "N", "dense ms", "Triton ms", "Triton x dense", "mma.sp ms",
+  print(f"Per product: wall ms (a call of R products, over R), GPU kernel ms; the ratios and"
+        f" % of copy bandwidth by {basis}.")
+  print(_common.table(["M", "K", "N", "dense ms", "Triton ms", "mma.sp ms", "dense kernel ms",
+                       "Triton kernel ms", "mma.sp kernel ms", "Triton x dense",
                        "mma.sp x dense", "mma.sp % copy bw"], rows))
-  print("DECODE_MMA_MAX_M row (columns N = 2048 ... 16384, rows K; None: not swept):")
+  print(f"DECODE_MMA_MAX_M row by {basis} (columns N = 2048 ... 16384, rows K; None: not"
+        " swept):")
   for k in GRID:
     print(f"  ({', '.join(str(cell.get((k, n))) for n in GRID)}),  # {k}")
 

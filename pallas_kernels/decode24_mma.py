@@ -57,11 +57,13 @@ benchmarks/results/nvidia-h200.md, "Decode on the sparse tensor cores up to
 and 16384 x 4096 it ran 1.52-1.69x as fast as dense XLA at M = 1-16
 (reading the compressed weight at 98-111% of copy bandwidth), 1.48-1.56x at
 32 and 1.32-1.44x at 64, where the Triton kernel ran 1.27-1.44x, 1.19-1.28x
-and 0.85-0.90x; at 4096 x 12288 1.21-1.58x. Products of 9-18 us (K or N =
-2048, and 4096 x 4096) moved by up to 70% from one sweep to the next, the
-kernel and the Triton one each the faster in turn (at 4096 x 4096 and one
-row the kernel itself took 6.9-7.4 us, a call 8.5-14.9 us, in two profiles
-of the same day).
+and 0.85-0.90x; at 4096 x 12288 1.21-1.58x. On products of 4-20 us (K or N
+= 2048, and 4096 x 4096) the wall time of a call of nothing but these
+kernels holds up to 13 us of idle GPU between their launches, and moved by
+up to 70% from one sweep to the next; by GPU time, which a busy decode step
+pays, the kernel ran 1.25-1.62x as fast as the Triton kernel at 1 and 8 rows
+at every such shape, at 70-82% of copy bandwidth (30% at 2048 x 2048;
+21:31 UTC, "Decode products: GPU time against wall time").
 
 **Limits** (`unsupported_reason`): 1-64 rows, K a multiple of 1024, N a
 multiple of 8, bfloat16 or float16; Hopper (TMA, `plgpu.kernel`). There is

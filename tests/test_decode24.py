@@ -429,6 +429,36 @@ def test_mma_cell_takes_the_longest_run_within_the_margin():
   assert cell([11] * 6, [10] * 6) == 0
 
 
+@pytest.mark.parametrize("traced", [True, False])
+def test_tune_mma_row_follows_gpu_time_where_traced(traced, monkeypatch, capsys):
+  # Per product: wall time says the Triton kernel is faster, GPU kernel time
+  # the sparse-tensor-core one. Traced, kernel time decides (every row);
+  # untraced (a CPU), wall time (no row).
+  ran = []
+  monkeypatch.setattr(tune_decode.decode24, "decode_matmul",
+                      lambda x, v, mt, k: ran.append("triton") or x[:, :1])
+  monkeypatch.setattr(tune_decode.decode24_mma, "decode_matmul",
+                      lambda x, v, mt, k: ran.append("mma") or x[:, :1])
+  monkeypatch.setattr(tune_decode, "ROTATE_BYTES", 1)  # two weights
+  wall = {"dense": 10e-6, "triton": 5e-6, "mma": 6e-6}
+  gpu = {"dense": 10e-6, "triton": 5e-6, "mma": 4e-6}
+
+  def times(point, product, operands, kernel=False):
+    del ran[:]
+    product(point.xs[0], operands[0])
+    name = ran[0] if ran else "dense"
+    return wall[name], gpu[name] if traced and kernel else None
+
+  monkeypatch.setattr(tune_decode.Point, "times", times)
+  tune_decode.mma(1e12, [(2048, 2048)], [1, 2], repeat=1)
+  out = capsys.readouterr().out
+  row = out[out.index("DECODE_MMA_MAX_M row"):].splitlines()[1]
+  if traced:
+    assert "by GPU kernel time" in out and row.startswith("  (2, None")
+  else:
+    assert "by wall time (no GPU kernel traced)" in out and row.startswith("  (0, None")
+
+
 def test_mma_kernel_stays_off_gpus_before_hopper(mma_gpu, monkeypatch):
   del mma_gpu
   ampere = type("Device", (), {"compute_capability": "8.0", "device_kind": "Test GPU"})()

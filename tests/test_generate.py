@@ -207,6 +207,30 @@ def test_product_table_rotates_about_200_mb_of_weights():
   assert _common.rotation(10e6, total=400e6, most=None) == 40  # tune_decode's
 
 
+def test_rotation_gives_each_weight_its_own_rows():
+  # Products sharing one x would be merged by XLA's dot merger (GPU).
+  xs = _common.rows_per_weight(jax.random.key(0), 3, 8, 4)
+  assert len(xs) == 4 and all(x.shape == (3, 8) and x.dtype == jnp.bfloat16 for x in xs)
+  assert len({np.asarray(x, np.float32).tobytes() for x in xs}) == 4
+  ws = [jax.random.normal(jax.random.key(i), (8, 5), jnp.bfloat16) for i in range(4)]
+  got = _common.rotated(lambda x, w: x @ w)(xs, ws)
+  for x, w, y in zip(xs, ws, got):
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x @ w, np.float32))
+
+
+def test_kernel_seconds_sums_the_traced_kernels_per_call(monkeypatch):
+  # A CPU traces no GPU kernel: None. Traced kernels (Perfetto: microseconds)
+  # are summed and divided by the calls.
+  f = jax.jit(lambda x: x * 2)
+  assert _common.kernel_seconds(f, jnp.ones(4)) is None
+  events = [{"name": "a", "dur": 5.0}, {"name": "b", "dur": 7.0}, {"name": "a", "dur": 6.0}]
+  monkeypatch.setattr(_common, "gpu_events", lambda path: events)
+  calls = []
+  g = lambda x: calls.append(1) or x  # noqa: E731
+  np.testing.assert_allclose(_common.kernel_seconds(g, jnp.ones(4), calls=3), 6e-6)
+  assert len(calls) == 1 + 3  # a warm-up, then the traced calls
+
+
 def test_decode_gpt_has_gpt_params_and_its_logits():
   # Two heads: with one, the two orders of qkv's columns coincide, and a
   # decode model that mixes up heads in the cache would pass too.

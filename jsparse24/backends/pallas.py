@@ -166,7 +166,13 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
 # 4096 x 4096, 19:08 UTC, each the median of 3 timings: products of 9-18 us
 # whose timings moved by up to 70% from one sweep to the next, the kernel the
 # faster at 64 rows only (at 16-64 where K = 8192, N = 2048; never at 2048 x
-# 2048). An H100 has no row: the Triton kernel there.
+# 2048). Those were wall times, which hold the idle gaps between these
+# kernels' launches; by GPU time, which a busy decode step pays, the kernel
+# was 1.25-1.62x as fast as the Triton one at 1 and 8 rows of those shapes
+# too (21:31 UTC, "Decode products: GPU time against wall time"), so
+# `tune_decode.py --mma` now decides by GPU time; the row stands until a
+# d_model 2048 step is measured with them. An H100 has no row: the Triton
+# kernel there.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((0, (64, 64), (64, 64), None),   # 2048
