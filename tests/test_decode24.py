@@ -450,7 +450,7 @@ def test_tune_mma_row_follows_gpu_time_where_traced(traced, monkeypatch, capsys)
     return wall[name], gpu[name] if traced and kernel else None
 
   monkeypatch.setattr(tune_decode.Point, "times", times)
-  tune_decode.mma(1e12, [(2048, 2048)], [1, 2], repeat=1)
+  tune_decode.mma(1e12, [(2048, 2048)], [1, 2], repeat=2)  # GPU time from the first round
   out = capsys.readouterr().out
   row = out[out.index("DECODE_MMA_MAX_M row"):].splitlines()[1]
   if traced:
