@@ -37,8 +37,9 @@ Per width:
   prefill length): dense XLA `x @ w` against `jsparse24.sparse_dot(x, sp)`
   on the compressed operand, with the automatic choice and with each other
   implementation that runs here forced, each timed over a rotation of weights
-  (`rotation`); ms, GB/s (x, the weight and y moved once), % of the
-  measured copy bandwidth, speed-up over dense XLA;
+  (`rotation`), each weight with its own x; ms, GB/s (x, the weight and y
+  moved once), % of the measured copy bandwidth, speed-up over dense XLA;
+  with `--profile`, also each product's GPU time and the speed-up by it;
 * with `--profile` (a GPU): where one decode step's GPU time goes at each
   batch, both models (`jax.profiler` over `PROFILED_STEPS` steps, kernels
   summed per step by kind: the decode kernel, cuSPARSELt, XLA's products,
@@ -449,6 +450,9 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
           continue
         row.update(ms=seconds * 1e3, gb_s=nbytes / seconds / 1e9,
                    pct_copy=100 * nbytes / seconds / bandwidth)
+        if cfg.get("profile"):
+          gpu = _common.kernel_seconds(fn, xs, ops)
+          row["gpu_ms"] = float("nan") if gpu is None else gpu / r * 1e3
         rows.append(row)
       del xs, sps, ws
   return rows
@@ -587,16 +591,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "logits_rel_err": err, "backends": backends}
     prefill_rows.append([d, cfg["layers"], p, t_d, p / t_d * 1e3, t_s, p / t_s * 1e3, t_d / t_s,
                          ", ".join(backends), err, "ok" if ok else "MISMATCH"])
-    dense_ms = {(row["m"], row["layer"]): row["ms"] for row in r["kernels_dense"]}
+    dense_ms = {(row["m"], row["layer"]): row for row in r["kernels_dense"]}
     for row in r["kernels_dense"] + r["kernels_2:4"]:
       base = dense_ms[row["m"], row["layer"]]
-      row["speedup"] = base / row["ms"] if row["ms"] == row["ms"] else float("nan")
+      row["speedup"] = base["ms"] / row["ms"] if row["ms"] == row["ms"] else float("nan")
+      if cfg["profile"]:
+        row["gpu_speedup"] = base.get("gpu_ms", float("nan")) / row.get("gpu_ms", float("nan"))
     order = list(layer_shapes(d))
     for row in sorted(r["kernels_dense"] + r["kernels_2:4"],
                       key=lambda row: (row["m"], order.index(row["layer"]))):
       kernel_rows.append([d, row["m"], row["layer"], f"{row['k']}x{row['n']}",
                           row["implementation"], row["ms"], row.get("gb_s", float("nan")),
-                          row.get("pct_copy", float("nan")), row["speedup"], row.get("note", "")])
+                          row.get("pct_copy", float("nan")), row["speedup"],
+                          *((row.get("gpu_ms", float("nan")), row["gpu_speedup"])
+                            if cfg["profile"] else ()), row.get("note", "")])
     for b in cfg["batches"] if cfg["profile"] else ():
       for name in ("dense", "2:4"):
         part = r[name]["decode"][b]
@@ -633,11 +641,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f" {'2 weights' if cfg['quick'] else '2-16 weights (about 200 MB compressed, at most 16)'},"
             " ms per product; GB/s: x, the weight (dense, or values + metadata) and y moved"
             " once; speed-up over dense XLA; `auto`: the automatic choice, which it names;"
+            + (" GPU ms: the product's kernels' GPU time (`--profile`; a call of nothing but"
+               " Pallas Mosaic GPU products idles between them, a decode step does not),"
+               " GPU speed-up by it;" if cfg["profile"] else "")
             + (" `cusparselt` multiplies the weights in its layout in place):\n\n"
                if cfg["layout"] == "cusparselt" else
                " `cusparselt` on a `Sparse24` re-lays it out for cuSPARSELt in every call):\n\n")
           + _common.table(["d_model", "M", "layer", "KxN", "implementation", "ms", "GB/s",
-                           "% of copy bw", "speedup", "note"], kernel_rows)
+                           "% of copy bw", "speedup",
+                           *(("GPU ms", "GPU speedup") if cfg["profile"] else ()), "note"],
+                          kernel_rows)
           + (profile_section(profile_rows) if cfg["profile"] else "")
           + "".join(f"\n\nNot run here: `{name}`, {reason}." for name, reason
                     in jsparse24.available_implementations().items() if reason))
