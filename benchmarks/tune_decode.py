@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/tune_decode.py [--budget 240]
     PYTHONPATH=. python benchmarks/tune_decode.py --quick   # the defaults only
     PYTHONPATH=. python benchmarks/tune_decode.py --mma [--cells K:N,...] [--ms 1,4,...,64]
-        [--repeat 3]
+        [--repeat 3] [--one-slice]
 
 A developer tool (it calls `pallas_kernels` directly, and needs neither
 jsparse24 nor Flax): checks `decode24.decode_matmul` against its reference
@@ -26,7 +26,9 @@ longest run of swept Ms where the kernel took at most `MMA_MARGIN` times the
 Triton kernel's GPU time (`mma_cell`; wall time where no GPU kernel was
 traced). Kernel time, because a model's decode step keeps the GPU busy and
 pays that, while the wall time of a call of nothing but these products
-holds the gaps between their launches.
+holds the gaps between their launches. `--one-slice` also times the kernel
+with one K slice where its plan (`decode24_mma.plan`) splits K, against the
+plan's.
 """
 
 from __future__ import annotations
@@ -211,17 +213,22 @@ def mma_cell(ms, mma_t, triton_t, margin: float):
   return best[-1] if best[0] == ms[0] else (best[0], best[-1])
 
 
-def mma(bw: float, cells, ms, repeat: int) -> None:
+def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False) -> None:
   """The sparse-tensor-core kernel against the Triton kernel and dense XLA:
   wall time per product (the median of `repeat` timings, taken in turn) and,
   on a GPU, GPU kernel time per product (the first round's), which decides
-  the row."""
-  rows, times, basis = [], {}, "GPU kernel time"
+  the row. `one_slice`: also the kernel with one K slice where its plan
+  takes more (no XLA sum of partial products)."""
+  rows, times, basis, slices = [], {}, "GPU kernel time", []
   for (k, n), m in itertools.product(cells, ms):
     point = Point(m, k, n)
     impls = {"dense": (lambda x, w: x @ w, point.dense_weights()),
              "triton": (lambda x, op, k=k: decode24.decode_matmul(x, *op, k=k), point.ops),
              "mma": (lambda x, op, k=k: decode24_mma.decode_matmul(x, *op, k=k), point.ops)}
+    split = decode24_mma.plan(n, k, step=decode24_mma.k_step(m))[0]
+    if one_slice and split > 1:
+      impls["mma, 1 slice"] = (
+          lambda x, op, k=k: decode24_mma.decode_matmul(x, *op, k=k, splits=1), point.ops)
     # GPU time from the first round only: it held within 1% where timed twice.
     runs = [{name: point.times(f, ops, kernel=i == 0) for name, (f, ops) in impls.items()}
             for i in range(repeat)]
@@ -236,6 +243,9 @@ def mma(bw: float, cells, ms, repeat: int) -> None:
                  by["dense"] / by["triton"], by["dense"] / by["mma"],
                  100 * point.sparse_bytes / by["mma"] / bw])
     times[(k, n, m)] = by["mma"], by["triton"]
+    if "mma, 1 slice" in impls:
+      by_one = (wall if math.isnan(kern["mma"]) else kern)["mma, 1 slice"]
+      slices.append([m, k, n, split, by["mma"] * 1e3, by_one * 1e3, by["mma"] / by_one])
     print(rows[-1], flush=True)
     del point, impls
   cell = {}
@@ -247,6 +257,10 @@ def mma(bw: float, cells, ms, repeat: int) -> None:
   print(_common.table(["M", "K", "N", "dense ms", "Triton ms", "mma.sp ms", "dense kernel ms",
                        "Triton kernel ms", "mma.sp kernel ms", "Triton x dense",
                        "mma.sp x dense", "mma.sp % copy bw"], rows))
+  if one_slice:
+    print(f"One K slice against the plan's slices, ms by {basis} (> 1: one slice faster):")
+    print(_common.table(["M", "K", "N", "plan's slices", "mma.sp ms", "one slice ms",
+                         "plan / one slice"], slices))
   print(f"DECODE_MMA_MAX_M row by {basis} (columns N = 2048 ... 16384, rows K; None: not"
         " swept):")
   for k in GRID:
@@ -267,6 +281,9 @@ def main(argv=None):
   p.add_argument("--ms", default="1,4,8,16,32,64", help="--mma: the rows of x to time")
   p.add_argument("--repeat", type=int, default=1,
                  help="--mma: time each point this many times in turn, report the medians")
+  p.add_argument("--one-slice", action="store_true",
+                 help="--mma: also time the kernel with one K slice where its plan splits K"
+                      " (decode24_mma.plan)")
   args = p.parse_args(argv)
   start = time.time()
   print(_common.environment(), flush=True)
@@ -274,7 +291,7 @@ def main(argv=None):
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
   if args.mma:
     mma(bw, [tuple(map(int, c.split(":"))) for c in args.cells.split(",")],
-        [int(m) for m in args.ms.split(",")], args.repeat)
+        [int(m) for m in args.ms.split(",")], args.repeat, args.one_slice)
     return
   if args.quick:
     quick(bw)

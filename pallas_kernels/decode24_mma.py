@@ -148,16 +148,17 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   return None
 
 
-def plan(n: int, k: int, sms: int = _SMS, step: int = K_STEP) -> tuple[int, int, int]:
+def plan(n: int, k: int, sms: int = _SMS, step: int = K_STEP,
+         splits_among=(1, 2, 4, 8)) -> tuple[int, int, int]:
   """`(splits, ctas, units per CTA)`: each 64-row block's K steps in
-  `splits` slices (a divisor of the steps, at most 8), the units (block,
+  `splits` slices (of `splits_among`, dividing the steps), the units (block,
   slice) dealt to `ctas` CTAs (at most `sms`) in equal runs. The plan with
   the fewest K steps per CTA wins; a tie, the fewer slices (each slice past
   the first writes a float32 partial product that XLA then sums). `step`:
   K per pipeline step (`k_step`)."""
   blocks, steps = pl.cdiv(n, ROWS), k // step
   best = None
-  for splits in (1, 2, 4, 8):
+  for splits in splits_among:
     if steps % splits:
       continue
     units = blocks * splits
@@ -337,12 +338,15 @@ def _sms() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or _SMS)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("k", "splits"))
+def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
+                  splits: int | None = None) -> jax.Array:
   """`x[M, K] @ W[K, N]` with W given compressed (values `[N or more, K/2]`,
   meta `uint8[N, K/8]`, `Sparse24`'s layout): float32 accumulation, output in
   x's dtype. `values` rows after the N-th are not read for the product (a
-  cuSPARSELt buffer multiplies in place). Limits: `unsupported_reason`."""
+  cuSPARSELt buffer multiplies in place). `splits`: the K slices per 64-row
+  block (a divisor of the K steps, `k_step`), for tuning; None: `plan`'s
+  choice. Limits: `unsupported_reason`."""
   m, n = _tiles.check_operands("decode24_mma.decode_matmul", x, values, meta, k,
                                rows_after_n=True)
   reason = unsupported_reason(m, k, n, x.dtype)
@@ -352,7 +356,12 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int) -
   ways_k, ways_m, ntw = warps(m)
   tiles = ways_m * ntw  # 8-row tiles of x in a step
   step_k = k_step(m)
-  splits, ctas, per_cta = plan(n, k, _sms(), step_k)
+  if splits is not None and not (isinstance(splits, int) and splits >= 1
+                                 and (k // step_k) % splits == 0):
+    raise ValueError(f"decode24_mma.decode_matmul: splits = {splits!r} does not divide the"
+                     f" {k // step_k} K steps of {step_k} (K = {k}, {m} rows); pass a divisor"
+                     " of them, or None for plan()'s choice.")
+  splits, ctas, per_cta = plan(n, k, _sms(), step_k, (1, 2, 4, 8) if splits is None else (splits,))
   steps = k // step_k // splits
   acc_width = 16 * ntw  # 4 row tiles x ntw column tiles x 4 registers
   acc_layout = plgpu.Layout.WG_STRIDED((128, acc_width), vec_size=acc_width)

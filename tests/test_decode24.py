@@ -359,20 +359,26 @@ def test_mma_kernel_names_what_it_cannot_take():
     decode24_mma.decode_matmul(x, sp.values, sp.meta, k=1028)
 
 
-@pytest.mark.parametrize("m,k,n,dtype,rows_after_n", [
-    (1, 2048, 1000, jnp.bfloat16, 0), (9, 4096, 256, jnp.float16, 32),
-    (17, 2048, 1000, jnp.bfloat16, 0), (64, 4096, 264, jnp.float16, 64)])
-def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n):
+@pytest.mark.parametrize("m,k,n,dtype,rows_after_n,splits", [
+    (1, 2048, 1000, jnp.bfloat16, 0, None), (9, 4096, 256, jnp.float16, 32, None),
+    (17, 2048, 1000, jnp.bfloat16, 0, None), (64, 4096, 264, jnp.float16, 64, None),
+    (1, 4096, 4096, jnp.bfloat16, 0, 1)])
+def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits):
   """The Mosaic GPU program builds (lowered for CUDA on the CPU: its inline
   PTX and swizzled tiles, K split four ways (1 and 9 rows), two (17) and not
   at all (64: steps of 512, the codes' 64-byte swizzle), a values buffer
-  with rows after N); what it computes is checked on the GPU below."""
+  with rows after N, one K slice forced where the plan takes two); what it
+  computes is checked on the GPU below."""
   x = jax.ShapeDtypeStruct((m, k), dtype)
   values = jax.ShapeDtypeStruct((n + rows_after_n, k // 2), dtype)
   meta = jax.ShapeDtypeStruct((n, k // 8), jnp.uint8)
-  f = jax.jit(functools.partial(decode24_mma.decode_matmul, k=k))
+  f = jax.jit(functools.partial(decode24_mma.decode_matmul, k=k, splits=splits))
   text = f.trace(x, values, meta).lower(lowering_platforms=("cuda",)).as_text()
   assert "jsparse24_decode_mma" in text
+  # One K slice writes y itself; S slices, float32 partials [S, M, N] that XLA sums.
+  slices = splits or decode24_mma.plan(n, k, step=decode24_mma.k_step(m))[0]
+  assert (f"tensor<{slices}x{m}x{n}xf32>" in text) == (slices > 1)
+  assert ("stablehlo.reduce" in text) == (slices > 1)
 
 
 @pytest.fixture
@@ -433,15 +439,17 @@ def test_mma_cell_takes_the_longest_run_within_the_margin():
 def test_tune_mma_row_follows_gpu_time_where_traced(traced, monkeypatch, capsys):
   # Per product: wall time says the Triton kernel is faster, GPU kernel time
   # the sparse-tensor-core one. Traced, kernel time decides (every row);
-  # untraced (a CPU), wall time (no row).
+  # untraced (a CPU), wall time (no row). --one-slice: the kernel with one K
+  # slice too (2048 x 2048: the plan takes two), compared by the same time.
   ran = []
   monkeypatch.setattr(tune_decode.decode24, "decode_matmul",
                       lambda x, v, mt, k: ran.append("triton") or x[:, :1])
   monkeypatch.setattr(tune_decode.decode24_mma, "decode_matmul",
-                      lambda x, v, mt, k: ran.append("mma") or x[:, :1])
+                      lambda x, v, mt, k, splits=None: ran.append(
+                          "mma" if splits is None else f"mma{splits}") or x[:, :1])
   monkeypatch.setattr(tune_decode, "ROTATE_BYTES", 1)  # two weights
-  wall = {"dense": 10e-6, "triton": 5e-6, "mma": 6e-6}
-  gpu = {"dense": 10e-6, "triton": 5e-6, "mma": 4e-6}
+  wall = {"dense": 10e-6, "triton": 5e-6, "mma": 6e-6, "mma1": 3e-6}
+  gpu = {"dense": 10e-6, "triton": 5e-6, "mma": 4e-6, "mma1": 5e-6}
 
   def times(point, product, operands, kernel=False):
     del ran[:]
@@ -450,13 +458,25 @@ def test_tune_mma_row_follows_gpu_time_where_traced(traced, monkeypatch, capsys)
     return wall[name], gpu[name] if traced and kernel else None
 
   monkeypatch.setattr(tune_decode.Point, "times", times)
-  tune_decode.mma(1e12, [(2048, 2048)], [1, 2], repeat=2)  # GPU time from the first round
+  # GPU time from the first round.
+  tune_decode.mma(1e12, [(2048, 2048)], [1, 2], repeat=2, one_slice=True)
   out = capsys.readouterr().out
   row = out[out.index("DECODE_MMA_MAX_M row"):].splitlines()[1]
   if traced:
     assert "by GPU kernel time" in out and row.startswith("  (2, None")
+    assert "| 1 | 2048 | 2048 | 2 | 0.004 | 0.005 | 0.8 |" in out
   else:
     assert "by wall time (no GPU kernel traced)" in out and row.startswith("  (0, None")
+    assert "| 2 | 2048 | 2048 | 2 | 0.006 | 0.003 | 2 |" in out
+
+
+def test_mma_kernel_takes_a_number_of_k_slices_for_tuning():
+  assert decode24_mma.plan(4096, 4096, 132, 1024, splits_among=(1,)) == (1, 64, 1)
+  assert decode24_mma.plan(4096, 4096, 132, 1024, splits_among=(4,)) == (4, 128, 2)
+  x, sp = _operand(0, 1, 4096, 64, jnp.bfloat16)
+  with pytest.raises(ValueError, match="decode24_mma.decode_matmul: splits = 3 does not divide"
+                                       " the 4 K steps of 1024"):
+    decode24_mma.decode_matmul(x, sp.values, sp.meta, k=4096, splits=3)
 
 
 def test_mma_kernel_stays_off_gpus_before_hopper(mma_gpu, monkeypatch):
