@@ -244,15 +244,15 @@ def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False) -> None:
                  100 * point.sparse_bytes / by["mma"] / bw])
     times[(k, n, m)] = by["mma"], by["triton"]
     if "mma, 1 slice" in impls:
-      by_one = (wall if math.isnan(kern["mma"]) else kern)["mma, 1 slice"]
-      slices.append([m, k, n, split, by["mma"] * 1e3, by_one * 1e3, by["mma"] / by_one])
+      one = by["mma, 1 slice"]
+      slices.append([m, k, n, split, by["mma"] * 1e3, one * 1e3, by["mma"] / one])
     print(rows[-1], flush=True)
     del point, impls
   cell = {}
   for k, n in cells:
     cell[(max(g for g in GRID if g <= k), max(g for g in GRID if g <= n))] = mma_cell(
         ms, [times[(k, n, m)][0] for m in ms], [times[(k, n, m)][1] for m in ms], MMA_MARGIN)
-  print(f"Per product: wall ms (a call of R products, over R), GPU kernel ms; the ratios and"
+  print("Per product: wall ms (a call of R products, over R), GPU kernel ms; the ratios and"
         f" % of copy bandwidth by {basis}.")
   print(_common.table(["M", "K", "N", "dense ms", "Triton ms", "mma.sp ms", "dense kernel ms",
                        "Triton kernel ms", "mma.sp kernel ms", "Triton x dense",

@@ -148,14 +148,16 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   return None
 
 
-def plan(n: int, k: int, sms: int = _SMS, step: int = K_STEP,
+def plan(n: int, k: int, sms: int | None = None, step: int = K_STEP,
          splits_among=(1, 2, 4, 8)) -> tuple[int, int, int]:
   """`(splits, ctas, units per CTA)`: each 64-row block's K steps in
   `splits` slices (of `splits_among`, dividing the steps), the units (block,
-  slice) dealt to `ctas` CTAs (at most `sms`) in equal runs. The plan with
-  the fewest K steps per CTA wins; a tie, the fewer slices (each slice past
-  the first writes a float32 partial product that XLA then sums). `step`:
-  K per pipeline step (`k_step`)."""
+  slice) dealt to `ctas` CTAs (at most `sms`, None: this device's streaming
+  multiprocessors) in equal runs. The plan with the fewest K steps per CTA
+  wins; a tie, the fewer slices (each slice past the first writes a float32
+  partial product that XLA then sums). `step`: K per pipeline step
+  (`k_step`)."""
+  sms = sms or _sms()
   blocks, steps = pl.cdiv(n, ROWS), k // step
   best = None
   for splits in splits_among:
@@ -361,7 +363,8 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
     raise ValueError(f"decode24_mma.decode_matmul: splits = {splits!r} does not divide the"
                      f" {k // step_k} K steps of {step_k} (K = {k}, {m} rows); pass a divisor"
                      " of them, or None for plan()'s choice.")
-  splits, ctas, per_cta = plan(n, k, _sms(), step_k, (1, 2, 4, 8) if splits is None else (splits,))
+  splits, ctas, per_cta = plan(n, k, step=step_k,
+                               splits_among=(1, 2, 4, 8) if splits is None else (splits,))
   steps = k // step_k // splits
   acc_width = 16 * ntw  # 4 row tiles x ntw column tiles x 4 registers
   acc_layout = plgpu.Layout.WG_STRIDED((128, acc_width), vec_size=acc_width)
