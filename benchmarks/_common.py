@@ -1,6 +1,8 @@
 """Shared benchmark plumbing: timing (`bench`; `threaded` for training steps
 that donate their state; `in_turn` for steps compared on a drifting host;
-`compile_step`), measured ceilings
+`compile_step`; `kernel_seconds` and `traced_kernels`: GPU kernel time from
+a profile), weights in rotation (`rotation`, `rows_per_weight`, `rotated`),
+measured ceilings
 (`copy_bandwidth`, `dense_peak`), the PyTorch peer (`torch_cuda`,
 `torch_bench`), errors (`rel_err`), and the results table under
 benchmarks/results/<gpu>.md (`write_section`, `table`, `environment`)."""
@@ -78,25 +80,33 @@ def rotated(product: Callable) -> Callable:
   return jax.jit(lambda xs, ws: [product(x, w) for x, w in zip(xs, ws)])
 
 
+def traced_kernels(fn: Callable, *args, calls: int = 3, warmups: int = 1) -> list[dict]:
+  """The GPU kernels (`gpu_events`) of `calls` calls of `fn(*args)` (jitted),
+  traced by `jax.profiler` after `warmups` untraced ones; none on a CPU."""
+  out = None
+  for _ in range(warmups):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    return gpu_events(trace_dir)
+
+
 def kernel_seconds(fn: Callable, *args, calls: int = 3) -> float | None:
   """Seconds of GPU kernel time in one call of `fn(*args)` (jitted): the
-  durations of its kernels summed (`jax.profiler` over `calls` calls after a
-  warm-up), without the idle gaps between them that `bench`'s wall time
-  holds; None where no GPU kernel was traced (a CPU). A decode step of
+  durations of its kernels summed (`traced_kernels`), without the idle gaps
+  between them that `bench`'s wall time holds; None where no GPU kernel was
+  traced (a CPU). A decode step of
   `bench_decode`'s models keeps the GPU busy (its time at most 1.4% over its
   kernels' summed time, d_model 2048 and 4096, batch 1-64; H200,
   2026-12-04), so there a product costs its kernel time; a call of nothing
   but Pallas Mosaic GPU products idled up to 13 us between them (H200,
   2026-12-04, benchmarks/results/nvidia-h200.md, "Decode products: GPU time
   against wall time")."""
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      out = None
-      for _ in range(calls):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    events = gpu_events(trace_dir)
+  events = traced_kernels(fn, *args, calls=calls)
   if not events:
     return None
   return sum(e.get("dur", 0) for e in events) / 1e6 / calls  # Perfetto's durations are in us

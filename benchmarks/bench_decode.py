@@ -57,7 +57,6 @@ import collections
 import functools
 import json
 import pathlib
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -338,15 +337,7 @@ def threaded_step(step, params, tokens, cache, pos):
 def profile_steps(run) -> dict[str, Any] | None:
   """GPU kernels per step of `run` (a `threaded_step`), by kind: `{"kernels":
   count, "ms": total, kind: ms}`; None where no GPU kernel was traced (CPU)."""
-  run()
-  jax.block_until_ready(run())
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      out = None
-      for _ in range(PROFILED_STEPS):
-        out = run()
-      jax.block_until_ready(out)
-    events = _common.gpu_events(trace_dir)
+  events = _common.traced_kernels(run, calls=PROFILED_STEPS, warmups=2)
   if not events:
     return None
   ms = collections.Counter()
