@@ -6,7 +6,9 @@ Sections (`--sections`, comma-separated):
 
 * `kernel`: `x[M, K]` pruned 2:4 along K and compressed for cuSPARSELt (the
   Pallas pass and the metadata pass), against its floor: reading x and
-  writing 9/16 of its bytes at the measured copy bandwidth.
+  writing 9/16 of its bytes at the measured copy bandwidth; and pruned on
+  4x4 tiles (`transposable=True`) with both copies written (9/8 of its
+  bytes).
 * `layer`: `y = prune(x) @ w` with its gradients (y, dx, dw, as a layer in
   a model needs them) on cuSPARSELt, against the same step on XLA (masked
   dense products) and the dense layer's, at M in `--layer-ms` and K, N in
@@ -16,8 +18,10 @@ Sections (`--sections`, comma-separated):
   16384, 16,384 tokens) trained by SGD, its input's gradient computed as in a
   model: dense; the down projection's input 2:4 (`input_sparsity="masked"`);
   that with the up projection's dx from its 2:4 output gradient
-  (`grad_output="2:4"`); and the down projection's input 2:4 with the up
-  projection's weight 2:4 (a stored transposable mask).
+  (`grad_output="2:4"`); the down projection's input 2:4 with the up
+  projection's weight 2:4 (a stored transposable mask); and the first two
+  with the activations pruned on 4x4 tiles (`transposable=True`: the down
+  projection's dw and the up projection's dw on the sparse tensor cores too).
 
 Every dense step is timed before the process's first cuSPARSELt product, and
 again after the 2:4 ones (`_common.CUSPARSELT_TAX`); the ratios use the first.
@@ -50,13 +54,19 @@ def section_kernel(bw):
     x = _rand(m, (m, k))
     t = _common.bench(jax.jit(cslt.input_compress_for_product), x, min_time=0.3)
     moved = m * k * 2 + m * k * 9 // 8  # read x; write the values and the metadata
-    rows.append([f"{m} x {k}", t * 1e3, moved / t / 1e9, 100 * moved / t / bw,
+    rows.append([f"{m} x {k}", "rows", t * 1e3, moved / t / 1e9, 100 * moved / t / bw,
+                 moved / bw * 1e3])
+    t = _common.bench(jax.jit(cslt.tiles_compress_for_products), x, min_time=0.3)
+    moved = m * k * 2 + 2 * (m * k * 9 // 8)  # read x; write both copies
+    rows.append([f"{m} x {k}", "tiles", t * 1e3, moved / t / 1e9, 100 * moved / t / bw,
                  moved / bw * 1e3])
   return ("prune + compress of activations for cuSPARSELt (bf16)",
-          "`cusparselt.input_compress_for_product`: the Pallas prune + compress pass and"
-          " the metadata pass; floor = bytes read and written at the measured copy"
-          " bandwidth.\n\n"
-          + _common.table(["x [M, K]", "ms", "GB/s", "% of copy", "floor ms"], rows))
+          "`rows`: `cusparselt.input_compress_for_product` (2:4 along K); `tiles`:"
+          " `cusparselt.tiles_compress_for_products` (the transposable rule on 4x4"
+          " tiles, both copies); each the Pallas prune + compress pass and the metadata"
+          " passes; floor = bytes read and written at the measured copy bandwidth.\n\n"
+          + _common.table(["x [M, K]", "mask", "ms", "GB/s", "% of copy", "floor ms"],
+                          rows))
 
 
 def _layer_step(impl):
@@ -95,19 +105,24 @@ def section_layer(dense, masked, points, records):
 
 
 def _ffn_step(variant, mask1):
-  """One SGD step of the block; variant "dense", "act", "act+dx" or "act+w"."""
+  """One SGD step of the block; variant "dense", "act", "act+dx", "act+w",
+  "tiles" (act+dx on 4x4 tiles) or "tiles+w" (act+w, the activation on
+  tiles)."""
+  tiles = variant.startswith("tiles")
 
   def block(p, x):
-    if variant == "act+w":
+    if variant in ("act+w", "tiles+w"):
       h = jsparse24.sparse_dot(x, p["w1"], mask1, implementation="cusparselt")
-    elif variant == "act+dx":
-      h = jsparse24.sparse_dot(x, p["w1"], grad_output="2:4", implementation="cusparselt")
+    elif variant in ("act+dx", "tiles"):
+      h = jsparse24.sparse_dot(x, p["w1"], grad_output="2:4", transposable=tiles,
+                               implementation="cusparselt")
     else:
       h = x @ p["w1"]
     h = jnp.square(jax.nn.relu(h))
     if variant == "dense":
       return h @ p["w2"]
-    return jsparse24.sparse_dot(h, p["w2"], input_sparsity="masked", implementation="cusparselt")
+    return jsparse24.sparse_dot(h, p["w2"], input_sparsity="masked", transposable=tiles,
+                                implementation="cusparselt")
 
   # The input's gradient too, as a block inside a model computes it for the
   # layers before it (without it XLA drops the up projection's dx product).
@@ -141,7 +156,7 @@ def section_ffn():
 
     times[name] = _common.bench(once, x, target, min_time=1.0)
 
-  for name in ("dense", "act", "act+dx", "act+w", "dense again"):
+  for name in ("dense", "act", "act+dx", "act+w", "tiles", "tiles+w", "dense again"):
     run(name)
   base = times["dense"]
   rows = [[name, t * 1e3, tokens / t, base / t] for name, t in times.items()]
@@ -153,7 +168,9 @@ def section_ffn():
           " output gradient, 2:4 behind the masked activations, as the sparse operand"
           " (`grad_output='2:4'`);"
           " `act+w`: and the up projection 2:4 on a stored transposable mask (y and dx"
-          " sparse). First-step losses: "
+          " sparse); `tiles`, `tiles+w`: `act+dx`, `act+w` with the activation (and the"
+          " up projection's output gradient) pruned on 4x4 tiles (`transposable=True`),"
+          " the weight gradients of the pruned operands sparse too. First-step losses: "
           + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()) + ".\n\n"
           + _common.table(["block", "ms / step", "tokens / s", "dense / this"], rows))
 

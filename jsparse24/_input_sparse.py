@@ -22,20 +22,39 @@ sources read for this module establish (2026-11-27):
   "to enable effective backward sparsity". The paper's method section
   itself could not be read here, so those two are not implemented: they
   serve to run the weight gradient, whose contraction runs over the tokens,
-  on the sparse tensor cores (a 2:4 pattern along the tokens), which this
-  module does not do.
+  on the sparse tensor cores (a 2:4 pattern along the tokens).
 - xformers (facebookresearch/xformers, `xformers/ops/sp24.py`), the
   authors' library: `sparsify24(x, gradient=...)` gives the pruned input's
   gradient either the forward's own 2:4 pattern (`"24sparse"`, the default,
   and `"24dense"`: the same values, dense) or passes it through unpruned
-  (`sparsify24_ste`, "the gradient is *not* sparsified").
+  (`sparsify24_ste`, "the gradient is *not* sparsified"). Its pruning
+  (`sparse24_sparsify_both_ways`) keeps a pattern that is 2:4 along both
+  axes of every 4x4 tile, and it returns the activation compressed both
+  ways (`packed`, `packed_t`), so that the product contracted over the
+  tokens (the weight gradient) can take it as the sparse operand too;
+  torchao's `SemiSparseActivationLinear` (pytorch/ao,
+  `torchao/sparsity/training/`) does the same with a straight-through
+  input gradient.
+
+`transposable=True` is that route to a sparse weight gradient: the mask is
+jsparse24's transposable rule (`prune_24(transposable=True)`: the exact best
+of the 90 patterns with 2 kept per row and per column of each 4x4 tile of
+`x[M, K]`, by kept magnitude) instead of the rows' rule, which keeps the
+2 largest of each 4 along K. It keeps a subset of what a pattern along K
+alone could keep, so it drops more of a dense activation, and little of a
+squared ReLU's (mostly zeros already). The weight gradient stays the exact
+gradient of the product that ran, `(x * m)^T @ dy`, and `(x * m)^T` is 2:4
+along the tokens, its contraction: on `"cusparselt"` it is the sparse
+operand. No re-pruning along the tokens (the paper's route, as summarized
+above) is made, so no approximation of `dw` either.
 
 The gradients here, for `y = (x * m) @ w` with `m = prune_24(x, axis=-1)`
 (the magnitude rule of `jsparse24.prune_24`: the 2 largest `|x|` of every 4
-consecutive along K, ties to the lower index):
+consecutive along K, ties to the lower index), or the tile mask above:
 
-- `dw = (x * m)^T @ dy`: exact (the gradient of the product that ran; no
-  approximation of the paper's sparse weight gradient is made).
+- `dw = (x * m)^T @ dy`: exact (the gradient of the product that ran). On
+  `"cusparselt"` with the tile mask, the product with `(x * m)^T` as the
+  sparse operand.
 - `dx`, `"masked"`: `(dy @ w^T) * m`, the derivative of the pruned product
   (the mask held fixed, as a ReLU's is), and xformers' default. Behind a
   squared ReLU its zeros carry on: the gradient into the up projection is
@@ -53,12 +72,26 @@ consecutive along K, ties to the lower index):
   zero where its input was pruned, and the activation's derivative keeps
   those zeros); on any other `dy` it is an approximation of `dx`. `y` and
   `dw` are the product's without it (`dw` from the whole `dy`).
+- Under `grad_output="2:4"` with `transposable=True`, `dy` is pruned by the
+  tile rule and `dw = (x * m)^T @ prune(dy)` takes it too, on
+  `"cusparselt"` with the pruned `dy` as the sparse operand (where the input
+  is pruned as well, the input is that operand). Behind a down projection
+  with `input_sparsity="masked", transposable=True`, the gradient into
+  the up projection is tile-2:4 already, and its `dx` and `dw` are exact
+  (tests/test_input_sparse.py,
+  `test_transposable_makes_the_whole_feed_forward_backward_exact`); on any
+  other `dy` `dw` is an approximation too.
 
 The operation is a `jax.custom_vjp` so that the backends' kernels slot into
-its forward (prune + compress `x` once) and `dx` products; its
+its forward (prune + compress `x` once) and backward products; its
 residuals are `x` and `w`, and the mask is recomputed from `x` in the
-backward pass (one elementwise pass that XLA fuses into the products'
-operands) rather than stored. Reverse mode only: `jax.jvp` of it raises
+backward pass (the rows' rule: one elementwise pass that XLA fuses into the
+products' operands; the tile rule: one Pallas pass on a GPU) rather than
+stored; with the tile rule on `"cusparselt"` the backward prunes and
+compresses `x` again for `dw`. Tiles are 4 consecutive rows of `x[M, K]`
+(all leading axes flattened); under data parallelism on `"cusparselt"`,
+each device tiles its own rows from its first, which are the whole array's
+tiles where each device holds a multiple of 4 rows. Reverse mode only: `jax.jvp` of it raises
 JAX's error for a `custom_vjp`. Under `jax.vmap` over `x` with a shared `w`
 the backward is batched by JAX: `dw` is formed per example and summed.
 """
@@ -66,19 +99,33 @@ the backward is batched by JAX: `dw` is formed per example and summed.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jsparse24._format import Mask24
 from jsparse24._options import GRAD_OUTPUTS, INPUT_SPARSITY
 from jsparse24._prune import prune_24
+from jsparse24._sharding import weight_grad_sharding
 from jsparse24.backends._products import accumulation_dtype, dense_weight_grad
 
 
-def input_mask(x: jax.Array) -> jax.Array:
-  """The bool 2:4 mask of `x[..., K]` along K by magnitude (`prune_24`)."""
-  return prune_24(x, axis=-1)
+def input_mask(x: jax.Array, transposable: bool = False) -> jax.Array:
+  """The bool 2:4 mask of `x` by magnitude: along K of `x[..., K]`
+  (`prune_24(x, axis=-1)`), or with `transposable`, the transposable rule on
+  the 4x4 tiles of `x[M, K]` (2:4 along K and along M; M padded with rows
+  of zeros to a multiple of 4, which take no kept value from a real row),
+  by `Mask24.from_weights`: on an NVIDIA GPU one Pallas pass, where XLA's
+  search of the 90 patterns is some 60 times slower."""
+  if not transposable:
+    return prune_24(x, axis=-1)
+  if x.ndim != 2:
+    raise ValueError(f"input_mask: transposable=True tiles a 2-D [M, K] array; got shape"
+                     f" {x.shape}.")
+  pad = -x.shape[0] % 4
+  xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+  return Mask24.from_weights(xp, transposable=True).unpack()[:x.shape[0]]
 
 
 def _contract_last(a: jax.Array, b: jax.Array, b_axis: int, precision: Any,
@@ -89,90 +136,128 @@ def _contract_last(a: jax.Array, b: jax.Array, b_axis: int, precision: Any,
 
 def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = None, *,
                            gradient: str = "masked", grad_output: str = "dense",
-                           precision: Any = None):
+                           transposable: bool = False, precision: Any = None):
   """The contract, in plain `jnp`: `y = (x * m) @ w` and, given `dy`, the
   `(dx, dw)` of the module docstring, all accumulated in float32 (float64
   for float64) and returned in x's dtype (`dw` in w's). `x` is `[M, K]`,
   `w` `[K, N]`. `gradient`: `"masked"`, `"ste"` or `"off"` (the input is
   not pruned: `m` all ones); `grad_output`: `"dense"` or `"2:4"` (`dx`
-  from `prune_24(dy, axis=-1) * dy`). Returns `y`, or `(y, dx, dw)` with
-  `dy`."""
+  from `dy` pruned 2:4 along N); `transposable`: both masks by the
+  transposable rule on 4x4 tiles (`input_mask`), and `dw` from the pruned
+  `dy` where `grad_output="2:4"`. Returns `y`, or `(y, dx, dw)` with `dy`."""
   if gradient not in INPUT_SPARSITY or grad_output not in GRAD_OUTPUTS:
     raise ValueError(f"input_sparse_reference: gradient={gradient!r},"
                      f" grad_output={grad_output!r}; expected one of {INPUT_SPARSITY}"
                      f" and one of {GRAD_OUTPUTS}.")
   acc = accumulation_dtype(x.dtype)
-  m = input_mask(x) if gradient != "off" else jnp.ones(x.shape, bool)
+  m = input_mask(x, transposable) if gradient != "off" else jnp.ones(x.shape, bool)
   xm = jnp.where(m, x, 0).astype(acc)
   y = jnp.matmul(xm, w.astype(x.dtype).astype(acc), precision=precision).astype(x.dtype)
   if dy is None:
     return y
-  dy_dx = jnp.where(input_mask(dy), dy, 0) if grad_output == "2:4" else dy
-  dx = jnp.matmul(dy_dx.astype(acc), w.astype(x.dtype).astype(acc).T, precision=precision)
+  dym = jnp.where(input_mask(dy, transposable), dy, 0) if grad_output == "2:4" else dy
+  dx = jnp.matmul(dym.astype(acc), w.astype(x.dtype).astype(acc).T, precision=precision)
   if gradient == "masked":
     dx = jnp.where(m, dx, 0)
-  dw = jnp.matmul(xm.T, dy.astype(acc), precision=precision)
+  dw = jnp.matmul(xm.T, (dym if transposable else dy).astype(acc), precision=precision)
   return y, dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def input_sparse_product(x: jax.Array, w: jax.Array, input_sparsity: str, grad_output: str,
-                         precision: Any,
-                         forward: Callable[[jax.Array, jax.Array], jax.Array] | None):
+                         transposable: bool, precision: Any, products: Any):
   """`prune(x) @ w` for `x[M, K]` (the compute dtype) and `w[K, N]` (any
   float dtype, cast to x's inside, so that `dw` comes back in w's dtype as
   the dense layer's does), with the gradients of the module docstring.
   `input_sparsity`: `"masked"`, `"ste"`, or `"off"` (`x @ w`, unpruned);
   `grad_output`: `"dense"` or `"2:4"` (`dx` from the output gradient
-  pruned 2:4 along N). At least one of them prunes.
+  pruned 2:4 along N); `transposable`: the masks by the 4x4 tile rule. At
+  least one of `input_sparsity`, `grad_output` prunes.
 
-  `forward`: None for the XLA backend's products (masked dense arrays and
-  XLA's dense product), or a backend's `forward(a, b) -> prune(a) @ b` that
-  prunes `a` along its last axis itself and multiplies on the sparse tensor
-  cores (`b` already in a's dtype; hashable: a module-level function): the
-  forward product where the input is pruned, and `dx = prune(dy) @ w^T`
-  under `grad_output="2:4"`. `dw` is XLA's either way: its contraction runs
-  over M, and neither pruned operand is 2:4 along M."""
-  return _fwd(x, w, input_sparsity, grad_output, precision, forward)[0]
+  `products`: None for the XLA backend's products (masked dense arrays and
+  XLA's dense products), or a backend's `SparseProducts` (module-level
+  functions, so that it hashes) that prune their sparse operand themselves
+  and multiply on the sparse tensor cores."""
+  return _fwd(x, w, input_sparsity, grad_output, transposable, precision, products)[0]
 
 
-def _pruned(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  m = input_mask(x)
+class SparseProducts(NamedTuple):
+  """A backend's products with a pruned activation as the sparse operand.
+
+  `times(a, b, transposable) -> prune(a) @ b` (a `[M, C]` pruned 2:4 along
+  C, by the tile rule where `transposable`; b `[C, N]` in a's dtype): the
+  forward product, and `dx` under `grad_output="2:4"`.
+  `weight_grad(x, dy, pruned) -> [K, N]` in x's dtype, with the tile rule:
+  `prune(x)^T @ dy` (`pruned="x"`) or `x^T @ prune(dy)` (`pruned="dy"`),
+  the pruned operand 2:4 along M, the contraction."""
+
+  times: Callable[[jax.Array, jax.Array, bool], jax.Array]
+  weight_grad: Callable[[jax.Array, jax.Array, str], jax.Array]
+
+
+def _pruned(x: jax.Array, transposable: bool) -> tuple[jax.Array, jax.Array]:
+  m = input_mask(x, transposable)
   return m, jnp.where(m, x, jnp.zeros((), x.dtype))
 
 
-def _sparse_times(a: jax.Array, b: jax.Array, precision, forward) -> jax.Array:
-  """`prune(a) @ b` (a's last axis pruned 2:4): `forward`'s sparse product,
-  or XLA's of the masked `a`."""
-  if forward is not None:
-    return forward(a, b)
+def _sparse_times(a: jax.Array, b: jax.Array, transposable, precision, products) -> jax.Array:
+  """`prune(a) @ b` (a's last axis pruned 2:4): the backend's sparse
+  product, or XLA's of the masked `a`."""
+  if products is not None:
+    return products.times(a, b, transposable)
   # nn.Dense's dtype convention: the product in a's dtype, accumulated in
   # float32 by XLA for 16-bit inputs.
-  return _contract_last(_pruned(a)[1], b, 0, precision)
+  return _contract_last(_pruned(a, transposable)[1], b, 0, precision)
 
 
-def _fwd(x, w, input_sparsity, grad_output, precision, forward):
+def _fwd(x, w, input_sparsity, grad_output, transposable, precision, products):
   del grad_output
   if input_sparsity == "off":
     return _contract_last(x, w.astype(x.dtype), 0, precision), (x, w)
-  return _sparse_times(x, w.astype(x.dtype), precision, forward), (x, w)
+  return _sparse_times(x, w.astype(x.dtype), transposable, precision, products), (x, w)
 
 
-def _bwd(input_sparsity, grad_output, precision, forward, res, dy):
+def _bwd(input_sparsity, grad_output, transposable, precision, products, res, dy):
   x, w = res
-  m, xm = _pruned(x) if input_sparsity != "off" else (None, x)
+  m, xm = _pruned(x, transposable) if input_sparsity != "off" else (None, x)
   if grad_output == "2:4":
     # w^T laid out by XLA (one copy of the kernel, a pass at memory speed):
     # the backends' sparse product takes its dense operand as `[K, N]`.
-    dx = _sparse_times(dy, w.astype(dy.dtype).T, precision, forward)
+    dx = _sparse_times(dy, w.astype(dy.dtype).T, transposable, precision, products)
   else:
     # In dy's dtype (backends/_products.py's `matmul` says why): zeroing
     # commutes with the rounding, so the masked dx has the reference's bits.
     dx = _contract_last(dy, w.astype(dy.dtype), 1, precision)
   if input_sparsity == "masked":
     dx = jnp.where(m, dx, jnp.zeros((), dx.dtype))
-  dw = dense_weight_grad(xm, dy, w, precision)
+  dw = _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision,
+                    products)
   return dx.astype(x.dtype), dw
+
+
+def _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision, products):
+  """`dw = xm^T @ dy`, with `dy` pruned too under the tile rule and
+  `grad_output="2:4"`; on the backend's sparse product where the tile rule
+  makes an operand 2:4 along M. Where both are pruned, the input is the
+  sparse operand and `dy`'s mask is applied to the dense one. Each operand
+  is pruned once, from its own values, as the reference prunes it."""
+  if not transposable:
+    return dense_weight_grad(xm, dy, w, precision)
+  if products is not None and input_sparsity == "off":
+    return _as_weight_grad(products.weight_grad(x, dy, "dy"), w, x, dy)
+  if grad_output == "2:4":
+    dy = _pruned(dy, True)[1]
+  if products is None:
+    return dense_weight_grad(xm, dy, w, precision)
+  return _as_weight_grad(products.weight_grad(x, dy, "x"), w, x, dy)
+
+
+def _as_weight_grad(dw: jax.Array, w: jax.Array, *operands: jax.Array) -> jax.Array:
+  """A backend's weight gradient typed as `dense_weight_grad`'s: w's dtype,
+  and w's sharding where its mesh axes are Explicit."""
+  dw = dw.astype(w.dtype)
+  sharding = weight_grad_sharding(w, *operands)
+  return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
 
 input_sparse_product.defvjp(_fwd, _bwd)

@@ -68,7 +68,11 @@ def sparse_dot(
       `dx = dy @ (w*mask)^T` is exact in both modes.
     transposable: with `mask=None`, prune with the transposable 4x4 rule. With
       a `Mask24` it is taken from the mask; with a dense bool mask it may be
-      set to say the mask is transposable (checked when concrete).
+      set to say the mask is transposable (checked when concrete). With
+      `input_sparsity` or `grad_output`: True prunes the activation by the
+      same rule on 4x4 tiles of `[rows, K]` (or `[rows, N]`), 2:4 along the
+      rows too, and `dw` is taken from the pruned operands, on
+      `"cusparselt"` on the sparse tensor cores.
     implementation: None (the fastest available backend for this call), or
       one of `"xla"`, `"pallas"`, `"cusparselt"`.
     precision: passed to the dense XLA products.
@@ -103,8 +107,10 @@ def sparse_dot(
       Reverse mode only. The `"xla"` backend multiplies masked dense
       arrays; `implementation="cusparselt"` prunes and compresses `x` in
       one Pallas pass and runs `y` on the sparse tensor cores with `x` as
-      the sparse operand (K and N multiples of 64, 16-bit); the backward
-      products are XLA's on either. The automatic choice keeps `"xla"`.
+      the sparse operand (K and N multiples of 64, 16-bit), and with
+      `transposable=True` `dw = prune(x)^T @ dy` too (x pruned on 4x4
+      tiles, 2:4 along the rows as well); `dx` is XLA's product. The
+      automatic choice keeps `"xla"`.
       Sources and approximations: the `jsparse24._input_sparse` module
       docstring.
     grad_output: `"dense"` (default), or `"2:4"`: `w` is dense (as with
@@ -114,7 +120,9 @@ def sparse_dot(
       sparse tensor cores (N and K multiples of 64, 16-bit). Exact where
       `dy` is 2:4 along N already: the up projection of a feed-forward
       whose down projection has `input_sparsity="masked"`.
-      `y` and `dw` are those of the dense product. Reverse mode only.
+      `y` and `dw` are those of the dense product (with
+      `transposable=True`, `dw = x^T @ prune(dy)`, dy pruned on 4x4 tiles,
+      on `"cusparselt"` on the sparse tensor cores). Reverse mode only.
 
   Returns:
     `[..., N]` in the promoted dtype of `x` and `w`; products accumulate in
@@ -282,7 +290,8 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
   problem = dataclasses.replace(_problem(x.shape, w.shape, dtype, False), input_sparse=True)
   backend = backends.select(opts.implementation, problem)
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
-  y = backend.dot_input_sparse(x2, w, opts.input_sparsity, opts.grad_output, precision)
+  y = backend.dot_input_sparse(x2, w, opts.input_sparsity, opts.grad_output,
+                               bool(opts.transposable), precision)
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 

@@ -34,7 +34,12 @@ class SparsityOptions:
       None (the default): transposable wherever the layer's output size is a
       multiple of 4, else plain (`resolve_transposable`): `dx` then runs
       on the sparse tensor cores too, for a slightly higher loss
-      (docs/design_notes.md, "Transposable masks by default").
+      (docs/design_notes.md, "Transposable masks by default"). With a
+      dense kernel (`input_sparsity`, `grad_output`), True prunes those
+      activations by the same rule on 4x4 tiles of `[tokens, features]`,
+      2:4 along the tokens too, so that the weight gradient runs on the
+      sparse tensor cores as well; None and False: 2:4 along the features
+      only.
     implementation: the `sparse_dot` backend (None = automatic).
     mask_source: `"collection"`: the mask is the layer's entry in the
       `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
@@ -74,6 +79,10 @@ class SparsityOptions:
       output was pruned, and so is the gradient out of it). Elsewhere an
       approximation of `dx`. The kernel is dense
       (`mask_source="none"`), as with `input_sparsity`; the two combine.
+      With `transposable=True`, `dy` is pruned by the tile rule and
+      `dw = x^T @ prune(dy)` too (exact where `dy` is tile-2:4 already:
+      behind a down projection with `input_sparsity="masked"` and
+      `transposable=True`).
   """
 
   gradient: Literal["ste", "masked"] = "ste"
@@ -130,10 +139,6 @@ class SparsityOptions:
             f"{name}={getattr(self, name)!r} is an option of a 2:4 kernel; with"
             f" {self.pruned_options()} the kernel is dense and its gradient exact: leave"
             f" {name} at {default!r}.")
-    if self.transposable:
-      raise ValueError(
-          f"transposable=True is an option of a 2:4 kernel; with {self.pruned_options()}"
-          f" the kernel is dense: leave transposable at None.")
 
   @classmethod
   def checked(cls, fn: str, **options: Any) -> SparsityOptions:
@@ -154,10 +159,11 @@ class SparsityOptions:
 def resolve_transposable(transposable: bool | None, features: int,
                          mask_source: str = "collection") -> bool:
   """The mask kind of a layer with `features` outputs: `transposable`, or
-  with None, transposable where `features` is a multiple of 4 (False for a
-  dense kernel, `mask_source="none"`)."""
+  with None, transposable where `features` is a multiple of 4. For a dense
+  kernel (`mask_source="none"`) the kind of its pruned activations' masks:
+  tiles where `transposable` is True, else False."""
   if mask_source == "none":
-    return False
+    return bool(transposable)
   return features % 4 == 0 if transposable is None else bool(transposable)
 
 
@@ -183,7 +189,7 @@ def check_widths(layer: str, opts: SparsityOptions, *, inputs: str, in_width: in
         f"{layer}: {outputs} is not a multiple of 4; with grad_output="
         f"{opts.grad_output!r} the output gradient is pruned 2:4 along it. Pad the output"
         f" to {out_width + -out_width % 4} features, or leave grad_output at 'dense'.")
-  if opts.transposable and out_width % 4:
+  if opts.transposable and opts.mask_source != "none" and out_width % 4:
     raise ValueError(
         f"{layer}: {outputs} is not a multiple of 4, which a transposable mask (2:4"
         f" along both kernel axes) needs. Set transposable=None (transposable wherever"

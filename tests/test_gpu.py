@@ -916,6 +916,48 @@ def test_cusparselt_input_sparse_buffer_is_cusparselts(m, k, dtype):
   assert _same_bits(ours, theirs)
 
 
+@pytest.mark.parametrize("m,k,dtype", [(4096, 4096, jnp.bfloat16), (192, 320, jnp.float16)])
+def test_cusparselt_tile_buffers_are_cusparselts(m, k, dtype):
+  """2:4 activations on 4x4 tiles: the transposable compress pass's two
+  copies of x are byte for byte what cusparseLtSpMMACompress2 writes for
+  the pruned x as the input product's structured B (along K) and as a
+  weight's structured A contracted over M (along M)."""
+  from jsparse24._input_sparse import input_mask
+  from jsparse24.backends import cusparselt
+  x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(dtype)
+  xm = jnp.where(input_mask(x, True), x, 0)
+  along_m, along_c = jax.jit(cusparselt.tiles_compress_for_products)(x)
+  assert _same_bits(along_c, jax.jit(cusparselt.compress_input)(xm))
+  assert _same_bits(along_m, jax.jit(lambda a: cusparselt.compress(a, transpose=False))(xm))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n", [(3, 192, 320), (2000, 1024, 4096)])
+def test_cusparselt_tile_products_match_xla(dtype, m, k, n):
+  """`transposable=True` with `input_sparsity` and/or `grad_output` on the
+  "cusparselt" backend (y or dx with the tile-pruned operand as the
+  structured B, dw with it as the structured A): forward and gradients
+  against the "xla" backend's, M not a multiple of 4 or 64."""
+  x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(dtype)
+  w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+  dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
+
+  def vjp(impl, options, x, w, dy):
+    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(
+        x, w, implementation=impl, transposable=True, **dict(options)), x, w)
+    return (y, *back(dy))
+
+  for options in ((("input_sparsity", "masked"),), (("grad_output", "2:4"),),
+                  (("input_sparsity", "masked"), ("grad_output", "2:4"))):
+    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", options, x, w, dy)
+    want = jax.jit(vjp, static_argnums=(0, 1))("xla", options, x, w, dy)
+    for g, r in zip(got, want):
+      assert g.dtype == r.dtype == dtype
+      err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
+                  / jnp.linalg.norm(r.astype(jnp.float32)))
+      assert err < 1e-2, (options, err)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("m,k,n", [(1, 128, 64), (3, 192, 320), (17, 4096, 1024),
                                    (2000, 1024, 4096)])

@@ -30,10 +30,10 @@ def _close(a, b, dtype, k):
                              rtol=tol, atol=tol)
 
 
-def _vjp(x, w, dy, gradient, implementation=None, grad_output="dense"):
+def _vjp(x, w, dy, gradient, implementation=None, grad_output="dense", transposable=None):
   y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(
-      x, w, input_sparsity=gradient, implementation=implementation, grad_output=grad_output),
-                   x, w)
+      x, w, input_sparsity=gradient, implementation=implementation, grad_output=grad_output,
+      transposable=transposable), x, w)
   return (y, *vjp(dy))
 
 
@@ -150,8 +150,6 @@ def test_layers_and_rules_agree():
      "leave gradient at 'ste'"),
     ({"mask_source": "none", "input_sparsity": "ste", "weight_grad": "mvue"},
      "leave weight_grad at 'dense'"),
-    ({"mask_source": "none", "input_sparsity": "ste", "transposable": True},
-     "leave transposable at None"),
     ({"mask_source": "none", "input_sparsity": "dense"}, "unknown input_sparsity='dense'"),
 ])
 def test_combinations_that_make_no_sense_raise(kw, match):
@@ -340,3 +338,204 @@ def test_cusparselt_grad_output_takes_the_output_gradient_as_its_sparse_operand(
   y_call = ((k, n), (mp + mp // 8, k // 2), (mp, n), n, mp, k)
   calls = cusparselt_b_products
   assert set(calls) == ({dx_call, y_call} if input_sparsity == "masked" else {dx_call}), calls
+
+
+# --- transposable=True: the activations pruned on 4x4 tiles ---------------------
+
+
+def _tiles_are_24(m: jax.Array) -> bool:
+  """Whether every 4x4 tile of `m[M, C]` (M padded with False rows) keeps at
+  most 2 per row and per column."""
+  mp = jnp.pad(m, ((0, -m.shape[0] % 4), (0, 0))).astype(jnp.int32)
+  tiles = mp.reshape(mp.shape[0] // 4, 4, mp.shape[1] // 4, 4)
+  return bool((tiles.sum(axis=1) <= 2).all() and (tiles.sum(axis=3) <= 2).all())
+
+
+def test_transposable_mask_is_the_best_tile_pattern_and_differs_from_the_rows():
+  """`input_mask(x, transposable=True)` keeps 2 per row and per column of
+  each 4x4 tile (M = 6: the last tile padded with zero rows), the patterns
+  of `prune_24(transposable=True)`; the plain mask of the same x does not
+  (its rows all pick the same two columns)."""
+  x = jnp.array([[9., 8., 1., 0.], [9., 8., 0., 1.], [9., 8., 1., 1.], [9., 8., 2., 3.],
+                 [5., 1., 1., 5.], [0., 2., 3., 4.]])
+  m = input_mask(x, transposable=True)
+  assert _tiles_are_24(m)
+  np.testing.assert_array_equal(
+      m[:4], jsparse24.prune_24(x[:4], transposable=True))
+  np.testing.assert_array_equal(
+      m[4:], jsparse24.prune_24(jnp.pad(x[4:], ((0, 2), (0, 0))), transposable=True)[:2])
+  assert not _tiles_are_24(input_mask(x))
+  assert bool(jnp.all(m.sum(axis=1) == 2))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("input_sparsity,grad_output", [
+    ("masked", "dense"), ("ste", "dense"), ("off", "2:4"), ("masked", "2:4")])
+@pytest.mark.parametrize("m,k,n", [(3, 12, 4), (17, 32, 12)])
+def test_transposable_matches_the_reference(dtype, input_sparsity, grad_output, m, k, n):
+  """`transposable=True` on the "xla" backend: the input and/or the output
+  gradient pruned on tiles, `dw` from the pruned operands, against the
+  plain-`jnp` reference; the tile masks differ from the rows' (so y or dw
+  differs from the row-pruned product's), and the reference's dw is JAX's
+  derivative of the masked product."""
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 2, (m, n), dtype)
+  got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6))(x, w, dy, input_sparsity, "xla",
+                                                     grad_output, True)
+  want = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output,
+                                transposable=True)
+  for g, r, size in zip(got, want, (k, n, m)):
+    assert g.dtype == r.dtype == dtype
+    _close(g, r, dtype, size)
+  rows = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output)
+  if m > 1:
+    gap = max(float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+              for a, b in zip(want, rows))
+    assert gap > 0.05, gap
+  xm = jnp.where(input_mask(x, True), x, 0) if input_sparsity != "off" else x
+  dym = jnp.where(input_mask(dy, True), dy, 0) if grad_output == "2:4" else dy
+  want_dw = jax.vjp(lambda w: xm.astype(jnp.float32) @ w, w.astype(jnp.float32))[1](
+      dym.astype(jnp.float32))[0]
+  _close(want[2], want_dw, dtype, m)
+
+
+def test_transposable_makes_the_whole_feed_forward_backward_exact():
+  """A squared-ReLU feed-forward, its down projection's input pruned on
+  tiles (`input_sparsity="masked", transposable=True`): the gradient into
+  the up projection's output is tile-2:4, so the up projection's
+  `grad_output="2:4", transposable=True` (dx and dw from it pruned on
+  tiles) changes no gradient of the block. Behind a down projection pruned
+  along the rows only, the same up projection changes its weight's
+  gradient."""
+  x, t = _rand(0, (24, 16)), _rand(1, (24, 16))
+  p = {"w1": _rand(2, (16, 32)) * 0.5, "w2": _rand(3, (32, 16)) * 0.5}
+
+  def grads(down_tiles, up_pruned):
+    def loss(p, x):
+      h = (jsparse24.sparse_dot(x, p["w1"], grad_output="2:4", transposable=True)
+           if up_pruned else x @ p["w1"])
+      y = jsparse24.sparse_dot(jax.nn.relu(h) ** 2, p["w2"], input_sparsity="masked",
+                               transposable=down_tiles)
+      return (y * t).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x)
+
+  got, ref = grads(True, True), grads(True, False)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+  rows, rows_ref = grads(False, True), grads(False, False)
+  assert float(jnp.abs(rows[0]["w1"] - rows_ref[0]["w1"]).max()) > 1e-2
+
+
+def test_transposable_through_the_layers():
+  """SparseDense, nnx.SparseLinear and a sparsify rule take
+  `transposable=True` with `input_sparsity`: the reference's output and
+  gradients; an output width that is not a multiple of 4 is fine (only the
+  input is pruned)."""
+  x, dy = _rand(0, (6, 16)), _rand(1, (6, 8))
+  opts = {"mask_source": "none", "input_sparsity": "masked", "transposable": True}
+  dense = nn.Dense(8)
+  params = dense.init(jax.random.key(1), x)
+  kernel, bias = params["params"]["kernel"], params["params"]["bias"]
+  want_y, want_dx, want_dw = input_sparse_reference(x, kernel, dy, transposable=True)
+  layer = jnnx.SparseLinear(16, 8, rngs=nnx.Rngs(1), **opts)
+  layer.kernel.set_value(kernel)
+  layer.bias.set_value(bias)
+  calls = {"linen": lambda x, k: jsparse24.SparseDense(8, **opts).apply(
+               {"params": {"kernel": k, "bias": bias}}, x),
+           "rule": lambda x, k: jsparse24.sparsify(dense, {".*": opts}).apply(
+               {"params": {"kernel": k, "bias": bias}}, x)}
+  for name, f in calls.items():
+    y, vjp = jax.vjp(f, x, kernel)
+    dx, dw = vjp(dy)
+    np.testing.assert_allclose(y, want_y + bias, rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5, err_msg=name)
+  y, vjp = jax.vjp(layer, x)
+  np.testing.assert_allclose(y, want_y + bias, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(vjp(dy)[0], want_dx, rtol=1e-5, atol=1e-5)
+  jsparse24.SparseDense(6, **opts).init(jax.random.key(0), x)
+
+
+@pytest.fixture
+def cusparselt_products(monkeypatch):
+  """`cusparselt_b_products` for both of cuSPARSELt's calls: the structured
+  A (`_sparse_a_matmul`, the weight gradients) and B. Yields the list of
+  `("a" or "b", A shape, B shape, D shape, m, n, k)`."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  from tests import triton_removal  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def recording(which, stand_in):
+    def call(a, b, shape, **kw):
+      calls.append((which, a.shape, b.shape, tuple(shape), kw["m"], kw["n"], kw["k"]))
+      return stand_in(a, b, shape, **kw)
+    return call
+
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *a: None)
+  monkeypatch.setattr(cusparselt, "_sparse_a_matmul",
+                      recording("a", triton_removal._stand_in_product))  # pylint: disable=protected-access
+  monkeypatch.setattr(cusparselt, "_sparse_b_matmul",
+                      recording("b", triton_removal._stand_in_b_product))  # pylint: disable=protected-access
+  caches = (cusparselt._input_sparse_local, cusparselt._tiles_times_local,  # pylint: disable=protected-access
+            cusparselt._tiles_weight_grad_local)  # pylint: disable=protected-access
+  for c in caches:
+    c.cache_clear()
+  with interpret_mode():
+    yield calls
+  for c in caches:
+    c.cache_clear()
+
+
+@pytest.mark.parametrize("input_sparsity,grad_output,m,k,n", [
+    ("masked", "dense", 3, 64, 128), ("off", "2:4", 70, 128, 64), ("masked", "2:4", 70, 64, 128)])
+def test_cusparselt_transposable_runs_dw_on_the_sparse_operand(
+    cusparselt_products, input_sparsity, grad_output, m, k, n):
+  """`transposable=True` on the "cusparselt" backend on a CPU (the Pallas
+  passes interpreted, cuSPARSELt's calls by `triton_removal`'s stand-ins,
+  which decode the buffers): y, dx and dw equal the "xla" backend's; `dw`
+  is the product with the pruned operand's copy compressed along M as the
+  structured A (`D[K, N] = prune(x)^T dy` read as `[N, K]`, or `D[N, K] =
+  prune(dy)^T x`), and the forward (or `dx`) the one with the copy
+  compressed along the features as the structured B."""
+  dtype = jnp.bfloat16
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
+  vjp = jax.jit(_vjp, static_argnums=(3, 4, 5, 6))
+  got = vjp(x, w, dy, input_sparsity, "cusparselt", grad_output, True)
+  want = vjp(x, w, dy, input_sparsity, "xla", grad_output, True)
+  for g, r in zip(got, want):
+    assert g.dtype == r.dtype == dtype
+    _close(g, r, dtype, max(k, n, m))
+  mp = m + -m % 64
+  along_m = lambda c: (mp // 2 + mp // 16, c)  # noqa: E731
+  along_c = lambda c: (mp + mp // 8, c // 2)  # noqa: E731
+  want_calls = set()
+  if input_sparsity != "off":
+    want_calls.add(("b", (k, n), along_c(k), (mp, n), n, mp, k))  # y
+    want_calls.add(("a", along_m(k), (mp, n), (n, k), k, n, mp))  # dw, x pruned
+  else:
+    want_calls.add(("a", along_m(n), (mp, k), (k, n), n, k, mp))  # dw, dy pruned
+  if grad_output == "2:4":
+    want_calls.add(("b", (n, k), along_c(n), (mp, k), k, mp, n))  # dx
+  assert set(cusparselt_products) == want_calls, cusparselt_products
+
+
+def test_tile_buffer_along_the_features_is_the_input_products_buffer():
+  """The copy of a tile-pruned activation compressed along its features
+  (`tiles_compress_for_products`, the transposable compress kernel) is byte
+  for byte the buffer the input product's own kernel writes for the same
+  pruned array (`input_compress_for_product`, whose bytes are
+  cusparseLtSpMMACompress2's as structured B: test_gpu.py), both kernels
+  interpreted; the copy along M is a weight's forward buffer of it."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  x = _rand(5, (128, 192), jnp.bfloat16)
+  xm = jnp.where(input_mask(x, True), x, jnp.zeros((), x.dtype))
+  with interpret_mode():
+    along_m, along_c = jax.jit(cusparselt.tiles_compress_for_products)(x)
+    rows = jax.jit(cusparselt.input_compress_for_product)(xm)
+  want_m, _, _ = jax.jit(cusparselt.compress_for_products_xla, static_argnums=2)(xm, None, False)
+  for got, want in ((along_c, rows), (along_m, want_m)):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))

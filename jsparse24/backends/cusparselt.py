@@ -31,7 +31,11 @@ No transposed copy of `w` is ever materialised. M is padded to a multiple of
 compresses `x` (one Pallas pass) and multiplies it, as cuSPARSELt's
 structured B, by the dense weight; under `grad_output="2:4"` the same
 product takes the output gradient and `w^T` (a transposed copy of the dense
-weight) for `dx`; `dw` is XLA's.
+weight) for `dx`; `dw` is XLA's. With `transposable=True` the activations
+are pruned on 4x4 tiles and compressed both ways by one Pallas pass
+(`tiles_compress_for_products`): the copy along the features is the
+forward's (or `dx`'s) structured B, the copy along the tokens the
+structured A of `dw` (`tiles_weight_grad`).
 
 Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
 TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
@@ -54,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
-from jsparse24._input_sparse import input_sparse_product
+from jsparse24._input_sparse import SparseProducts, input_sparse_product
 from jsparse24._mvue import mvue_seeds
 from jsparse24._prune import prune_24
 from jsparse24._sharding import (one_call_per_element, partitioning_off, rows_contracted,
@@ -819,6 +823,111 @@ def input_sparse_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   return rows_parallel(fn, x, w)
 
 
+# --- 2:4 activations on 4x4 tiles (transposable=True) ----------------------------
+#
+# An activation a[M, C] (M padded with zero rows to a multiple of 64) is pruned
+# and compressed as a transposable weight [M, C] is, by the same Pallas pass
+# (`prune24.prune_compress(transposable=True)`, both copies). The copy
+# compressed along C has the layout of the input product's structured B above
+# (a weight's backward buffer: values [M, C/2], then M/8 rows of metadata),
+# so `y = prune(a) @ b` is that product. The copy compressed along M is a
+# weight's forward buffer: cuSPARSELt's structured A, the column-major C x M
+# matrix, 2:4 along M, for the weight gradients contracted over M, as the MVUE
+# weight gradient's A is. Tiles are 4 consecutive rows of each device's block:
+# the whole array's tiles where each device holds a multiple of 4 rows.
+
+
+def tiles_compress_for_products(a: jax.Array, interpret: bool | None = None):
+  """`a[M, C]` (M, C multiples of 64) pruned by the transposable rule on
+  4x4 tiles and compressed for cuSPARSELt: `(along_m, along_c)`, the
+  buffers of a transposable `[M, C]` weight (`buffer_shape(M, C,
+  transpose=False)` and `transpose=True`). One Pallas pass, then the
+  metadata writes; where the kernels cannot run, `compress_for_products_xla`."""
+  m, c = a.shape
+  _check_aligned(m, c)
+  if _xla_fallback():
+    along_m, along_c, _ = compress_for_products_xla(a, None, True)
+    return along_m, along_c
+  if interpret is None:
+    interpret = pallas_backend.interpreting()
+  values, meta, values_t, meta_t = pallas_backend.kernels().prune24.prune_compress(
+      a, transposable=True, layout="cusparselt", interpret=interpret)
+  return (_with_metadata(values, m // 2, meta, m // 4, interpret=interpret),
+          _with_metadata(values_t, m, meta_t, c // 4, interpret=interpret))
+
+
+def _padded_rows(a: jax.Array) -> jax.Array:
+  pad = -a.shape[0] % ALIGN_KN
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+@functools.cache
+def _tiles_times_local(search: int, alg: int, interpret: bool):
+  """The per-device `fn(a[M, C], b[C, N]) -> prune_tiles(a) @ b`."""
+
+  def run(a, b):
+    m, c = a.shape
+    ap = _padded_rows(a)
+    mp = ap.shape[0]
+    _check_size(a.dtype, mp, c)
+    _, along_c = tiles_compress_for_products(ap, interpret)
+    y = _sparse_b_matmul(b, along_c, (mp, b.shape[1]), m=b.shape[1], n=mp, k=c,
+                         search=search, alg=alg)
+    return y[:m] if mp != m else y
+
+  return run
+
+
+@functools.cache
+def _tiles_weight_grad_local(pruned: str, search: int, alg: int, interpret: bool):
+  """The per-device `fn(x[M, K], dy[M, N], ...) -> [K, N]` of
+  `rows_contracted`: `prune_tiles(x)^T @ dy` (`pruned="x"`) or `x^T @
+  prune_tiles(dy)` (`pruned="dy"`), the pruned operand cuSPARSELt's
+  structured A (its copy compressed along M), the other the dense B read
+  transposed; in x's dtype, as `_mvue_weight_grad_local`'s (it says why)."""
+
+  def run(x, dy, first_row, first_col, n_total):
+    del first_row, first_col, n_total  # each device's own tiles and columns
+    k, n = x.shape[1], dy.shape[1]
+    xp, dyp = _padded_rows(x), _padded_rows(dy)
+    mp = xp.shape[0]
+    sparse, dense = (xp, dyp) if pruned == "x" else (dyp, xp)
+    rows, cols = sparse.shape[1], dense.shape[1]
+    _check_size(x.dtype, mp, rows)
+    along_m, _ = tiles_compress_for_products(sparse, interpret)
+    # Column-major D[rows, cols] = A[rows, Mp] (structured, op N) @
+    # op_T(B)[Mp, cols]: the row-major [cols, rows] array.
+    d = _sparse_a_matmul(along_m, dense, (cols, rows), m=rows, n=cols, k=mp, op_a=_N,
+                         op_b=_T, search=search, alg=alg)
+    return (d.T if pruned == "x" else d).astype(x.dtype)
+
+  return run
+
+
+def tiles_matmul(a: jax.Array, b: jax.Array, transposable: bool = True) -> jax.Array:
+  """`prune(a) @ b` for `a[M, C]`, `b[C, N]` of one 16-bit dtype (C and N
+  multiples of 64, any M) on the sparse tensor cores: `a` pruned on 4x4
+  tiles where `transposable`, else along C (`input_sparse_matmul`)."""
+  if not transposable:
+    return input_sparse_matmul(a, b)
+  fn = _tiles_times_local(*_search_attrs(a.dtype), pallas_backend.interpreting())
+  return rows_parallel(fn, a, b)
+
+
+def tiles_weight_grad(x: jax.Array, dy: jax.Array, pruned: str) -> jax.Array:
+  """`prune_tiles(x)^T @ dy` (`pruned="x"`) or `x^T @ prune_tiles(dy)`
+  (`pruned="dy"`), `[K, N]` in x's dtype, on the sparse tensor cores (x
+  `[M, K]`, dy `[M, N]`, K and N multiples of 64, any M); under `jit` with
+  the rows sharded, each device multiplies its own rows and the partial
+  sums are all-reduced."""
+  fn = _tiles_weight_grad_local(pruned, *_search_attrs(x.dtype),
+                                pallas_backend.interpreting())
+  return rows_contracted(fn, x, dy, align=ALIGN_KN)
+
+
+SPARSE_PRODUCTS = SparseProducts(tiles_matmul, tiles_weight_grad)
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
   """What the forward pass builds once and the backward pass reuses (the
@@ -926,9 +1035,9 @@ class CusparseltBackend(Backend):
     sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw typed like w
     return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
-  def dot_input_sparse(self, x, w, input_sparsity, grad_output, precision):
-    return input_sparse_product(x, w, input_sparsity, grad_output, precision,
-                                input_sparse_matmul)
+  def dot_input_sparse(self, x, w, input_sparsity, grad_output, transposable, precision):
+    return input_sparse_product(x, w, input_sparsity, grad_output, transposable, precision,
+                                SPARSE_PRODUCTS)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     del precision
