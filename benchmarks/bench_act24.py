@@ -19,9 +19,12 @@ Sections (`--sections`, comma-separated):
   model: dense; the down projection's input 2:4 (`input_sparsity="masked"`);
   that with the up projection's dx from its 2:4 output gradient
   (`grad_output="2:4"`); the down projection's input 2:4 with the up
-  projection's weight 2:4 (a stored transposable mask); and the first two
-  with the activations pruned on 4x4 tiles (`transposable=True`: the down
-  projection's dw and the up projection's dw on the sparse tensor cores too).
+  projection's weight 2:4 (a stored transposable mask); the first two with
+  the activations pruned on 4x4 tiles (`transposable=True`: the down
+  projection's dw and the up projection's dw on the sparse tensor cores too);
+  and `act+dx` with both weight gradients from the pruned activations pruned
+  again along the tokens (`weight_grad="2:4"`, the causal route to the same
+  sparse products).
 
 Every dense step is timed before the process's first cuSPARSELt product, and
 again after the 2:4 ones (`_common.CUSPARSELT_TAX`); the ratios use the first.
@@ -106,23 +109,24 @@ def section_layer(dense, masked, points, records):
 
 def _ffn_step(variant, mask1):
   """One SGD step of the block; variant "dense", "act", "act+dx", "act+w",
-  "tiles" (act+dx on 4x4 tiles) or "tiles+w" (act+w, the activation on
-  tiles)."""
+  "tiles" (act+dx on 4x4 tiles), "tiles+w" (act+w, the activation on tiles)
+  or "tokens" (act+dx, the weight gradients pruned along the tokens)."""
   tiles = variant.startswith("tiles")
+  dw = {"weight_grad": "2:4"} if variant == "tokens" else {}
 
   def block(p, x):
     if variant in ("act+w", "tiles+w"):
       h = jsparse24.sparse_dot(x, p["w1"], mask1, implementation="cusparselt")
-    elif variant in ("act+dx", "tiles"):
+    elif variant in ("act+dx", "tiles", "tokens"):
       h = jsparse24.sparse_dot(x, p["w1"], grad_output="2:4", transposable=tiles,
-                               implementation="cusparselt")
+                               implementation="cusparselt", **dw)
     else:
       h = x @ p["w1"]
     h = jnp.square(jax.nn.relu(h))
     if variant == "dense":
       return h @ p["w2"]
     return jsparse24.sparse_dot(h, p["w2"], input_sparsity="masked", transposable=tiles,
-                                implementation="cusparselt")
+                                implementation="cusparselt", **dw)
 
   # The input's gradient too, as a block inside a model computes it for the
   # layers before it (without it XLA drops the up projection's dx product).
@@ -156,7 +160,7 @@ def section_ffn():
 
     times[name] = _common.bench(once, x, target, min_time=1.0)
 
-  for name in ("dense", "act", "act+dx", "act+w", "tiles", "tiles+w", "dense again"):
+  for name in ("dense", "act", "act+dx", "act+w", "tiles", "tiles+w", "tokens", "dense again"):
     run(name)
   base = times["dense"]
   rows = [[name, t * 1e3, tokens / t, base / t] for name, t in times.items()]
@@ -170,7 +174,9 @@ def section_ffn():
           " `act+w`: and the up projection 2:4 on a stored transposable mask (y and dx"
           " sparse); `tiles`, `tiles+w`: `act+dx`, `act+w` with the activation (and the"
           " up projection's output gradient) pruned on 4x4 tiles (`transposable=True`),"
-          " the weight gradients of the pruned operands sparse too. First-step losses: "
+          " the weight gradients of the pruned operands sparse too; `tokens`: `act+dx`"
+          " with both weight gradients from the pruned activations pruned along the"
+          " tokens (`weight_grad='2:4'`, an approximation). First-step losses: "
           + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()) + ".\n\n"
           + _common.table(["block", "ms / step", "tokens / s", "dense / this"], rows))
 

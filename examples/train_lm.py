@@ -39,7 +39,10 @@ reported are the cross-entropy alone.
 use a squared-ReLU MLP, and the 2:4 run prunes mlp/down's input (the
 activations) 2:4 at every step, its kernel dense; mlp/up keeps 2:4 weights,
 or with `--mlp-weights dense` a dense kernel, so that the runs differ only
-in the pruned activations (Haziza et al. 2025, arXiv 2503.16672).
+in the pruned activations (Haziza et al. 2025, arXiv 2503.16672). With
+`--activation-weight-grad 2:4`, mlp/down's weight gradient comes from its
+pruned input pruned again 2:4 along the tokens (the product that can run on
+the sparse tensor cores; an approximation).
 
 The text ships with Python: a fixed list of standard-library modules
 (`--corpus`: 8 files, ~0.6 MB, in the small preset; every `.py` file of the
@@ -267,6 +270,9 @@ class MLP(nn.Module):
   activation: str = "gelu"
   input_sparsity: str = "off"
   weights: str = "2:4"  # the sparse model's `up` kernel with input_sparsity: "2:4" or "dense"
+  # `down`'s weight_grad with input_sparsity: "dense" (exact), or "2:4" (from
+  # its pruned input pruned again along the tokens, SparseDense(weight_grad=)).
+  activation_weight_grad: str = "dense"
 
   @nn.compact
   def __call__(self, x):
@@ -280,7 +286,8 @@ class MLP(nn.Module):
         kw[name] = {"kernel_sharding": sharding}
       if self.input_sparsity != "off":
         linear["down"] = functools.partial(jsparse24.SparseDense, mask_source="none",
-                                           input_sparsity=self.input_sparsity)
+                                           input_sparsity=self.input_sparsity,
+                                           weight_grad=self.activation_weight_grad)
         if self.weights == "dense":
           linear["up"], kw["up"] = nn.Dense, {}
     h = linear["up"](self.hidden, dtype=self.dtype, name="up", **kw["up"])(x)
@@ -300,6 +307,7 @@ class Block(nn.Module):
   activation: str = "gelu"  # of the MLP (MLP.activation)
   input_sparsity: str = "off"  # of the 2:4 MLP's down projection (MLP.input_sparsity)
   mlp_weights: str = "2:4"  # MLP.weights
+  activation_weight_grad: str = "dense"  # MLP.activation_weight_grad
 
   @nn.compact
   def __call__(self, x, mask):
@@ -317,7 +325,7 @@ class Block(nn.Module):
                                      name="mlp", **kind)(h)
     return x + MLP(4 * self.d_model, self.sparse_mlp, self.dtype, self.transposable,
                    self.weight_grad, self.mlp_shardings, self.activation, self.input_sparsity,
-                   self.mlp_weights, name="mlp")(h)
+                   self.mlp_weights, self.activation_weight_grad, name="mlp")(h)
 
 
 class CharLM(nn.Module):
@@ -338,6 +346,7 @@ class CharLM(nn.Module):
   activation: str = "gelu"  # MLP.activation
   input_sparsity: str = "off"  # MLP.input_sparsity
   mlp_weights: str = "2:4"  # MLP.weights
+  activation_weight_grad: str = "dense"  # MLP.activation_weight_grad
 
   @nn.compact
   def __call__(self, tokens):
@@ -349,7 +358,8 @@ class CharLM(nn.Module):
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.sparse_mlp, self.dtype, self.transposable,
                 self.weight_grad, self.mlp_shardings, self.moe, self.activation,
-                self.input_sparsity, self.mlp_weights, name=f"block_{i}")(x, mask)
+                self.input_sparsity, self.mlp_weights, self.activation_weight_grad,
+                name=f"block_{i}")(x, mask)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -788,6 +798,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       " --mlp-weights dense); the input's"
                       " gradient masked like the forward or straight-through"
                       " (SparseDense(input_sparsity=...)); best with --ffn-activation relu2")
+  p.add_argument("--activation-weight-grad", choices=("dense", "2:4"), default="dense",
+                 help="with --sparse-activations: mlp/down's weight gradient exact (dense), or"
+                      " from its pruned input pruned again 2:4 along the tokens, so that it"
+                      " can run on the sparse tensor cores (SparseDense(weight_grad='2:4'))")
   p.add_argument("--mlp-weights", choices=("2:4", "dense"), default="2:4",
                  help="with --sparse-activations: mlp/up's kernel in the 2:4 run, 2:4 or"
                       " dense (then the runs differ only in the pruned activations)")
@@ -827,6 +841,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       p.error(f"--mlp-weights dense leaves the 2:4 run no 2:4 weight: it needs"
               f" --sparse-activations masked or ste, and takes no flag about 2:4 weights"
               f" (got {', '.join(clash)}).")
+  if args.activation_weight_grad != "dense" and args.sparse_activations == "off":
+    p.error(f"--activation-weight-grad {args.activation_weight_grad} prunes mlp/down's"
+            f" pruned input: it needs --sparse-activations masked or ste.")
   if args.d_model % 4 or args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} must be a multiple of 4 (2:4 groups) and of --heads.")
   if min(args.steps, args.batch, args.seq_len, args.eval_every, args.layers) < 1:
@@ -853,7 +870,7 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
                      " shard an MoE over its experts, or drop --moe.")
   model = CharLM(VOCAB, args.d_model, args.layers, args.heads, args.seq_len, sparse, dtype,
                  transposable, weight_grad, mlp_shardings, args.moe, args.ffn_activation,
-                 args.sparse_activations, args.mlp_weights)
+                 args.sparse_activations, args.mlp_weights, args.activation_weight_grad)
   # --mlp-weights dense: the 2:4 run's only 2:4 operands are activations, so
   # it has no masks to schedule and trains with the dense run's optimizer.
   sparse = sparse and args.mlp_weights == "2:4"
@@ -972,7 +989,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            f" loss weight {args.moe_aux_weight})" if args.moe else "")
         + f"; MLP activation {args.ffn_activation}"
         + (f"; 2:4 activations into mlp/down ({args.sparse_activations} gradient, dense"
-           f" kernel)" if args.sparse_activations != "off" else ""))
+           f" kernel" + (", weight gradient from them pruned along the tokens"
+                         if args.activation_weight_grad == "2:4" else "") + ")"
+           if args.sparse_activations != "off" else ""))
 
   os.makedirs(args.out, exist_ok=True)
   if not args.resume:  # a resumed run continues the models its first run described

@@ -45,8 +45,23 @@ alone could keep, so it drops more of a dense activation, and little of a
 squared ReLU's (mostly zeros already). The weight gradient stays the exact
 gradient of the product that ran, `(x * m)^T @ dy`, and `(x * m)^T` is 2:4
 along the tokens, its contraction: on `"cusparselt"` it is the sparse
-operand. No re-pruning along the tokens (the paper's route, as summarized
-above) is made, so no approximation of `dw` either.
+operand. No re-pruning along the tokens is made, so no approximation of
+`dw` either. The price: a token's mask depends on the 3 other tokens of
+its tile, later ones included, so its output does too, which a causal
+language model must not allow (a token would see the tokens after it, and
+decoding one token at a time would prune it otherwise than training did).
+Tiles suit models without a causal order (encoders, vision transformers).
+
+`weight_grad="2:4"` is the paper's route as summarized above, without its
+refinements: the forward keeps the rows' mask (each token pruned alone,
+causal), and the weight gradient's pruned operand (`x * m`, or the pruned
+`dy` under `grad_output="2:4"`) is pruned again 2:4 along the tokens by
+magnitude (`token_mask`) for `dw` alone, on `"cusparselt"` as the sparse
+operand: an approximation of `dw` that drops, per feature and group of 4
+tokens, what lies beyond the 2 largest, nothing where the activation has at
+most 2 nonzeros there (a squared ReLU's mostly has). The 95/5 split (the
+densest features' `dw` exact) and the token permutation are not
+implemented.
 
 The gradients here, for `y = (x * m) @ w` with `m = prune_24(x, axis=-1)`
 (the magnitude rule of `jsparse24.prune_24`: the 2 largest `|x|` of every 4
@@ -134,9 +149,18 @@ def _contract_last(a: jax.Array, b: jax.Array, b_axis: int, precision: Any,
                              precision=precision, preferred_element_type=preferred)
 
 
+def token_mask(a: jax.Array) -> jax.Array:
+  """The bool 2:4 mask of `a[M, C]` along M (the tokens) by magnitude, M
+  padded with rows of zeros to a multiple of 4 (`weight_grad="2:4"`)."""
+  pad = -a.shape[0] % 4
+  ap = jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+  return prune_24(ap, axis=0)[:a.shape[0]]
+
+
 def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = None, *,
                            gradient: str = "masked", grad_output: str = "dense",
-                           transposable: bool = False, precision: Any = None):
+                           transposable: bool = False, weight_grad: str = "dense",
+                           precision: Any = None):
   """The contract, in plain `jnp`: `y = (x * m) @ w` and, given `dy`, the
   `(dx, dw)` of the module docstring, all accumulated in float32 (float64
   for float64) and returned in x's dtype (`dw` in w's). `x` is `[M, K]`,
@@ -144,7 +168,9 @@ def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = No
   not pruned: `m` all ones); `grad_output`: `"dense"` or `"2:4"` (`dx`
   from `dy` pruned 2:4 along N); `transposable`: both masks by the
   transposable rule on 4x4 tiles (`input_mask`), and `dw` from the pruned
-  `dy` where `grad_output="2:4"`. Returns `y`, or `(y, dx, dw)` with `dy`."""
+  `dy` where `grad_output="2:4"`; `weight_grad="2:4"`: `dw` from the pruned
+  activation (the input, else `dy`) pruned again along M (`token_mask`).
+  Returns `y`, or `(y, dx, dw)` with `dy`."""
   if gradient not in INPUT_SPARSITY or grad_output not in GRAD_OUTPUTS:
     raise ValueError(f"input_sparse_reference: gradient={gradient!r},"
                      f" grad_output={grad_output!r}; expected one of {INPUT_SPARSITY}"
@@ -159,26 +185,34 @@ def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = No
   dx = jnp.matmul(dym.astype(acc), w.astype(x.dtype).astype(acc).T, precision=precision)
   if gradient == "masked":
     dx = jnp.where(m, dx, 0)
-  dw = jnp.matmul(xm.T, (dym if transposable else dy).astype(acc), precision=precision)
+  lhs, rhs = xm, (dym if transposable else dy).astype(acc)
+  if weight_grad == "2:4" and gradient != "off":
+    lhs = jnp.where(token_mask(xm), xm, 0)
+  elif weight_grad == "2:4":
+    rhs = jnp.where(token_mask(dym), dym, 0).astype(acc)
+  dw = jnp.matmul(lhs.T, rhs, precision=precision)
   return y, dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def input_sparse_product(x: jax.Array, w: jax.Array, input_sparsity: str, grad_output: str,
-                         transposable: bool, precision: Any, products: Any):
+                         transposable: bool, weight_grad: str, precision: Any, products: Any):
   """`prune(x) @ w` for `x[M, K]` (the compute dtype) and `w[K, N]` (any
   float dtype, cast to x's inside, so that `dw` comes back in w's dtype as
   the dense layer's does), with the gradients of the module docstring.
   `input_sparsity`: `"masked"`, `"ste"`, or `"off"` (`x @ w`, unpruned);
   `grad_output`: `"dense"` or `"2:4"` (`dx` from the output gradient
-  pruned 2:4 along N); `transposable`: the masks by the 4x4 tile rule. At
-  least one of `input_sparsity`, `grad_output` prunes.
+  pruned 2:4 along N); `transposable`: the masks by the 4x4 tile rule;
+  `weight_grad`: `"dense"`, or `"2:4"` (`dw` from the pruned activation
+  pruned again along M). At least one of `input_sparsity`, `grad_output`
+  prunes.
 
   `products`: None for the XLA backend's products (masked dense arrays and
   XLA's dense products), or a backend's `SparseProducts` (module-level
   functions, so that it hashes) that prune their sparse operand themselves
   and multiply on the sparse tensor cores."""
-  return _fwd(x, w, input_sparsity, grad_output, transposable, precision, products)[0]
+  return _fwd(x, w, input_sparsity, grad_output, transposable, weight_grad, precision,
+              products)[0]
 
 
 class SparseProducts(NamedTuple):
@@ -187,12 +221,14 @@ class SparseProducts(NamedTuple):
   `times(a, b, transposable) -> prune(a) @ b` (a `[M, C]` pruned 2:4 along
   C, by the tile rule where `transposable`; b `[C, N]` in a's dtype): the
   forward product, and `dx` under `grad_output="2:4"`.
-  `weight_grad(x, dy, pruned) -> [K, N]` in x's dtype, with the tile rule:
+  `weight_grad(x, dy, pruned, rule) -> [K, N]` in x's dtype:
   `prune(x)^T @ dy` (`pruned="x"`) or `x^T @ prune(dy)` (`pruned="dy"`),
-  the pruned operand 2:4 along M, the contraction."""
+  the pruned operand 2:4 along M, the contraction: by the tile rule
+  (`rule="tiles"`, the operand as the forward saw it) or along M alone
+  (`rule="tokens"`, the operand already pruned along its features)."""
 
   times: Callable[[jax.Array, jax.Array, bool], jax.Array]
-  weight_grad: Callable[[jax.Array, jax.Array, str], jax.Array]
+  weight_grad: Callable[[jax.Array, jax.Array, str, str], jax.Array]
 
 
 def _pruned(x: jax.Array, transposable: bool) -> tuple[jax.Array, jax.Array]:
@@ -210,14 +246,15 @@ def _sparse_times(a: jax.Array, b: jax.Array, transposable, precision, products)
   return _contract_last(_pruned(a, transposable)[1], b, 0, precision)
 
 
-def _fwd(x, w, input_sparsity, grad_output, transposable, precision, products):
-  del grad_output
+def _fwd(x, w, input_sparsity, grad_output, transposable, weight_grad, precision, products):
+  del grad_output, weight_grad
   if input_sparsity == "off":
     return _contract_last(x, w.astype(x.dtype), 0, precision), (x, w)
   return _sparse_times(x, w.astype(x.dtype), transposable, precision, products), (x, w)
 
 
-def _bwd(input_sparsity, grad_output, transposable, precision, products, res, dy):
+def _bwd(input_sparsity, grad_output, transposable, weight_grad, precision, products, res,
+         dy):
   x, w = res
   m, xm = _pruned(x, transposable) if input_sparsity != "off" else (None, x)
   if grad_output == "2:4":
@@ -230,8 +267,11 @@ def _bwd(input_sparsity, grad_output, transposable, precision, products, res, dy
     dx = _contract_last(dy, w.astype(dy.dtype), 1, precision)
   if input_sparsity == "masked":
     dx = jnp.where(m, dx, jnp.zeros((), dx.dtype))
-  dw = _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision,
-                    products)
+  if weight_grad == "2:4":
+    dw = _token_weight_grad(x, xm, dy, w, input_sparsity, precision, products)
+  else:
+    dw = _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision,
+                      products)
   return dx.astype(x.dtype), dw
 
 
@@ -244,12 +284,28 @@ def _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precis
   if not transposable:
     return dense_weight_grad(xm, dy, w, precision)
   if products is not None and input_sparsity == "off":
-    return _as_weight_grad(products.weight_grad(x, dy, "dy"), w, x, dy)
+    return _as_weight_grad(products.weight_grad(x, dy, "dy", "tiles"), w, x, dy)
   if grad_output == "2:4":
     dy = _pruned(dy, True)[1]
   if products is None:
     return dense_weight_grad(xm, dy, w, precision)
-  return _as_weight_grad(products.weight_grad(x, dy, "x"), w, x, dy)
+  return _as_weight_grad(products.weight_grad(x, dy, "x", "tiles"), w, x, dy)
+
+
+def _token_weight_grad(x, xm, dy, w, input_sparsity, precision, products):
+  """`weight_grad="2:4"`: `dw` with the pruned input `xm` (where the input
+  is pruned; else the output gradient pruned along N, `grad_output="2:4"`)
+  pruned again 2:4 along M, the sparse operand on the backend's product."""
+  if input_sparsity != "off":
+    if products is not None:
+      return _as_weight_grad(products.weight_grad(xm, dy, "x", "tokens"), w, x, dy)
+    return dense_weight_grad(jnp.where(token_mask(xm), xm, jnp.zeros((), xm.dtype)), dy, w,
+                             precision)
+  dym = _pruned(dy, False)[1]
+  if products is not None:
+    return _as_weight_grad(products.weight_grad(x, dym, "dy", "tokens"), w, x, dy)
+  return dense_weight_grad(x, jnp.where(token_mask(dym), dym, jnp.zeros((), dym.dtype)), w,
+                           precision)
 
 
 def _as_weight_grad(dw: jax.Array, w: jax.Array, *operands: jax.Array) -> jax.Array:

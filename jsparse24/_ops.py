@@ -29,7 +29,7 @@ def sparse_dot(
     transposable: bool | None = None,
     implementation: str | None = None,
     precision: Any = None,
-    weight_grad: Literal["dense", "mvue"] = "dense",
+    weight_grad: Literal["dense", "mvue", "2:4"] = "dense",
     key: jax.Array | None = None,
     weight_sharding: jax.sharding.NamedSharding | None = None,
     input_sparsity: Literal["off", "masked", "ste"] = "off",
@@ -85,7 +85,11 @@ def sparse_dot(
       raises: the estimate is drawn in the backward pass). On
       `"cusparselt"` the pruned product runs on the sparse tensor cores (its
       result rounded once to x's dtype, then cast to w's); elsewhere it is
-      XLA's dense product of the pruned `dy`.
+      XLA's dense product of the pruned `dy`. `"2:4"`, with `input_sparsity`
+      or `grad_output`: `dw` from the pruned activation (`prune(x)`, else
+      `prune(dy)`) pruned again 2:4 along the rows by magnitude, on
+      `"cusparselt"` as the sparse operand (an approximation of `dw`; the
+      forward unchanged).
     key: a PRNG key, required with `weight_grad="mvue"` (the same key gives
       the same `dw`, bit for bit).
     weight_sharding: tensor parallelism under `jax.jit` on a mesh: a
@@ -291,7 +295,7 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
   backend = backends.select(opts.implementation, problem)
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
   y = backend.dot_input_sparse(x2, w, opts.input_sparsity, opts.grad_output,
-                               bool(opts.transposable), precision)
+                               bool(opts.transposable), opts.weight_grad, precision)
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 

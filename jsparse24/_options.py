@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any, Literal
 
 GRADIENT_MODES = ("ste", "masked")
-WEIGHT_GRADS = ("dense", "mvue")
+WEIGHT_GRADS = ("dense", "mvue", "2:4")
 MASK_SOURCES = ("collection", "dynamic", "none")
 INPUT_SPARSITY = ("off", "masked", "ste")
 GRAD_OUTPUTS = ("dense", "2:4")
@@ -38,8 +38,10 @@ class SparsityOptions:
       dense kernel (`input_sparsity`, `grad_output`), True prunes those
       activations by the same rule on 4x4 tiles of `[tokens, features]`,
       2:4 along the tokens too, so that the weight gradient runs on the
-      sparse tensor cores as well; None and False: 2:4 along the features
-      only.
+      sparse tensor cores as well, exactly; a token's mask then depends on
+      the 3 others of its tile, later ones included, so a causal model
+      must not use it (`weight_grad="2:4"` is the causal route). None and
+      False: 2:4 along the features only.
     implementation: the `sparse_dot` backend (None = automatic).
     mask_source: `"collection"`: the mask is the layer's entry in the
       `"sparsity"` collection (made at `init` from the initial kernel, rebuilt
@@ -52,7 +54,15 @@ class SparsityOptions:
       unbiased rule (`jsparse24.sparse_dot`). Its randomness comes from the
       `"mvue"` rng stream: `apply(..., rngs={"mvue": key})` (Linen; under
       `nn.scan`, add `"mvue"` to `split_rngs` for one key per layer), or the
-      module's `rngs` (NNX).
+      module's `rngs` (NNX). `"2:4"`, for a layer that prunes an activation
+      (`input_sparsity`, `grad_output`): the kernel's gradient from that
+      activation pruned again 2:4 along the tokens by magnitude (the pruned
+      input, else the pruned output gradient), so that `dw` runs on the
+      sparse tensor cores too: an approximation of `dw`, which drops the
+      values that a group of 4 tokens holds beyond its 2 largest (few where
+      the activation is mostly zeros, as a squared ReLU's is). The forward
+      pass is unchanged (each token pruned alone, so a causal model stays
+      causal).
     kernel_sharding: tensor parallelism: a `jax.sharding.NamedSharding` of
       the `[in, out]` kernel (`P(None, "model")` column-parallel,
       `P("model", None)` row-parallel); each device prunes, compresses and
@@ -89,7 +99,7 @@ class SparsityOptions:
   transposable: bool | None = None
   implementation: str | None = None
   mask_source: Literal["collection", "dynamic", "none"] = "collection"
-  weight_grad: Literal["dense", "mvue"] = "dense"
+  weight_grad: Literal["dense", "mvue", "2:4"] = "dense"
   kernel_sharding: Any = None
   input_sparsity: Literal["off", "masked", "ste"] = "off"
   grad_output: Literal["dense", "2:4"] = "dense"
@@ -132,13 +142,27 @@ class SparsityOptions:
           " or 'ste', or grad_output='2:4'; with none of them the layer is a plain dense"
           " layer: use nn.Dense / nnx.Linear, or leave it out of the sparsify rules.")
     if not pruned:
-      return
-    for name, default in (("gradient", "ste"), ("weight_grad", "dense")):
-      if getattr(self, name) != default:
+      if self.weight_grad == "2:4":
         raise ValueError(
-            f"{name}={getattr(self, name)!r} is an option of a 2:4 kernel; with"
-            f" {self.pruned_options()} the kernel is dense and its gradient exact: leave"
-            f" {name} at {default!r}.")
+            "weight_grad='2:4' prunes an activation along the tokens, for layers with"
+            " input_sparsity or grad_output='2:4'; for a 2:4 kernel use weight_grad='mvue'"
+            " (the output gradient pruned along the tokens, unbiased) or 'dense'.")
+      return
+    if self.gradient != "ste":
+      raise ValueError(
+          f"gradient={self.gradient!r} is an option of a 2:4 kernel; with"
+          f" {self.pruned_options()} the kernel is dense and its gradient exact: leave"
+          f" gradient at 'ste'.")
+    if self.weight_grad == "mvue":
+      raise ValueError(
+          f"weight_grad='mvue' is an option of a 2:4 kernel; with {self.pruned_options()}"
+          f" the kernel is dense and its gradient exact: leave weight_grad at 'dense' (or"
+          f" '2:4': dw from the pruned activation pruned along the tokens).")
+    if self.weight_grad == "2:4" and self.transposable:
+      raise ValueError(
+          "weight_grad='2:4' with transposable=True: the tile masks are 2:4 along the"
+          " tokens already, and dw runs on the sparse tensor cores exactly; leave"
+          " weight_grad at 'dense' (or transposable at None for the causal forward).")
 
   @classmethod
   def checked(cls, fn: str, **options: Any) -> SparsityOptions:

@@ -121,7 +121,7 @@ class SparseLinear(nnx.Module):
       transposable: bool | None = None,
       implementation: str | None = None,
       mask_source: Literal["collection", "dynamic", "none"] = "collection",
-      weight_grad: Literal["dense", "mvue"] = "dense",
+      weight_grad: Literal["dense", "mvue", "2:4"] = "dense",
       kernel_sharding: Any = None,
       input_sparsity: Literal["off", "masked", "ste"] = "off",
       grad_output: Literal["dense", "2:4"] = "dense",

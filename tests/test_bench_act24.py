@@ -33,7 +33,7 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
                       product(triton_removal._stand_in_b_product))  # pylint: disable=protected-access
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._tiles_times_local.cache_clear()  # pylint: disable=protected-access
-  cusparselt._tiles_weight_grad_local.cache_clear()  # pylint: disable=protected-access
+  cusparselt._pruned_weight_grad_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
   monkeypatch.setattr(bench_act24._common, "bench", bench)
   monkeypatch.setattr(bench_act24._common, "copy_bandwidth", lambda: 1e9)
@@ -50,6 +50,6 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
   # block's dense step timed again at the end of its section.
   first = events.index("cusparselt")
   assert events[:first] == ["bench"] * 5, events
-  assert events.count("bench") == 4 + 7 + 2 + 2, events  # layer, block, kernel, layer
+  assert events.count("bench") == 4 + 8 + 2 + 2, events  # layer, block, kernel, layer
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access

@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 import types
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -388,18 +389,33 @@ def test_train_lm_moe_loss_adds_the_load_balancing_loss():
 
 
 def test_train_lm_squared_relu_with_24_activations(tmp_path):
-  """--ffn-activation relu2 --sparse-activations masked: both runs train a
-  squared-ReLU MLP; in the 2:4 run mlp/up keeps 2:4 weights (a mask) and
-  mlp/down takes 2:4 activations with a dense kernel (no mask), and both
+  """--ffn-activation relu2 --sparse-activations masked
+  --activation-weight-grad 2:4: both runs train a squared-ReLU MLP; in the
+  2:4 run mlp/up keeps 2:4 weights (a mask) and mlp/down takes 2:4
+  activations with a dense kernel (no mask) and its weight gradient from
+  them pruned along the tokens (SparseDense(weight_grad="2:4")), and both
   learn."""
   module = load_example("train_lm")
   args = ["--steps", "12", "--eval-every", "6", "--d-model", "32", "--layers", "1",
           "--heads", "2", "--seq-len", "32", "--batch", "8", "--eval-batches", "2",
           "--lr", "1e-2", "--ffn-activation", "relu2", "--sparse-activations", "masked",
-          "--out", str(tmp_path)]
-  with contextlib.redirect_stdout(io.StringIO()) as printed:
+          "--activation-weight-grad", "2:4", "--out", str(tmp_path)]
+  seen = []
+  real = jsparse24.SparseDense.__call__
+
+  def spy(self, *a, **kw):
+    seen.append((self.name, self.weight_grad))
+    return real(self, *a, **kw)
+
+  with mock.patch.object(jsparse24.SparseDense, "__call__", spy), \
+      contextlib.redirect_stdout(io.StringIO()) as printed:
     result = module.main(args)
-  assert "MLP activation relu2; 2:4 activations into mlp/down (masked" in printed.getvalue()
+  assert ("MLP activation relu2; 2:4 activations into mlp/down (masked gradient, dense kernel,"
+          " weight gradient from them pruned along the tokens)") in printed.getvalue()
+  assert set(seen) == {("up", "dense"), ("down", "2:4")}, set(seen)
+  with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+    module.main(["--activation-weight-grad", "2:4", "--out", str(tmp_path / "x")])
+  assert "--activation-weight-grad 2:4 prunes mlp/down's pruned input" in err.getvalue()
   assert result["sparse_layers"] == ["block_0/mlp/up"]
   assert set(result["sparsity_collection"]["block_0"]["mlp"]) == {"up"}
   assert result["sparse_layer_backends"]["mlp/down"] == "xla"

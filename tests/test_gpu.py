@@ -933,22 +933,25 @@ def test_cusparselt_tile_buffers_are_cusparselts(m, k, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("m,k,n", [(3, 192, 320), (2000, 1024, 4096)])
-def test_cusparselt_tile_products_match_xla(dtype, m, k, n):
-  """`transposable=True` with `input_sparsity` and/or `grad_output` on the
-  "cusparselt" backend (y or dx with the tile-pruned operand as the
-  structured B, dw with it as the structured A): forward and gradients
-  against the "xla" backend's, M not a multiple of 4 or 64."""
+def test_cusparselt_pruned_weight_grad_products_match_xla(dtype, m, k, n):
+  """`transposable=True`, or `weight_grad="2:4"`, with `input_sparsity`
+  and/or `grad_output` on the "cusparselt" backend (y or dx with the pruned
+  operand as the structured B, dw with it, pruned along the tokens, as the
+  structured A): forward and gradients against the "xla" backend's, M not
+  a multiple of 4 or 64."""
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(dtype)
   w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
   dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
 
   def vjp(impl, options, x, w, dy):
     y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(
-        x, w, implementation=impl, transposable=True, **dict(options)), x, w)
+        x, w, implementation=impl, **dict(options)), x, w)
     return (y, *back(dy))
 
-  for options in ((("input_sparsity", "masked"),), (("grad_output", "2:4"),),
-                  (("input_sparsity", "masked"), ("grad_output", "2:4"))):
+  pruned = ((("input_sparsity", "masked"),), (("grad_output", "2:4"),),
+            (("input_sparsity", "masked"), ("grad_output", "2:4")))
+  for options in [p + (("transposable", True),) for p in pruned] + [
+      p + (("weight_grad", "2:4"),) for p in pruned]:
     got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", options, x, w, dy)
     want = jax.jit(vjp, static_argnums=(0, 1))("xla", options, x, w, dy)
     for g, r in zip(got, want):

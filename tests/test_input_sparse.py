@@ -15,7 +15,7 @@ from flax import nnx
 
 import jsparse24
 from jsparse24 import nnx as jnnx
-from jsparse24._input_sparse import input_mask, input_sparse_reference
+from jsparse24._input_sparse import input_mask, input_sparse_reference, token_mask
 
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
@@ -30,10 +30,11 @@ def _close(a, b, dtype, k):
                              rtol=tol, atol=tol)
 
 
-def _vjp(x, w, dy, gradient, implementation=None, grad_output="dense", transposable=None):
+def _vjp(x, w, dy, gradient, implementation=None, grad_output="dense", transposable=None,
+         weight_grad="dense"):
   y, vjp = jax.vjp(lambda x, w: jsparse24.sparse_dot(
       x, w, input_sparsity=gradient, implementation=implementation, grad_output=grad_output,
-      transposable=transposable), x, w)
+      transposable=transposable, weight_grad=weight_grad), x, w)
   return (y, *vjp(dy))
 
 
@@ -478,7 +479,7 @@ def cusparselt_products(monkeypatch):
   monkeypatch.setattr(cusparselt, "_sparse_b_matmul",
                       recording("b", triton_removal._stand_in_b_product))  # pylint: disable=protected-access
   caches = (cusparselt._input_sparse_local, cusparselt._tiles_times_local,  # pylint: disable=protected-access
-            cusparselt._tiles_weight_grad_local)  # pylint: disable=protected-access
+            cusparselt._pruned_weight_grad_local)  # pylint: disable=protected-access
   for c in caches:
     c.cache_clear()
   with interpret_mode():
@@ -487,22 +488,25 @@ def cusparselt_products(monkeypatch):
     c.cache_clear()
 
 
+@pytest.mark.parametrize("rule", ["tiles", "tokens"])
 @pytest.mark.parametrize("input_sparsity,grad_output,m,k,n", [
     ("masked", "dense", 3, 64, 128), ("off", "2:4", 70, 128, 64), ("masked", "2:4", 70, 64, 128)])
-def test_cusparselt_transposable_runs_dw_on_the_sparse_operand(
-    cusparselt_products, input_sparsity, grad_output, m, k, n):
-  """`transposable=True` on the "cusparselt" backend on a CPU (the Pallas
-  passes interpreted, cuSPARSELt's calls by `triton_removal`'s stand-ins,
-  which decode the buffers): y, dx and dw equal the "xla" backend's; `dw`
-  is the product with the pruned operand's copy compressed along M as the
-  structured A (`D[K, N] = prune(x)^T dy` read as `[N, K]`, or `D[N, K] =
-  prune(dy)^T x`), and the forward (or `dx`) the one with the copy
-  compressed along the features as the structured B."""
+def test_cusparselt_pruned_weight_grad_runs_on_the_sparse_operand(
+    cusparselt_products, rule, input_sparsity, grad_output, m, k, n):
+  """`transposable=True` (`rule="tiles"`) or `weight_grad="2:4"`
+  (`"tokens"`) on the "cusparselt" backend on a CPU (the Pallas passes
+  interpreted, cuSPARSELt's calls by `triton_removal`'s stand-ins, which
+  decode the buffers): y, dx and dw equal the "xla" backend's; `dw` is the
+  product with the pruned operand compressed along M as the structured A
+  (`D[K, N] = prune(x)^T dy` read as `[N, K]`, or `D[N, K] = prune(dy)^T
+  x`), and the forward (or `dx`) the one with the operand compressed along
+  the features as the structured B."""
   dtype = jnp.bfloat16
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
-  vjp = jax.jit(_vjp, static_argnums=(3, 4, 5, 6))
-  got = vjp(x, w, dy, input_sparsity, "cusparselt", grad_output, True)
-  want = vjp(x, w, dy, input_sparsity, "xla", grad_output, True)
+  vjp = jax.jit(_vjp, static_argnums=(3, 4, 5, 6, 7))
+  options = (True, "dense") if rule == "tiles" else (None, "2:4")
+  got = vjp(x, w, dy, input_sparsity, "cusparselt", grad_output, *options)
+  want = vjp(x, w, dy, input_sparsity, "xla", grad_output, *options)
   for g, r in zip(got, want):
     assert g.dtype == r.dtype == dtype
     _close(g, r, dtype, max(k, n, m))
@@ -539,3 +543,95 @@ def test_tile_buffer_along_the_features_is_the_input_products_buffer():
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
                                   np.asarray(want).view(np.uint16))
+
+
+# --- weight_grad="2:4": dw from the pruned activation pruned along the tokens ----
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("input_sparsity,grad_output", [
+    ("masked", "dense"), ("ste", "dense"), ("off", "2:4"), ("masked", "2:4")])
+@pytest.mark.parametrize("m,k,n", [(3, 12, 4), (17, 32, 12)])
+def test_weight_grad_24_matches_the_reference(dtype, input_sparsity, grad_output, m, k, n):
+  """`weight_grad="2:4"` on the "xla" backend: y and dx those of the rows'
+  masks, dw from the pruned activation (the input, else dy) pruned again
+  along M, against the reference; the reference's dw is the dense product
+  of those operands, and differs from the exact dw on random data."""
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 3, (m, n), dtype)
+  got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6, 7))(x, w, dy, input_sparsity, "xla",
+                                                        grad_output, None, "2:4")
+  want = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output,
+                                weight_grad="2:4")
+  for g, r, size in zip(got, want, (k, n, m)):
+    assert g.dtype == r.dtype == dtype
+    _close(g, r, dtype, size)
+  exact = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output)
+  for a, b in zip(want[:2], exact[:2]):
+    np.testing.assert_array_equal(a, b)
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  if input_sparsity != "off":
+    xm = jnp.where(input_mask(x), x, 0)
+    lhs, rhs = jnp.where(token_mask(xm), xm, 0), dy
+  else:
+    dym = jnp.where(input_mask(dy), dy, 0)
+    lhs, rhs = x, jnp.where(token_mask(dym), dym, 0)
+  _close(want[2], f32(lhs).T @ f32(rhs), dtype, m)
+  assert float(jnp.abs(f32(want[2]) - f32(exact[2])).max()) > 0.05
+
+
+def test_weight_grad_24_is_exact_where_the_activation_is_24_along_the_tokens():
+  """Where each feature of the pruned activation holds at most 2 nonzeros
+  per 4 tokens (mostly-zero squared-ReLU outputs), the pruning along the
+  tokens drops nothing: dw equals the exact one, for the input and for the
+  output gradient."""
+  m, k, n = 16, 32, 8
+  x, w, dy = _rand(0, (m, k)), _rand(1, (k, n)), _rand(2, (m, n))
+  # Each group of 4 tokens keeps 2 per feature: rows 0, 1 of each group for
+  # even features, rows 2, 3 for odd ones (x: all K; dy: all N).
+  rows = jnp.arange(m)[:, None] % 4
+  x = jnp.where((rows < 2) == (jnp.arange(k)[None] % 2 == 0), x, 0)
+  dy = jnp.where((rows < 2) == (jnp.arange(n)[None] % 2 == 0), dy, 0)
+  for input_sparsity, grad_output in (("masked", "dense"), ("off", "2:4")):
+    got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6, 7))(x, w, dy, input_sparsity, "xla",
+                                                          grad_output, None, "2:4")
+    exact = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output)
+    np.testing.assert_allclose(got[2], exact[2], rtol=1e-6, atol=1e-6)
+
+
+def test_tiles_see_later_tokens_and_weight_grad_24_does_not():
+  """With `transposable=True` a token's mask depends on the other 3 tokens
+  of its tile, later ones included, so its output does (no causal model
+  should use it); the rows' masks and `weight_grad="2:4"` prune each token
+  alone, so a token's output is unchanged by a change to a later one."""
+  x, w = _rand(0, (4, 16)), _rand(1, (16, 8))
+  later = x.at[3].set(x[0] * 10)  # token 3 made to compete for token 0's columns
+  for options, moves in (({"transposable": True}, True), ({"weight_grad": "2:4"}, False),
+                         ({}, False)):
+    f = lambda x: jsparse24.sparse_dot(x, w, input_sparsity="masked", **options)  # noqa: E731
+    gap = float(jnp.abs(f(later)[0] - f(x)[0]).max())
+    assert (gap > 1e-3) if moves else (gap == 0), (options, gap)
+
+
+def test_weight_grad_24_options():
+  """`weight_grad="2:4"` goes with an activation-pruning layer and without
+  tiles; through SparseDense it gives the reference's dw."""
+  x, dy = _rand(0, (6, 16)), _rand(1, (6, 8))
+  with pytest.raises(ValueError, match="SparseDense: weight_grad='2:4' prunes an activation"):
+    jsparse24.SparseDense(8, weight_grad="2:4").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="sparse_dot: weight_grad='2:4' with transposable=True"):
+    jsparse24.sparse_dot(x, jnp.ones((16, 8)), input_sparsity="masked", transposable=True,
+                         weight_grad="2:4")
+  with pytest.raises(ValueError, match="leave weight_grad at 'dense' .or '2:4'"):
+    jsparse24.sparse_dot(x, jnp.ones((16, 8)), input_sparsity="masked", weight_grad="mvue",
+                         key=jax.random.key(0))
+  opts = {"mask_source": "none", "input_sparsity": "masked", "weight_grad": "2:4"}
+  kernel = _rand(2, (16, 8))
+  params = {"params": {"kernel": kernel, "bias": jnp.zeros(8)}}
+  _, vjp = jax.vjp(lambda k: jsparse24.SparseDense(8, **opts).apply(
+      {"params": {"kernel": k, "bias": jnp.zeros(8)}}, x), kernel)
+  del params
+  np.testing.assert_allclose(vjp(dy)[0], input_sparse_reference(x, kernel, dy,
+                                                               weight_grad="2:4")[2],
+                             rtol=1e-5, atol=1e-5)
+  layer = jnnx.SparseLinear(16, 8, rngs=nnx.Rngs(1), **opts)
+  assert layer.weight_grad == "2:4"

@@ -154,13 +154,15 @@ class Backend(abc.ABC):
     return _products.mvue_weight_grad_xla(x, dy, w, key, precision)
 
   def dot_input_sparse(self, x: jax.Array, w: jax.Array, input_sparsity: str,
-                       grad_output: str, transposable: bool, precision: Any) -> jax.Array:
+                       grad_output: str, transposable: bool, weight_grad: str,
+                       precision: Any) -> jax.Array:
     """`prune_24(x, axis=-1) * x @ w` for `x[M, K]` in the compute dtype
     and a dense `w[K, N]` (cast inside; `dw` in its dtype), with the input
     gradient `input_sparsity` ("masked" or "ste"; "off": `x @ w`, unpruned),
     `dx` from the output gradient pruned 2:4 where `grad_output` is "2:4",
-    and with `transposable` the masks by the 4x4 tile rule and `dw` from the
-    pruned operands: `jsparse24._input_sparse`."""
+    with `transposable` the masks by the 4x4 tile rule and `dw` from the
+    pruned operands, and with `weight_grad="2:4"` `dw` from the pruned
+    activation pruned again along M: `jsparse24._input_sparse`."""
     raise NotImplementedError(f"the {self.name!r} backend has no 2:4-activation product")
 
   @abc.abstractmethod

@@ -35,7 +35,9 @@ weight) for `dx`; `dw` is XLA's. With `transposable=True` the activations
 are pruned on 4x4 tiles and compressed both ways by one Pallas pass
 (`tiles_compress_for_products`): the copy along the features is the
 forward's (or `dx`'s) structured B, the copy along the tokens the
-structured A of `dw` (`tiles_weight_grad`).
+structured A of `dw` (`pruned_weight_grad`). With `weight_grad="2:4"` the
+pruned activation is pruned again along the tokens by the weights' compress
+pass (`tokens_compress_for_product`) for that same product.
 
 Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
 TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
@@ -856,6 +858,23 @@ def tiles_compress_for_products(a: jax.Array, interpret: bool | None = None):
           _with_metadata(values_t, m, meta_t, c // 4, interpret=interpret))
 
 
+def tokens_compress_for_product(a: jax.Array, interpret: bool | None = None) -> jax.Array:
+  """`a[M, C]` (M, C multiples of 64) pruned 2:4 along M by magnitude and
+  compressed for cuSPARSELt as a `[M, C]` weight's forward buffer
+  (`buffer_shape(M, C, transpose=False)`): the weights' prune + compress
+  pass, then the metadata write (`weight_grad="2:4"`); where the kernels
+  cannot run, `compress_for_products_xla`."""
+  m, c = a.shape
+  _check_aligned(m, c)
+  if _xla_fallback():
+    return compress_for_products_xla(a, None, False)[0]
+  if interpret is None:
+    interpret = pallas_backend.interpreting()
+  values, meta, _, _ = pallas_backend.kernels().prune24.prune_compress(
+      a, layout="cusparselt", interpret=interpret)
+  return _with_metadata(values, m // 2, meta, m // 4, interpret=interpret)
+
+
 def _padded_rows(a: jax.Array) -> jax.Array:
   pad = -a.shape[0] % ALIGN_KN
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
@@ -879,12 +898,13 @@ def _tiles_times_local(search: int, alg: int, interpret: bool):
 
 
 @functools.cache
-def _tiles_weight_grad_local(pruned: str, search: int, alg: int, interpret: bool):
+def _pruned_weight_grad_local(pruned: str, rule: str, search: int, alg: int, interpret: bool):
   """The per-device `fn(x[M, K], dy[M, N], ...) -> [K, N]` of
-  `rows_contracted`: `prune_tiles(x)^T @ dy` (`pruned="x"`) or `x^T @
-  prune_tiles(dy)` (`pruned="dy"`), the pruned operand cuSPARSELt's
-  structured A (its copy compressed along M), the other the dense B read
-  transposed; in x's dtype, as `_mvue_weight_grad_local`'s (it says why)."""
+  `rows_contracted`: `prune(x)^T @ dy` (`pruned="x"`) or `x^T @ prune(dy)`
+  (`pruned="dy"`), pruned on tiles (`rule="tiles"`) or along M
+  (`"tokens"`), the pruned operand cuSPARSELt's structured A (compressed
+  along M), the other the dense B read transposed; in x's dtype, as
+  `_mvue_weight_grad_local`'s (it says why)."""
 
   def run(x, dy, first_row, first_col, n_total):
     del first_row, first_col, n_total  # each device's own tiles and columns
@@ -894,7 +914,10 @@ def _tiles_weight_grad_local(pruned: str, search: int, alg: int, interpret: bool
     sparse, dense = (xp, dyp) if pruned == "x" else (dyp, xp)
     rows, cols = sparse.shape[1], dense.shape[1]
     _check_size(x.dtype, mp, rows)
-    along_m, _ = tiles_compress_for_products(sparse, interpret)
+    if rule == "tiles":
+      along_m, _ = tiles_compress_for_products(sparse, interpret)
+    else:
+      along_m = tokens_compress_for_product(sparse, interpret)
     # Column-major D[rows, cols] = A[rows, Mp] (structured, op N) @
     # op_T(B)[Mp, cols]: the row-major [cols, rows] array.
     d = _sparse_a_matmul(along_m, dense, (cols, rows), m=rows, n=cols, k=mp, op_a=_N,
@@ -914,18 +937,19 @@ def tiles_matmul(a: jax.Array, b: jax.Array, transposable: bool = True) -> jax.A
   return rows_parallel(fn, a, b)
 
 
-def tiles_weight_grad(x: jax.Array, dy: jax.Array, pruned: str) -> jax.Array:
-  """`prune_tiles(x)^T @ dy` (`pruned="x"`) or `x^T @ prune_tiles(dy)`
-  (`pruned="dy"`), `[K, N]` in x's dtype, on the sparse tensor cores (x
+def pruned_weight_grad(x: jax.Array, dy: jax.Array, pruned: str, rule: str) -> jax.Array:
+  """`prune(x)^T @ dy` (`pruned="x"`) or `x^T @ prune(dy)` (`pruned="dy"`),
+  the operand pruned on 4x4 tiles (`rule="tiles"`) or 2:4 along M
+  (`"tokens"`), `[K, N]` in x's dtype, on the sparse tensor cores (x
   `[M, K]`, dy `[M, N]`, K and N multiples of 64, any M); under `jit` with
   the rows sharded, each device multiplies its own rows and the partial
   sums are all-reduced."""
-  fn = _tiles_weight_grad_local(pruned, *_search_attrs(x.dtype),
-                                pallas_backend.interpreting())
+  fn = _pruned_weight_grad_local(pruned, rule, *_search_attrs(x.dtype),
+                                 pallas_backend.interpreting())
   return rows_contracted(fn, x, dy, align=ALIGN_KN)
 
 
-SPARSE_PRODUCTS = SparseProducts(tiles_matmul, tiles_weight_grad)
+SPARSE_PRODUCTS = SparseProducts(tiles_matmul, pruned_weight_grad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1035,9 +1059,10 @@ class CusparseltBackend(Backend):
     sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw typed like w
     return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
-  def dot_input_sparse(self, x, w, input_sparsity, grad_output, transposable, precision):
-    return input_sparse_product(x, w, input_sparsity, grad_output, transposable, precision,
-                                SPARSE_PRODUCTS)
+  def dot_input_sparse(self, x, w, input_sparsity, grad_output, transposable, weight_grad,
+                       precision):
+    return input_sparse_product(x, w, input_sparsity, grad_output, transposable, weight_grad,
+                                precision, SPARSE_PRODUCTS)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     del precision
