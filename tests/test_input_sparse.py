@@ -551,7 +551,7 @@ def test_tile_buffer_along_the_features_is_the_input_products_buffer():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("input_sparsity,grad_output", [
     ("masked", "dense"), ("ste", "dense"), ("off", "2:4"), ("masked", "2:4")])
-@pytest.mark.parametrize("m,k,n", [(3, 12, 4), (17, 32, 12)])
+@pytest.mark.parametrize("m,k,n", [(70, 12, 4), (130, 32, 12)])
 def test_weight_grad_24_matches_the_reference(dtype, input_sparsity, grad_output, m, k, n):
   """`weight_grad="2:4"` on the "xla" backend: y and dx those of the rows'
   masks, dw from the pruned activation (the input, else dy) pruned again
@@ -579,18 +579,38 @@ def test_weight_grad_24_matches_the_reference(dtype, input_sparsity, grad_output
   assert float(jnp.abs(f32(want[2]) - f32(exact[2])).max()) > 0.05
 
 
+def test_token_mask_groups_tokens_16_rows_apart():
+  """`token_mask` keeps, per column, the 2 largest of each group of 4 rows
+  `64b + j + 16i` (i = 0..3), M padded to 64 rows: neighbours are in
+  different groups. `token_groups` makes each group 4 consecutive rows."""
+  from jsparse24._input_sparse import token_groups  # pylint: disable=g-import-not-at-top
+  m = 80  # a block of 64 rows, and 16 rows of a block padded with zeros
+  a = _rand(0, (m, 3))
+  got = token_mask(a)
+  ap = jnp.pad(a, ((0, 48), (0, 0)))
+  for b in range(2):
+    for j in range(16):
+      rows = [64 * b + j + 16 * i for i in range(4)]
+      want = jsparse24.prune_24(ap[jnp.array(rows)], axis=0)
+      for r, keep in zip(rows, want):
+        if r < m:
+          np.testing.assert_array_equal(got[r], keep, err_msg=str((b, j, r)))
+  grouped = token_groups(ap)
+  np.testing.assert_array_equal(grouped[4 * 17 + 2], ap[64 + 1 + 16 * 2])
+
+
 def test_weight_grad_24_is_exact_where_the_activation_is_24_along_the_tokens():
   """Where each feature of the pruned activation holds at most 2 nonzeros
-  per 4 tokens (mostly-zero squared-ReLU outputs), the pruning along the
-  tokens drops nothing: dw equals the exact one, for the input and for the
-  output gradient."""
-  m, k, n = 16, 32, 8
+  per group of 4 tokens (mostly-zero squared-ReLU outputs), the pruning
+  along the tokens drops nothing: dw equals the exact one, for the input
+  and for the output gradient."""
+  m, k, n = 64, 32, 8
   x, w, dy = _rand(0, (m, k)), _rand(1, (k, n)), _rand(2, (m, n))
-  # Each group of 4 tokens keeps 2 per feature: rows 0, 1 of each group for
-  # even features, rows 2, 3 for odd ones (x: all K; dy: all N).
-  rows = jnp.arange(m)[:, None] % 4
-  x = jnp.where((rows < 2) == (jnp.arange(k)[None] % 2 == 0), x, 0)
-  dy = jnp.where((rows < 2) == (jnp.arange(n)[None] % 2 == 0), dy, 0)
+  # Each group of 4 tokens (rows j + 16i) keeps 2 per feature: i = 0, 1 for
+  # even features, i = 2, 3 for odd ones (x: all K; dy: all N).
+  first_half = (jnp.arange(m)[:, None] // 16) < 2
+  x = jnp.where(first_half == (jnp.arange(k)[None] % 2 == 0), x, 0)
+  dy = jnp.where(first_half == (jnp.arange(n)[None] % 2 == 0), dy, 0)
   for input_sparsity, grad_output in (("masked", "dense"), ("off", "2:4")):
     got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6, 7))(x, w, dy, input_sparsity, "xla",
                                                           grad_output, None, "2:4")

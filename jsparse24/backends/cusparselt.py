@@ -37,7 +37,9 @@ are pruned on 4x4 tiles and compressed both ways by one Pallas pass
 forward's (or `dx`'s) structured B, the copy along the tokens the
 structured A of `dw` (`pruned_weight_grad`). With `weight_grad="2:4"` the
 pruned activation is pruned again along the tokens by the weights' compress
-pass (`tokens_compress_for_product`) for that same product.
+pass (`tokens_compress_for_product`) for that same product, both operands'
+rows reordered so that each group of tokens is 4 consecutive rows
+(`token_groups`).
 
 Supported: bfloat16 and float16 (cuSPARSELt's float32 mode is 1:2 sparsity on
 TF32, which 2:4 masks do not fit), K and N multiples of 64, any M, NVIDIA GPUs
@@ -60,7 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
-from jsparse24._input_sparse import SparseProducts, input_sparse_product
+from jsparse24._input_sparse import (TOKEN_BLOCK, SparseProducts, input_sparse_product,
+                                     token_groups)
 from jsparse24._mvue import mvue_seeds
 from jsparse24._prune import prune_24
 from jsparse24._sharding import (one_call_per_element, partitioning_off, rows_contracted,
@@ -859,8 +862,10 @@ def tiles_compress_for_products(a: jax.Array, interpret: bool | None = None):
 
 
 def tokens_compress_for_product(a: jax.Array, interpret: bool | None = None) -> jax.Array:
-  """`a[M, C]` (M, C multiples of 64) pruned 2:4 along M by magnitude and
-  compressed for cuSPARSELt as a `[M, C]` weight's forward buffer
+  """`a[M, C]` (M, C multiples of 64) pruned 2:4 along M by magnitude (groups
+  of 4 consecutive rows: `weight_grad="2:4"`'s groups where `a`'s rows are
+  in `token_groups` order) and compressed for cuSPARSELt as a `[M, C]`
+  weight's forward buffer
   (`buffer_shape(M, C, transpose=False)`): the weights' prune + compress
   pass, then the metadata write (`weight_grad="2:4"`); where the kernels
   cannot run, `compress_for_products_xla`."""
@@ -873,6 +878,10 @@ def tokens_compress_for_product(a: jax.Array, interpret: bool | None = None) -> 
   values, meta, _, _ = pallas_backend.kernels().prune24.prune_compress(
       a, layout="cusparselt", interpret=interpret)
   return _with_metadata(values, m // 2, meta, m // 4, interpret=interpret)
+
+
+# The tokens' groups of weight_grad="2:4" lie inside the rows padded to 64.
+assert ALIGN_KN % TOKEN_BLOCK == 0
 
 
 def _padded_rows(a: jax.Array) -> jax.Array:
@@ -910,6 +919,8 @@ def _pruned_weight_grad_local(pruned: str, rule: str, search: int, alg: int, int
     del first_row, first_col, n_total  # each device's own tiles and columns
     k, n = x.shape[1], dy.shape[1]
     xp, dyp = _padded_rows(x), _padded_rows(dy)
+    if rule == "tokens":  # each group of 4 tokens 4 consecutive rows of both operands
+      xp, dyp = token_groups(xp), token_groups(dyp)
     mp = xp.shape[0]
     sparse, dense = (xp, dyp) if pruned == "x" else (dyp, xp)
     rows, cols = sparse.shape[1], dense.shape[1]
