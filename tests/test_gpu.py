@@ -931,46 +931,11 @@ def test_cusparselt_tile_buffers_are_cusparselts(m, k, dtype):
   assert _same_bits(along_m, jax.jit(lambda a: cusparselt.compress(a, transpose=False))(xm))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("m,k,n", [(3, 192, 320), (2000, 1024, 4096)])
-def test_cusparselt_pruned_weight_grad_products_match_xla(dtype, m, k, n):
-  """`transposable=True`, or `weight_grad="2:4"`, with `input_sparsity`
-  and/or `grad_output` on the "cusparselt" backend (y or dx with the pruned
-  operand as the structured B, dw with it, pruned along the tokens, as the
-  structured A): forward and gradients against the "xla" backend's, M not
-  a multiple of 4 or 64."""
-  x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(dtype)
-  w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-  dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
-
-  def vjp(impl, options, x, w, dy):
-    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(
-        x, w, implementation=impl, **dict(options)), x, w)
-    return (y, *back(dy))
-
-  pruned = ((("input_sparsity", "masked"),), (("grad_output", "2:4"),),
-            (("input_sparsity", "masked"), ("grad_output", "2:4")))
-  for options in [p + (("transposable", True),) for p in pruned] + [
-      p + (("weight_grad", "2:4"),) for p in pruned]:
-    got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", options, x, w, dy)
-    want = jax.jit(vjp, static_argnums=(0, 1))("xla", options, x, w, dy)
-    for g, r in zip(got, want):
-      assert g.dtype == r.dtype == dtype
-      err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
-                  / jnp.linalg.norm(r.astype(jnp.float32)))
-      assert err < 1e-2, (options, err)
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (3, 192, 320), (17, 4096, 1024),
-                                   (2000, 1024, 4096)])
-def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
-  """`sparse_dot(..., input_sparsity=g, implementation="cusparselt")`: x pruned
-  and compressed by the Pallas pass, the product on the sparse tensor cores
-  with x as the structured operand; with `grad_output="2:4"` (alone or with
-  the input pruned), dx with the pruned output gradient as the structured
-  operand. Forward and gradients against the "xla" backend's (the same
-  rules, dense products), M not a multiple of 64."""
+def _activation_products_match_xla(dtype, m, k, n, option_sets):
+  """Draws x `[m, k]`, w `[k, n]`, dy `[m, n]` and checks, for each option
+  set of `sparse_dot` (a tuple of pairs), forward and gradients on
+  "cusparselt" against the "xla" backend's (the same rules, dense
+  products). Returns `(vjp, x, w, dy)`, `vjp(impl, options, x, w, dy)`."""
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(dtype)
   w = (jax.random.normal(jax.random.key(2), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
   dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32).astype(dtype)
@@ -983,9 +948,7 @@ def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
                                                         **dict(options)), x, w)
     return (y, *back(dy))
 
-  for options in ((("input_sparsity", "masked"),), (("input_sparsity", "ste"),),
-                  (("grad_output", "2:4"),),
-                  (("input_sparsity", "masked"), ("grad_output", "2:4"))):
+  for options in option_sets:
     got = jax.jit(vjp, static_argnums=(0, 1))("cusparselt", options, x, w, dy)
     want = jax.jit(vjp, static_argnums=(0, 1))("xla", options, x, w, dy)
     for g, r in zip(got, want):
@@ -993,6 +956,38 @@ def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
       err = float(jnp.linalg.norm((g - r).astype(jnp.float32))
                   / jnp.linalg.norm(r.astype(jnp.float32)))
       assert err < 1e-2, (options, err)
+  return vjp, x, w, dy
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n", [(3, 192, 320), (2000, 1024, 4096)])
+def test_cusparselt_pruned_weight_grad_products_match_xla(dtype, m, k, n):
+  """`transposable=True`, or `weight_grad="2:4"`, with `input_sparsity`
+  and/or `grad_output` on the "cusparselt" backend (y or dx with the pruned
+  operand as the structured B, dw with it, pruned along the tokens, as the
+  structured A): forward and gradients against the "xla" backend's, M not
+  a multiple of 4 or 64."""
+  pruned = ((("input_sparsity", "masked"),), (("grad_output", "2:4"),),
+            (("input_sparsity", "masked"), ("grad_output", "2:4")))
+  _activation_products_match_xla(
+      dtype, m, k, n, [p + (("transposable", True),) for p in pruned]
+      + [p + (("weight_grad", "2:4"),) for p in pruned])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (3, 192, 320), (17, 4096, 1024),
+                                   (2000, 1024, 4096)])
+def test_cusparselt_input_sparse_product_matches_xla(dtype, m, k, n):
+  """`sparse_dot(..., input_sparsity=g, implementation="cusparselt")`: x pruned
+  and compressed by the Pallas pass, the product on the sparse tensor cores
+  with x as the structured operand; with `grad_output="2:4"` (alone or with
+  the input pruned), dx with the pruned output gradient as the structured
+  operand. Forward and gradients against the "xla" backend's (the same
+  rules, dense products), M not a multiple of 64."""
+  vjp, x, w, dy = _activation_products_match_xla(
+      dtype, m, k, n, ((("input_sparsity", "masked"),), (("input_sparsity", "ste"),),
+                       (("grad_output", "2:4"),),
+                       (("input_sparsity", "masked"), ("grad_output", "2:4"))))
   # The products are cuSPARSELt's (the CPU tests
   # test_cusparselt_product_takes_the_kernels_buffer_as_its_sparse_operand
   # and test_cusparselt_grad_output_takes_the_output_gradient_as_its_sparse_
