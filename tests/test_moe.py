@@ -323,11 +323,12 @@ def test_sparsity_fields_are_sparse_dense_ones():
   """The options of both expert kernels keep SparseDense's names, defaults
   and types: all of SparsityOptions but kernel_sharding (sharding experts is
   expert parallelism), input_sparsity and grad_output (no 2:4 activations in
-  the experts, so no mask_source="none" either)."""
+  the experts, so no mask_source="none" and no weight_grad="2:4" either)."""
   fields = {f.name: f for f in dataclasses.fields(jsparse24.SparseMoE)}
   hints = typing.get_type_hints(jsparse24.SparseMoE)
   option_hints = typing.get_type_hints(SparsityOptions)
   option_hints["mask_source"] = typing.Literal["collection", "dynamic"]
+  option_hints["weight_grad"] = typing.Literal["dense", "mvue"]
   for option in dataclasses.fields(SparsityOptions):
     if option.name in ("kernel_sharding", "input_sparsity", "grad_output"):
       assert option.name not in fields
