@@ -865,10 +865,13 @@ def tokens_compress_for_product(a: jax.Array, interpret: bool | None = None) -> 
   """`a[M, C]` (M, C multiples of 64) pruned 2:4 along M by magnitude (groups
   of 4 consecutive rows: `weight_grad="2:4"`'s groups where `a`'s rows are
   in `token_groups` order) and compressed for cuSPARSELt as a `[M, C]`
-  weight's forward buffer
-  (`buffer_shape(M, C, transpose=False)`): the weights' prune + compress
-  pass, then the metadata write (`weight_grad="2:4"`); where the kernels
-  cannot run, `compress_for_products_xla`."""
+  weight's forward buffer (`buffer_shape(M, C, transpose=False)`): the
+  weights' prune + compress kernel, then the metadata write; where the
+  kernels cannot run, `compress_for_products_xla`. Like
+  `tiles_compress_for_products`, it calls the kernel itself, not
+  `compress_for_products` (whose `columns_parallel` splits a weight over
+  devices): it runs inside each device's product, with `interpret` passed
+  in as `input_compress_for_product` takes it."""
   m, c = a.shape
   _check_aligned(m, c)
   if _xla_fallback():
@@ -938,7 +941,7 @@ def _pruned_weight_grad_local(pruned: str, rule: str, search: int, alg: int, int
   return run
 
 
-def tiles_matmul(a: jax.Array, b: jax.Array, transposable: bool = True) -> jax.Array:
+def pruned_matmul(a: jax.Array, b: jax.Array, transposable: bool) -> jax.Array:
   """`prune(a) @ b` for `a[M, C]`, `b[C, N]` of one 16-bit dtype (C and N
   multiples of 64, any M) on the sparse tensor cores: `a` pruned on 4x4
   tiles where `transposable`, else along C (`input_sparse_matmul`)."""
@@ -960,7 +963,7 @@ def pruned_weight_grad(x: jax.Array, dy: jax.Array, pruned: str, rule: str) -> j
   return rows_contracted(fn, x, dy, align=ALIGN_KN)
 
 
-SPARSE_PRODUCTS = SparseProducts(tiles_matmul, pruned_weight_grad)
+SPARSE_PRODUCTS = SparseProducts(pruned_matmul, pruned_weight_grad)
 
 
 @dataclasses.dataclass(frozen=True)
