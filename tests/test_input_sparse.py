@@ -369,7 +369,7 @@ def test_transposable_mask_is_the_best_tile_pattern_and_differs_from_the_rows():
   assert bool(jnp.all(m.sum(axis=1) == 2))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("input_sparsity,grad_output", [
     ("masked", "dense"), ("ste", "dense"), ("off", "2:4"), ("masked", "2:4")])
 @pytest.mark.parametrize("m,k,n", [(3, 12, 4), (17, 32, 12)])
@@ -488,9 +488,9 @@ def cusparselt_products(monkeypatch):
     c.cache_clear()
 
 
-@pytest.mark.parametrize("rule", ["tiles", "tokens"])
-@pytest.mark.parametrize("input_sparsity,grad_output,m,k,n", [
-    ("masked", "dense", 3, 64, 128), ("off", "2:4", 70, 128, 64), ("masked", "2:4", 70, 64, 128)])
+@pytest.mark.parametrize("rule,input_sparsity,grad_output,m,k,n", [
+    ("tiles", "masked", "dense", 3, 64, 128), ("tiles", "off", "2:4", 70, 128, 64),
+    ("tokens", "masked", "2:4", 70, 64, 128), ("tokens", "off", "2:4", 3, 64, 128)])
 def test_cusparselt_pruned_weight_grad_runs_on_the_sparse_operand(
     cusparselt_products, rule, input_sparsity, grad_output, m, k, n):
   """`transposable=True` (`rule="tiles"`) or `weight_grad="2:4"`
@@ -551,7 +551,7 @@ def test_tile_buffer_along_the_features_is_the_input_products_buffer():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("input_sparsity,grad_output", [
     ("masked", "dense"), ("ste", "dense"), ("off", "2:4"), ("masked", "2:4")])
-@pytest.mark.parametrize("m,k,n", [(70, 12, 4), (130, 32, 12)])
+@pytest.mark.parametrize("m,k,n", [(130, 32, 12)])
 def test_weight_grad_24_matches_the_reference(dtype, input_sparsity, grad_output, m, k, n):
   """`weight_grad="2:4"` on the "xla" backend: y and dx those of the rows'
   masks, dw from the pruned activation (the input, else dy) pruned again
