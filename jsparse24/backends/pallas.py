@@ -155,30 +155,26 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
 # a multiple of 1024, N of 8, 16-bit dtypes, `decode24_mma.unsupported_reason`).
 # Per GPU, rows K and columns N of DECODE_GRID as DECODE_AUTO_MAX_M's, with
 # its cells' meaning (an int M: 1 to M rows; (lo, hi): lo to hi rows; 0: never;
-# None: not measured, the Triton kernel): the longest run of swept Ms where it
-# took at most `benchmarks/tune_decode.py`'s MMA_MARGIN (1.03) times the Triton
-# decode kernel's time (`tune_decode.py --mma`, `mma_cell`).
-# NVIDIA H200 (2026-12-04, benchmarks/results/nvidia-h200.md, "Decode on the
-# sparse tensor cores up to 64 rows", M = 1, 4, 8, 16, 32, 64): where K * N >=
-# 4096 x 12288, 19:01 UTC: 1.21-1.69x of dense XLA, faster than the Triton
-# kernel at every M but one (4096 x 12288 at 16 rows: 1.03x its time), 1.46-
-# 1.77x as fast at 64 rows; the cells of the d_model 2048 model's shapes and
-# 4096 x 4096, 19:08 UTC, each the median of 3 timings: products of 9-18 us
-# whose timings moved by up to 70% from one sweep to the next, the kernel the
-# faster at 64 rows only (at 16-64 where K = 8192, N = 2048; never at 2048 x
-# 2048). Those were wall times, which hold the idle gaps between these
-# kernels' launches; by GPU time, which a busy decode step pays, the kernel
-# was 1.25-1.62x as fast as the Triton one at 1 and 8 rows of those shapes
-# too (21:31 UTC, "Decode products: GPU time against wall time"), so
-# `tune_decode.py --mma` now decides by GPU time; the row stands until a
-# d_model 2048 step is measured with them. An H100 has no row: the Triton
-# kernel there.
+# None: not measured, the Triton kernel), each within DECODE_AUTO_MAX_M's cell.
+# NVIDIA H200: every cell, as far as its DECODE_AUTO_MAX_M cell reaches: by
+# GPU time, which a busy decode step pays, the kernel beat the Triton decode
+# kernel at every measured point up to 64 rows, 1.25-1.62x at the d_model
+# 2048 model's shapes and 4096 x 4096 (nvidia-h200.md, "Decode products: GPU
+# time against wall time", 2026-12-04). With this row the d_model 2048 step
+# ran at 1.09x, 1.36x, 1.09x, 1.04x and 1.02x of dense at batch 1, 4, 8, 16
+# and 64, the d_model 4096 step at 1.34x, 1.27x, 1.22x, 1.14x and 1.04x
+# ("Decode: GPT-style decoder with a KV cache", 2026-12-05 03:20-03:24 UTC);
+# at batch 1 the d_model 2048 step's kernels took 0.43 ms, against 0.51 ms
+# with the Triton kernel below 64 rows (the row before). The first two
+# processes on a freshly started machine idled the GPU 0.17-0.34 ms per step
+# between kernels (with this row 0.96x and 0.75x of dense at batch 1 and 4);
+# the three after them did not. An H100 has no row: the Triton kernel there.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
-    "NVIDIA H200": ((0, (64, 64), (64, 64), None),   # 2048
-                    (None, (64, 64), 64, 64),        # 4096
-                    ((16, 64), None, 64, None),      # 8192
-                    (None, 64, None, None)),         # 16384
+    "NVIDIA H200": ((64, 64, 64, 64),        # 2048
+                    ((2, 64), 64, 64, 64),   # 4096
+                    (64, 64, 64, 64),        # 8192
+                    (64, 64, 64, 64)),       # 16384
 }
 
 
