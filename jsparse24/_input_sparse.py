@@ -104,8 +104,13 @@ its forward (prune + compress `x` once) and backward products; its
 residuals are `x` and `w`, and the mask is recomputed from `x` in the
 backward pass (the rows' rule: one elementwise pass that XLA fuses into the
 products' operands; the tile rule: one Pallas pass on a GPU) rather than
-stored; with the tile rule on `"cusparselt"` the backward prunes and
-compresses `x` again for `dw`. Tiles are 4 consecutive rows of `x[M, K]`
+stored. With the tile rule on `"cusparselt"` and at least `KEEP_MIN_ROWS`
+rows per device, the forward's one pass over `x` serves the backward too:
+the residual is its copy compressed along M (for `dw`) and the mask's codes
+(for `dx`), an array of x's shape and a small one, in x's place; likewise
+the output gradient's one pass serves `dx` and `dw` (`times_keeping`).
+With fewer rows the backward prunes and compresses `x` (`dy`) again for
+`dw`. Tiles are 4 consecutive rows of `x[M, K]`
 (all leading axes flattened); under data parallelism on `"cusparselt"`,
 each device tiles its own rows from its first, which are the whole array's
 tiles where each device holds a multiple of 4 rows. Reverse mode only: `jax.jvp` of it raises
@@ -249,11 +254,34 @@ class SparseProducts(NamedTuple):
   `weight_grad(x, dy, pruned, rule) -> [K, N]` in x's dtype:
   `prune(x)^T @ dy` (`pruned="x"`) or `x^T @ prune(dy)` (`pruned="dy"`),
   the pruned operand 2:4 along M, the contraction: by the tile rule
-  (`rule="tiles"`, the operand as the forward saw it) or along M alone
-  (`rule="tokens"`, the operand already pruned along its features)."""
+  (`rule="tiles"`, the operand as the forward saw it), along M alone
+  (`rule="tokens"`, the operand already pruned along its features), or
+  `times_keeping`'s `kept` in the pruned operand's place (`rule="kept"`).
+  `times_keeping(a, b) -> (prune_tiles(a) @ b, kept, codes)`, for a with
+  at least `KEEP_MIN_ROWS` rows per device: `times(a, b, True)` that also
+  returns what the weight gradient needs of the pruned `a` (`kept`, an
+  a-shaped array) and the tile mask's `codes`, so that the one pass that
+  prunes `a` serves both products; `tile_mask(codes)`: that mask, bool
+  `[M, C]`."""
 
   times: Callable[[jax.Array, jax.Array, bool], jax.Array]
   weight_grad: Callable[[jax.Array, jax.Array, str, str], jax.Array]
+  times_keeping: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+  tile_mask: Callable[[jax.Array], jax.Array]
+
+
+# A backend's `times_keeping` needs this many rows of its operand on each
+# device (cuSPARSELt: the copy along M of rows padded to 64 fits in 9/16 of
+# them); the whole operand's rows are checked against it times the devices.
+KEEP_MIN_ROWS = 128
+
+
+def _keeps(a: jax.Array, transposable: bool, products: Any) -> bool:
+  """Whether the tile-pruned `a` takes `times_keeping`: the tile rule, a
+  backend's products, and rows enough on every device (decided at trace time
+  from all devices, since under Auto mesh axes the split is not known yet)."""
+  return (transposable and products is not None
+          and a.shape[0] >= KEEP_MIN_ROWS * jax.device_count())
 
 
 def _pruned(x: jax.Array, transposable: bool) -> tuple[jax.Array, jax.Array]:
@@ -274,30 +302,53 @@ def _sparse_times(a: jax.Array, b: jax.Array, transposable, precision, products)
 def _fwd(x, w, input_sparsity, grad_output, transposable, weight_grad, precision, products):
   del grad_output, weight_grad
   if input_sparsity == "off":
-    return _contract_last(x, w.astype(x.dtype), 0, precision), (x, w)
-  return _sparse_times(x, w.astype(x.dtype), transposable, precision, products), (x, w)
+    return _contract_last(x, w.astype(x.dtype), 0, precision), (x, w, None)
+  if _keeps(x, transposable, products):
+    # The backward reads the pruned x and its mask from `kept` and `codes`,
+    # not x: no second pass over x, and x need not be kept alive for it.
+    y, kept, codes = products.times_keeping(x, w.astype(x.dtype))
+    return y, (None, w, (kept, codes))
+  return _sparse_times(x, w.astype(x.dtype), transposable, precision, products), (x, w, None)
 
 
 def _bwd(input_sparsity, grad_output, transposable, weight_grad, precision, products, res,
          dy):
-  x, w = res
-  m, xm = _pruned(x, transposable) if input_sparsity != "off" else (None, x)
+  x, w, kept = res
+  like = x if kept is None else kept[0]  # x's dtype and sharding
+  dw = None
   if grad_output == "2:4":
     # w^T laid out by XLA (one copy of the kernel, a pass at memory speed):
     # the backends' sparse product takes its dense operand as `[K, N]`.
-    dx = _sparse_times(dy, w.astype(dy.dtype).T, transposable, precision, products)
+    wt = w.astype(dy.dtype).T
+    if input_sparsity == "off" and _keeps(dy, transposable, products):
+      # dy's one tile pass for dx and dw.
+      dx, dy_kept, _ = products.times_keeping(dy, wt)
+      dw = _as_weight_grad(products.weight_grad(x, dy_kept, "dy", "kept"), w, x, dy)
+    else:
+      dx = _sparse_times(dy, wt, transposable, precision, products)
   else:
     # In dy's dtype (backends/_products.py's `matmul` says why): zeroing
     # commutes with the rounding, so the masked dx has the reference's bits.
     dx = _contract_last(dy, w.astype(dy.dtype), 1, precision)
+  if kept is not None:
+    m, xm = products.tile_mask(kept[1]), None
+  elif input_sparsity != "off":
+    m, xm = _pruned(x, transposable)
+  else:
+    m, xm = None, x
   if input_sparsity == "masked":
     dx = jnp.where(m, dx, jnp.zeros((), dx.dtype))
-  if weight_grad == "2:4":
+  if dw is None and kept is not None:
+    # Both pruned (grad_output="2:4"): the input the sparse operand, dy's
+    # tile mask applied to the dense one, as `_weight_grad` does.
+    dyw = _pruned(dy, True)[1] if grad_output == "2:4" else dy
+    dw = _as_weight_grad(products.weight_grad(kept[0], dyw, "x", "kept"), w, like, dy)
+  elif dw is None and weight_grad == "2:4":
     dw = _token_weight_grad(x, xm, dy, w, input_sparsity, precision, products)
-  else:
+  elif dw is None:
     dw = _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision,
                       products)
-  return dx.astype(x.dtype), dw
+  return dx.astype(like.dtype), dw
 
 
 def _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision, products):

@@ -75,11 +75,13 @@ def _rows_spec(sharding: Any, ndim: int) -> P:
   return P(first, *([None] * (ndim - 1)))
 
 
-def _rule(ranks: tuple[int, ...]) -> str:
-  """Shardy's rule: x and y share their first factor, nothing else is shared."""
+def _rule(ranks: tuple[int, ...], outputs: int = 1) -> str:
+  """Shardy's rule: x and each result share their first factor, nothing else
+  is shared."""
   names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
   operands = ", ".join(" ".join(next(names) for _ in range(r)) if r else "" for r in ranks)
-  return f"m k, {operands} -> m n" if ranks else "m k -> m n"
+  results = ", ".join(["m n"] + [f"m n{i}" for i in range(1, outputs)])
+  return f"m k, {operands} -> {results}" if ranks else f"m k -> {results}"
 
 
 def one_call_per_element(call: Callable, axis_size: int, in_batched, args) -> tuple[Any, Any]:
@@ -92,7 +94,7 @@ def one_call_per_element(call: Callable, axis_size: int, in_batched, args) -> tu
 
 
 @functools.cache
-def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
+def _wrap(fn: Callable, ranks: tuple[int, ...], outputs: int = 1) -> Callable:
 
   @custom_partitioning
   def partitioned(x, *operands):
@@ -111,21 +113,26 @@ def _wrap(fn: Callable, ranks: tuple[int, ...]) -> Callable:
     if not any(ops_batched):
       b, m = x.shape[0], x.shape[1]
       y = call(x.reshape(b * m, *x.shape[2:]), *operands)
-      return y.reshape(b, m, *y.shape[1:]), True
+      return jax.tree.map(lambda a: a.reshape(b, m, *a.shape[1:]), y), True
     return one_call_per_element(call, axis_size, in_batched, (x, *operands))
 
+  def out_shardings(mesh, x, result_shape):
+    # Each result split like x's rows (`outputs` > 1: a tuple of results).
+    shardings = tuple(NamedSharding(mesh, _rows_spec(x.sharding, len(r.shape)))
+                      for r in (result_shape if outputs > 1 else (result_shape,)))
+    return shardings if outputs > 1 else shardings[0]
+
   def infer(mesh, arg_shapes, result_shape):
-    return NamedSharding(mesh, _rows_spec(arg_shapes[0].sharding, len(result_shape.shape)))
+    return out_shardings(mesh, arg_shapes[0], result_shape)
 
   def partition(mesh, arg_shapes, result_shape):
     x = arg_shapes[0]
     spec = _rows_spec(x.sharding, len(x.shape))
     args = (NamedSharding(mesh, spec),) + tuple(NamedSharding(mesh, P()) for _ in arg_shapes[1:])
-    out = NamedSharding(mesh, _rows_spec(x.sharding, len(result_shape.shape)))
-    return mesh, fn, out, args
+    return mesh, fn, out_shardings(mesh, x, result_shape), args
 
   partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                            sharding_rule=_rule(ranks))
+                            sharding_rule=_rule(ranks, outputs))
   return call
 
 
@@ -190,8 +197,9 @@ def partitioning_off() -> bool:
   return bool(_UNPARTITIONED.value)
 
 
-def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array:
-  """`fn(x, *operands)` (x `[M, K]`, result `[M, N]`) partitioned over M.
+def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array, outputs: int = 1) -> Any:
+  """`fn(x, *operands)` (x `[M, K]`, result `[M, N]`; with `outputs` > 1 a
+  tuple of that many `[M, .]` results) partitioned over M.
 
   `fn` must be hashable and stable (a module-level function, or a
   `functools.cache`d closure): one partitioned op is built per `fn` and
@@ -203,11 +211,11 @@ def rows_parallel(fn: Callable, x: jax.Array, *operands: jax.Array) -> jax.Array
     return fn(x, *operands)
   mesh = _explicit_mesh(x)
   if mesh is None:
-    return _wrap(fn, tuple(a.ndim for a in operands))(x, *operands)
-  rows = _rows_spec(jax.typeof(x).sharding, 2)  # x and the result are both [rows, cols]
+    return _wrap(fn, tuple(a.ndim for a in operands), outputs)(x, *operands)
+  rows = _rows_spec(jax.typeof(x).sharding, 2)  # x and the results are all [rows, cols]
   operands = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in operands)
   return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) + (P(),) * len(operands),
-                       out_specs=rows, check_vma=False)(
+                       out_specs=(rows,) * outputs if outputs > 1 else rows, check_vma=False)(
                            jax.sharding.reshard(x, NamedSharding(mesh, rows)), *operands)
 
 

@@ -67,16 +67,17 @@ def with_pad_code(meta: jax.Array, length: int) -> jax.Array:
 
 
 def outputs(wp: jax.Array, cfg: PruneConfig, *, meta: bool, transposed: bool,
-            k_major: bool = False):
+            k_major: bool = False, values_rows: int | None = None):
   """Output shapes and block specs on the padded `wp[Kp, Np]` (grid (i over
   K tiles, j over N tiles)): values `[Np, Kp/2]`, then meta `[Np, Kp/8]` if
   `meta`, then values_t `[Kp, Np/2]` and meta_t `[Kp, Np/8]` if `transposed`.
-  With `k_major` (layout="cusparselt"): values `[Kp/2 + Kp/16, Np]` and
-  values_t `[Kp + Kp/8, Np/2]`, the values in their leading rows."""
+  With `k_major` (layout="cusparselt"): values `[Kp/2 + Kp/16, Np]` (or
+  `[values_rows, Np]`) and values_t `[Kp + Kp/8, Np/2]`, the values in their
+  leading rows."""
   kp, np_ = wp.shape
   bk, bn = cfg.block_k, cfg.block_n
   if k_major:
-    shapes = [jax.ShapeDtypeStruct((kp // 2 + kp // 16, np_), wp.dtype)]
+    shapes = [jax.ShapeDtypeStruct((values_rows or kp // 2 + kp // 16, np_), wp.dtype)]
     specs = [pl.BlockSpec((bk // 2, bn), lambda i, j: (i, j))]
   else:
     shapes = [jax.ShapeDtypeStruct((np_, kp // 2), wp.dtype)]

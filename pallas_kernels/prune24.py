@@ -46,10 +46,11 @@ def _prune_kernel(w_ref, values_ref, meta_ref, *, strided_lanes: bool, k_major: 
   meta_ref[...] = meta
 
 
-@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret", "layout"))
+@functools.partial(jax.jit, static_argnames=("transposable", "config", "interpret", "layout",
+                                                   "values_rows"))
 def prune_compress(w: jax.Array, *, transposable: bool = False,
                    config: PruneConfig | None = None, interpret: bool = False,
-                   layout: str = "sparse24"):
+                   layout: str = "sparse24", values_rows: int | None = None):
   """Prunes `w[K, N]` by magnitude (2:4 along K) and compresses, in one pass.
 
   Returns `(values [N, K/2], meta uint8[N, ceil(K/8)], values_t, meta_t)`;
@@ -58,19 +59,25 @@ def prune_compress(w: jax.Array, *, transposable: bool = False,
   K and N multiples of 64) `values` is `[K/2 + K/16, N]`: the values
   `[K/2, N]` in its first K/2 rows, and `values_t` `[K + K/8, N/2]`, the
   values in its first K rows; the rest unwritten (the metadata rows, for
-  `cusparselt_metadata.write_cusparselt_metadata`).
+  `cusparselt_metadata.write_cusparselt_metadata`). `values_rows`
+  (layout="cusparselt" only, at least K/2 + K/16): `values` has that many
+  rows, those past K/2 unwritten, so that a caller can keep the buffer
+  inside an array of another shape without a copy.
   """
   fn = "prune_compress"
   check_weight(fn, w, transposable)
   k_major = check_layout(fn, w, layout)
   k, n = w.shape
+  if values_rows is not None and (not k_major or values_rows < k // 2 + k // 16):
+    raise ValueError(f"{fn}: values_rows={values_rows} needs layout='cusparselt' and at least"
+                     f" K/2 + K/16 = {k // 2 + k // 16} rows (w of shape {w.shape}).")
   cfg = fit_config(config or PruneConfig.default(
       k, n, "prune_transposable" if transposable else "prune", layout), k, n, exact=k_major)
   bk, bn = cfg.block_k, cfg.block_n
   wp = padded(w, bk, bn)
   kp, np_ = wp.shape
   out_shape, out_specs = outputs(wp, cfg, meta=True, transposed=transposable,
-                                 k_major=k_major)
+                                 k_major=k_major, values_rows=values_rows)
   if transposable:
     # One kernel choosing the search per tile, not `transposable_mask`'s two
     # passes: with every output written by both passes, the compile time

@@ -479,7 +479,7 @@ def cusparselt_products(monkeypatch):
   monkeypatch.setattr(cusparselt, "_sparse_b_matmul",
                       recording("b", triton_removal._stand_in_b_product))  # pylint: disable=protected-access
   caches = (cusparselt._input_sparse_local, cusparselt._tiles_times_local,  # pylint: disable=protected-access
-            cusparselt._pruned_weight_grad_local)  # pylint: disable=protected-access
+            cusparselt._pruned_weight_grad_local, cusparselt._tiles_keeping_local)  # pylint: disable=protected-access
   for c in caches:
     c.cache_clear()
   with interpret_mode():
@@ -522,6 +522,83 @@ def test_cusparselt_pruned_weight_grad_runs_on_the_sparse_operand(
   if grad_output == "2:4":
     want_calls.add(("b", (n, k), along_c(n), (mp, k), k, mp, n))  # dx
   assert set(cusparselt_products) == want_calls, cusparselt_products
+
+
+@pytest.fixture
+def counted_tile_passes(cusparselt_products, monkeypatch):
+  """`cusparselt_products`, with the tile rule's passes counted: yields a
+  dict of the calls of `tiles_compress_for_products` (the Pallas pass that
+  prunes an operand on tiles and writes both its copies) and of the tile
+  mask's own pass (`input_mask(..., transposable=True)`), and the list of
+  cuSPARSELt calls. `KEEP_MIN_ROWS` is 16 here, so that 128 rows over the
+  tests' 8 devices take `times_keeping`."""
+  from jsparse24 import _input_sparse  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  counts = {"compress": 0, "mask": 0}
+  compress, mask = cusparselt.tiles_compress_for_products, _input_sparse.input_mask
+
+  def counted_compress(*args, **kw):
+    counts["compress"] += 1
+    return compress(*args, **kw)
+
+  def counted_mask(x, transposable=False):
+    counts["mask"] += bool(transposable)
+    return mask(x, transposable)
+
+  monkeypatch.setattr(cusparselt, "tiles_compress_for_products", counted_compress)
+  monkeypatch.setattr(_input_sparse, "input_mask", counted_mask)
+  monkeypatch.setattr(_input_sparse, "KEEP_MIN_ROWS", 16)
+  yield counts, cusparselt_products
+
+
+@pytest.mark.parametrize("input_sparsity,grad_output,m", [
+    ("masked", "dense", 200), ("off", "2:4", 256), ("masked", "2:4", 200)])
+def test_cusparselt_tiles_prune_each_operand_once_for_both_its_products(
+    counted_tile_passes, input_sparsity, grad_output, m):
+  """With rows enough (`KEEP_MIN_ROWS` per device), a tile-pruned operand
+  is pruned and compressed once for its two products (`times_keeping`): the
+  input's forward pass writes the copy along M that dw reads, and the mask
+  that masks dx comes from its codes (no second pass over x, no mask pass);
+  the output gradient's pass serves dx and dw. y, dx and dw equal the "xla"
+  backend's; dw is the product with the kept copy (its buffer's shape) as
+  the structured A. Where both are pruned, dy's tile mask for dw is its own
+  pass, as before."""
+  counts, calls = counted_tile_passes
+  k, n, dtype = 128, 64, jnp.bfloat16
+  x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
+  vjp = jax.jit(_vjp, static_argnums=(3, 4, 5, 6))
+  want = vjp(x, w, dy, input_sparsity, "xla", grad_output, True)
+  counts.update(compress=0, mask=0)
+  got = vjp(x, w, dy, input_sparsity, "cusparselt", grad_output, True)
+  for g, r in zip(got, want):
+    assert g.dtype == r.dtype == dtype
+    _close(g, r, dtype, max(k, n, m))
+  pruned = (input_sparsity != "off") + (grad_output == "2:4")
+  assert counts == {"compress": pruned, "mask": int(pruned == 2)}, counts
+  mp = m + -m % 64
+  sparse_a = [c for c in calls if c[0] == "a"]
+  rows = k if input_sparsity != "off" else n
+  assert [c[1] for c in sparse_a] == [(mp // 2 + mp // 16, rows)], calls
+
+
+def test_tiles_times_keeping_keeps_the_copy_along_m_and_the_mask(cusparselt_products):
+  """`tiles_times_keeping`: the product of `pruned_matmul(a, b, True)`; the
+  kept copy's leading rows byte for byte the copy along M of
+  `tiles_compress_for_products` (rows padded to 64), its codes the tile
+  mask of `input_mask(a, True)`; too few rows on a device are refused with
+  the rows it needs."""
+  del cusparselt_products
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  a, b = _rand(1, (200, 128), jnp.bfloat16), _rand(2, (128, 64), jnp.bfloat16)
+  y, kept, codes = jax.jit(cusparselt.tiles_times_keeping)(a, b)
+  assert kept.shape == a.shape and kept.dtype == a.dtype and codes.shape == (200, 16)
+  np.testing.assert_array_equal(y, jax.jit(cusparselt.pruned_matmul, static_argnums=2)(a, b, True))
+  along_m, _ = jax.jit(cusparselt.tiles_compress_for_products)(jnp.pad(a, ((0, 56), (0, 0))))
+  np.testing.assert_array_equal(np.asarray(kept[:144]).view(np.uint16),
+                                np.asarray(along_m).view(np.uint16))
+  np.testing.assert_array_equal(cusparselt.kept_tile_mask(codes), input_mask(a, True))
+  with pytest.raises(ValueError, match="65 rows on a device hold no copy of 72 rows"):
+    cusparselt.tiles_times_keeping(a[:65], b)
 
 
 def test_tile_buffer_along_the_features_is_the_input_products_buffer():

@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse24._format import Mask24, Sparse24, compress_reference, decompress
-from jsparse24._input_sparse import (TOKEN_BLOCK, SparseProducts, input_sparse_product,
-                                     token_groups)
+from jsparse24._input_sparse import (KEEP_MIN_ROWS, TOKEN_BLOCK, SparseProducts,
+                                     input_sparse_product, token_groups)
 from jsparse24._mvue import mvue_seeds
 from jsparse24._prune import prune_24
 from jsparse24._sharding import (one_call_per_element, partitioning_off, rows_contracted,
@@ -842,23 +842,34 @@ def input_sparse_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 # the whole array's tiles where each device holds a multiple of 4 rows.
 
 
-def tiles_compress_for_products(a: jax.Array, interpret: bool | None = None):
+def tiles_compress_for_products(a: jax.Array, interpret: bool | None = None,
+                                along_m_rows: int | None = None, codes: bool = False):
   """`a[M, C]` (M, C multiples of 64) pruned by the transposable rule on
   4x4 tiles and compressed for cuSPARSELt: `(along_m, along_c)`, the
   buffers of a transposable `[M, C]` weight (`buffer_shape(M, C,
   transpose=False)` and `transpose=True`). One Pallas pass, then the
-  metadata writes; where the kernels cannot run, `compress_for_products_xla`."""
+  metadata writes; where the kernels cannot run, `compress_for_products_xla`.
+  `along_m_rows`: `along_m` is `[along_m_rows, C]`, its buffer in the
+  leading rows (`tiles_times_keeping`). `codes`: also return the tile mask's
+  codes along C, `uint8[M, C/8]` (`Mask24` codes of the mask as a `[C, M]`
+  weight's: `kept_tile_mask`)."""
   m, c = a.shape
   _check_aligned(m, c)
   if _xla_fallback():
-    along_m, along_c, _ = compress_for_products_xla(a, None, True)
-    return along_m, along_c
+    along_m, along_c, meta = compress_for_products_xla(a, None, True)
+    if along_m_rows is not None:
+      along_m = jnp.pad(along_m, ((0, along_m_rows - along_m.shape[0]), (0, 0)))
+    if not codes:
+      return along_m, along_c
+    mask = Mask24.from_meta(meta, (m, c), transposable=True).unpack()
+    return along_m, along_c, Mask24.pack(mask.T).packed
   if interpret is None:
     interpret = pallas_backend.interpreting()
   values, meta, values_t, meta_t = pallas_backend.kernels().prune24.prune_compress(
-      a, transposable=True, layout="cusparselt", interpret=interpret)
-  return (_with_metadata(values, m // 2, meta, m // 4, interpret=interpret),
-          _with_metadata(values_t, m, meta_t, c // 4, interpret=interpret))
+      a, transposable=True, layout="cusparselt", interpret=interpret, values_rows=along_m_rows)
+  out = (_with_metadata(values, m // 2, meta, m // 4, interpret=interpret),
+         _with_metadata(values_t, m, meta_t, c // 4, interpret=interpret))
+  return out + (meta_t,) if codes else out
 
 
 def tokens_compress_for_product(a: jax.Array, interpret: bool | None = None) -> jax.Array:
@@ -909,29 +920,84 @@ def _tiles_times_local(search: int, alg: int, interpret: bool):
   return run
 
 
+# Where a tile-pruned operand a[M, C] feeds both its products in one step (the
+# forward and dw of a pruned input; dx and dw of a pruned output gradient), the
+# pass that writes both copies runs once: `tiles_times_keeping` returns, beside
+# prune(a) @ b, `kept`, an a-shaped array whose leading rows hold each device's
+# copy along M (for its rows padded to 64: 9/16 of them), and the tile mask's
+# codes along C. a-shaped, so that the row-partitioned wrappers carry it as
+# they carry the activation it stands for; `pruned_weight_grad(...,
+# rule="kept")` takes it. The copy fits where a device holds at least
+# KEEP_MIN_ROWS rows (`jsparse24._input_sparse`). cuSPARSELt's call takes a
+# buffer of exactly its bytes, so the weight gradient reads a slice of `kept`
+# (a copy of 9/16 of it): still less than the pass it replaces, which read
+# the operand, wrote both copies and found the mask again.
+
+
+@functools.cache
+def _tiles_keeping_local(search: int, alg: int, interpret: bool):
+  """The per-device `fn(a[M, C], b[C, N]) -> (prune_tiles(a) @ b, kept
+  [M, C], codes uint8[M, C/8])`."""
+
+  def run(a, b):
+    m, c = a.shape
+    ap = _padded_rows(a)
+    mp = ap.shape[0]
+    _check_size(a.dtype, mp, c)
+    if mp // 2 + mp // 16 > m:
+      raise ValueError(f"tiles_times_keeping: {m} rows on a device hold no copy of"
+                       f" {mp // 2 + mp // 16} rows; it needs at least {KEEP_MIN_ROWS}.")
+    kept, along_c, codes = tiles_compress_for_products(ap, interpret, along_m_rows=m,
+                                                       codes=True)
+    y = _sparse_b_matmul(b, along_c, (mp, b.shape[1]), m=b.shape[1], n=mp, k=c,
+                         search=search, alg=alg)
+    return (y[:m], kept, codes[:m]) if mp != m else (y, kept, codes)
+
+  return run
+
+
+def tiles_times_keeping(a: jax.Array, b: jax.Array):
+  """`(prune_tiles(a) @ b, kept, codes)` for `a[M, C]`, `b[C, N]` of one
+  16-bit dtype (C and N multiples of 64, at least `KEEP_MIN_ROWS` rows of a
+  on each device): the product of `pruned_matmul(a, b, True)`, `kept` the
+  copy of the pruned `a` compressed along M in the leading rows of an
+  a-shaped array (per device), for `pruned_weight_grad(..., rule="kept")`,
+  and `codes` the tile mask's (`kept_tile_mask`)."""
+  fn = _tiles_keeping_local(*_search_attrs(a.dtype), pallas_backend.interpreting())
+  return rows_parallel(fn, a, b, outputs=3)
+
+
+def kept_tile_mask(codes: jax.Array) -> jax.Array:
+  """The bool `[M, C]` tile mask of `tiles_times_keeping`'s `codes`
+  (`uint8[M, C/8]`): elementwise, so XLA fuses it into its consumer."""
+  m, c = codes.shape[0], codes.shape[1] * 8
+  return Mask24.from_meta(codes, (c, m)).unpack().T
+
+
 @functools.cache
 def _pruned_weight_grad_local(pruned: str, rule: str, search: int, alg: int, interpret: bool):
   """The per-device `fn(x[M, K], dy[M, N], ...) -> [K, N]` of
   `rows_contracted`: `prune(x)^T @ dy` (`pruned="x"`) or `x^T @ prune(dy)`
   (`pruned="dy"`), pruned on tiles (`rule="tiles"`) or along M
-  (`"tokens"`), the pruned operand cuSPARSELt's structured A (compressed
+  (`"tokens"`), or the pruned operand `tiles_times_keeping`'s `kept`
+  (`"kept"`), the pruned operand cuSPARSELt's structured A (compressed
   along M), the other the dense B read transposed; in x's dtype, as
   `_mvue_weight_grad_local`'s (it says why)."""
 
   def run(x, dy, first_row, first_col, n_total):
     del first_row, first_col, n_total  # each device's own tiles and columns
-    k, n = x.shape[1], dy.shape[1]
-    xp, dyp = _padded_rows(x), _padded_rows(dy)
-    if rule == "tokens":  # each group of 4 tokens 4 consecutive rows of both operands
-      xp, dyp = token_groups(xp), token_groups(dyp)
-    mp = xp.shape[0]
-    sparse, dense = (xp, dyp) if pruned == "x" else (dyp, xp)
+    mp = x.shape[0] + -x.shape[0] % ALIGN_KN
+    sparse, dense = (x, dy) if pruned == "x" else (dy, x)
     rows, cols = sparse.shape[1], dense.shape[1]
     _check_size(x.dtype, mp, rows)
-    if rule == "tiles":
-      along_m, _ = tiles_compress_for_products(sparse, interpret)
-    else:
-      along_m = tokens_compress_for_product(sparse, interpret)
+    dense = _padded_rows(dense)
+    if rule == "kept":
+      along_m = sparse[:mp // 2 + mp // 16]
+    elif rule == "tiles":
+      along_m, _ = tiles_compress_for_products(_padded_rows(sparse), interpret)
+    else:  # each group of 4 tokens 4 consecutive rows of both operands
+      dense = token_groups(dense)
+      along_m = tokens_compress_for_product(token_groups(_padded_rows(sparse)), interpret)
     # Column-major D[rows, cols] = A[rows, Mp] (structured, op N) @
     # op_T(B)[Mp, cols]: the row-major [cols, rows] array.
     d = _sparse_a_matmul(along_m, dense, (cols, rows), m=rows, n=cols, k=mp, op_a=_N,
@@ -954,7 +1020,8 @@ def pruned_matmul(a: jax.Array, b: jax.Array, transposable: bool) -> jax.Array:
 def pruned_weight_grad(x: jax.Array, dy: jax.Array, pruned: str, rule: str) -> jax.Array:
   """`prune(x)^T @ dy` (`pruned="x"`) or `x^T @ prune(dy)` (`pruned="dy"`),
   the operand pruned on 4x4 tiles (`rule="tiles"`) or 2:4 along M
-  (`"tokens"`), `[K, N]` in x's dtype, on the sparse tensor cores (x
+  (`"tokens"`), or given as `tiles_times_keeping`'s `kept` (`"kept"`),
+  `[K, N]` in x's dtype, on the sparse tensor cores (x
   `[M, K]`, dy `[M, N]`, K and N multiples of 64, any M); under `jit` with
   the rows sharded, each device multiplies its own rows and the partial
   sums are all-reduced."""
@@ -963,7 +1030,8 @@ def pruned_weight_grad(x: jax.Array, dy: jax.Array, pruned: str, rule: str) -> j
   return rows_contracted(fn, x, dy, align=ALIGN_KN)
 
 
-SPARSE_PRODUCTS = SparseProducts(pruned_matmul, pruned_weight_grad)
+SPARSE_PRODUCTS = SparseProducts(pruned_matmul, pruned_weight_grad, tiles_times_keeping,
+                                 kept_tile_mask)
 
 
 @dataclasses.dataclass(frozen=True)
