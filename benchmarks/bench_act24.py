@@ -140,7 +140,10 @@ def _ffn_step(variant, mask1):
   return step
 
 
-def section_ffn():
+FFN_BLOCKS = ("act", "act+dx", "act+w", "tiles", "tiles+w", "tokens")
+
+
+def section_ffn(blocks=FFN_BLOCKS):
   d, hidden, tokens = FFN["d_model"], FFN["hidden"], FFN["tokens"]
   x, target = _rand(1, (tokens, d)), _rand(2, (tokens, d))
   params = {"w1": _rand(3, (d, hidden), d ** -0.5), "w2": _rand(4, (hidden, d), hidden ** -0.5)}
@@ -160,7 +163,7 @@ def section_ffn():
 
     times[name] = _common.bench(once, x, target, min_time=1.0)
 
-  for name in ("dense", "act", "act+dx", "act+w", "tiles", "tiles+w", "tokens", "dense again"):
+  for name in ("dense", *blocks, "dense again"):
     run(name)
   base = times["dense"]
   rows = [[name, t * 1e3, tokens / t, base / t] for name, t in times.items()]
@@ -190,7 +193,13 @@ def main(argv=None):
   p.add_argument("--layer-kn", default="2048,4096,8192,16384",
                  help="the layer section's K and N values (every pair)")
   p.add_argument("--json", default=None, help="also write the layer timings to this JSON file")
+  p.add_argument("--ffn-blocks", default=",".join(FFN_BLOCKS),
+                 help="the ffn section's 2:4 blocks (timed between the dense block and"
+                      f" the dense block again); of {', '.join(FFN_BLOCKS)}")
   args = p.parse_args(argv)
+  blocks = tuple(args.ffn_blocks.split(","))
+  if unknown := [b for b in blocks if b not in FFN_BLOCKS]:
+    p.error(f"--ffn-blocks: unknown block(s) {', '.join(unknown)}; of {', '.join(FFN_BLOCKS)}")
   reason = jsparse24.available_implementations()["cusparselt"]
   if reason is not None:
     raise SystemExit(f"bench_act24: the cusparselt backend cannot run here: {reason}")
@@ -206,7 +215,7 @@ def main(argv=None):
   points = [(m, k, n) for m in ms for k in kn for n in kn]
   if "layer" in sections:
     dense_layer, masked_layer = time_layer(None, points), time_layer("xla", points)
-  run = {"kernel": lambda: section_kernel(bw), "ffn": section_ffn,
+  run = {"kernel": lambda: section_kernel(bw), "ffn": lambda: section_ffn(blocks),
          "layer": lambda: section_layer(dense_layer, masked_layer, points, records)}
   for name in [s for s in ("ffn", "kernel", "layer") if s in sections]:
     t0 = time.time()

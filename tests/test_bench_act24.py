@@ -4,6 +4,7 @@ Every section runs, and every dense step is timed before the run's first
 cuSPARSELt product (`_common.CUSPARSELT_TAX`)."""
 
 import jax
+import pytest
 
 from benchmarks import bench_act24
 from jsparse24.backends import cusparselt
@@ -11,8 +12,7 @@ from jsparse24.backends.pallas import interpret_mode
 from tests import triton_removal
 
 
-def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
-  events = []
+def _stand_ins(monkeypatch, events):
 
   def product(stand_in):
     def call(*args, **kw):
@@ -34,11 +34,17 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._tiles_times_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._pruned_weight_grad_local.cache_clear()  # pylint: disable=protected-access
+  cusparselt._tiles_keeping_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
   monkeypatch.setattr(bench_act24._common, "bench", bench)
   monkeypatch.setattr(bench_act24._common, "copy_bandwidth", lambda: 1e9)
   monkeypatch.setattr(bench_act24, "KERNEL_SHAPES", ((64, 128),))
   monkeypatch.setattr(bench_act24, "FFN", {"d_model": 64, "hidden": 128, "tokens": 64})
+
+
+def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
+  events = []
+  _stand_ins(monkeypatch, events)
   with interpret_mode():
     bench_act24.main(["--no-write", "--layer-ms", "64,128", "--layer-kn", "64"])
   out = capsys.readouterr().out
@@ -51,5 +57,23 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
   first = events.index("cusparselt")
   assert events[:first] == ["bench"] * 5, events
   assert events.count("bench") == 4 + 8 + 2 + 2, events  # layer, block, kernel, layer
+  cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
+  cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
+
+
+def test_ffn_blocks_picks_the_blocks_between_the_dense_ones(monkeypatch, capsys):
+  """`--ffn-blocks tiles`: the dense block, the tiles block, the dense block
+  again, and no other; an unknown block name is refused with the known ones."""
+  events = []
+  _stand_ins(monkeypatch, events)
+  with interpret_mode():
+    bench_act24.main(["--no-write", "--sections", "ffn", "--ffn-blocks", "tiles"])
+  table = capsys.readouterr().out.split("| block |")[1]
+  assert [row.split("|")[1].strip() for row in table.splitlines()[2:] if row.startswith("|")] \
+      == ["dense", "tiles", "dense again"], table
+  assert events.count("bench") == 3, events
+  with pytest.raises(SystemExit):
+    bench_act24.main(["--no-write", "--sections", "ffn", "--ffn-blocks", "tiles,tile"])
+  assert "unknown block(s) tile; of act, act+dx" in capsys.readouterr().err
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
