@@ -352,15 +352,20 @@ def test_cusparselt_backend_under_explicit_axes_types_its_gradients(monkeypatch)
   assert dx.sharding.spec == P("data", None) and dw.sharding.spec == P(None, "data")
 
 
-@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
-def test_cusparselt_tiles_kept_for_the_backward_under_data_parallelism(monkeypatch, axis_type):
-  """2:4 activations on tiles (`input_sparsity="masked", grad_output="2:4",
-  transposable=True`) on the "cusparselt" backend with x's rows split over 8
-  devices, 128 rows each (`KEEP_MIN_ROWS`): each device's pass keeps its
-  copy along the tokens and its mask for the backward (`times_keeping`, a
-  row-partitioned op with three results); y, dx and dw equal the unsharded
-  "xla" backend's (each device's tiles are the whole array's), and y and dx
-  keep x's partition. cuSPARSELt's calls by `triton_removal`'s stand-ins."""
+@pytest.mark.parametrize("rule,m,axis_type", [
+    ("tiles", 1024, "Auto"), ("tiles", 1024, "Explicit"), ("tokens", 512, "Auto")])
+def test_cusparselt_activation_weight_grads_under_data_parallelism(monkeypatch, rule, m,
+                                                                   axis_type):
+  """2:4 activations with both weight gradients sparse (`input_sparsity=
+  "masked", grad_output="2:4"`, and `transposable=True` or
+  `weight_grad="2:4"`) on the "cusparselt" backend with x's rows split over 8
+  devices: y, dx and dw equal the unsharded "xla" backend's (each device's
+  tiles, and token groups, are the whole array's where it holds a multiple
+  of 4, resp. 64, rows), and y and dx keep x's partition. On tiles with 128
+  rows per device (`KEEP_MIN_ROWS`) each device's pass keeps its copy along
+  the tokens and its mask for the backward (`times_keeping`, a
+  row-partitioned op with three results). cuSPARSELt's calls by
+  `triton_removal`'s stand-ins."""
   from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
   from tests import triton_removal  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
@@ -369,32 +374,29 @@ def test_cusparselt_tiles_kept_for_the_backward_under_data_parallelism(monkeypat
   monkeypatch.setattr(cusparselt, "_sparse_b_matmul", triton_removal._stand_in_b_product)  # pylint: disable=protected-access
   kept = []
   keeping = cusparselt.tiles_times_keeping
-  monkeypatch.setattr(cusparselt, "tiles_times_keeping",
-                      lambda a, b: kept.append(a.shape) or keeping(a, b))
-  cusparselt.SPARSE_PRODUCTS = cusparselt.SPARSE_PRODUCTS._replace(
-      times_keeping=cusparselt.tiles_times_keeping)
-  try:
-    m, k, n = 1024, 128, 64
-    x, w, dy = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
-                for i, shape in enumerate(((m, k), (k, n), (m, n))))
+  monkeypatch.setattr(cusparselt, "SPARSE_PRODUCTS", cusparselt.SPARSE_PRODUCTS._replace(
+      times_keeping=lambda a, b: kept.append(a.shape) or keeping(a, b)))
+  k, n = 128, 64
+  x, w, dy = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
+              for i, shape in enumerate(((m, k), (k, n), (m, n))))
+  options = ({"transposable": True} if rule == "tiles" else {"weight_grad": "2:4"})
 
-    def vjp(x, w, dy, implementation):
-      y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(
-          x, w, input_sparsity="masked", grad_output="2:4", transposable=True,
-          implementation=implementation), x, w)
-      return (y, *back(dy))
+  def vjp(x, w, dy, implementation):
+    y, back = jax.vjp(lambda x, w: jsparse24.sparse_dot(
+        x, w, input_sparsity="masked", grad_output="2:4", implementation=implementation,
+        **options), x, w)
+    return (y, *back(dy))
 
-    with interpret_mode():
-      want = jax.jit(functools.partial(vjp, implementation="xla"))(x, w, dy)
-      mesh = _mesh(getattr(jax.sharding.AxisType, axis_type))
-      rows = NamedSharding(mesh, P("data", None))
-      with jax.set_mesh(mesh):
-        got = jax.jit(functools.partial(vjp, implementation="cusparselt"))(
-            jax.device_put(x, rows), jax.device_put(w, NamedSharding(mesh, P())),
-            jax.device_put(dy, rows))
-  finally:
-    cusparselt.SPARSE_PRODUCTS = cusparselt.SPARSE_PRODUCTS._replace(times_keeping=keeping)
-  assert kept == [(m, k)], kept  # the input's pass, kept; dy (also pruned) is dw's dense side
+  with interpret_mode():
+    want = jax.jit(functools.partial(vjp, implementation="xla"))(x, w, dy)
+    mesh = _mesh(getattr(jax.sharding.AxisType, axis_type))
+    rows = NamedSharding(mesh, P("data", None))
+    with jax.set_mesh(mesh):
+      got = jax.jit(functools.partial(vjp, implementation="cusparselt"))(
+          jax.device_put(x, rows), jax.device_put(w, NamedSharding(mesh, P())),
+          jax.device_put(dy, rows))
+  # The input's pass kept where there are rows enough (dy, pruned too, is dw's dense side).
+  assert kept == ([(m, k)] if rule == "tiles" and m >= 1024 else []), kept
   for g, r in zip(got, want):  # bf16 results: relative error by norm
     g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
     assert np.linalg.norm(g - r) <= 1e-2 * np.linalg.norm(r)
