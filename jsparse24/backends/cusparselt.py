@@ -903,23 +903,6 @@ def _padded_rows(a: jax.Array) -> jax.Array:
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
-@functools.cache
-def _tiles_times_local(search: int, alg: int, interpret: bool):
-  """The per-device `fn(a[M, C], b[C, N]) -> prune_tiles(a) @ b`."""
-
-  def run(a, b):
-    m, c = a.shape
-    ap = _padded_rows(a)
-    mp = ap.shape[0]
-    _check_size(a.dtype, mp, c)
-    _, along_c = tiles_compress_for_products(ap, interpret)
-    y = _sparse_b_matmul(b, along_c, (mp, b.shape[1]), m=b.shape[1], n=mp, k=c,
-                         search=search, alg=alg)
-    return y[:m] if mp != m else y
-
-  return run
-
-
 # Where a tile-pruned operand a[M, C] feeds both its products in one step (the
 # forward and dw of a pruned input; dx and dw of a pruned output gradient), the
 # pass that writes both copies runs once: `tiles_times_keeping` returns, beside
@@ -935,23 +918,24 @@ def _tiles_times_local(search: int, alg: int, interpret: bool):
 
 
 @functools.cache
-def _tiles_keeping_local(search: int, alg: int, interpret: bool):
-  """The per-device `fn(a[M, C], b[C, N]) -> (prune_tiles(a) @ b, kept
-  [M, C], codes uint8[M, C/8])`."""
+def _tiles_times_local(search: int, alg: int, interpret: bool, keep: bool = False):
+  """The per-device `fn(a[M, C], b[C, N]) -> prune_tiles(a) @ b`; with
+  `keep`, `(that, kept [M, C], codes uint8[M, C/8])` (`tiles_times_keeping`)."""
 
   def run(a, b):
     m, c = a.shape
     ap = _padded_rows(a)
     mp = ap.shape[0]
     _check_size(a.dtype, mp, c)
-    if mp // 2 + mp // 16 > m:
+    if keep and mp // 2 + mp // 16 > m:
       raise ValueError(f"tiles_times_keeping: {m} rows on a device hold no copy of"
                        f" {mp // 2 + mp // 16} rows; it needs at least {KEEP_MIN_ROWS}.")
-    kept, along_c, codes = tiles_compress_for_products(ap, interpret, along_m_rows=m,
-                                                       codes=True)
+    along_m, along_c, *codes = tiles_compress_for_products(
+        ap, interpret, along_m_rows=m if keep else None, codes=keep)
     y = _sparse_b_matmul(b, along_c, (mp, b.shape[1]), m=b.shape[1], n=mp, k=c,
                          search=search, alg=alg)
-    return (y[:m], kept, codes[:m]) if mp != m else (y, kept, codes)
+    y = y[:m] if mp != m else y
+    return (y, along_m, codes[0][:m]) if keep else y
 
   return run
 
@@ -963,7 +947,7 @@ def tiles_times_keeping(a: jax.Array, b: jax.Array):
   copy of the pruned `a` compressed along M in the leading rows of an
   a-shaped array (per device), for `pruned_weight_grad(..., rule="kept")`,
   and `codes` the tile mask's (`kept_tile_mask`)."""
-  fn = _tiles_keeping_local(*_search_attrs(a.dtype), pallas_backend.interpreting())
+  fn = _tiles_times_local(*_search_attrs(a.dtype), pallas_backend.interpreting(), True)
   return rows_parallel(fn, a, b, outputs=3)
 
 
