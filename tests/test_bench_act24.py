@@ -35,7 +35,6 @@ def _stand_ins(monkeypatch, events):
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._tiles_times_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._pruned_weight_grad_local.cache_clear()  # pylint: disable=protected-access
-  cusparselt._tiles_keeping_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
   monkeypatch.setattr(bench_act24._common, "bench", bench)
   monkeypatch.setattr(bench_act24._common, "copy_bandwidth", lambda: 1e9)
@@ -47,7 +46,10 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
   events = []
   _stand_ins(monkeypatch, events)
   with interpret_mode():
-    bench_act24.main(["--no-write", "--layer-ms", "64,128", "--layer-kn", "64"])
+    # Blocks that take every branch of `_ffn_step` (the up projection's weight
+    # 2:4, its output gradient pruned, tiles, tokens) and no two the same.
+    bench_act24.main(["--no-write", "--layer-ms", "64,128", "--layer-kn", "64",
+                      "--ffn-blocks", "act,tiles+w,tokens"])
   out = capsys.readouterr().out
   for title in ("squared-ReLU FFN block step", "prune + compress of activations",
                 "linear-layer step over M, K, N"):
@@ -57,7 +59,7 @@ def test_sections_run_and_dense_steps_come_first(monkeypatch, capsys):
   # block's dense step timed again at the end of its section.
   first = events.index("cusparselt")
   assert events[:first] == ["bench"] * 5, events
-  assert events.count("bench") == 4 + 8 + 2 + 2, events  # layer, block, kernel, layer
+  assert events.count("bench") == 4 + 5 + 2 + 2, events  # layer, block, kernel, layer
   cusparselt._input_sparse_local.cache_clear()  # pylint: disable=protected-access
   cusparselt._batched_matmul.cache_clear()  # pylint: disable=protected-access
 
