@@ -572,3 +572,19 @@ def test_input_prune_compress_checks_its_inputs(shape, dtype, layout, match):
   from pallas_kernels import input_prune24
   with pytest.raises((ValueError, TypeError), match=f"prune_compress_rows: .*{match}"):
     input_prune24.prune_compress_rows(jnp.ones(shape, dtype), interpret=True, layout=layout)
+
+
+def test_prune_compress_values_rows_leaves_the_rows_after_the_buffer_to_the_caller():
+  """`values_rows` (layout="cusparselt"): the values buffer is that many
+  rows (its leading rows the default buffer's, byte for byte:
+  test_input_sparse.py's `tiles_times_keeping` test); too few rows, or the
+  sparse24 layout, are refused with the rows needed."""
+  w = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+  shapes = lambda **kw: [o.shape for o in jax.eval_shape(functools.partial(  # noqa: E731
+      prune24.prune_compress, transposable=True, interpret=True, **kw), w)]
+  assert shapes(layout="cusparselt", values_rows=100) == [(100, 64), (64, 16), (144, 32),
+                                                            (128, 8)]
+  assert shapes(layout="cusparselt")[0] == (72, 64)
+  for layout, rows in (("cusparselt", 71), ("sparse24", 100)):
+    with pytest.raises(ValueError, match="at least K/2 \\+ K/16 = 72 rows"):
+      shapes(layout=layout, values_rows=rows)
