@@ -352,8 +352,7 @@ def test_cusparselt_backend_under_explicit_axes_types_its_gradients(monkeypatch)
   assert dx.sharding.spec == P("data", None) and dw.sharding.spec == P(None, "data")
 
 
-@pytest.mark.parametrize("rule,m,axis_type", [
-    ("tiles", 1024, "Auto"), ("tiles", 1024, "Explicit"), ("tokens", 512, "Auto")])
+@pytest.mark.parametrize("rule,m,axis_type", [("tiles", 1024, "Auto"), ("tokens", 512, "Auto")])
 def test_cusparselt_activation_weight_grads_under_data_parallelism(monkeypatch, rule, m,
                                                                    axis_type):
   """2:4 activations with both weight gradients sparse (`input_sparsity=
@@ -364,7 +363,9 @@ def test_cusparselt_activation_weight_grads_under_data_parallelism(monkeypatch, 
   of 4, resp. 64, rows), and y and dx keep x's partition. On tiles with 128
   rows per device (`KEEP_MIN_ROWS`) each device's pass keeps its copy along
   the tokens and its mask for the backward (`times_keeping`, a
-  row-partitioned op with three results). cuSPARSELt's calls by
+  row-partitioned op with three results; with Explicit axes:
+  `test_rows_parallel_with_several_results_splits_each_over_rows`).
+  cuSPARSELt's calls by
   `triton_removal`'s stand-ins."""
   from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
   from tests import triton_removal  # pylint: disable=g-import-not-at-top
@@ -695,6 +696,30 @@ def test_rows_parallel_splits_a_custom_call_over_rows():
   # Without the rule, XLA gathers x for the callback.
   plain = _collectives(jax.jit(kernel).lower(x, w).compile().as_text())
   assert plain["all-gather"], plain
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_rows_parallel_with_several_results_splits_each_over_rows(axis_type):
+  """`rows_parallel(..., outputs=3)`: each result computed from each
+  device's own rows and split like x's rows (a `custom_partitioning` rule
+  with three results on Auto axes, a `shard_map` on Explicit ones), equal to
+  the unsharded results."""
+  from jsparse24._sharding import rows_parallel  # pylint: disable=g-import-not-at-top
+
+  def fn(x, w):
+    return x @ w, x * 2, jnp.cumsum(x, axis=0)  # the last one sees only its device's rows
+
+  mesh = _mesh(getattr(jax.sharding.AxisType, axis_type))
+  x = jax.random.normal(jax.random.key(0), (64, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 8))
+  with jax.set_mesh(mesh):
+    got = jax.jit(lambda x, w: rows_parallel(fn, x, w, outputs=3))(
+        jax.device_put(x, NamedSharding(mesh, P("data"))),
+        jax.device_put(w, NamedSharding(mesh, P())))
+  want = (x @ w, x * 2, jnp.cumsum(x.reshape(8, 8, 16), axis=1).reshape(64, 16))
+  for g, r in zip(got, want):
+    assert g.sharding.spec[0] == "data"
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
 def test_unpartitioned_is_part_of_jits_cache_key():
