@@ -314,16 +314,13 @@ def _fwd(x, w, input_sparsity, grad_output, transposable, weight_grad, precision
 def _bwd(input_sparsity, grad_output, transposable, weight_grad, precision, products, res,
          dy):
   x, w, kept = res
-  like = x if kept is None else kept[0]  # x's dtype and sharding
-  dw = None
+  dy_kept = None
   if grad_output == "2:4":
     # w^T laid out by XLA (one copy of the kernel, a pass at memory speed):
     # the backends' sparse product takes its dense operand as `[K, N]`.
     wt = w.astype(dy.dtype).T
     if input_sparsity == "off" and _keeps(dy, transposable, products):
-      # dy's one tile pass for dx and dw.
-      dx, dy_kept, _ = products.times_keeping(dy, wt)
-      dw = _as_weight_grad(products.weight_grad(x, dy_kept, "dy", "kept"), w, x, dy)
+      dx, dy_kept, _ = products.times_keeping(dy, wt)  # dy's one tile pass for dx and dw
     else:
       dx = _sparse_times(dy, wt, transposable, precision, products)
   else:
@@ -338,31 +335,33 @@ def _bwd(input_sparsity, grad_output, transposable, weight_grad, precision, prod
     m, xm = None, x
   if input_sparsity == "masked":
     dx = jnp.where(m, dx, jnp.zeros((), dx.dtype))
-  if dw is None and kept is not None:
-    # Both pruned (grad_output="2:4"): the input the sparse operand, dy's
-    # tile mask applied to the dense one, as `_weight_grad` does.
-    dyw = _pruned(dy, True)[1] if grad_output == "2:4" else dy
-    dw = _as_weight_grad(products.weight_grad(kept[0], dyw, "x", "kept"), w, like, dy)
-  elif dw is None and weight_grad == "2:4":
+  if weight_grad == "2:4":
     dw = _token_weight_grad(x, xm, dy, w, input_sparsity, precision, products)
-  elif dw is None:
+  else:
     dw = _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision,
-                      products)
-  return dx.astype(like.dtype), dw
+                      products, kept, dy_kept)
+  return dx.astype((x if kept is None else kept[0]).dtype), dw
 
 
-def _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision, products):
+def _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision, products,
+                 kept=None, dy_kept=None):
   """`dw = xm^T @ dy`, with `dy` pruned too under the tile rule and
   `grad_output="2:4"`; on the backend's sparse product where the tile rule
-  makes an operand 2:4 along M. Where both are pruned, the input is the
-  sparse operand and `dy`'s mask is applied to the dense one. Each operand
-  is pruned once, from its own values, as the reference prunes it."""
+  makes an operand 2:4 along M, from the pruned operand's `kept` copy where
+  `times_keeping` made one (the input's `(kept, codes)`, in x's place; or
+  `dy_kept`). Where both are pruned, the input is the sparse operand and
+  `dy`'s mask is applied to the dense one. Each operand is pruned once, from
+  its own values, as the reference prunes it."""
   if not transposable:
     return dense_weight_grad(xm, dy, w, precision)
+  if dy_kept is not None:
+    return _as_weight_grad(products.weight_grad(x, dy_kept, "dy", "kept"), w, x, dy)
   if products is not None and input_sparsity == "off":
     return _as_weight_grad(products.weight_grad(x, dy, "dy", "tiles"), w, x, dy)
   if grad_output == "2:4":
     dy = _pruned(dy, True)[1]
+  if kept is not None:
+    return _as_weight_grad(products.weight_grad(kept[0], dy, "x", "kept"), w, kept[0], dy)
   if products is None:
     return dense_weight_grad(xm, dy, w, precision)
   return _as_weight_grad(products.weight_grad(x, dy, "x", "tiles"), w, x, dy)
