@@ -203,13 +203,12 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
     if split is not None and w.cusparselt:
       raise ValueError(
           f"{fn}: a Sparse24 in cuSPARSELt's layout (cusparselt=True) cannot be split"
-          f" across devices ({'weight_sharding' if fn == 'sparse_dot' else 'kernel_sharding'}"
+          f" across devices ({_sharding_arg(fn)}"
           f"): its metadata rows follow all N rows, not each device's block. Compress it"
           f" with cusparselt=False for tensor parallelism.")
     if opts.implementation is None and backend.name == "xla":
       warn_if_unmeasured(math.prod(x.shape[:-1]), *w.shape, dtype)
-    # Backends take x as [M, K] (the cusparselt product read a 3-D x's first
-    # axis as M before this flattening).
+    # Backends take x as [M, K]: the leading axes fold into M here.
     y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
@@ -272,8 +271,8 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
     raise ValueError(f"{fn}: with {arg} there is no weight mask to switch off; a dense"
                      f" phase of a schedule does not apply.")
   if opts.kernel_sharding is not None:
-    raise ValueError(f"{fn}: {arg} has no tensor-parallel products yet; pass"
-                     f" weight_sharding=None (data parallelism and FSDP work as for"
+    raise ValueError(f"{fn}: {arg} has no tensor-parallel products; pass"
+                     f" {_sharding_arg(fn)}=None (data parallelism and FSDP work as for"
                      f" nn.Dense).")
   _checks.check_float(fn, "w", w)
   w = jnp.asarray(w)
@@ -311,7 +310,7 @@ def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, trans
   if weight_sharding is None:
     problem = _problem(x_shape, w_shape, dtype, transposable, compressed)
     return backends.select(implementation, problem), None
-  arg = "weight_sharding" if fn == "sparse_dot" else "kernel_sharding"  # the layers' name
+  arg = _sharding_arg(fn)
   # First only the mesh axes (no alignment): the block that picks the backend.
   split = weight_split(fn, weight_sharding, rows, k, n, (1, 1), "any", warn=False, arg=arg)
   block = (rows // split.size("m"), k // split.size("k"), n // split.size("n"))
@@ -320,6 +319,12 @@ def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, trans
   split = weight_split(fn, weight_sharding, rows, k, n, backend.split_align(transposable),
                        backend.name, arg=arg)
   return backend, split
+
+
+def _sharding_arg(fn: str) -> str:
+  """What `fn` calls the weight's tensor-parallel sharding, for errors:
+  `sparse_dot`'s `weight_sharding`, the layers' `kernel_sharding`."""
+  return "weight_sharding" if fn == "sparse_dot" else "kernel_sharding"
 
 
 def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:

@@ -29,7 +29,7 @@ from flax.linen.dtypes import promote_dtype as _promote_dtype
 
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._layer import sparse_dense_forward
-from jsparse24._ops import compress, cusparselt_layout_unfit, sparse_dot
+from jsparse24._ops import compress, cusparselt_layout_unfit
 from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
 from jsparse24._phase import STATIC_DENSE, is_static_dense
 
@@ -46,7 +46,7 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions,
   intercepts them (`_Outer`)."""
   if module.dot_general is not None or module.dot_general_cls is not None:
     raise ValueError(
-        f"{module.path}: a custom `dot_general` cannot be combined with 2:4"
+        f"{_layer_name(module)}: a custom `dot_general` cannot be combined with 2:4"
         f" sparsity (the product is jsparse24.sparse_dot).")
   stored = module.get_variable("params", "kernel") if module.has_variable("params", "kernel") else None
   if isinstance(stored, Sparse24):
@@ -70,8 +70,7 @@ def _dense_layer(module: nn.Module, inputs: jax.Array, opts: SparsityOptions,
          if opts.weight_grad == "mvue" and module.has_rng(MVUE_RNG) else None)
   return sparse_dense_forward(inputs, kernel, bias, mask, active, opts,
                               precision=module.precision, key=key,
-                              fn=f"SparseDense {'/'.join(module.path)!r}" if module.path
-                              else "SparseDense")
+                              fn=_layer_name(module))
 
 
 def _layer_name(module: nn.Module) -> str:
@@ -314,16 +313,15 @@ def _per_element(module: nn.Module, kernel: jax.Array, stacked: Any, size: int):
 
 
 def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
-  """Inference on compressed weights made by `compress_params`."""
+  """Inference on compressed weights made by `compress_params`: the shared
+  forward, with the kept values promoted as nn.Dense promotes its kernel
+  (they compute in that dtype) and no MVUE key (a Sparse24's gradient is
+  that of its kept values), as `nnx.SparseLinear`'s compressed product."""
   bias = module.get_variable("params", "bias") if module.use_bias else None
-  dtype = module.dtype or jnp.result_type(inputs.dtype, sp.dtype)
-  # Like nn.Dense's promote_dtype: the weight computes in the module's dtype.
-  sp = sp.astype(dtype)
-  y = sparse_dot(inputs.astype(dtype), sp, implementation=opts.implementation,
-                 precision=module.precision, weight_sharding=opts.kernel_sharding)
-  if bias is not None:
-    y = y + jnp.reshape(bias.astype(y.dtype), (1,) * (y.ndim - 1) + (-1,))
-  return y
+  inputs, values, bias = module.promote_dtype(inputs, sp.values, bias, dtype=module.dtype)
+  return sparse_dense_forward(inputs, sp.astype(values.dtype), bias, None, None,
+                              dataclasses.replace(opts, weight_grad="dense"),
+                              precision=module.precision, fn=_layer_name(module))
 
 
 class SparseDense(nn.Module):

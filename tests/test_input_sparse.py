@@ -252,6 +252,21 @@ def test_sparse_dot_refuses_a_second_sparse_operand():
     jsparse24.sparse_dot(x, w, jsparse24.prune_24(w), grad_output="2:4")
 
 
+def test_tensor_parallelism_is_refused_by_the_arguments_name():
+  """sparse_dot calls the weight's sharding `weight_sharding`, the layers
+  `kernel_sharding`: each error names the one its caller passed."""
+  mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+  x, w = jnp.ones((2, 8)), jnp.ones((8, 4))
+  with pytest.raises(ValueError, match="sparse_dot: input_sparsity='masked' has no"
+                                       " tensor-parallel products; pass weight_sharding=None"):
+    jsparse24.sparse_dot(x, w, input_sparsity="masked", weight_sharding=sharding)
+  layer = jsparse24.SparseDense(4, input_sparsity="masked", mask_source="none",
+                                kernel_sharding=sharding)
+  with pytest.raises(ValueError, match="SparseDense: .*; pass kernel_sharding=None"):
+    layer.init(jax.random.key(0), x)
+
+
 def test_the_pallas_backend_has_no_product_and_says_so():
   from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
   x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
