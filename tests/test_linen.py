@@ -233,6 +233,23 @@ def test_compress_params_serves_the_same_outputs():
     jax.jit(jsparse24.compress_params)(v["params"], v["sparsity"])
 
 
+def test_a_compressed_layer_promotes_as_nn_dense_does():
+  """A bfloat16 compressed kernel beside a float32 bias: the product runs in
+  the dtype nn.Dense's promotion gives (the bias counts), and equals
+  nn.Dense's on the masked kernel."""
+  x = _rand(0, (3, 16)).astype(jnp.bfloat16)
+  layer = jsparse24.SparseDense(8)
+  v = layer.init(jax.random.key(0), x)
+  params = {"kernel": v["params"]["kernel"].astype(jnp.bfloat16),
+            "bias": _rand(1, (8,))}
+  compressed = jsparse24.compress_params(params, v["sparsity"])
+  y = layer.apply({"params": compressed}, x)
+  masked = params["kernel"] * v["sparsity"]["mask"].unpack()
+  want = nn.Dense(8).apply({"params": {**params, "kernel": masked}}, x)
+  assert y.dtype == want.dtype == jnp.float32
+  np.testing.assert_allclose(y, want, rtol=1e-2, atol=1e-2)
+
+
 def test_compress_params_in_cusparselts_layout():
   """`cusparselt=True`: the kernels in cuSPARSELt's layout, the outputs of
   the portable ones exactly; a kernel that cannot take it raises naming
