@@ -4,8 +4,8 @@ their plain-`jnp` reference.
 
 Where it comes from. Haziza et al., "Accelerating Transformer Inference and
 Training with 2:4 Activation Sparsity" (Meta, 2025; arXiv 2503.16672,
-https://arxiv.org/html/2503.16672v1; OpenReview O5feVk7p6Y). What the
-sources read for this module establish (2026-11-27):
+https://arxiv.org/html/2503.16672v1; OpenReview O5feVk7p6Y). What these
+sources establish (as read on 2026-11-27):
 
 - The abstract: 2:4 sparsity applied to activations, exploiting the
   intrinsic sparsity of Squared-ReLU activations "with no accuracy loss";
@@ -19,8 +19,8 @@ sources read for this module establish (2026-11-27):
   pass, we need some special sauce to maintain accuracy".
 - A third-party summary of the paper (sciencestack.ai) names that sauce: an
   FP8 three-kernel FFN path, a 95/5 feature split and a token permutation
-  "to enable effective backward sparsity". The paper's method section
-  itself could not be read here, so those two are not implemented: they
+  "to enable effective backward sparsity". The paper's method section is
+  not among these sources, and those two are not implemented: they
   serve to run the weight gradient, whose contraction runs over the tokens,
   on the sparse tensor cores (a 2:4 pattern along the tokens).
 - xformers (facebookresearch/xformers, `xformers/ops/sp24.py`), the
@@ -150,10 +150,11 @@ def input_mask(x: jax.Array, transposable: bool = False) -> jax.Array:
   return Mask24.from_weights(xp, transposable=True).unpack()[:x.shape[0]]
 
 
-def _contract_last(a: jax.Array, b: jax.Array, b_axis: int, precision: Any,
-                   preferred=None) -> jax.Array:
+def _contract_last(a: jax.Array, b: jax.Array, b_axis: int, precision: Any) -> jax.Array:
+  """a's last axis contracted with b's axis `b_axis` (0: `a @ b`, 1: `a @
+  b^T`), in their common dtype, as `backends._products.matmul`."""
   return jax.lax.dot_general(a, b, (((a.ndim - 1,), (b_axis,)), ((), ())),
-                             precision=precision, preferred_element_type=preferred)
+                             precision=precision)
 
 
 # weight_grad="2:4" groups the tokens in fours TOKEN_STRIDE rows apart, within

@@ -84,17 +84,19 @@ def interpret_mode(enabled: bool = True):
     yield
 
 
-def gpu_unavailable_reason() -> str | None:
+def gpu_unavailable_reason(elsewhere: str = "") -> str | None:
   """None on an NVIDIA GPU of compute capability 8.0+ (JAX's default
-  backend), else why the kernels cannot be compiled here."""
+  backend), else why a backend's GPU code cannot run here (`elsewhere`:
+  appended where JAX's backend is not a GPU, what to do instead)."""
   if jax.default_backend() != "gpu":
-    return (f"it needs an NVIDIA GPU (sm_80 or newer) and JAX's default backend"
-            f" is {jax.default_backend()!r}; on CPU, tests can run it inside"
-            f" jsparse24.backends.pallas.interpret_mode()")
+    return (f"it needs an NVIDIA GPU (compute capability 8.0+) and JAX's default backend"
+            f" is {jax.default_backend()!r}{elsewhere}")
   cc = getattr(jax.devices()[0], "compute_capability", None)
-  if cc is None or float(cc) < 8.0:
-    return f"it needs an NVIDIA GPU of compute capability 8.0+, found {cc!r}"
-  return None
+  try:
+    ok = cc is not None and float(cc) >= 8.0
+  except ValueError:  # a compute capability that is not a number
+    ok = False
+  return None if ok else f"it needs an NVIDIA GPU of compute capability 8.0+, found {cc!r}"
 
 
 def runs_natively() -> bool:

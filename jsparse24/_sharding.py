@@ -68,6 +68,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 _FACTORS = "abcdefghijlopqrstuvwxyz"  # weight-side factor names (not m, k, n)
 
 
+def _factor_names():
+  """Fresh factor names for a Shardy sharding rule (`a0`, `b0`, ...; never m,
+  k or n, which the rules name themselves)."""
+  return iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+
+
 def _rows_spec(sharding: Any, ndim: int) -> P:
   """The spec that keeps `sharding`'s partition of axis 0 and no other."""
   spec = getattr(sharding, "spec", None)
@@ -78,7 +84,7 @@ def _rows_spec(sharding: Any, ndim: int) -> P:
 def _rule(ranks: tuple[int, ...], outputs: int = 1) -> str:
   """Shardy's rule: x and each result share their first factor, nothing else
   is shared."""
-  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  names = _factor_names()
   operands = ", ".join(" ".join(next(names) for _ in range(r)) if r else "" for r in ranks)
   results = ", ".join(["m n"] + [f"m n{i}" for i in range(1, outputs)])
   return f"m k, {operands} -> {results}" if ranks else f"m k -> {results}"
@@ -109,7 +115,7 @@ def _wrap(fn: Callable, ranks: tuple[int, ...], outputs: int = 1) -> Callable:
 
   @call.def_vmap
   def _batched(axis_size, in_batched, x, *operands):
-    x_batched, *ops_batched = in_batched
+    _, *ops_batched = in_batched
     if not any(ops_batched):
       b, m = x.shape[0], x.shape[1]
       y = call(x.reshape(b * m, *x.shape[2:]), *operands)
@@ -170,8 +176,9 @@ _UNPARTITIONED = jax.make_user_context(False)
 
 @contextlib.contextmanager
 def unpartitioned():
-  """Inside, the partitioned wrappers (`rows_parallel`, `rows_contracted`,
-  `columns_parallel`, `whole_on_each_device`) call their function directly,
+  """Inside, the partitioned wrappers of this module (`rows_parallel`,
+  `rows_contracted`, their `stack_` forms, `columns_parallel`,
+  `whole_on_each_device`) call their function directly,
   with no sharding rule: for code traced inside another primitive's
   lowering rule (the forward-mode tangent of `backends._autodiff`), where
   JAX lowers out of line, without the device assignment that
@@ -231,7 +238,7 @@ def _stack_specs(sharding: Any, ranks: tuple[int, ...]) -> tuple[P, tuple[P, ...
 def _stack_operands_rule(ranks: tuple[int, ...]) -> str:
   """Shardy's factors of a stack's operands (`, b a0 b0, b c0 ...`): each
   shares the stack's factor b on its axis 0, nothing else."""
-  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  names = _factor_names()
   return "".join(", b " + " ".join(next(names) for _ in range(r - 1)) for r in ranks)
 
 
@@ -409,7 +416,7 @@ def _wrap_contracted(fn: Callable, ranks: tuple[int, ...], align: int, stacks: b
     local = _contract_local(fn, _mesh_axes(xs[0]), _mesh_axes(dys[1]), arg_shapes[1].shape[1])
     return mesh, local, NamedSharding(mesh, out), args
 
-  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  names = _factor_names()
   extra = "".join(", " + " ".join(next(names) for _ in range(r)) for r in ranks)
   partitioned.def_partition(infer_sharding_from_operands=infer, partition=partition,
                             sharding_rule=f"m k, m n{extra} -> k n")
@@ -632,7 +639,7 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
         place(mesh, lead + r, 0, e, k, n) for r, e in zip(extra_ranks, ekd))
     return mesh, local(k), out_shardings(mesh, k, n, result_shape), args
 
-  names = iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
+  names = _factor_names()
   stack_names = "".join(next(names) + " " for _ in range(lead))
   outs = ", ".join(stack_names + " ".join(next(names) for _ in range(2)) for _ in n_dims)
   extras = "".join(", " + stack_names + " ".join(["n"] + [next(names) for _ in range(r - 1)])

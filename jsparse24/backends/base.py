@@ -177,3 +177,10 @@ class Backend(abc.ABC):
     overrides it with its plain ops. `split`: tensor parallelism, each
     device multiplying by its block of `sp` (`_sharding.split_map`)."""
     return _autodiff.compressed_product(x, sp, self, precision, split)
+
+
+def grid_index(size: int, grid: tuple[int, ...]) -> int | None:
+  """The index of the last point of the ascending `grid` at or below `size`
+  (None below the grid): the cell of a table measured on that grid."""
+  below = [i for i, g in enumerate(grid) if g <= size]
+  return below[-1] if below else None

@@ -72,15 +72,16 @@ from jsparse24._sharding import (one_call_per_element, partitioning_off, rows_co
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends import pallas as pallas_backend
 from jsparse24.backends._products import matmul as xla_matmul
-from jsparse24.backends.base import Backend, Problem
+from jsparse24.backends.base import Backend, Problem, grid_index
 from jsparse24.backends.pallas import PallasBackend, compress_arrays
 # Triton-free: the XLA code that replaces the Pallas kernels uses them.
 from pallas_kernels import cusparselt_layout, mvue_rule
 
 _DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
 # K and N must be multiples of this (cuSPARSELt's structured-matrix minimum
-# for 16-bit types is 32 x 64; 64 on both sides keeps transposable masks legal).
-ALIGN_KN = 64
+# for 16-bit types is 32 x 64; 64 on both sides keeps transposable masks legal):
+# the buffers' layout (`pallas_kernels.cusparselt_layout`) is built on it.
+ALIGN_KN = cusparselt_layout.CUSPARSELT_ALIGN
 # M is padded to a multiple of this inside each product.
 PAD_M = 16
 # implementation=None takes this backend where benchmarks/bench_auto.py measured
@@ -139,10 +140,10 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # Measured on an NVIDIA H200 with `forward_buffer`'s re-layout, M = 128 ...
 # 1024 (2026-12-03, benchmarks/results/nvidia-h200.md, "cuSPARSELt on
 # compressed weights, re-laid out by Pallas", `sweep_decode.py --cusparselt`),
-# and above that with the slower re-layout it replaced, M = 256 ... 8192
-# (2026-11-28, "cuSPARSELt on compressed weights (2026-11-28 08:26 UTC)"),
-# which alone gives (2048, 2048) its 2048; taken for every GPU as AUTO_MIN_M
-# is. At M = 1024 cuSPARSELt took 1.7-2.0x less time than the other
+# and above 1024 rows by a sweep of M = 256 ... 8192 with XLA's re-layout,
+# slower than `forward_buffer`'s, so a bound from above (2026-11-28,
+# "cuSPARSELt on compressed weights (2026-11-28 08:26 UTC)"): it alone gives
+# (2048, 2048) its 2048. Taken for every GPU as AUTO_MIN_M is. At M = 1024 cuSPARSELt took 1.7-2.0x less time than the other
 # compressed products where K and N >= 4096. K or N = 1024: not swept, None.
 AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
     (None, None, None, None, None),   # K 1024
@@ -166,12 +167,6 @@ AUTO_MIN_M_CUSPARSELT_LAYOUT: tuple[tuple[int | None, ...], ...] = (
     (None, 512, 256, 128, 128),       # K 8192
     (None, 256, 256, 128, 128),       # K 16384
 )
-
-
-def _grid_index(size: int) -> int | None:
-  """Index of the largest AUTO_GRID value <= size (None: below the grid)."""
-  below = [i for i, g in enumerate(AUTO_GRID) if g <= size]
-  return below[-1] if below else None
 
 
 # Per dtype, how the first call of each shape picks cuSPARSELt's algorithm
@@ -365,7 +360,7 @@ def _with_metadata(buf: jax.Array, rows: int, meta: jax.Array, groups: int,
   """`buf` with the metadata of `meta` written from row `rows` on, in place
   (`buf` is the compress kernel's output, used nowhere else), by one Pallas
   pass (`cusparselt_metadata.write_cusparselt_metadata`; the bytes of
-  `_metadata_rows`, for which XLA made three passes and an in-place update:
+  `_metadata_rows`, the XLA fallback's three passes and an in-place update:
   docs/design_notes.md, "cuSPARSELt: who writes the compressed buffers").
   `by_groups`: `meta` is the packed mask transposed (`uint8[groups/2, R]`).
   `interpret`: None, `pallas.interpreting()`."""
@@ -402,11 +397,11 @@ def from_sparse24(sp: Sparse24) -> tuple[jax.Array, jax.Array | None]:
 def forward_buffer(sp: Sparse24) -> jax.Array:
   """`from_sparse24(sp)[0]` in two Pallas passes: the values transposed
   straight into the buffer (`cusparselt_values.values_into_buffer`), then
-  the metadata written in place (`_with_metadata`). XLA's concatenate of
-  the transposed values and the metadata copied the values twice: in a
-  2:4 model's prefill (H200, d_model 4096 x 8 blocks, 2048 tokens) those
-  copies took 1.96 of its 15.67 ms; these passes ran at 74-97% of copy
-  bandwidth on its large shapes, where XLA's ran at 47-49% (2026-12-03,
+  the metadata written in place (`_with_metadata`). `from_sparse24`, XLA's
+  concatenate of the transposed values and the metadata, copies the values
+  twice: in a 2:4 model's prefill (H200, d_model 4096 x 8 blocks, 2048
+  tokens) its copies took 1.96 of 15.67 ms; these passes run at 74-97% of
+  copy bandwidth on its large shapes, XLA's at 47-49% (2026-12-03,
   benchmarks/results/nvidia-h200.md, "Decode: the steps timed over longer
   runs, ..."). Where the kernels cannot run, `from_sparse24`."""
   k, n = sp.shape
@@ -767,8 +762,10 @@ def mvue_weight_grad(x: jax.Array, dy: jax.Array, key: jax.Array) -> jax.Array:
 # `input_prune24.prune_compress_rows(layout="cusparselt")` writes in one pass
 # over x, byte for byte what cusparseLtSpMMACompress2 writes (GPU test
 # `test_cusparselt_input_sparse_buffer_is_cusparselts`). The same product
-# gives `dx = prune(dy) @ w^T` under `grad_output="2:4"`; dw contracts over M,
-# and no pruned operand is 2:4 along M (`jsparse24._input_sparse`).
+# gives `dx = prune(dy) @ w^T` under `grad_output="2:4"`. dw contracts over M,
+# along which these masks are not 2:4: it is XLA's product, unless the operand
+# is pruned along M too (tiles, `transposable=True`, or token groups,
+# `weight_grad="2:4"`: the sections below).
 
 
 def compress_input(xm: jax.Array) -> jax.Array:
@@ -1041,17 +1038,7 @@ class CusparseltBackend(Backend):
       " and is built inside sparse_dot(..., implementation='cusparselt')")
 
   def unavailable_reason(self) -> str | None:
-    if jax.default_backend() != "gpu":
-      return (f"it needs an NVIDIA GPU (compute capability 8.0+) and JAX's default"
-              f" backend is {jax.default_backend()!r}")
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-      ok = cc is not None and float(cc) >= 8.0
-    except ValueError:
-      ok = False
-    if not ok:
-      return f"it needs an NVIDIA GPU of compute capability 8.0+, found {cc!r}"
-    return _load_or_reason()[1]
+    return pallas_backend.gpu_unavailable_reason() or _load_or_reason()[1]
 
   def check_supported(self, problem: Problem) -> None:
     if problem.dtype not in _DTYPE_CODES:
@@ -1076,7 +1063,7 @@ class CusparseltBackend(Backend):
       # block with both measured 1.025x of dense ("2:4 activations: the up
       # projection's dx from its 2:4 output gradient; ...", 2026-12-03).
       return False
-    i, j = _grid_index(problem.k), _grid_index(problem.n)
+    i, j = grid_index(problem.k, AUTO_GRID), grid_index(problem.n, AUTO_GRID)
     if problem.dtype != jnp.dtype(jnp.bfloat16) or i is None or j is None:
       return False
     if problem.cusparselt_layout:

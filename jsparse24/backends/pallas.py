@@ -57,7 +57,9 @@ from jsparse24._sharding import unpartitioned as unpartitioned_scope
 from jsparse24.backends._products import matmul
 from jsparse24.backends._tensor_parallel import sparse24_roles
 from jsparse24.backends.base import (Backend, BackendUnavailableError, Problem,
-                                     UnmeasuredChoiceWarning, XlaFallbackWarning)
+                                     UnmeasuredChoiceWarning, XlaFallbackWarning, grid_index)
+# Triton-free, as the XLA fallback needs.
+from pallas_kernels.cusparselt_layout import CUSPARSELT_ALIGN
 
 # implementation=None takes this backend only for M (rows of x) up to this:
 # 0, since it measured slower than dense XLA at every shape, M = 16 included:
@@ -67,11 +69,9 @@ AUTO_MAX_M = 0
 # A compressed weight (a `Sparse24`: `compress`, `compress_params`) multiplies
 # through the decode kernel (`pallas_kernels.decode24`, split-K) for up to
 # DECODE_MAX_M rows of x, through `spmm24` above: on an H100 the decode kernel
-# at its default tiles was the faster of the two at every point measured,
-# M = 32-256 at the four target shapes (1.08-1.68x of dense XLA against
-# 0.42-1.32x at M = 32-64; 0.47-0.67x against 0.20-0.47x at M = 256;
-# benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps of 128
-# from 17 to 128 rows and where N > K", 2026-11-28). Not compared on an H200.
+# was the faster of the two at every point measured, M = 32-256 at the four
+# target shapes (nvidia-h100-80gb-hbm3.md, "Decode kernel: K steps of 128 from
+# 17 to 128 rows and where N > K", 2026-11-28; not compared on an H200).
 DECODE_MAX_M = 256
 # implementation=None takes this backend for a compressed bfloat16 weight
 # where the decode kernel measured faster than what the weight multiplies
@@ -81,59 +81,20 @@ DECODE_MAX_M = 256
 # least DECODE_MARGIN times as fast at every M of the sweep (1, 2, 4, ...,
 # 256) between them (the margin covers the spread of one timing): an int M
 # for 1 to M rows (0: never), a pair (lo, hi) for lo to hi rows, where it
-# measured slower below lo (the longest such run of the sweep's Ms). A shape
-# between grid points takes the grid point below it, K or N below the grid
-# never; a GPU or grid point not measured never (decompress + XLA).
-# NVIDIA H200 (2026-11-28, benchmarks/results/nvidia-h200.md, "decode
-# kernel sweep bf16 (2026-11-28 08:20 UTC)", M = 1-256, K and N 2048-16384):
-# the kernel took the median 4.75x less time than decompress + XLA at M <= 32
-# and 2.41x at M = 64-256; below DECODE_MARGIN at M = 1 where K = 2048 and
-# N <= 4096 and at (4096, 2048) (0.75-1.01x), and at (2048, 2048) between
-# 0.92x and 1.48x from M to M. Where K = 2048 the row now follows a whole
-# d_model 2048 model instead (`bench_decode.py --widths 2048`, 2026-12-04,
-# nvidia-h200.md, "Decode: cuDNN's attention in the prefill, and a d_model
-# 2048 model's products at one row"): with decompress + XLA at M = 1 for
-# `qkv` (2048 x 6144) and `out` (2048 x 2048) it decoded at 0.714x of dense
-# at batch 1 and 0.841x at batch 4; those products took 2.4-3.0x and
-# 1.3-1.9x the decode kernel's time in two runs of that day. With the
-# kernel from one row: 1.149x and 1.005x. The sweep's single points at
-# M = 1 had the kernel at 0.75x and 0.79x of decompress + XLA at (2048,
-# 2048) and (2048, 4096) (timings of 15-21 us; at (2048, 4096) the kernel
-# took 0.0094 ms at M = 2): the cells follow the model's shapes. (2048,
-# 2048) stays on the kernel up to 64 rows: at 64-256 it measured 0.92-1.53x
-# of decompress + XLA, run to run (2026-11-28 to 2026-12-04); with `out`
-# decompressed at batch 64 the d_model 2048 model decoded at 0.983x of dense,
-# its `out` product at 0.765x of dense XLA where the kernel's ran at 1.199x
-# (2026-12-04 19:12 UTC, nvidia-h200.md, "Decode on the sparse tensor cores
-# up to 64 rows"). Against dense
-# XLA on the decompressed weight: median 1.27x at M <= 32 where K and N >=
-# 4096, and 0.31-0.96x at M = 64-256: there a compressed weight multiplies
-# more slowly than a dense one would, and still much faster than
-# decompressing it.
-# NVIDIA H100 80GB HBM3 (2026-11-28, benchmarks/results/nvidia-h100-80gb-hbm3.md,
-# "Decode kernel: K steps of 128 from 17 to 128 rows and where N > K"):
-# decompress + XLA took 1.5-6.1x as long as the kernel at every point the
-# sweep reached (K = 4096 and 8192, M = 1-256). K = 16384 was not reached;
-# there the kernel ran at 0.51-1.55x of dense XLA (M = 1-256, the same
-# section's tile tables), where decompress + XLA ran at 0.24-0.59x of dense
-# XLA at the shapes the sweep did reach. Its sweeps had K and N of 4096 to
-# 16384: the cells where K or N = 2048 are None (not measured: decompress +
-# XLA, with an `UnmeasuredChoiceWarning`).
-# Both rows are the sweeps' own. A model whose KV cache is carried through a
-# loop over its blocks (`nn.scan` with the cache in the carry) and whose
-# attention output feeds a product on this kernel should pin the layout of
-# the cache slices it reads (`jax.experimental.layout.with_layout_constraint`
-# to row-major, as benchmarks/bench_decode.py's `pinned`): a kernel's
-# operand must be row-major, and without the pin XLA transposes the whole
-# cache around that loop in every step (H200, d_model 4096, `out` on the
-# kernel, batch 16: 8.93 ms per step against 3.46 ms pinned and 4.27 ms
-# dense; nvidia-h200.md, "Decode: the KV cache re-laid out around the
-# blocks' loop"). Blocks with params of their own, in a Python loop, need no
-# pin: unpinned, with `out` (4096 x 4096) on the kernel the step ran at
-# 1.10x, 1.05x and 0.95x of dense at batch 4, 16 and 64, against
-# 0.89-0.94x, 0.88-0.96x and 0.90-0.91x (two runs) with that product
-# decompressed (nvidia-h200.md, "Decode with a KV cache on the H200's swept
-# row", 2026-11-28).
+# measured slower below lo. A shape between grid points takes the grid point
+# below it, K or N below the grid never; a GPU or grid point not measured
+# never (decompress + XLA, with an `UnmeasuredChoiceWarning`).
+# H200: the sweep (nvidia-h200.md, "decode kernel sweep bf16 (2026-11-28
+# 08:20 UTC)"), except where K = 2048: those cells follow a whole d_model 2048
+# model ("Decode: cuDNN's attention in the prefill, and a d_model 2048
+# model's products at one row", 2026-12-04), whose steps gained with the
+# kernel from one row where the sweep's single points at M = 1 (15-21 us)
+# had it slower; (2048, 2048) only up to 64 rows, where the kernel measured
+# 0.92-1.53x of decompress + XLA from run to run ("Decode on the sparse tensor
+# cores up to 64 rows"). H100: its sweep ("Decode kernel: K steps of 128 ...")
+# had K and N of 4096-16384, so K or N = 2048 is not measured. What the rows
+# give a model, and why a KV cache carried through `nn.scan` must be pinned
+# around a product on this kernel: docs/performance.md, "Decode".
 DECODE_GRID = (2048, 4096, 8192, 16384)
 DECODE_MARGIN = 1.03
 DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
@@ -153,24 +114,14 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
 # multiplies on the sparse tensor cores instead (`pallas_kernels.decode24_mma`:
 # Pallas Mosaic GPU, `mma.sp`, the same arrays read in place; up to 64 rows, K
 # a multiple of 1024, N of 8, 16-bit dtypes, `decode24_mma.unsupported_reason`).
-# Per GPU, rows K and columns N of DECODE_GRID as DECODE_AUTO_MAX_M's, with
-# its cells' meaning (an int M: 1 to M rows; (lo, hi): lo to hi rows; 0: never;
-# None: not measured, the Triton kernel), each within DECODE_AUTO_MAX_M's cell.
-# NVIDIA H200: every cell, as far as its DECODE_AUTO_MAX_M cell reaches: by
-# GPU time, which a busy decode step pays, the kernel beat the Triton decode
-# kernel at every measured point up to 64 rows, 1.25-1.62x at the d_model
-# 2048 model's shapes and 4096 x 4096 (nvidia-h200.md, "Decode products: GPU
-# time against wall time", 2026-12-04). With this row the d_model 2048 step
-# ran at 1.09x, 1.36x, 1.09x, 1.04x and 1.02x of dense at batch 1, 4, 8, 16
-# and 64, the d_model 4096 step at 1.34x, 1.27x, 1.22x, 1.14x and 1.04x
-# ("Decode: GPT-style decoder with a KV cache", 2026-12-05 03:20-03:24 UTC);
-# at batch 1 the d_model 2048 step's kernels took 0.43 ms, against 0.51 ms
-# with the Triton kernel below 64 rows (the row before). The first two
-# processes on a freshly started machine idled the GPU 0.17-0.34 ms per step
-# between kernels (with this row 0.96x and 0.75x of dense at batch 1 and 4);
-# in the three after them with XLA's default flags a step took at most 0.1 ms
-# (d_model 2048, batch 1) and mostly under 0.01 ms more than its kernels. An
-# H100 has no row: the Triton kernel there.
+# Per GPU, cells as DECODE_AUTO_MAX_M's (None: not measured, the Triton
+# kernel), each within DECODE_AUTO_MAX_M's cell. H200: every cell, as far as
+# its DECODE_AUTO_MAX_M cell reaches: by GPU time, which a busy decode step
+# pays, the kernel beat the Triton one at every measured point up to 64 rows,
+# 1.25-1.62x (nvidia-h200.md, "Decode products: GPU time against wall time",
+# 2026-12-04), and the whole decode steps gained with it ("Decode: GPT-style
+# decoder with a KV cache", 2026-12-05). An H100 has no row: the Triton
+# kernel there.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
@@ -181,24 +132,19 @@ DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]
 
 
 def _gpu_kind() -> str:
-  """The GPU that `DECODE_AUTO_MAX_M` is looked up for."""
+  """The GPU whose row of the per-GPU tables (`DECODE_AUTO_MAX_M`,
+  `DECODE_MMA_MAX_M`) applies."""
   return jax.devices()[0].device_kind
 
 
-def _grid_index(size: int) -> int | None:
-  """The index of the `DECODE_GRID` point at or below `size` (None below the grid)."""
-  below = [i for i, g in enumerate(DECODE_GRID) if g <= size]
-  return below[-1] if below else None
-
-
 def _decode_cell(k: int, n: int, tables=DECODE_AUTO_MAX_M):
-  """This GPU's cell of `tables` (`DECODE_AUTO_MAX_M`, `DECODE_MMA_MAX_M`)
-  for a `[K, N]` weight: 0 below the grid, None where the GPU or the cell
-  was not measured."""
+  """This GPU's cell of `tables` (`DECODE_AUTO_MAX_M` or `DECODE_MMA_MAX_M`,
+  by GPU kind) for a `[K, N]` weight: 0 below the grid, None where the GPU
+  or the cell was not measured."""
   table = tables.get(_gpu_kind())
   if table is None:
     return None
-  i, j = _grid_index(k), _grid_index(n)
+  i, j = grid_index(k, DECODE_GRID), grid_index(n, DECODE_GRID)
   return 0 if i is None or j is None else table[i][j]
 
 
@@ -233,7 +179,7 @@ def warn_if_unmeasured(m: int, k: int, n: int, dtype) -> None:
   elif dtype != jnp.bfloat16:
     what = f"the decode kernel was measured on this GPU ({kind!r}) for bfloat16 only, not {dtype}"
   elif cell is None:
-    point = tuple(DECODE_GRID[_grid_index(size)] for size in (k, n))
+    point = tuple(DECODE_GRID[grid_index(size, DECODE_GRID)] for size in (k, n))
     what = (f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M's row for this GPU ({kind!r}) has"
             f" no measurement at its grid point (K, N) = {point}")
   else:
@@ -259,12 +205,13 @@ def warn_xla_fallback() -> None:
   """Warns, once per process, that the cuSPARSELt backend's compression runs
   as XLA code because the Pallas kernels cannot (`triton_unavailable_reason`)."""
   warnings.warn(
-      f"jsparse24: {triton_unavailable_reason()}. XLA code with the same bits replaces"
-      f" them in the 'cusparselt' backend: pruning and compressing the weights"
-      f" (prune24.prune_compress, masked_compress.compress_with_meta), writing"
-      f" cuSPARSELt's metadata (cusparselt_metadata.write_cusparselt_metadata) and,"
-      f" with weight_grad='mvue', pruning the output gradient (mvue24.mvue_compress)."
-      f" Training is correct but"
+      f"jsparse24: {triton_unavailable_reason()}. In the 'cusparselt' backend XLA code"
+      f" (or cuSPARSELt's own compress) with the same bits replaces every Pallas pass:"
+      f" pruning and compressing the weights (prune24.prune_compress,"
+      f" masked_compress.compress_with_meta), writing cuSPARSELt's buffers"
+      f" (cusparselt_metadata, cusparselt_values), with weight_grad='mvue' pruning the"
+      f" output gradient (mvue24.mvue_compress), and with input_sparsity or"
+      f" grad_output pruning the activations (input_prune24). Training is correct but"
       f" slower.", XlaFallbackWarning, stacklevel=3)
 
 
@@ -286,7 +233,6 @@ def kernels() -> types.ModuleType:
   import pallas_kernels.mvue24
   import pallas_kernels.prune24
   import pallas_kernels.spmm24
-  import pallas_kernels.transposable24
   return pallas_kernels
 
 
@@ -347,9 +293,9 @@ def compress_arrays(w, mask, transposed: bool, layout: str = "sparse24"):
 
 
 def _align(layout: str, transposed: bool) -> int:
-  """Columns per device of the compress kernels: whole 64-column blocks for
+  """Columns per device of the compress kernels: whole column blocks of
   cuSPARSELt's layout, whole bytes of N-groups for the transposed copy."""
-  return 64 if layout == "cusparselt" else (8 if transposed else 1)
+  return CUSPARSELT_ALIGN if layout == "cusparselt" else (8 if transposed else 1)
 
 
 def _values_n_dims(layout: str, transposed: bool, meta_n: tuple[int, ...]) -> tuple[int, ...]:
@@ -515,10 +461,8 @@ class PallasBackend(Backend):
     reason = triton_unavailable_reason()
     if reason is not None:
       return reason
-    return None if interpreting() else gpu_unavailable_reason()
-
-  def interpreting(self) -> bool:
-    return interpreting()
+    return None if interpreting() else gpu_unavailable_reason(
+        "; on CPU, tests can run it inside jsparse24.backends.pallas.interpret_mode()")
 
   def check_supported(self, problem: Problem) -> None:
     if problem.input_sparse:
@@ -527,7 +471,8 @@ class PallasBackend(Backend):
           " 'cusparselt' backends; the Pallas backend has no product with an"
           " activation as the sparse operand")
     if problem.dtype not in DTYPES:
-      raise NotImplementedError(f"dtype {problem.dtype} (supported: bfloat16, float16, float32)")
+      raise NotImplementedError(
+          f"dtype {problem.dtype} (supported: {', '.join(jnp.dtype(d).name for d in DTYPES)})")
 
   def prefers(self, problem: Problem) -> bool:
     if interpreting():
