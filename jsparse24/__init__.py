@@ -26,7 +26,7 @@ Public API (everything else is internal):
   products saved too (JAX's see only `dot_general`)
 """
 
-from jsparse24 import checkpoint_policies, layouts, nnx, optim
+from jsparse24 import checkpoint_policies, layouts, moe, nnx, optim
 from jsparse24._format import Mask24, Sparse24, decompress
 from jsparse24._mvue import mvue_24, mvue_24_probabilities
 from jsparse24._ops import compress, selected_implementation, sparse_dot
@@ -61,6 +61,7 @@ __all__ = [
     "is_24",
     "layouts",
     "masks_like_kernels",
+    "moe",
     "mvue_24",
     "mvue_24_probabilities",
     "nnx",

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -126,12 +125,6 @@ def _mask_kn(meta: jax.Array, k: int) -> jax.Array:
   i0, i1 = rule.code_indices(code)
   kept = (i0 == _ROW_LANE) | (i1 == _ROW_LANE)
   return kept.reshape(*lead, rows * 8, n)[..., :k, :]
-
-
-def meta_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-  """Metadata shape for a dense `[..., K, N]` weight: `[..., N, ceil(K/8)]`."""
-  *lead, k, n = shape
-  return (*lead, n, math.ceil(k // 4 / 2))
 
 
 @jax.tree_util.register_dataclass

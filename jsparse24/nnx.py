@@ -15,7 +15,8 @@ Per layer (with `mask_source="collection"`, the default):
   (dense phases of a schedule: warm-up, final dense fine-tuning).
 
 With `mask_source="dynamic"` both are None and the kernel is pruned by
-magnitude at every call. This mirrors `jsparse24.linen`, where the same state
+magnitude at every call; with `"none"` (2:4 activations) both are None and
+the kernel stays dense. This mirrors `jsparse24.linen`, where the same state
 lives in the `"sparsity"` collection.
 
 To serve a trained model, `compress_params(model)` replaces, in place, the
@@ -240,7 +241,7 @@ def rebuild_masks(model: nnx.Module) -> None:
 
   Use it after loading dense weights (`nnx.update(model, params)`) or on a
   schedule during training; it also works inside `nnx.jit`. Layers with
-  `mask_source="dynamic"` have no stored mask and are skipped.
+  `mask_source` `"dynamic"` or `"none"` have no stored mask and are skipped.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"rebuild_masks: `model` must be an nnx.Module, got {type(model).__name__}.")
@@ -286,7 +287,7 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None,
   become None: the mask is the `Sparse24`'s metadata
   (`layer.kernel.get_value().mask()`), and serving does not read a second
   copy. Left dense: layers in a dense phase (`active` False), and layers with
-  `mask_source="dynamic"` (no stored mask). A stack of layers (`nnx.vmap`)
+  `mask_source` `"dynamic"` or `"none"` (no stored mask). A stack of layers (`nnx.vmap`)
   becomes one stacked `Sparse24`, so all its layers must be active or none.
 
   Call it outside `nnx.jit`: it decides per layer, from the concrete
@@ -371,7 +372,8 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None,
     raise ValueError(
         f"{fn}: `model` has no SparseLinear with a stored mask (mask_source="
         f"'collection'), so there is nothing to compress; layers with"
-        f" mask_source='dynamic' prune their kernel at every call.")
+        f" mask_source='dynamic' prune their kernel at every call, those with 'none'"
+        f" keep it dense.")
   for layer, mask in chosen:
     keep_transpose = mask.transposable if transposed is None else transposed
     layer.kernel = nnx.Param(compress(layer.kernel.get_value(), mask,

@@ -390,7 +390,7 @@ def mask_update(
   (gradient accumulation) it runs once per k micro-steps, so the schedule
   counts optimizer steps, not micro-steps.
 
-  `update` takes one extra argument (passed on by `optax.chain`):
+  `update` takes two extra keyword arguments (passed on by `optax.chain`):
   `mask_rebuild`, None (default) or a Python bool, whether this update
   rebuilds any mask, as the host knows it
   (`schedule.update_rebuilds(step, layers)`, `layers =
