@@ -247,7 +247,9 @@ def make_step(lm, run, layout):
     def objective(p):
       p = layout.constrain(p, sparse_layers)
       # The phase (dense warm-up or sparse) is static: one program per phase,
-      # no run-time switch per product (jsparse24.optim.masks).
+      # no run-time switch per product (jsparse24.optim.masks); None while
+      # --sparsity-ramp mixes dense and 2:4 layers, whose products then
+      # switch at run time (train_lm's Run.static_phase avoids that).
       return lm.loss_fn(run.model, run.variables(p, opt_state, phase), x, y)
 
     loss, grads = jax.value_and_grad(objective)(params)
@@ -283,7 +285,7 @@ def train(lm, run, args, data, layout) -> dict:
   # cuSPARSELt's algorithm search happen before), as in train_lm, and never
   # through a checkpoint.
   first = run.step
-  start = max(first + 1, min(args.mask_warmup + 2, args.steps - 1))
+  start = max(first + 1, min(args.mask_warmup + 1, args.steps - 1))
   timed_steps, timed_s, t0 = 0, 0.0, None
   pending = []
   # Progress: steps dispatched (the first step of each phase waits for its

@@ -142,7 +142,7 @@ CORPORA["large"] = CORPORA["small"] + tuple("""
     importlib/_bootstrap_external.py
 """.split())
 VOCAB = 256  # bytes
-MOE_CAPACITY_FACTOR = 1.25  # SparseMoE's default, which --moe uses
+MOE_CAPACITY_FACTOR = 1.25  # --moe's experts' capacity (SparseMoE's default)
 VAL_FRACTION = 0.1
 
 # "stdlib": every .py file of the standard library (sorted paths, without
@@ -319,7 +319,8 @@ class Block(nn.Module):
       experts, top_k = self.moe
       kind = {} if self.transposable is None else {"transposable": self.transposable}
       # [batch, seq, d]: each sequence is one routing group.
-      return x + jsparse24.SparseMoE(experts, 4 * self.d_model, top_k, dtype=self.dtype,
+      return x + jsparse24.SparseMoE(experts, 4 * self.d_model, top_k,
+                                     capacity_factor=MOE_CAPACITY_FACTOR, dtype=self.dtype,
                                      activation=ACTIVATIONS[self.activation],
                                      sparse=self.sparse_mlp, weight_grad=self.weight_grad,
                                      name="mlp", **kind)(h)
