@@ -120,6 +120,7 @@ the backward is batched by JAX: `dw` is formed per example and summed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -188,36 +189,51 @@ def token_mask(a: jax.Array) -> jax.Array:
   return prune_24(blocks, axis=1).reshape(ap.shape)[:m]
 
 
+@dataclasses.dataclass(frozen=True)
+class ActivationConfig:
+  """The static settings of one product with a pruned activation: the
+  fields of `SparsityOptions` of the same names (`transposable` resolved to
+  a bool), and the product's `precision`. What `Backend.dot_input_sparse`
+  and `input_sparse_product` take, as `backends.base.DotConfig` is for a
+  2:4 weight."""
+
+  input_sparsity: str  # "masked", "ste", or "off" (the input unpruned)
+  grad_output: str  # "dense", or "2:4" (dx from the output gradient pruned along N)
+  transposable: bool  # the masks by the 4x4 tile rule
+  weight_grad: str  # "dense", or "2:4" (dw's pruned operand pruned again along M)
+  precision: Any = None
+
+
 def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = None, *,
-                           gradient: str = "masked", grad_output: str = "dense",
+                           input_sparsity: str = "masked", grad_output: str = "dense",
                            transposable: bool = False, weight_grad: str = "dense",
                            precision: Any = None):
   """The contract, in plain `jnp`: `y = (x * m) @ w` and, given `dy`, the
   `(dx, dw)` of the module docstring, all accumulated in float32 (float64
   for float64) and returned in x's dtype (`dw` in w's). `x` is `[M, K]`,
-  `w` `[K, N]`. `gradient`: `"masked"`, `"ste"` or `"off"` (the input is
-  not pruned: `m` all ones); `grad_output`: `"dense"` or `"2:4"` (`dx`
+  `w` `[K, N]`. `input_sparsity`: `"masked"`, `"ste"` or `"off"` (the
+  input is not pruned: `m` all ones); `grad_output`: `"dense"` or `"2:4"` (`dx`
   from `dy` pruned 2:4 along N); `transposable`: both masks by the
   transposable rule on 4x4 tiles (`input_mask`), and `dw` from the pruned
   `dy` where `grad_output="2:4"`; `weight_grad="2:4"`: `dw` from the pruned
   activation (the input, else `dy`) pruned again along M (`token_mask`).
   Returns `y`, or `(y, dx, dw)` with `dy`."""
-  if gradient not in INPUT_SPARSITY or grad_output not in GRAD_OUTPUTS:
-    raise ValueError(f"input_sparse_reference: gradient={gradient!r},"
+  if input_sparsity not in INPUT_SPARSITY or grad_output not in GRAD_OUTPUTS:
+    raise ValueError(f"input_sparse_reference: input_sparsity={input_sparsity!r},"
                      f" grad_output={grad_output!r}; expected one of {INPUT_SPARSITY}"
                      f" and one of {GRAD_OUTPUTS}.")
   acc = accumulation_dtype(x.dtype)
-  m = input_mask(x, transposable) if gradient != "off" else jnp.ones(x.shape, bool)
+  m = input_mask(x, transposable) if input_sparsity != "off" else jnp.ones(x.shape, bool)
   xm = jnp.where(m, x, 0).astype(acc)
   y = jnp.matmul(xm, w.astype(x.dtype).astype(acc), precision=precision).astype(x.dtype)
   if dy is None:
     return y
   dym = jnp.where(input_mask(dy, transposable), dy, 0) if grad_output == "2:4" else dy
   dx = jnp.matmul(dym.astype(acc), w.astype(x.dtype).astype(acc).T, precision=precision)
-  if gradient == "masked":
+  if input_sparsity == "masked":
     dx = jnp.where(m, dx, 0)
   lhs, rhs = xm, (dym if transposable else dy).astype(acc)
-  if weight_grad == "2:4" and gradient != "off":
+  if weight_grad == "2:4" and input_sparsity != "off":
     lhs = jnp.where(token_mask(xm), xm, 0)
   elif weight_grad == "2:4":
     rhs = jnp.where(token_mask(dym), dym, 0).astype(acc)
@@ -225,25 +241,19 @@ def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = No
   return y, dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def input_sparse_product(x: jax.Array, w: jax.Array, input_sparsity: str, grad_output: str,
-                         transposable: bool, weight_grad: str, precision: Any, products: Any):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def input_sparse_product(x: jax.Array, w: jax.Array, cfg: ActivationConfig, products: Any):
   """`prune(x) @ w` for `x[M, K]` (the compute dtype) and `w[K, N]` (any
   float dtype, cast to x's inside, so that `dw` comes back in w's dtype as
-  the dense layer's does), with the gradients of the module docstring.
-  `input_sparsity`: `"masked"`, `"ste"`, or `"off"` (`x @ w`, unpruned);
-  `grad_output`: `"dense"` or `"2:4"` (`dx` from the output gradient
-  pruned 2:4 along N); `transposable`: the masks by the 4x4 tile rule;
-  `weight_grad`: `"dense"`, or `"2:4"` (`dw` from the pruned activation
-  pruned again along M). At least one of `input_sparsity`, `grad_output`
+  the dense layer's does), with the gradients of the module docstring for
+  the settings `cfg`, at least one of whose `input_sparsity`, `grad_output`
   prunes.
 
   `products`: None for the XLA backend's products (masked dense arrays and
   XLA's dense products), or a backend's `SparseProducts` (module-level
   functions, so that it hashes) that prune their sparse operand themselves
   and multiply on the sparse tensor cores."""
-  return _fwd(x, w, input_sparsity, grad_output, transposable, weight_grad, precision,
-              products)[0]
+  return _fwd(x, w, cfg, products)[0]
 
 
 class SparseProducts(NamedTuple):
@@ -300,52 +310,49 @@ def _sparse_times(a: jax.Array, b: jax.Array, transposable, precision, products)
   return _contract_last(_pruned(a, transposable)[1], b, 0, precision)
 
 
-def _fwd(x, w, input_sparsity, grad_output, transposable, weight_grad, precision, products):
-  del grad_output, weight_grad
-  if input_sparsity == "off":
-    return _contract_last(x, w.astype(x.dtype), 0, precision), (x, w, None)
-  if _keeps(x, transposable, products):
+def _fwd(x, w, cfg: ActivationConfig, products):
+  if cfg.input_sparsity == "off":
+    return _contract_last(x, w.astype(x.dtype), 0, cfg.precision), (x, w, None)
+  if _keeps(x, cfg.transposable, products):
     # The backward reads the pruned x and its mask from `kept` and `codes`,
     # not x: no second pass over x, and x need not be kept alive for it.
     y, kept, codes = products.times_keeping(x, w.astype(x.dtype))
     return y, (None, w, (kept, codes))
-  return _sparse_times(x, w.astype(x.dtype), transposable, precision, products), (x, w, None)
+  y = _sparse_times(x, w.astype(x.dtype), cfg.transposable, cfg.precision, products)
+  return y, (x, w, None)
 
 
-def _bwd(input_sparsity, grad_output, transposable, weight_grad, precision, products, res,
-         dy):
+def _bwd(cfg: ActivationConfig, products, res, dy):
   x, w, kept = res
   dy_kept = None
-  if grad_output == "2:4":
+  if cfg.grad_output == "2:4":
     # w^T laid out by XLA (one copy of the kernel, a pass at memory speed):
     # the backends' sparse product takes its dense operand as `[K, N]`.
     wt = w.astype(dy.dtype).T
-    if input_sparsity == "off" and _keeps(dy, transposable, products):
+    if cfg.input_sparsity == "off" and _keeps(dy, cfg.transposable, products):
       dx, dy_kept, _ = products.times_keeping(dy, wt)  # dy's one tile pass for dx and dw
     else:
-      dx = _sparse_times(dy, wt, transposable, precision, products)
+      dx = _sparse_times(dy, wt, cfg.transposable, cfg.precision, products)
   else:
     # In dy's dtype (backends/_products.py's `matmul` says why): zeroing
     # commutes with the rounding, so the masked dx has the reference's bits.
-    dx = _contract_last(dy, w.astype(dy.dtype), 1, precision)
+    dx = _contract_last(dy, w.astype(dy.dtype), 1, cfg.precision)
   if kept is not None:
     m, xm = products.tile_mask(kept[1]), None
-  elif input_sparsity != "off":
-    m, xm = _pruned(x, transposable)
+  elif cfg.input_sparsity != "off":
+    m, xm = _pruned(x, cfg.transposable)
   else:
     m, xm = None, x
-  if input_sparsity == "masked":
+  if cfg.input_sparsity == "masked":
     dx = jnp.where(m, dx, jnp.zeros((), dx.dtype))
-  if weight_grad == "2:4":
-    dw = _token_weight_grad(x, xm, dy, w, input_sparsity, precision, products)
+  if cfg.weight_grad == "2:4":
+    dw = _token_weight_grad(x, xm, dy, w, cfg, products)
   else:
-    dw = _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision,
-                      products, kept, dy_kept)
+    dw = _weight_grad(x, xm, dy, w, cfg, products, kept, dy_kept)
   return dx.astype((x if kept is None else kept[0]).dtype), dw
 
 
-def _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precision, products,
-                 kept=None, dy_kept=None):
+def _weight_grad(x, xm, dy, w, cfg: ActivationConfig, products, kept=None, dy_kept=None):
   """`dw = xm^T @ dy`, with `dy` pruned too under the tile rule and
   `grad_output="2:4"`; on the backend's sparse product where the tile rule
   makes an operand 2:4 along M, from the pruned operand's `kept` copy where
@@ -353,35 +360,35 @@ def _weight_grad(x, xm, dy, w, input_sparsity, grad_output, transposable, precis
   `dy_kept`). Where both are pruned, the input is the sparse operand and
   `dy`'s mask is applied to the dense one. Each operand is pruned once, from
   its own values, as the reference prunes it."""
-  if not transposable:
-    return dense_weight_grad(xm, dy, w, precision)
+  if not cfg.transposable:
+    return dense_weight_grad(xm, dy, w, cfg.precision)
   if dy_kept is not None:
     return _as_weight_grad(products.weight_grad(x, dy_kept, "dy", "kept"), w, x, dy)
-  if products is not None and input_sparsity == "off":
+  if products is not None and cfg.input_sparsity == "off":
     return _as_weight_grad(products.weight_grad(x, dy, "dy", "tiles"), w, x, dy)
-  if grad_output == "2:4":
+  if cfg.grad_output == "2:4":
     dy = _pruned(dy, True)[1]
   if kept is not None:
     return _as_weight_grad(products.weight_grad(kept[0], dy, "x", "kept"), w, kept[0], dy)
   if products is None:
-    return dense_weight_grad(xm, dy, w, precision)
+    return dense_weight_grad(xm, dy, w, cfg.precision)
   return _as_weight_grad(products.weight_grad(x, dy, "x", "tiles"), w, x, dy)
 
 
-def _token_weight_grad(x, xm, dy, w, input_sparsity, precision, products):
+def _token_weight_grad(x, xm, dy, w, cfg: ActivationConfig, products):
   """`weight_grad="2:4"`: `dw` with the pruned input `xm` (where the input
   is pruned; else the output gradient pruned along N, `grad_output="2:4"`)
   pruned again 2:4 along M, the sparse operand on the backend's product."""
-  if input_sparsity != "off":
+  if cfg.input_sparsity != "off":
     if products is not None:
       return _as_weight_grad(products.weight_grad(xm, dy, "x", "tokens"), w, x, dy)
     return dense_weight_grad(jnp.where(token_mask(xm), xm, jnp.zeros((), xm.dtype)), dy, w,
-                             precision)
+                             cfg.precision)
   dym = _pruned(dy, False)[1]
   if products is not None:
     return _as_weight_grad(products.weight_grad(x, dym, "dy", "tokens"), w, x, dy)
   return dense_weight_grad(x, jnp.where(token_mask(dym), dym, jnp.zeros((), dym.dtype)), w,
-                           precision)
+                           cfg.precision)
 
 
 def _as_weight_grad(dw: jax.Array, w: jax.Array, *operands: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, _phase, backends
 from jsparse24._format import Mask24, Sparse24
+from jsparse24._input_sparse import ActivationConfig
 from jsparse24._options import SparsityOptions
 from jsparse24._sharding import is_explicit, weight_split
 from jsparse24.backends.cusparselt import cusparselt_layout_unfit, to_cusparselt_layout
@@ -293,8 +294,9 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
   problem = dataclasses.replace(_problem(x.shape, w.shape, dtype, False), input_sparse=True)
   backend = backends.select(opts.implementation, problem)
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
-  y = backend.dot_input_sparse(x2, w, opts.input_sparsity, opts.grad_output,
-                               bool(opts.transposable), opts.weight_grad, precision)
+  cfg = ActivationConfig(opts.input_sparsity, opts.grad_output, bool(opts.transposable),
+                         opts.weight_grad, precision)
+  y = backend.dot_input_sparse(x2, w, cfg)
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 

@@ -44,7 +44,7 @@ def _vjp(x, w, dy, gradient, implementation=None, grad_output="dense", transposa
 def test_forward_and_gradients_match_the_reference(dtype, gradient, m, k, n):
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
   y, dx, dw = jax.jit(_vjp, static_argnums=3)(x, w, dy, gradient)
-  ry, rdx, rdw = input_sparse_reference(x, w, dy, gradient=gradient)
+  ry, rdx, rdw = input_sparse_reference(x, w, dy, input_sparsity=gradient)
   assert y.dtype == dx.dtype == dw.dtype == dtype
   _close(y, ry, dtype, k)
   _close(dx, rdx, dtype, n)
@@ -172,12 +172,12 @@ def test_grad_output_matches_the_reference(dtype, input_sparsity, m, k, n):
   without it. On a random `dy` (not 2:4) the pruning changes `dx`."""
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 1, (m, n), dtype)
   y, dx, dw = jax.jit(_vjp, static_argnums=(3, 4, 5))(x, w, dy, input_sparsity, None, "2:4")
-  ry, rdx, rdw = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output="2:4")
+  ry, rdx, rdw = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity, grad_output="2:4")
   assert y.dtype == dx.dtype == dw.dtype == dtype
   _close(y, ry, dtype, k)
   _close(dx, rdx, dtype, n)
   _close(dw, rdw, dtype, m)
-  _, unpruned_dx, _ = input_sparse_reference(x, w, dy, gradient=input_sparsity)
+  _, unpruned_dx, _ = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity)
   assert float(jnp.abs(rdx.astype(jnp.float32) - unpruned_dx.astype(jnp.float32)).max()) > 0.1
 
 
@@ -215,7 +215,7 @@ def test_grad_output_through_the_layers():
   dense = nn.Dense(8)
   params = dense.init(jax.random.key(1), x)
   kernel, bias = params["params"]["kernel"], params["params"]["bias"]
-  _, want_dx, _ = input_sparse_reference(x, kernel, dy, gradient="off", grad_output="2:4")
+  _, want_dx, _ = input_sparse_reference(x, kernel, dy, input_sparsity="off", grad_output="2:4")
   layer = jnnx.SparseLinear(16, 8, rngs=nnx.Rngs(1), **opts)
   layer.kernel.set_value(kernel)
   layer.bias.set_value(bias)
@@ -397,12 +397,12 @@ def test_transposable_matches_the_reference(dtype, input_sparsity, grad_output, 
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 2, (m, n), dtype)
   got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6))(x, w, dy, input_sparsity, "xla",
                                                      grad_output, True)
-  want = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output,
+  want = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity, grad_output=grad_output,
                                 transposable=True)
   for g, r, size in zip(got, want, (k, n, m)):
     assert g.dtype == r.dtype == dtype
     _close(g, r, dtype, size)
-  rows = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output)
+  rows = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity, grad_output=grad_output)
   if m > 1:
     gap = max(float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
               for a, b in zip(want, rows))
@@ -654,12 +654,12 @@ def test_weight_grad_24_matches_the_reference(dtype, input_sparsity, grad_output
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 3, (m, n), dtype)
   got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6, 7))(x, w, dy, input_sparsity, "xla",
                                                         grad_output, None, "2:4")
-  want = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output,
+  want = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity, grad_output=grad_output,
                                 weight_grad="2:4")
   for g, r, size in zip(got, want, (k, n, m)):
     assert g.dtype == r.dtype == dtype
     _close(g, r, dtype, size)
-  exact = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output)
+  exact = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity, grad_output=grad_output)
   for a, b in zip(want[:2], exact[:2]):
     np.testing.assert_array_equal(a, b)
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
@@ -708,7 +708,7 @@ def test_weight_grad_24_is_exact_where_the_activation_is_24_along_the_tokens():
   for input_sparsity, grad_output in (("masked", "dense"), ("off", "2:4")):
     got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6, 7))(x, w, dy, input_sparsity, "xla",
                                                           grad_output, None, "2:4")
-    exact = input_sparse_reference(x, w, dy, gradient=input_sparsity, grad_output=grad_output)
+    exact = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity, grad_output=grad_output)
     np.testing.assert_allclose(got[2], exact[2], rtol=1e-6, atol=1e-6)
 
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._sharding import Split
 from jsparse24.backends import _autodiff, _products
+
+if TYPE_CHECKING:  # _input_sparse imports the backends' modules
+  from jsparse24._input_sparse import ActivationConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,16 +156,15 @@ class Backend(abc.ABC):
     del self
     return _products.mvue_weight_grad_xla(x, dy, w, key, precision)
 
-  def dot_input_sparse(self, x: jax.Array, w: jax.Array, input_sparsity: str,
-                       grad_output: str, transposable: bool, weight_grad: str,
-                       precision: Any) -> jax.Array:
+  def dot_input_sparse(self, x: jax.Array, w: jax.Array, cfg: ActivationConfig) -> jax.Array:
     """`prune_24(x, axis=-1) * x @ w` for `x[M, K]` in the compute dtype
     and a dense `w[K, N]` (cast inside; `dw` in its dtype), with the input
-    gradient `input_sparsity` ("masked" or "ste"; "off": `x @ w`, unpruned),
-    `dx` from the output gradient pruned 2:4 where `grad_output` is "2:4",
-    with `transposable` the masks by the 4x4 tile rule and `dw` from the
-    pruned operands, and with `weight_grad="2:4"` `dw` from the pruned
-    activation pruned again along M: `jsparse24._input_sparse`."""
+    gradient `cfg.input_sparsity` ("masked" or "ste"; "off": `x @ w`,
+    unpruned), `dx` from the output gradient pruned 2:4 where
+    `cfg.grad_output` is "2:4", with `cfg.transposable` the masks by the 4x4
+    tile rule and `dw` from the pruned operands, and with
+    `cfg.weight_grad="2:4"` `dw` from the pruned activation pruned again
+    along M: `jsparse24._input_sparse`."""
     raise NotImplementedError(f"the {self.name!r} backend has no 2:4-activation product")
 
   @abc.abstractmethod

@@ -1112,10 +1112,8 @@ class CusparseltBackend(Backend):
     sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw typed like w
     return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
-  def dot_input_sparse(self, x, w, input_sparsity, grad_output, transposable, weight_grad,
-                       precision):
-    return input_sparse_product(x, w, input_sparsity, grad_output, transposable, weight_grad,
-                                precision, SPARSE_PRODUCTS)
+  def dot_input_sparse(self, x, w, cfg):
+    return input_sparse_product(x, w, cfg, SPARSE_PRODUCTS)
 
   def forward_compressed(self, x, sp: Sparse24, precision):
     del precision

@@ -124,10 +124,8 @@ class XlaBackend(Backend):
   def forward_compressed(self, x, sp: Sparse24, precision):
     return matmul(x, decompress(sp), precision)
 
-  def dot_input_sparse(self, x, w, input_sparsity, grad_output, transposable, weight_grad,
-                       precision):
-    return input_sparse_product(x, w, input_sparsity, grad_output, transposable, weight_grad,
-                                precision, None)
+  def dot_input_sparse(self, x, w, cfg):
+    return input_sparse_product(x, w, cfg, None)
 
   def dot_compressed(self, x, sp: Sparse24, precision, split=None):
     # Plain ops: JAX differentiates them itself (forward mode too), and XLA
