@@ -130,8 +130,7 @@ import jax.numpy as jnp
 from jsparse24._format import Mask24
 from jsparse24._options import GRAD_OUTPUTS, INPUT_SPARSITY
 from jsparse24._prune import prune_24
-from jsparse24._sharding import weight_grad_sharding
-from jsparse24.backends._products import accumulation_dtype, dense_weight_grad
+from jsparse24.backends._products import accumulation_dtype, as_weight_grad, dense_weight_grad
 
 
 def input_mask(x: jax.Array, transposable: bool = False) -> jax.Array:
@@ -363,16 +362,16 @@ def _weight_grad(x, xm, dy, w, cfg: ActivationConfig, products, kept=None, dy_ke
   if not cfg.transposable:
     return dense_weight_grad(xm, dy, w, cfg.precision)
   if dy_kept is not None:
-    return _as_weight_grad(products.weight_grad(x, dy_kept, "dy", "kept"), w, x, dy)
+    return as_weight_grad(products.weight_grad(x, dy_kept, "dy", "kept"), w, x, dy)
   if products is not None and cfg.input_sparsity == "off":
-    return _as_weight_grad(products.weight_grad(x, dy, "dy", "tiles"), w, x, dy)
+    return as_weight_grad(products.weight_grad(x, dy, "dy", "tiles"), w, x, dy)
   if cfg.grad_output == "2:4":
     dy = _pruned(dy, True)[1]
   if kept is not None:
-    return _as_weight_grad(products.weight_grad(kept[0], dy, "x", "kept"), w, kept[0], dy)
+    return as_weight_grad(products.weight_grad(kept[0], dy, "x", "kept"), w, kept[0], dy)
   if products is None:
     return dense_weight_grad(xm, dy, w, cfg.precision)
-  return _as_weight_grad(products.weight_grad(x, dy, "x", "tiles"), w, x, dy)
+  return as_weight_grad(products.weight_grad(x, dy, "x", "tiles"), w, x, dy)
 
 
 def _token_weight_grad(x, xm, dy, w, cfg: ActivationConfig, products):
@@ -381,22 +380,14 @@ def _token_weight_grad(x, xm, dy, w, cfg: ActivationConfig, products):
   pruned again 2:4 along M, the sparse operand on the backend's product."""
   if cfg.input_sparsity != "off":
     if products is not None:
-      return _as_weight_grad(products.weight_grad(xm, dy, "x", "tokens"), w, x, dy)
+      return as_weight_grad(products.weight_grad(xm, dy, "x", "tokens"), w, x, dy)
     return dense_weight_grad(jnp.where(token_mask(xm), xm, jnp.zeros((), xm.dtype)), dy, w,
                              cfg.precision)
   dym = _pruned(dy, False)[1]
   if products is not None:
-    return _as_weight_grad(products.weight_grad(x, dym, "dy", "tokens"), w, x, dy)
+    return as_weight_grad(products.weight_grad(x, dym, "dy", "tokens"), w, x, dy)
   return dense_weight_grad(x, jnp.where(token_mask(dym), dym, jnp.zeros((), dym.dtype)), w,
                            cfg.precision)
-
-
-def _as_weight_grad(dw: jax.Array, w: jax.Array, *operands: jax.Array) -> jax.Array:
-  """A backend's weight gradient typed as `dense_weight_grad`'s: w's dtype,
-  and w's sharding where its mesh axes are Explicit."""
-  dw = dw.astype(w.dtype)
-  sharding = weight_grad_sharding(w, *operands)
-  return dw if sharding is None else jax.sharding.reshard(dw, sharding)
 
 
 input_sparse_product.defvjp(_fwd, _bwd)

@@ -181,10 +181,12 @@ def _checked_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions, m
         f" converts with jsparse24.Mask24.pack(mask, transposable=...)).")
   if mask.transposable != opts.transposable or tuple(mask.shape) != tuple(kernel.shape):
     raise ValueError(
-        f"layer {'/'.join(module.path)!r}: the mask in the {COLLECTION!r}"
+        f"{_layer_name(module)}: the mask in the {COLLECTION!r}"
         f" collection (shape {mask.shape}, transposable={mask.transposable})"
         f" does not fit this layer (kernel {kernel.shape},"
-        f" transposable={opts.transposable}).")
+        f" transposable={opts.transposable}): take the collection from this model's"
+        f" init, or rebuild it for these params (jsparse24.rebuild_masks), or set the"
+        f" layer's transposable to the mask's.")
   return mask, active
 
 
@@ -602,7 +604,8 @@ def _map_layers(fn, sparsity: Mapping, other: Any, path=()):
     if not isinstance(other, Mapping) or key not in other:
       raise ValueError(
           f"the {COLLECTION!r} tree has a layer at {'/'.join(path + (key,))!r}"
-          f" that the matching tree (params) does not have.")
+          f" that the matching tree (params) does not have: pass the params of the"
+          f" model whose init made this collection.")
     out[key] = _map_layers(fn, value, other[key], path + (key,))
   return out
 
@@ -801,5 +804,6 @@ def compress_params(params: Mapping, sparsity: Mapping, *, cusparselt: bool = Fa
 
   out, missing = map_sparse_kernels(compress_kernel, chosen, params)
   if missing:
-    raise ValueError(f"{fn}: no kernel in params for sparse layer(s) {missing}.")
+    raise ValueError(f"{fn}: no kernel in params for sparse layer(s) {missing}: pass the"
+                     f" params of the model whose init made this collection.")
   return out

@@ -244,7 +244,8 @@ def rebuild_masks(model: nnx.Module) -> None:
   `mask_source` `"dynamic"` or `"none"` have no stored mask and are skipped.
   """
   if not isinstance(model, nnx.Module):
-    raise TypeError(f"rebuild_masks: `model` must be an nnx.Module, got {type(model).__name__}.")
+    raise TypeError(
+        f"nnx.rebuild_masks: `model` must be an nnx.Module, got {type(model).__name__}.")
   for path, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and isinstance(layer.kernel.get_value(), Sparse24):
       raise TypeError(
@@ -269,9 +270,8 @@ def masks_like_kernels(model: nnx.Module) -> None:
         f"nnx.masks_like_kernels: `model` must be an nnx.Module, got {type(model).__name__}.")
   for path, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and layer.mask is not None:
-      name = "/".join(str(p) for p in path)
       layer.mask.set_value(mask_like_kernel(layer.mask.get_value(), layer.kernel.get_value(),
-                                            name, "nnx.masks_like_kernels"))
+                                            _name(path), "nnx.masks_like_kernels"))
 
 
 def compress_params(model: nnx.Module, *, transposed: bool | None = None,

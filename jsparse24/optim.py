@@ -191,6 +191,13 @@ class SparsityRamp:
     return np.floor(share * layers + 0.5).astype(np.int32)
 
 
+def _check_host_step(fn: str, step: Any) -> None:
+  """Raises unless `step` is a Python or NumPy int (not a bool, not traced)."""
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+    raise TypeError(f"{fn}: `step` must be a host int (the step about to be dispatched),"
+                    f" got {type(step).__name__} {step!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskSchedule:
   """When masks are rebuilt and when layers are sparse. Steps are 0-based.
@@ -276,10 +283,7 @@ class MaskSchedule:
     every layer is 2:4, False where none is, None where a ramp mixes them
     (the layers then read their run-time flags). Without a ramp,
     `bool(sparse(step))`."""
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-      raise TypeError(
-          f"MaskSchedule.phase: `step` must be a host int (the step about to be"
-          f" dispatched), got {type(step).__name__} {step!r}.")
+    _check_host_step("MaskSchedule.phase", step)
     if not self.sparse(step):
       return False
     if self.ramp is None:
@@ -306,10 +310,7 @@ class MaskSchedule:
     layers' masks are rebuilt for the layers entering 2:4). For its static
     `mask_rebuild` argument (`mask_update`), which leaves the rebuild's
     conditionals out of the compiled step."""
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-      raise TypeError(
-          f"MaskSchedule.update_rebuilds: `step` must be a host int (the step about to"
-          f" be dispatched), got {type(step).__name__} {step!r}.")
+    _check_host_step("MaskSchedule.update_rebuilds", step)
     grows = (self.ramp is not None
              and self.sparse_count(step + 1, layers) > self.sparse_count(step, layers))
     return bool(self.rebuild(step + 1)) or bool(grows)
@@ -322,10 +323,7 @@ class MaskSchedule:
     (`sparse_layers(opt_state)`, a transfer that waits for the steps queued
     before it) only on these steps: at most `layers + 1` of them while the
     schedule is sparse, and one where `dense_after` ends it."""
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-      raise TypeError(
-          f"MaskSchedule.changes: `step` must be a host int (the step about to be"
-          f" dispatched), got {type(step).__name__} {step!r}.")
+    _check_host_step("MaskSchedule.changes", step)
     if step == 0:
       return True
     return bool(self.sparse_count(step, layers) != self.sparse_count(step - 1, layers))

@@ -89,3 +89,12 @@ def dense_weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array, precision: Any)
   kw = {} if sharding is None else {"out_sharding": sharding}
   out = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision, **kw)
   return out.astype(w.dtype)
+
+
+def as_weight_grad(dw: jax.Array, w: jax.Array, *operands: jax.Array) -> jax.Array:
+  """A weight gradient that a backend's own product computed (from
+  `operands`), typed as `dense_weight_grad`'s: w's dtype, and w's sharding
+  where its mesh axes are Explicit."""
+  dw = dw.astype(w.dtype)
+  sharding = weight_grad_sharding(w, *operands)
+  return dw if sharding is None else jax.sharding.reshard(dw, sharding)

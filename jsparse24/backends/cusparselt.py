@@ -67,10 +67,10 @@ from jsparse24._input_sparse import (KEEP_MIN_ROWS, TOKEN_BLOCK, SparseProducts,
 from jsparse24._mvue import mvue_seeds
 from jsparse24._prune import prune_24
 from jsparse24._sharding import (one_call_per_element, partitioning_off, rows_contracted,
-                                 rows_parallel, stack_rows_parallel, weight_grad_sharding,
-                                 whole_on_each_device)
+                                 rows_parallel, stack_rows_parallel, whole_on_each_device)
 from jsparse24.backends import _cusparselt_build as build
 from jsparse24.backends import pallas as pallas_backend
+from jsparse24.backends._products import as_weight_grad
 from jsparse24.backends._products import matmul as xla_matmul
 from jsparse24.backends.base import Backend, Problem, grid_index
 from jsparse24.backends.pallas import PallasBackend, compress_arrays
@@ -795,6 +795,13 @@ def input_compress_for_product(x: jax.Array, interpret: bool | None = None) -> j
   return _with_metadata(buf, m, codes, k // 4, interpret=interpret)
 
 
+def _padded_rows(a: jax.Array) -> jax.Array:
+  """`a` with rows of zeros to a multiple of ALIGN_KN rows (zeros prune to
+  zeros, and the products' rows beyond `a`'s are dropped)."""
+  pad = -a.shape[0] % ALIGN_KN
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
 @functools.cache
 def _input_sparse_local(search: int, alg: int, interpret: bool):
   """The per-device `fn(x[M, K], w[K, N]) -> prune(x) @ w` (w in x's dtype):
@@ -803,15 +810,14 @@ def _input_sparse_local(search: int, alg: int, interpret: bool):
   def run(x, w):
     m, k = x.shape
     n = w.shape[1]
-    pad = -m % ALIGN_KN
-    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-    mp = m + pad
+    xp = _padded_rows(x)
+    mp = xp.shape[0]
     _check_size(x.dtype, mp, k)
     buf = input_compress_for_product(xp, interpret)
     # Column-major D[N, Mp] = A[N, K] (w) @ B[K, Mp] (the pruned x^T): the
     # row-major y.
     y = _sparse_b_matmul(w, buf, (mp, n), m=n, n=mp, k=k, search=search, alg=alg)
-    return y[:m] if pad else y
+    return y[:m] if mp != m else y
 
   return run
 
@@ -893,11 +899,6 @@ def tokens_compress_for_product(a: jax.Array, interpret: bool | None = None) -> 
 
 # The tokens' groups of weight_grad="2:4" lie inside the rows padded to 64.
 assert ALIGN_KN % TOKEN_BLOCK == 0
-
-
-def _padded_rows(a: jax.Array) -> jax.Array:
-  pad = -a.shape[0] % ALIGN_KN
-  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
 # Where a tile-pruned operand a[M, C] feeds both its products in one step (the
@@ -1108,9 +1109,7 @@ class CusparseltBackend(Backend):
 
   def mvue_weight_grad(self, x, dy, w, key, precision):
     del precision  # cuSPARSELt accumulates in float32
-    dw = mvue_weight_grad(x, dy, key).astype(w.dtype)
-    sharding = weight_grad_sharding(w, x, dy)  # Explicit mesh axes: dw typed like w
-    return dw if sharding is None else jax.sharding.reshard(dw, sharding)
+    return as_weight_grad(mvue_weight_grad(x, dy, key), w, x, dy)
 
   def dot_input_sparse(self, x, w, cfg):
     return input_sparse_product(x, w, cfg, SPARSE_PRODUCTS)
