@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import math
 import os
 import pathlib
 import statistics
@@ -341,14 +340,6 @@ def weight_bytes(params) -> int:
   return sum(int(a.nbytes) for a in jax.tree.leaves(params))
 
 
-def sparse_kernel_bytes(compressed) -> tuple[int, int]:
-  """(dense, compressed) bytes of the kernels that `compressed` holds as `Sparse24`s."""
-  sparse = [a for a in jax.tree.leaves(compressed, is_leaf=lambda a: isinstance(a, jsparse24.Sparse24))
-            if isinstance(a, jsparse24.Sparse24)]
-  return (sum(math.prod(a.shape) * a.dtype.itemsize for a in sparse),
-          sum(a.nbytes for a in sparse))
-
-
 def decode_backends(compressed, batches: Sequence[int]) -> dict[int, dict[str, str]]:
   """Per batch, the implementation `implementation=None` picks for the decode
   product (M = batch rows) of each layer that `compressed` (the shipped 2:4
@@ -535,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f" (2:4 layers on {backends[b]})")
 
   total = {"dense": weight_bytes(dense_params), "2:4": weight_bytes(compressed)}
-  kernels = sparse_kernel_bytes(compressed)
+  kernels = lm.sparse_kernel_bytes(compressed)
   dname = jnp.dtype(dtype).name
   print(f"weights ({dname}): dense model {total['dense']:,} bytes, 2:4 model {total['2:4']:,}"
         f" bytes ({total['2:4'] / total['dense']:.1%}); "

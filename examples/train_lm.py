@@ -680,19 +680,26 @@ def sparse_layer_backends(args) -> dict[str, str]:
   return out
 
 
+def sparse_kernel_bytes(compressed) -> tuple[int, int]:
+  """(dense, compressed) bytes of the kernels that `compressed` (params from
+  `jsparse24.compress_params`) holds as `Sparse24`s: values + metadata
+  against the dense kernels they stand for."""
+  sparse = [a for a in jax.tree.leaves(compressed,
+                                       is_leaf=lambda a: isinstance(a, jsparse24.Sparse24))
+            if isinstance(a, jsparse24.Sparse24)]
+  return (sum(math.prod(a.shape) * a.dtype.itemsize for a in sparse),
+          sum(a.nbytes for a in sparse))
+
+
 def mlp_bytes(params, sparsity) -> dict[str, int]:
   """Bytes of the sparse layers' kernels: dense, and compressed by
   `jsparse24.compress_params` (values + metadata), in float32 and bfloat16."""
   out = {}
   for dtype in (jnp.float32, jnp.bfloat16):
     p = jax.tree.map(lambda a: a.astype(dtype), params)
-    compressed = jsparse24.compress_params(p, sparsity)
-    leaves = jax.tree_util.tree_leaves(
-        compressed, is_leaf=lambda a: isinstance(a, jsparse24.Sparse24))
-    sparse = [a for a in leaves if isinstance(a, jsparse24.Sparse24)]
     name = jnp.dtype(dtype).name
-    out[f"dense_{name}"] = sum(math.prod(a.shape) * jnp.dtype(dtype).itemsize for a in sparse)
-    out[f"compressed_{name}"] = sum(a.nbytes for a in sparse)
+    out[f"dense_{name}"], out[f"compressed_{name}"] = sparse_kernel_bytes(
+        jsparse24.compress_params(p, sparsity))
   return out
 
 
