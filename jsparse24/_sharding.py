@@ -90,11 +90,17 @@ def _rule(ranks: tuple[int, ...], outputs: int = 1) -> str:
   return f"m k, {operands} -> {results}" if ranks else f"m k -> {results}"
 
 
+def _all_batched(axis_size: int, in_batched, args) -> tuple[Any, ...]:
+  """A custom_vmap rule's `args` with the unbatched ones broadcast along a
+  new leading axis of `axis_size`."""
+  return tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+               for a, bat in zip(args, in_batched))
+
+
 def one_call_per_element(call: Callable, axis_size: int, in_batched, args) -> tuple[Any, Any]:
   """A custom_vmap rule's result: `call` once per batch element (`lax.map`),
   unbatched arguments broadcast; every output batched."""
-  args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-               for a, bat in zip(args, in_batched))
+  args = _all_batched(axis_size, in_batched, args)
   out = jax.lax.map(lambda a: call(*a), args)
   return out, jax.tree.map(lambda _: True, out)
 
@@ -469,8 +475,7 @@ def _explicit_stacks(fn: Callable, align: int) -> Callable:
 def _one_stacked_call(fn: Callable, axis_size: int, in_batched, args) -> tuple[jax.Array, bool]:
   """A custom_vmap rule's result for a contraction whose `fn` takes a stack:
   one `stack_rows_contracted` for the batch, unbatched arguments broadcast."""
-  args = tuple(a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-               for a, bat in zip(args, in_batched))
+  args = _all_batched(axis_size, in_batched, args)
   return stack_rows_contracted(fn, *args), True
 
 
@@ -658,8 +663,7 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
-    args = [a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, bat in zip(args, in_batched)]
+    args = _all_batched(axis_size, in_batched, args)
     stacked = _wrap_columns(fn, n_dims, align, extra_ranks, lead + 1, k_dims, extra_k_dims)
     out = stacked(*args)
     return out, jax.tree.map(lambda _: True, out)
