@@ -178,8 +178,7 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
   `key_required=False` (the layers): without a key the product runs, and
   only taking its gradient raises (backends._products.weight_grad), so that a
   model with MVUE layers runs inference without an rng."""
-  weight_grad, transposable = opts.weight_grad, opts.transposable
-  if weight_grad == "mvue" and (key is not None or key_required):
+  if opts.weight_grad == "mvue" and (key is not None or key_required):
     _checks.check_key(fn, "key", key, "weight_grad='mvue'")
   _checks.check_float(fn, "x", x)
   x = jnp.asarray(x)
@@ -187,41 +186,44 @@ def _dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype=None
     raise ValueError(f"{fn}: `x` must be [..., K], got a scalar.")
   if opts.activation_sparse:
     return _input_sparse_dot(fn, x, w, mask, active, opts, precision=precision, dtype=dtype)
-
   if isinstance(w, Sparse24):
-    if mask is not None:
-      raise ValueError(f"{fn}: `w` is a Sparse24 (already masked); pass mask=None.")
-    if weight_grad != "dense":
-      raise ValueError(f"{fn}: weight_grad={weight_grad!r} needs a dense `w` (a Sparse24 is"
-                       f" for inference; its gradient is that of its kept values).")
-    if len(w.shape) != 2:
-      raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
-    _check_contraction(fn, x, w.shape)
-    dtype = jnp.result_type(x.dtype, w.dtype)
-    w = w.astype(dtype)
-    backend, split = _backend_and_split(fn, opts, x.shape, w.shape, dtype, w.has_transpose,
-                                        compressed="cusparselt" if w.cusparselt else True)
-    if split is not None and w.cusparselt:
-      raise ValueError(
-          f"{fn}: a Sparse24 in cuSPARSELt's layout (cusparselt=True) cannot be split"
-          f" across devices ({_sharding_arg(fn)}"
-          f"): its metadata rows follow all N rows, not each device's block. Compress it"
-          f" with cusparselt=False for tensor parallelism.")
-    if opts.implementation is None and backend.name == "xla":
-      warn_if_unmeasured(math.prod(x.shape[:-1]), *w.shape, dtype)
-    # Backends take x as [M, K]: the leading axes fold into M here.
-    y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)
-    return y.reshape(*x.shape[:-1], w.shape[1])
+    return _compressed_dot(fn, x, w, mask, opts, precision=precision)
+  return _masked_dot(fn, x, w, mask, active, opts, precision=precision, dtype=dtype, key=key)
 
-  _checks.check_float(fn, "w", w)
-  w = jnp.asarray(w)
-  if w.ndim != 2:
-    raise ValueError(
-        f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}; for stacked"
-        f" weights use jax.vmap.")
-  _checks.check_nonempty(fn, "w", w.shape, (0, 1), "K or N")
-  _checks.check_multiple_of_4(fn, "w", w.shape, 0)
+
+def _compressed_dot(fn, x, w: Sparse24, mask, opts: SparsityOptions, *, precision):
+  """`x @ decompress(w)` for a compressed weight (`compress`,
+  `compress_params`): inference, its gradient that of the kept values."""
+  if mask is not None:
+    raise ValueError(f"{fn}: `w` is a Sparse24 (already masked); pass mask=None.")
+  if opts.weight_grad != "dense":
+    raise ValueError(f"{fn}: weight_grad={opts.weight_grad!r} needs a dense `w` (a Sparse24 is"
+                     f" for inference; its gradient is that of its kept values).")
+  if len(w.shape) != 2:
+    raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
   _check_contraction(fn, x, w.shape)
+  dtype = jnp.result_type(x.dtype, w.dtype)
+  w = w.astype(dtype)
+  backend, split = _backend_and_split(fn, opts, x.shape, w.shape, dtype, w.has_transpose,
+                                      compressed="cusparselt" if w.cusparselt else True)
+  if split is not None and w.cusparselt:
+    raise ValueError(
+        f"{fn}: a Sparse24 in cuSPARSELt's layout (cusparselt=True) cannot be split"
+        f" across devices ({_sharding_arg(fn)}"
+        f"): its metadata rows follow all N rows, not each device's block. Compress it"
+        f" with cusparselt=False for tensor parallelism.")
+  if opts.implementation is None and backend.name == "xla":
+    warn_if_unmeasured(math.prod(x.shape[:-1]), *w.shape, dtype)
+  # Backends take x as [M, K]: the leading axes fold into M here.
+  y = backend.dot_compressed(x.astype(dtype).reshape(-1, x.shape[-1]), w, precision, split)
+  return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _masked_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dtype, key):
+  """`x @ (w * mask)` for a dense weight and its mask (None: pruned now)."""
+  weight_grad, transposable = opts.weight_grad, opts.transposable
+  w = _dense_w(fn, x, w)
+  _checks.check_multiple_of_4(fn, "w", w.shape, 0)
 
   if isinstance(mask, Mask24):
     _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
@@ -275,13 +277,7 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
     raise ValueError(f"{fn}: {arg} has no tensor-parallel products; pass"
                      f" {_sharding_arg(fn)}=None (data parallelism and FSDP work as for"
                      f" nn.Dense).")
-  _checks.check_float(fn, "w", w)
-  w = jnp.asarray(w)
-  if w.ndim != 2:
-    raise ValueError(f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}; for stacked"
-                     f" weights use jax.vmap.")
-  _checks.check_nonempty(fn, "w", w.shape, (0, 1), "K or N")
-  _check_contraction(fn, x, w.shape)
+  w = _dense_w(fn, x, w)
   if opts.input_sparsity != "off" and x.shape[-1] % 4:
     raise ValueError(
         f"{fn}: with {arg} x is pruned 2:4 along K = x.shape[-1] = {x.shape[-1]}, which"
@@ -321,6 +317,18 @@ def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, trans
   split = weight_split(fn, weight_sharding, rows, k, n, backend.split_align(transposable),
                        backend.name, arg=arg)
   return backend, split
+
+
+def _dense_w(fn: str, x: jax.Array, w) -> jax.Array:
+  """`w` as a float `[K, N]` array whose K is x's last axis, else a named error."""
+  _checks.check_float(fn, "w", w)
+  w = jnp.asarray(w)
+  if w.ndim != 2:
+    raise ValueError(f"{fn}: `w` must be 2-D [K, N], got shape {w.shape}; for stacked"
+                     f" weights use jax.vmap.")
+  _checks.check_nonempty(fn, "w", w.shape, (0, 1), "K or N")
+  _check_contraction(fn, x, w.shape)
+  return w
 
 
 def _sharding_arg(fn: str) -> str:
