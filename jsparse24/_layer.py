@@ -1,4 +1,5 @@
-"""The forward pass shared by the Linen and NNX sparse dense layers."""
+"""What the Linen and NNX sparse dense layers share: the forward pass, and
+`compress_params`' choice per layer."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jsparse24._format import Mask24, Sparse24
 from jsparse24._ops import sparse_or_dense_dot
 from jsparse24._options import SparsityOptions
+from jsparse24._phase import is_static_dense
 
 
 def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array | Sparse24, bias: jax.Array | None,
@@ -33,3 +36,24 @@ def sparse_dense_forward(inputs: jax.Array, kernel: jax.Array | Sparse24, bias: 
   if bias is not None:
     y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
   return y
+
+
+def compresses(fn: str, layer: str, active: Any, outside: str) -> bool:
+  """Whether `compress_params` (`fn`) compresses the layer named `layer`,
+  from its `active` flag (None: always sparse; a stack's flags): yes where
+  every flag is True, no in a dense phase (all False). A stack partly sparse
+  and partly dense raises `ValueError` (one stacked kernel cannot be partly
+  compressed); traced flags raise `TypeError`, naming the transform to call
+  it `outside`: the choice is made on the host."""
+  try:
+    flags = np.asarray(True if active is None else False if is_static_dense(active)
+                       else active)
+  except jax.errors.TracerArrayConversionError as e:
+    raise TypeError(
+        f"{fn}: the 'active' flags of layer {layer!r} are traced; call {fn} outside"
+        f" {outside} (it decides per layer whether to compress).") from e
+  if flags.any() and not flags.all():
+    raise ValueError(
+        f"{fn}: layer {layer!r} is a stack whose layers are partly sparse and partly dense"
+        f" (active={flags.tolist()}); one stacked kernel cannot be partly compressed.")
+  return bool(flags.all())

@@ -28,10 +28,10 @@ from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
 from jsparse24._format import Mask24, Sparse24
-from jsparse24._layer import sparse_dense_forward
+from jsparse24._layer import compresses, sparse_dense_forward
 from jsparse24._ops import compress, cusparselt_layout_unfit
 from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
-from jsparse24._phase import STATIC_DENSE, is_static_dense
+from jsparse24._phase import STATIC_DENSE
 
 COLLECTION = "sparsity"
 # The rng stream of `weight_grad="mvue"` (`model.apply(..., rngs={"mvue": key})`).
@@ -776,22 +776,8 @@ def compress_params(params: Mapping, sparsity: Mapping, *, cusparselt: bool = Fa
   check_sparsity(fn, sparsity)
   chosen = {}
   for path, layer in layers_by_path(sparsity).items():
-    try:
-      active = layer.get("active")
-      flags = np.asarray(True if active is None else False if is_static_dense(active)
-                         else active)
-    except jax.errors.TracerArrayConversionError as e:
-      raise TypeError(
-          f"{fn}: the 'active' flags of layer {'/'.join(path)!r} are traced; call"
-          f" compress_params outside jax.jit (it decides per layer whether to"
-          f" compress).") from e
-    if flags.all():
+    if compresses(fn, "/".join(path), layer.get("active"), "jax.jit"):
       chosen[path] = (path, layer["mask"])
-    elif flags.any():
-      raise ValueError(
-          f"{fn}: layer {'/'.join(path)!r} is a stack whose layers are partly"
-          f" sparse and partly dense (active={flags.tolist()}); one stacked kernel"
-          f" cannot be partly compressed.")
   def compress_kernel(layer, kernel):
     path, mask = layer
     if isinstance(kernel, Sparse24):  # map_sparse_kernels hands it over whole

@@ -39,13 +39,12 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from jsparse24._format import Mask24, Sparse24
-from jsparse24._layer import sparse_dense_forward
+from jsparse24._layer import compresses, sparse_dense_forward
 from jsparse24._ops import compress, cusparselt_layout_unfit
 from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
 from jsparse24.linen import MVUE_RNG, mask_like_kernel
@@ -344,18 +343,8 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None,
     if layer.mask is None:
       continue
     stored += 1
-    try:
-      flags = np.asarray(layer.active.get_value())
-    except jax.errors.TracerArrayConversionError as e:
-      raise TypeError(
-          f"{fn}: the 'active' flag of layer {_name(path)!r} is traced; call"
-          f" {fn} outside nnx.jit (it decides per layer whether to compress, and"
-          f" changes the model's structure).") from e
-    if flags.any() and not flags.all():
-      raise ValueError(
-          f"{fn}: layer {_name(path)!r} is a stack whose layers are partly sparse and"
-          f" partly dense (active={flags.tolist()}); one stacked kernel cannot be"
-          f" partly compressed.")
+    # Outside nnx.jit also because compressing changes the model's structure.
+    compressed = compresses(fn, _name(path), layer.active.get_value(), "nnx.jit")
     mask = layer.mask.get_value()
     if transposed and not mask.transposable:
       raise ValueError(
@@ -364,9 +353,9 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None,
           f" transposed=None (a transposed copy where the mask allows) or False.")
     reason = cusparselt and cusparselt_layout_unfit(layer.kernel.get_value().shape,
                                                     layer.kernel.get_value().dtype)
-    if reason and flags.all():
+    if reason and compressed:
       raise ValueError(f"{fn}: layer {_name(path)!r}: cusparselt=True {reason}")
-    if flags.all():
+    if compressed:
       chosen.append((layer, mask))
   if not stored:
     raise ValueError(

@@ -340,8 +340,8 @@ def test_gradients_through_a_compressed_layer():
 
 def test_errors_name_the_function_and_the_fix():
   model = _Mlp(nnx.Rngs(32))
-  with pytest.raises(TypeError, match=r"nnx.compress_params: the 'active' flag of layer 'down'"
-                                      r" is traced; call nnx.compress_params outside nnx.jit"):
+  with pytest.raises(TypeError, match=r"nnx.compress_params: the 'active' flags of layer 'down'"
+                                      r" are traced; call nnx.compress_params outside nnx.jit"):
     nnx.jit(jnnx.compress_params)(model)
   with pytest.raises(ValueError, match=r"nnx.compress_params: transposed=True, but the mask"
                                        r" of layer 'down' is not transposable"):
