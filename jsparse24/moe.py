@@ -238,6 +238,23 @@ def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax
   return num_experts * jnp.mean(jnp.sum(share * prob, axis=-1))
 
 
+def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float) -> None:
+  """The Linen and NNX `SparseMoE`'s refusal of a routing that cannot run."""
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"{fn}: top_k={top_k} must lie in [1, num_experts={num_experts}].")
+  if not capacity_factor > 0:
+    raise ValueError(f"{fn}: capacity_factor={capacity_factor} must be > 0"
+                     f" (1.0: an even share of the tokens per expert).")
+
+
+def check_groups(fn: str, inputs: Any) -> None:
+  """The `SparseMoE` layers' refusal of inputs without routing groups."""
+  if jnp.ndim(inputs) < 2:
+    raise ValueError(
+        f"{fn}: `inputs` must be [..., S, d] (tokens S in routing groups), got shape"
+        f" {jnp.shape(inputs)}; add a leading axis for a single group.")
+
+
 def moe_forward(inputs: Float[Array, "... S d"], router: Callable[[jax.Array], jax.Array],
                 experts: Callable[[jax.Array], jax.Array], num_experts: int, top_k: int,
                 capacity_factor: float, dtype: Any):
@@ -330,16 +347,8 @@ class SparseMoE(nn.Module):
   @nn.compact
   def __call__(self, inputs: Float[Array, "... S d"]) -> Float[Array, "... S d"]:
     fn = f"SparseMoE {'/'.join(self.path)!r}" if self.path else "SparseMoE"
-    if jnp.ndim(inputs) < 2:
-      raise ValueError(
-          f"{fn}: `inputs` must be [..., S, d] (tokens S in routing groups), got shape"
-          f" {jnp.shape(inputs)}; add a leading axis for a single group.")
-    if not 1 <= self.top_k <= self.num_experts:
-      raise ValueError(f"{fn}: top_k={self.top_k} must lie in [1, num_experts="
-                       f"{self.num_experts}].")
-    if not self.capacity_factor > 0:
-      raise ValueError(f"{fn}: capacity_factor={self.capacity_factor} must be > 0"
-                       f" (1.0: an even share of the tokens per expert).")
+    check_groups(fn, inputs)
+    check_routing(fn, self.num_experts, self.top_k, self.capacity_factor)
     options = SparsityOptions.checked(
         fn, gradient=self.gradient, transposable=self.transposable,
         implementation=self.implementation, mask_source=self.mask_source,

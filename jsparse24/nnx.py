@@ -462,12 +462,9 @@ class SparseMoE(nnx.Module):
       weight_grad: Literal["dense", "mvue"] = "dense",
       sparse: bool = True,
   ):
-    if not 1 <= top_k <= num_experts:
-      raise ValueError(f"nnx.SparseMoE: top_k={top_k} must lie in [1, num_experts="
-                       f"{num_experts}].")
-    if not capacity_factor > 0:
-      raise ValueError(f"nnx.SparseMoE: capacity_factor={capacity_factor} must be > 0"
-                       f" (1.0: an even share of the tokens per expert).")
+    # Imported here: jsparse24.moe imports jsparse24.linen, which this module imports too.
+    from jsparse24.moe import check_routing  # pylint: disable=g-import-not-at-top
+    check_routing("nnx.SparseMoE", num_experts, top_k, capacity_factor)
     self.router = nnx.Linear(in_features, num_experts, use_bias=False, dtype=jnp.float32,
                              param_dtype=param_dtype, precision=precision,
                              kernel_init=router_init, rngs=rngs)
@@ -489,17 +486,13 @@ class SparseMoE(nnx.Module):
     self.dropped = nnx.Intermediate(jnp.zeros((), jnp.float32))
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    if jnp.ndim(inputs) < 2:
-      raise ValueError(
-          f"nnx.SparseMoE: `inputs` must be [..., S, d] (tokens S in routing groups), got"
-          f" shape {jnp.shape(inputs)}; add a leading axis for a single group.")
+    from jsparse24.moe import check_groups, moe_forward  # pylint: disable=g-import-not-at-top
+    check_groups("nnx.SparseMoE", inputs)
 
     @nnx.vmap(in_axes=(0, 0), out_axes=0)
     def run(expert, x):
       return expert(x)
 
-    # Imported here: jsparse24.moe imports jsparse24.linen, which this module imports too.
-    from jsparse24.moe import moe_forward  # pylint: disable=g-import-not-at-top
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     y, aux, dropped = moe_forward(inputs, self.router, lambda x: run(self.experts, x),
                                   self.num_experts, self.top_k, self.capacity_factor, dtype)
