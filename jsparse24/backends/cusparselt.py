@@ -143,8 +143,9 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # and above 1024 rows by a sweep of M = 256 ... 8192 with XLA's re-layout,
 # slower than `forward_buffer`'s, so a bound from above (2026-11-28,
 # "cuSPARSELt on compressed weights (2026-11-28 08:26 UTC)"): it alone gives
-# (2048, 2048) its 2048. Taken for every GPU as AUTO_MIN_M is. At M = 1024 cuSPARSELt took 1.7-2.0x less time than the other
-# compressed products where K and N >= 4096. K or N = 1024: not swept, None.
+# (2048, 2048) its 2048. Taken for every GPU as AUTO_MIN_M is. At M = 1024
+# cuSPARSELt took 1.7-2.0x less time than the other compressed products where
+# K and N >= 4096. K or N = 1024: not swept, None.
 AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
     (None, None, None, None, None),   # K 1024
     (None, 2048, 1024, 512, 256),     # K 2048
