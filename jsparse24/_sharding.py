@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import warnings
 from typing import Any, Callable
 
@@ -74,11 +73,16 @@ def _factor_names():
   return iter(f"{c}{i}" for i in range(8) for c in _FACTORS)
 
 
+def _spec_entries(sharding: Any, ndim: int) -> tuple[Any, ...]:
+  """The `ndim` entries of `sharding`'s PartitionSpec (None past its end, and
+  all None for a sharding without a spec)."""
+  spec = tuple(getattr(sharding, "spec", None) or ())
+  return spec + (None,) * (ndim - len(spec))
+
+
 def _rows_spec(sharding: Any, ndim: int) -> P:
   """The spec that keeps `sharding`'s partition of axis 0 and no other."""
-  spec = getattr(sharding, "spec", None)
-  first = spec[0] if spec is not None and len(spec) else None
-  return P(first, *([None] * (ndim - 1)))
+  return P(_spec_entries(sharding, 1)[0], *([None] * (ndim - 1)))
 
 
 def _rule(ranks: tuple[int, ...], outputs: int = 1) -> str:
@@ -236,8 +240,7 @@ def _stack_specs(sharding: Any, ranks: tuple[int, ...]) -> tuple[P, tuple[P, ...
   """(x's and the result's spec, the operands' specs) of `stack_rows_parallel`:
   x's partition of its stack axis B and of its rows M kept, its last axis
   whole; each operand split like B on its axis 0, whole on the others."""
-  spec = tuple(getattr(sharding, "spec", None) or ()) + (None, None)
-  b, m = spec[0], spec[1]
+  b, m = _spec_entries(sharding, 2)[:2]
   return P(b, m, None), tuple(P(b, *([None] * (r - 1))) for r in ranks)
 
 
@@ -344,13 +347,14 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _first_row(axes: tuple[str, ...], rows: int) -> jax.Array:
-  """Inside a partitioned op: the global index of this device's first row,
-  for rows split over mesh `axes` (major to minor), `rows` per device."""
+def _first_index(axes: tuple[str, ...], per_device: int) -> jax.Array:
+  """Inside a partitioned op: the global index of this device's first row
+  (or column), for an axis split over mesh `axes` (major to minor),
+  `per_device` of them on each device."""
   index = jnp.zeros((), jnp.int32)
   for name in axes:
     index = index * jax.lax.axis_size(name) + jax.lax.axis_index(name)
-  return index * rows
+  return index * per_device
 
 
 def _contract_local(fn: Callable, axes: tuple[str, ...], col_axes: tuple[str, ...],
@@ -358,8 +362,8 @@ def _contract_local(fn: Callable, axes: tuple[str, ...], col_axes: tuple[str, ..
   # x [..., M, K], dy [..., M, N]: a stack (`stack_rows_contracted`) leads.
   def local(x, dy, *operands):
     zero = jnp.zeros((), jnp.int32)
-    first = _first_row(axes, x.shape[-2]) if axes else zero
-    first_col = _first_row(col_axes, dy.shape[-1]) if col_axes else zero
+    first = _first_index(axes, x.shape[-2]) if axes else zero
+    first_col = _first_index(col_axes, dy.shape[-1]) if col_axes else zero
     part = fn(x, dy, first, first_col, n_total, *operands)
     return jax.lax.psum(part, axes) if axes else part
   return local
@@ -373,8 +377,7 @@ def _contracted_specs(mesh, x_sharding, dy_sharding, k: int, n: int, align: int)
   used = set(_mesh_axes(rows[0]))
 
   def keep(sharding, dim):
-    spec = tuple(getattr(sharding, "spec", None) or ()) + (None, None)
-    entry = spec[1]
+    entry = _spec_entries(sharding, 2)[1]
     axes = _mesh_axes(entry)
     if not axes or used & set(axes) or dim % (_axis_size(mesh, entry) * align):
       return None
@@ -561,6 +564,8 @@ def stack_rows_contracted(fn: Callable, x: jax.Array, dy: jax.Array,
 
 
 def _axis_size(mesh, entry) -> int:
+  """The number of devices over the mesh axes of a spec `entry` (a name, a
+  tuple of names, or None: 1)."""
   size = 1
   for name in _mesh_axes(entry):
     size *= mesh.shape[name]
@@ -600,8 +605,7 @@ def _wrap_columns(fn: Callable, n_dims: tuple[int, ...], align: int,
     return inner(w, *extras)
 
   def entries(mesh, w_sharding, shape):
-    spec = tuple(getattr(w_sharding, "spec", None) or ())
-    spec = spec + (None,) * (lead + 2 - len(spec))
+    spec = _spec_entries(w_sharding, lead + 2)
 
     def fit(entry, dim, a):
       size = _axis_size(mesh, entry) if entry is not None else 1
@@ -719,7 +723,7 @@ class Split:
     return P(*(self.entry(r) for r in roles))
 
   def size(self, role: str) -> int:
-    return math.prod(self.mesh.shape[a] for a in getattr(self, role))
+    return _axis_size(self.mesh, getattr(self, role))
 
 
 def weight_split(fn: str, sharding: Any, rows: int, k: int, n: int,
@@ -735,15 +739,14 @@ def weight_split(fn: str, sharding: Any, rows: int, k: int, n: int,
   if not isinstance(sharding, NamedSharding):
     raise TypeError(f"{fn}: `{arg}` must be a jax.sharding.NamedSharding of the"
                     f" [K, N] weight (mesh and PartitionSpec), got {type(sharding).__name__}.")
-  spec = tuple(sharding.spec) + (None,) * (2 - len(tuple(sharding.spec)))
+  spec = _spec_entries(sharding, 2)
   if len(spec) != 2:
     raise ValueError(f"{fn}: `{arg}` has the PartitionSpec {sharding.spec} of"
                      f" {len(spec)} axes; the weight is [K, N] (2 axes).")
   mesh = sharding.mesh
   k_axes, n_axes = _mesh_axes(spec[0]), _mesh_axes(spec[1])
-  sizes = dict(mesh.shape)
   for name, axes, dim, a in (("K", k_axes, k, align[0]), ("N", n_axes, n, align[1])):
-    parts = math.prod(sizes[x] for x in axes)
+    parts = _axis_size(mesh, axes)
     if dim % parts or (dim // parts) % a:
       raise ValueError(
           f"{fn}: `{arg}` {sharding.spec} splits {name} = {dim} over mesh axes"
@@ -751,12 +754,12 @@ def weight_split(fn: str, sharding: Any, rows: int, k: int, n: int,
           f" of {name} to be a multiple of {a}, got {dim / parts:g}. Shard fewer ways,"
           f" or pass {arg}=None (the weight is then gathered for the product).")
   used = set(k_axes) | set(n_axes)
-  m_axes = tuple(a for a in mesh.axis_names if a not in used and sizes[a] > 1)
-  if m_axes and rows % math.prod(sizes[a] for a in m_axes):
+  m_axes = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+  if m_axes and rows % _axis_size(mesh, m_axes):
     if warn:
       warnings.warn(
           f"{fn}: {rows} rows of x do not divide over mesh axes {m_axes}"
-          f" ({math.prod(sizes[a] for a in m_axes)} devices); every device of them"
+          f" ({_axis_size(mesh, m_axes)} devices); every device of them"
           f" multiplies all rows.", stacklevel=4)
     m_axes = ()
   return Split(mesh, m_axes, k_axes, n_axes)
