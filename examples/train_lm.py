@@ -966,24 +966,8 @@ def _placed(state_sharding: Callable | None, fn: Callable, *args) -> Any:
   return jax.tree_util.tree_map_with_path(state_sharding, jax.eval_shape(fn, *args))
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args, saved = parse_args(argv), None
-  if args.resume:
-    # --resume continues the models in --out: the flags their run saved come
-    # first, and those given now override them (e.g. a larger --steps).
-    resumed, saved = with_saved_flags(args.out, argv)
-    args = parse_args(resumed)
-  if saved is not None:
-    print(f"flags from {os.path.join(args.out, FLAGS_FILE)} (flags given here override them):"
-          f" {' '.join(saved)}")
-  print(f"preset {args.size} ({args.size_reason})")
-  print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}, devices {jax.devices()}")
-  print(implementation_summary())
-
-  files = corpus_files(args.corpus)
-  data, val_data = load_text(files)
-  val = val_batches(val_data, args.eval_batches, args.batch, args.seq_len)
+def describe(args, files, data, val_data) -> None:
+  """Prints the run's data and model, as `main` is about to train them."""
   print(f"data: {len(data):,} train / {len(val_data):,} validation bytes from"
         f" {len(files)} stdlib files; vocabulary {VOCAB} (ln = {math.log(VOCAB):.3f})")
   print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads,"
@@ -1001,48 +985,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          if args.activation_weight_grad == "2:4" else "") + ")"
            if args.sparse_activations != "off" else ""))
 
-  os.makedirs(args.out, exist_ok=True)
-  if not args.resume:  # a resumed run continues the models its first run described
-    save_flags(args, argv)
-  sample = jnp.zeros((1, args.seq_len), jnp.int32)
-  runs = [make_run("dense", False, args, sample), make_run("2:4", True, args, sample)]
-  if jax.tree.structure(runs[0].params) != jax.tree.structure(runs[1].params):
-    raise AssertionError("the dense and 2:4 models should have the same params tree")
-  n_params = sum(a.size for a in jax.tree.leaves(runs[0].params))
-  print(f"parameters: {n_params:,} in both runs; layers with 2:4 weights:"
-        f" {sorted(jsparse24.optim.stats(runs[1].opt_state)) if runs[1].sparse else 'none'}")
 
-  start_steps = {}
-  for run in runs:
-    ckpt_dir = checkpoint_dir(args.out, run.name)
-    if args.resume:
-      if os.path.isdir(ckpt_dir):
-        with checkpoint_manager(ckpt_dir) as mngr:
-          if mngr.latest_step() is not None:
-            try:
-              restore(mngr, run)
-            except Exception as e:  # pylint: disable=broad-except
-              raise ValueError(
-                  f"train_lm --resume: the checkpoint in {ckpt_dir!r} does not load into the"
-                  f" model these flags describe ({short_reason(e)}). Resume with the flags it"
-                  f" was trained with, or start afresh without --resume.") from e
-      print(f"{run.name}: resuming from step {run.step}" if run.step else
-            f"{run.name}: no checkpoint in {ckpt_dir}, starting from step 0")
-      if run.step >= args.steps:
-        print(f"{run.name}: NOTHING TO TRAIN: the checkpoint is at step {run.step} and"
-              f" --steps is {args.steps}; pass --steps above {run.step} to train further.")
-    elif os.path.isdir(ckpt_dir):
-      shutil.rmtree(ckpt_dir)  # a fresh run replaces the old checkpoints
-    start_steps[run.name] = run.step
-    train(run, data, val, args=args, ckpt_dir=ckpt_dir)
+def open_checkpoints(run: Run, args) -> str:
+  """`run`'s checkpoint directory, `run` restored from its latest checkpoint
+  under `--resume`, else the old checkpoints removed (a fresh run replaces
+  them)."""
+  ckpt_dir = checkpoint_dir(args.out, run.name)
+  if args.resume:
+    if os.path.isdir(ckpt_dir):
+      with checkpoint_manager(ckpt_dir) as mngr:
+        if mngr.latest_step() is not None:
+          try:
+            restore(mngr, run)
+          except Exception as e:  # pylint: disable=broad-except
+            raise ValueError(
+                f"train_lm --resume: the checkpoint in {ckpt_dir!r} does not load into the"
+                f" model these flags describe ({short_reason(e)}). Resume with the flags it"
+                f" was trained with, or start afresh without --resume.") from e
+    print(f"{run.name}: resuming from step {run.step}" if run.step else
+          f"{run.name}: no checkpoint in {ckpt_dir}, starting from step 0")
+    if run.step >= args.steps:
+      print(f"{run.name}: NOTHING TO TRAIN: the checkpoint is at step {run.step} and"
+            f" --steps is {args.steps}; pass --steps above {run.step} to train further.")
+  elif os.path.isdir(ckpt_dir):
+    shutil.rmtree(ckpt_dir)  # a fresh run replaces the old checkpoints
+  return ckpt_dir
 
+
+def report(runs: list[Run], start_steps: dict[str, int], val, args) -> dict[str, Any]:
+  """Plots the loss curves, prints the tables (losses, tokens/s, programs,
+  the backends, the ramp's prediction, the shipped 2:4 model) and returns
+  `main`'s result."""
   dense, sparse = runs
   if not dense.history["eval_steps"]:
     raise ValueError(f"nothing trained or restored: --steps {args.steps} and no checkpoint.")
   png = os.path.join(args.out, "loss_curves.png")
   plot(runs, png)
 
-  # --- the report ---
   print()
   # Each row: the evaluation after step `at step`; train = the mean training
   # loss of the steps since the previous evaluation.
@@ -1100,23 +1079,63 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"  (gap {final[1] - final[0]:+.3f}; ln(vocab) = {math.log(VOCAB):.3f})")
 
   if sparse.sparse:
-    report = ship_report(sparse, val, args)
+    shipped = ship_report(sparse, val, args)
   else:
     print("2:4 weights: none (--mlp-weights dense): the 2:4 run's only 2:4 operands are"
           " mlp/down's activations, so its weights ship dense")
-    report = {"sparse_layers": []}
+    shipped = {"sparse_layers": []}
   print(implementation_summary().splitlines()[0])
   print(f"wrote {png} and checkpoints in {os.path.join(args.out, 'checkpoints')}")
 
   return {
       **losses,
-      **report,
+      **shipped,
       "ramp_tokens_per_s_over_predicted": None if ramp is None else ramp[2],
       "sparse_layer_backends": backends,
       "loss_curves_png": png,
       "checkpoint_dir": checkpoint_dir(args.out, sparse.name),
       "params": sparse.params,
   }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args, saved = parse_args(argv), None
+  if args.resume:
+    # --resume continues the models in --out: the flags their run saved come
+    # first, and those given now override them (e.g. a larger --steps).
+    resumed, saved = with_saved_flags(args.out, argv)
+    args = parse_args(resumed)
+  if saved is not None:
+    print(f"flags from {os.path.join(args.out, FLAGS_FILE)} (flags given here override them):"
+          f" {' '.join(saved)}")
+  print(f"preset {args.size} ({args.size_reason})")
+  print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}, devices {jax.devices()}")
+  print(implementation_summary())
+
+  files = corpus_files(args.corpus)
+  data, val_data = load_text(files)
+  val = val_batches(val_data, args.eval_batches, args.batch, args.seq_len)
+  describe(args, files, data, val_data)
+
+  os.makedirs(args.out, exist_ok=True)
+  if not args.resume:  # a resumed run continues the models its first run described
+    save_flags(args, argv)
+  sample = jnp.zeros((1, args.seq_len), jnp.int32)
+  runs = [make_run("dense", False, args, sample), make_run("2:4", True, args, sample)]
+  if jax.tree.structure(runs[0].params) != jax.tree.structure(runs[1].params):
+    raise AssertionError("the dense and 2:4 models should have the same params tree")
+  n_params = sum(a.size for a in jax.tree.leaves(runs[0].params))
+  print(f"parameters: {n_params:,} in both runs; layers with 2:4 weights:"
+        f" {sorted(jsparse24.optim.stats(runs[1].opt_state)) if runs[1].sparse else 'none'}")
+
+  start_steps = {}
+  for run in runs:
+    ckpt_dir = open_checkpoints(run, args)
+    start_steps[run.name] = run.step
+    train(run, data, val, args=args, ckpt_dir=ckpt_dir)
+
+  return report(runs, start_steps, val, args)
 
 
 def ship_report(sparse: Run, val, args) -> dict[str, Any]:

@@ -489,9 +489,10 @@ def mask_update(
     # `backends.rebuild_where`): on a GPU a conditional copies its
     # predicate to the host and waits for it, once per step, and the host
     # then launches the rest of the step behind the GPU
-    # (benchmarks/results/nvidia-h100-80gb-hbm3.md, "mask rebuilds without a
-    # conditional"). Other layers (a CPU, or weights the kernels do not
-    # take) are rebuilt inside one `lax.cond`.
+    # (benchmarks/results/nvidia-h100-80gb-hbm3.md, "Whole model, mask
+    # rebuilds without a conditional (2026-11-24)"). Other layers (a CPU, or
+    # weights the kernels do not take) are rebuilt inside one `lax.cond`
+    # (`_rebuilt_masks`).
     old_masks = _by_path(lambda layer, _, path: layer["mask"], state.masks, state.masks)
     kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
                        params)
@@ -510,39 +511,7 @@ def mask_update(
     if mask_rebuild is not None:
       do_rebuild = jnp.asarray(bool(mask_rebuild))
 
-    def when_rebuilding(rebuild, keep):
-      """`rebuild()` on the updates that rebuild masks, else `keep()`: by
-      a conditional on the run-time flag, or, where the host said which
-      (`mask_rebuild`), by tracing only the one that runs."""
-      if mask_rebuild is None:
-        return jax.lax.cond(do_rebuild, rebuild, keep)
-      return rebuild() if mask_rebuild else keep()
-
-    # The kernel counts the flips as it rebuilds (none otherwise): no pass
-    # over the masks for the statistics on a step that rebuilds nothing. An
-    # update that the host knows rebuilds nothing calls no kernel.
-    flagged = {} if mask_rebuild is False else {
-        path: backends.rebuild_where(kernels[path], old, do_rebuild)
-        for path, old in old_masks.items()}
-    flagged = {path: new for path, new in flagged.items() if new is not None}
-    new_masks = {path: mask for path, (mask, _) in flagged.items()}
-    flips = {path: jnp.where(do_rebuild, flip, old_flips[path])
-             for path, (_, flip) in flagged.items()}
-    slow = [path for path in old_masks if path not in new_masks]
-    if slow:
-      def rebuilt():
-        new = {path: _mask_typed_like(Mask24.from_weights(kernels[path],
-                                                     transposable=old_masks[path].transposable),
-                                 old_masks[path])
-               for path in slow}
-        return new, {path: flip_fraction(old_masks[path], new[path]) for path in slow}
-
-      slow_masks, slow_flips = when_rebuilding(
-          rebuilt,
-          lambda: ({path: old_masks[path] for path in slow},
-                   {path: old_flips[path] for path in slow}))
-      new_masks.update(slow_masks)
-      flips.update(slow_flips)
+    new_masks, flips = _rebuilt_masks(kernels, old_masks, old_flips, do_rebuild, mask_rebuild)
     if ramp is not None:
       new_masks = {path: _select_layers(per_layer[path], new, old_masks[path])
                    for path, new in new_masks.items()}
@@ -551,7 +520,8 @@ def mask_update(
       old_score = _by_path(lambda _, s, path: s, state.masks, state.score)
       # Scores only where masks were rebuilt: one pass over those weights,
       # inside a conditional unless the host said (module docstring).
-      score = when_rebuilding(
+      score = _when_rebuilding(
+          do_rebuild, mask_rebuild,
           lambda: {path: jnp.where(per_layer[path], pruned_norm(kernels[path], new_masks[path]),
                                    old_score[path]) for path in old_score},
           lambda: dict(old_score))
@@ -594,6 +564,51 @@ def mask_update(
         _map_layers(lambda _, __, path: score[path], masks, masks))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _when_rebuilding(do_rebuild: jax.Array, mask_rebuild: bool | None, rebuild: Callable,
+                     keep: Callable):
+  """`rebuild()` on the updates that rebuild masks, else `keep()`: by a
+  conditional on the run-time flag `do_rebuild`, or, where the host said
+  which (`mask_update`'s `mask_rebuild`), by tracing only the one that runs."""
+  if mask_rebuild is None:
+    return jax.lax.cond(do_rebuild, rebuild, keep)
+  return rebuild() if mask_rebuild else keep()
+
+
+def _rebuilt_masks(kernels: dict, old_masks: dict, old_flips: dict, do_rebuild: jax.Array,
+                   mask_rebuild: bool | None) -> tuple[dict, dict]:
+  """`mask_update`'s rebuild, by layer path: (the masks, the flip rates)
+  after the update, rebuilt from `kernels` where `do_rebuild`, else the old
+  ones. The fused kernel (`backends.rebuild_where`) skips its work on the
+  run-time flag and counts the flips as it rebuilds (no pass over the masks
+  for the statistics on a step that rebuilds nothing); the layers it does
+  not take (a CPU, or weights it cannot) are rebuilt inside one conditional
+  (`_when_rebuilding`). An update that the host knows rebuilds nothing
+  (`mask_rebuild=False`) calls no kernel."""
+  flagged = {} if mask_rebuild is False else {
+      path: backends.rebuild_where(kernels[path], old, do_rebuild)
+      for path, old in old_masks.items()}
+  flagged = {path: new for path, new in flagged.items() if new is not None}
+  new_masks = {path: mask for path, (mask, _) in flagged.items()}
+  flips = {path: jnp.where(do_rebuild, flip, old_flips[path])
+           for path, (_, flip) in flagged.items()}
+  slow = [path for path in old_masks if path not in new_masks]
+  if slow:
+    def rebuilt():
+      new = {path: _mask_typed_like(Mask24.from_weights(kernels[path],
+                                                        transposable=old_masks[path].transposable),
+                                    old_masks[path])
+             for path in slow}
+      return new, {path: flip_fraction(old_masks[path], new[path]) for path in slow}
+
+    slow_masks, slow_flips = _when_rebuilding(
+        do_rebuild, mask_rebuild, rebuilt,
+        lambda: ({path: old_masks[path] for path in slow},
+                 {path: old_flips[path] for path in slow}))
+    new_masks.update(slow_masks)
+    flips.update(slow_flips)
+  return new_masks, flips
 
 
 def pruned_norm(kernel: jax.Array, mask: Mask24) -> jax.Array:
