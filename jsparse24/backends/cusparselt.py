@@ -926,9 +926,10 @@ def _tiles_times_local(search: int, alg: int, interpret: bool, keep: bool = Fals
     ap = _padded_rows(a)
     mp = ap.shape[0]
     _check_size(a.dtype, mp, c)
-    if keep and mp // 2 + mp // 16 > m:
+    kept_rows = buffer_shape(mp, c, transpose=False)[0]  # the copy along M
+    if keep and kept_rows > m:
       raise ValueError(f"tiles_times_keeping: {m} rows on a device hold no copy of"
-                       f" {mp // 2 + mp // 16} rows; it needs at least {KEEP_MIN_ROWS}.")
+                       f" {kept_rows} rows; it needs at least {KEEP_MIN_ROWS}.")
     along_m, along_c, *codes = tiles_compress_for_products(
         ap, interpret, along_m_rows=m if keep else None, codes=keep)
     y = _sparse_b_matmul(b, along_c, (mp, b.shape[1]), m=b.shape[1], n=mp, k=c,
@@ -969,13 +970,13 @@ def _pruned_weight_grad_local(pruned: str, rule: str, search: int, alg: int, int
 
   def run(x, dy, first_row, first_col, n_total):
     del first_row, first_col, n_total  # each device's own tiles and columns
-    mp = x.shape[0] + -x.shape[0] % ALIGN_KN
     sparse, dense = (x, dy) if pruned == "x" else (dy, x)
     rows, cols = sparse.shape[1], dense.shape[1]
-    _check_size(x.dtype, mp, rows)
     dense = _padded_rows(dense)
+    mp = dense.shape[0]
+    _check_size(x.dtype, mp, rows)
     if rule == "kept":
-      along_m = sparse[:mp // 2 + mp // 16]
+      along_m = sparse[:buffer_shape(mp, rows, transpose=False)[0]]
     elif rule == "tiles":
       along_m, _ = tiles_compress_for_products(_padded_rows(sparse), interpret)
     else:  # each group of 4 tokens 4 consecutive rows of both operands
