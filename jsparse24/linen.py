@@ -610,15 +610,25 @@ def _map_layers(fn, sparsity: Mapping, other: Any, path=()):
   return out
 
 
-def layers_by_path(sparsity: Mapping, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Mapping]:
+def map_layers(fn, sparsity: Mapping) -> dict:
+  """A `"sparsity"` tree with `fn(layer, path)` in place of each sparse
+  layer's `{"mask": Mask24, "active": ...}`."""
+  return _map_layers(lambda layer, _, path: fn(layer, path), sparsity, sparsity)
+
+
+def entries_by_path(sparsity: Mapping, tree: Any) -> dict[tuple[str, ...], Any]:
+  """`{layer path: tree's entry at that path}` for every sparse layer of a
+  `"sparsity"` tree; `tree` has the same layer paths (params, or a per-layer
+  tree of statistics), raising where it lacks one."""
+  out = {}
+  _map_layers(lambda _, entry, path: out.__setitem__(path, entry), sparsity, tree)
+  return out
+
+
+def layers_by_path(sparsity: Mapping) -> dict[tuple[str, ...], Mapping]:
   """`{layer path: {"mask": Mask24, "active": ...}}` for every sparse layer of a
   `"sparsity"` tree."""
-  if isinstance(sparsity.get("mask"), Mask24):
-    return {path: sparsity}
-  out = {}
-  for key, value in sparsity.items():
-    out.update(layers_by_path(value, path + (key,)))
-  return out
+  return entries_by_path(sparsity, sparsity)
 
 
 def mask_like_kernel(mask: Mask24, kernel: Any, layer: str, fn: str) -> Mask24:

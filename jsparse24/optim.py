@@ -87,7 +87,8 @@ from jsparse24 import _checks, backends
 from jsparse24._format import Mask24
 from jsparse24._phase import STATIC_DENSE, is_static_dense
 from jsparse24._sharding import explicit_sharding, typed_like
-from jsparse24.linen import (_map_layers, check_sparsity, dense_kernel, layers_by_path,
+from jsparse24.linen import (check_sparsity, dense_kernel, entries_by_path, layers_by_path,
+                             map_layers,
                              map_sparse_kernels, masks_like_kernels as _masks_like_kernels,
                              rebuild_masks)
 from pallas_kernels import prune_rule
@@ -359,10 +360,6 @@ class MaskUpdateState(NamedTuple):
   score: Any = None
 
 
-def _per_layer(fn, masks: Mapping) -> dict:
-  return _map_layers(lambda layer, _, path: fn(layer), masks, masks)
-
-
 def mask_update(
     sparsity: Mapping,
     schedule: MaskSchedule = MaskSchedule(),
@@ -449,7 +446,7 @@ def mask_update(
         jnp.broadcast_to(active, _stack_shape(layer)), copy=True))
 
   def per_layer_value(masks, value):
-    return _per_layer(lambda layer: jnp.array(jnp.broadcast_to(
+    return map_layers(lambda layer, _: jnp.array(jnp.broadcast_to(
         jnp.asarray(value, jnp.float32), _stack_shape(layer)), copy=True), masks)
 
   def init_fn(params):
@@ -459,14 +456,14 @@ def mask_update(
     if ramp is None:
       masks = set_active(masks, schedule.sparse(0))
       return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), zero())
-    held = _by_path(lambda layer, _, path: layer["mask"], masks, masks)
-    kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), masks, params)
+    held = {path: layer["mask"] for path, layer in layers_by_path(masks).items()}
+    kernels = _kernels(masks, params)
     score = {path: pruned_norm(kernels[path], held[path]) for path in held}
     dense = {path: jnp.zeros(_stack_shape({"mask": m}), jnp.bool_) for path, m in held.items()}
     active = _grow(dense, score, ramp.count(0, n_layers), schedule.sparse(0))
-    masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
+    masks = map_layers(lambda layer, path: {**layer, "active": active[path]}, masks)
     return MaskUpdateState(zero(), masks, per_layer_value(masks, 0.0), zero(),
-                           _map_layers(lambda _, __, path: score[path], masks, masks))
+                           map_layers(lambda _, path: score[path], masks))
 
   def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
                 sparse: bool | frozenset[str] | None = None, **extra_args):
@@ -493,16 +490,16 @@ def mask_update(
     # rebuilds without a conditional (2026-11-24)"). Other layers (a CPU, or
     # weights the kernels do not take) are rebuilt inside one `lax.cond`
     # (`_rebuilt_masks`).
-    old_masks = _by_path(lambda layer, _, path: layer["mask"], state.masks, state.masks)
-    kernels = _by_path(lambda _, p, path: dense_kernel(p, path, "mask_update"), state.masks,
-                       params)
-    old_flips = _by_path(lambda _, f, path: f, state.masks, state.flip_rate)
+    held = layers_by_path(state.masks)
+    old_masks = {path: layer["mask"] for path, layer in held.items()}
+    kernels = _kernels(state.masks, params)
+    old_flips = entries_by_path(state.masks, state.flip_rate)
     if ramp is not None:
       # Layers enter 2:4 where the ramp's count grows: the dense layers'
       # masks (and scores) are rebuilt then, so that the entering layers
       # are chosen by, and start from, masks of the current weights; the
       # 2:4 layers' masks keep the schedule's cadence.
-      was_active = _by_path(lambda layer, _, path: layer["active"], state.masks, state.masks)
+      was_active = {path: layer["active"] for path, layer in held.items()}
       held_sparse = sum(jnp.sum(a, dtype=jnp.int32) for a in was_active.values())
       count = ramp.count(nxt, n_layers)
       grow = schedule.sparse(nxt) & (count > held_sparse)
@@ -517,7 +514,7 @@ def mask_update(
                    for path, new in new_masks.items()}
       flips = {path: jnp.where(per_layer[path], flip, old_flips[path])
                for path, flip in flips.items()}
-      old_score = _by_path(lambda _, s, path: s, state.masks, state.score)
+      old_score = entries_by_path(state.masks, state.score)
       # Scores only where masks were rebuilt: one pass over those weights,
       # inside a conditional unless the host said (module docstring).
       score = _when_rebuilding(
@@ -525,9 +522,8 @@ def mask_update(
           lambda: {path: jnp.where(per_layer[path], pruned_norm(kernels[path], new_masks[path]),
                                    old_score[path]) for path in old_score},
           lambda: dict(old_score))
-    masks = _map_layers(lambda layer, _, path: {**layer, "mask": new_masks[path]},
-                        state.masks, state.masks)
-    flip = _map_layers(lambda _, __, path: flips[path], state.masks, state.masks)
+    masks = map_layers(lambda layer, path: {**layer, "mask": new_masks[path]}, state.masks)
+    flip = map_layers(lambda _, path: flips[path], state.masks)
     # The sparse kernels' updates depend on the rebuild's outputs, so that
     # the optimizer's in-place write of the new params (donated buffers)
     # provably follows the rebuild's read of the old ones. Without a data
@@ -558,10 +554,9 @@ def mask_update(
       masks = _apart(masks, flips)
       return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, last)
     active = _grow(was_active, score, count, schedule.sparse(nxt))
-    masks = _map_layers(lambda layer, _, path: {**layer, "active": active[path]}, masks, masks)
-    return updates, MaskUpdateState(
-        optax.safe_increment(step), masks, flip, last,
-        _map_layers(lambda _, __, path: score[path], masks, masks))
+    masks = map_layers(lambda layer, path: {**layer, "active": active[path]}, masks)
+    return updates, MaskUpdateState(optax.safe_increment(step), masks, flip, last,
+                                    map_layers(lambda _, path: score[path], masks))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -680,11 +675,10 @@ def flip_fraction(old: Mask24, new: Mask24) -> jax.Array:
   return jnp.sum(changed.astype(jnp.float32), axis=tuple(range(lead, changed.ndim))) / (k * n)
 
 
-def _by_path(fn, sparsity: Mapping, other: Any) -> dict:
-  """`{layer path: fn(layer, other's entry, path)}` over the sparse layers."""
-  out = {}
-  _map_layers(lambda layer, o, path: out.__setitem__(path, fn(layer, o, path)), sparsity, other)
-  return out
+def _kernels(masks: Mapping, params: Mapping) -> dict:
+  """`{layer path: its dense kernel in params}` over the sparse layers."""
+  return {path: dense_kernel(layer_params, path, "mask_update")
+          for path, layer_params in entries_by_path(masks, params).items()}
 
 
 def _apart(masks: Mapping, flips: Mapping) -> dict:
@@ -699,14 +693,14 @@ def _apart(masks: Mapping, flips: Mapping) -> dict:
   of the dense warm-up for the rest of training, and `compress_params` left
   them dense. Values XLA cannot prove equal are each written."""
   never = {path: flip < 0 for path, flip in flips.items()}
-  return _map_layers(
-      lambda layer, _, path: layer if layer["active"] is None
-      else {**layer, "active": layer["active"] | never[path]}, masks, masks)
+  return map_layers(
+      lambda layer, path: layer if layer["active"] is None
+      else {**layer, "active": layer["active"] | never[path]}, masks)
 
 
 def _with_active(masks: Mapping, flags) -> dict:
   """`masks` with every layer's `"active"` replaced by `flags(layer)`."""
-  return _per_layer(lambda layer: {**layer, "active": flags(layer)}, masks)
+  return map_layers(lambda layer, _: {**layer, "active": flags(layer)}, masks)
 
 
 def _stack_shape(layer: Mapping) -> tuple[int, ...]:
@@ -938,8 +932,7 @@ def _with_static_phase(held: Mapping, sparse: bool | frozenset[str] | None, fn: 
         return STATIC_DENSE
       return flags.reshape(_stack_shape(layer))
 
-    return _map_layers(lambda layer, _, path: {**layer, "active": static(layer, path)},
-                       held, held)
+    return map_layers(lambda layer, path: {**layer, "active": static(layer, path)}, held)
   if not isinstance(sparse, (bool, np.bool_)):
     raise TypeError(
         f"{fn}: `sparse` must be None, a Python bool (this step's phase, e.g."
@@ -1027,7 +1020,7 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
   # the update writes without reading is an input that a jitted step drops
   # (`jax.jit`'s `keep_unused=False`), so its output cannot take the donated
   # buffer: a new allocation every step, at a new address.
-  sparsity = by_path(_per_layer(lambda layer: jnp.broadcast_to(
+  sparsity = by_path(map_layers(lambda layer, _: jnp.broadcast_to(
       jnp.where(True if layer["active"] is None else layer["active"], 1 - DENSITY, 0.0),
       _stack_shape(layer)).astype(jnp.float32), state.masks))
   score = {} if state.score is None else by_path(state.score)
