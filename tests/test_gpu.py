@@ -926,7 +926,7 @@ def test_cusparselt_tile_buffers_are_cusparselts(m, k, dtype):
   from jsparse24.backends import cusparselt
   x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(dtype)
   xm = jnp.where(input_mask(x, True), x, 0)
-  along_m, along_c = jax.jit(cusparselt.tiles_compress_for_products)(x)
+  along_m, along_c, _ = jax.jit(cusparselt.tiles_compress_for_products)(x)
   assert _same_bits(along_c, jax.jit(cusparselt.compress_input)(xm))
   assert _same_bits(along_m, jax.jit(lambda a: cusparselt.compress(a, transpose=False))(xm))
 

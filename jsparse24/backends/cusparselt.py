@@ -847,33 +847,31 @@ def input_sparse_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def tiles_compress_for_products(a: jax.Array, interpret: bool | None = None,
-                                along_m_rows: int | None = None, codes: bool = False):
+                                along_m_rows: int | None = None):
   """`a[M, C]` (M, C multiples of 64) pruned by the transposable rule on
-  4x4 tiles and compressed for cuSPARSELt: `(along_m, along_c)`, the
-  buffers of a transposable `[M, C]` weight (`buffer_shape(M, C,
-  transpose=False)` and `transpose=True`). One Pallas pass, then the
-  metadata writes; where the kernels cannot run, `compress_for_products_xla`.
-  `along_m_rows`: `along_m` is `[along_m_rows, C]`, its buffer in the
-  leading rows (`tiles_times_keeping`). `codes`: also return the tile mask's
-  codes along C, `uint8[M, C/8]` (`Mask24` codes of the mask as a `[C, M]`
-  weight's: `kept_tile_mask`)."""
+  4x4 tiles and compressed for cuSPARSELt: `(along_m, along_c, codes)`,
+  the buffers of a transposable `[M, C]` weight (`buffer_shape(M, C,
+  transpose=False)` and `transpose=True`) and the tile mask's codes along
+  C, `uint8[M, C/8]` (`Mask24` codes of the mask as a `[C, M]` weight's:
+  `kept_tile_mask`). One Pallas pass, then the metadata writes; where the
+  kernels cannot run, `compress_for_products_xla`. `along_m_rows`:
+  `along_m` is `[along_m_rows, C]`, its buffer in the leading rows
+  (`tiles_times_keeping`). Callers run it under `jit`, which drops the
+  outputs they leave unused (the kernel writes the codes anyway)."""
   m, c = a.shape
   _check_aligned(m, c)
   if _xla_fallback():
     along_m, along_c, meta = compress_for_products_xla(a, None, True)
     if along_m_rows is not None:
       along_m = jnp.pad(along_m, ((0, along_m_rows - along_m.shape[0]), (0, 0)))
-    if not codes:
-      return along_m, along_c
     mask = Mask24.from_meta(meta, (m, c), transposable=True).unpack()
     return along_m, along_c, Mask24.pack(mask.T).packed
   if interpret is None:
     interpret = pallas_backend.interpreting()
   values, meta, values_t, meta_t = pallas_backend.kernels().prune24.prune_compress(
       a, transposable=True, layout="cusparselt", interpret=interpret, values_rows=along_m_rows)
-  out = (_with_metadata(values, m // 2, meta, m // 4, interpret=interpret),
-         _with_metadata(values_t, m, meta_t, c // 4, interpret=interpret))
-  return out + (meta_t,) if codes else out
+  return (_with_metadata(values, m // 2, meta, m // 4, interpret=interpret),
+          _with_metadata(values_t, m, meta_t, c // 4, interpret=interpret), meta_t)
 
 
 def tokens_compress_for_product(a: jax.Array, interpret: bool | None = None) -> jax.Array:
@@ -930,12 +928,12 @@ def _tiles_times_local(search: int, alg: int, interpret: bool, keep: bool = Fals
     if keep and kept_rows > m:
       raise ValueError(f"tiles_times_keeping: {m} rows on a device hold no copy of"
                        f" {kept_rows} rows; it needs at least {KEEP_MIN_ROWS}.")
-    along_m, along_c, *codes = tiles_compress_for_products(
-        ap, interpret, along_m_rows=m if keep else None, codes=keep)
+    along_m, along_c, codes = tiles_compress_for_products(
+        ap, interpret, along_m_rows=m if keep else None)
     y = _sparse_b_matmul(b, along_c, (mp, b.shape[1]), m=b.shape[1], n=mp, k=c,
                          search=search, alg=alg)
     y = y[:m] if mp != m else y
-    return (y, along_m, codes[0][:m]) if keep else y
+    return (y, along_m, codes[:m]) if keep else y
 
   return run
 
@@ -978,7 +976,7 @@ def _pruned_weight_grad_local(pruned: str, rule: str, search: int, alg: int, int
     if rule == "kept":
       along_m = sparse[:buffer_shape(mp, rows, transpose=False)[0]]
     elif rule == "tiles":
-      along_m, _ = tiles_compress_for_products(_padded_rows(sparse), interpret)
+      along_m = tiles_compress_for_products(_padded_rows(sparse), interpret)[0]
     else:  # each group of 4 tokens 4 consecutive rows of both operands
       dense = token_groups(dense)
       along_m = tokens_compress_for_product(token_groups(_padded_rows(sparse)), interpret)
