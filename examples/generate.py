@@ -51,11 +51,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
-import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -67,17 +64,9 @@ import numpy as np
 
 import jsparse24
 
-
-def _train_lm():
-  path = pathlib.Path(__file__).with_name("train_lm.py")
-  spec = importlib.util.spec_from_file_location("train_lm", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault("train_lm", module)
-  spec.loader.exec_module(module)
-  return module
-
-
-lm = _train_lm()
+# The example beside this one (Python puts a script's folder on its path):
+# the model, data, flags and checkpoints of the runs generated from.
+import train_lm as lm  # pylint: disable=g-bad-import-order
 
 
 # --- the model with a KV cache -------------------------------------------------

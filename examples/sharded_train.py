@@ -107,12 +107,9 @@ tokens/s of both; on a machine with 4 GPUs, `-k fsdp` for one layout):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
-import pathlib
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 
@@ -126,20 +123,15 @@ from tqdm import tqdm
 
 import jsparse24
 
+# The example beside this one (Python puts a script's folder on its path):
+# the model, data, flags, schedule and checkpoints of the runs sharded here.
+import train_lm as lm  # pylint: disable=g-bad-import-order
+
 # The layouts (`jsparse24.layouts`): Megatron tensor parallelism of the MLP
 # layers, `up` [d, 4d] column-parallel, `down` [4d, d] row-parallel.
 LAYOUTS = jsparse24.layouts.LAYOUTS
 MLP_ROLES = {"up": "column", "down": "row"}
 TENSOR_PARALLEL = {f"mlp/{name}": role for name, role in MLP_ROLES.items()}
-
-
-def _train_lm():
-  path = pathlib.Path(__file__).with_name("train_lm.py")
-  spec = importlib.util.spec_from_file_location("train_lm", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault("train_lm", module)
-  spec.loader.exec_module(module)
-  return module
 
 
 def log(*args) -> None:
@@ -206,7 +198,7 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
   return slice(lo, hi)
 
 
-def global_batch(lm, data, step: int, args, sharding: NamedSharding) -> tuple[jax.Array, ...]:
+def global_batch(data, step: int, args, sharding: NamedSharding) -> tuple[jax.Array, ...]:
   """Step `step`'s batch (x, y) as global arrays laid out as `sharding`:
   this process makes only the rows its own devices hold."""
   shape = (args.batch, args.seq_len)
@@ -236,7 +228,7 @@ def _sparse_layers(run) -> set[str]:
 # --- training ------------------------------------------------------------------
 
 
-def make_step(lm, run, layout):
+def make_step(run, layout):
   """The jitted train step. Its outputs keep the state's layout
   (`out_shardings`; left to XLA, the masks that the rebuild kernel makes on
   each device's block could come back replicated, gathered every step)."""
@@ -260,7 +252,7 @@ def make_step(lm, run, layout):
   return jax.jit(step, donate_argnums=(0, 1), static_argnames="phase", out_shardings=keep)
 
 
-def open_checkpoints(lm, run, args):
+def open_checkpoints(run, args):
   """The run's Orbax checkpoints, which every process opens, writes and
   reads (each its own shards). `--resume`: `run` restored from the latest,
   in its current layout; otherwise the old ones go."""
@@ -277,10 +269,10 @@ def open_checkpoints(lm, run, args):
   return mngr
 
 
-def train(lm, run, args, data, layout) -> dict:
+def train(run, args, data, layout) -> dict:
   rows = layout.batch_sharding
-  mngr = open_checkpoints(lm, run, args)
-  step = make_step(lm, run, layout)
+  mngr = open_checkpoints(run, args)
+  step = make_step(run, layout)
   # Timed from the step after the first sparse one (compilation and
   # cuSPARSELt's algorithm search happen before), as in train_lm, and never
   # through a checkpoint.
@@ -295,7 +287,7 @@ def train(lm, run, args, data, layout) -> dict:
     if i == start:
       jax.block_until_ready(run.params)
       t0 = time.perf_counter()
-    x, y = global_batch(lm, data, i, args, rows)
+    x, y = global_batch(data, i, args, rows)
     run.params, run.opt_state, loss = step(run.params, run.opt_state, x, y, phase=run.phase(i))
     run.step = i + 1
     pending.append(loss)
@@ -323,7 +315,6 @@ def train(lm, run, args, data, layout) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  lm = _train_lm()
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
       epilog="Every other flag is train_lm.py's (model, data, schedule, --eval-every as the"
@@ -412,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       mlp_shardings(layout), layout.state_sharding)
     if run.sparse:  # each mask where its kernel's block is (tp, 2d, FSDP's sharded kernels)
       run.opt_state = jsparse24.optim.masks_like_kernels(run.opt_state, run.params)
-    out[name] = train(lm, run, lm_args, data, layout)
+    out[name] = train(run, lm_args, data, layout)
     r = out[name]
     resumed = f", resumed at step {r['start_step']}" if r["start_step"] else ""
     log(f"{name:>5}: {r['steps_run']} steps run (of --steps {lm_args.steps}{resumed}); loss"

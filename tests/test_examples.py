@@ -1,6 +1,8 @@
 """The user-facing examples run end to end (tiny settings) and do what they say.
 
-`examples/` is not a package: each script is imported from its path.
+`examples/` is not a package: each script is imported from its path, with
+the folder on `sys.path`, as Python puts it there for a script run from it
+(generate.py and sharded_train.py `import train_lm`).
 """
 
 import contextlib
@@ -31,6 +33,8 @@ TINY_LM = ["--steps", "30", "--eval-every", "15", "--d-model", "32", "--layers",
 
 
 def load_example(name: str):
+  if str(EXAMPLES) not in sys.path:
+    sys.path.append(str(EXAMPLES))
   spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses (Flax modules) look their module up
@@ -152,7 +156,7 @@ def test_sharded_train_takes_train_lms_preset_for_the_platform(monkeypatch, caps
     raise Stop
 
   monkeypatch.setattr(lm, "corpus_files", corpus_files)
-  monkeypatch.setattr(sharded, "_train_lm", lambda: lm)
+  monkeypatch.setattr(sharded, "lm", lm)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   for flags, size in (([], "gpu"), (["--size", "small"], "small")):
     capsys.readouterr()

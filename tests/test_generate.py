@@ -5,10 +5,7 @@ benchmark with its logits check."""
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,27 +14,19 @@ import pytest
 
 import jsparse24
 from benchmarks import _common, _gpt, bench_decode
+from tests.test_examples import load_example
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 # train_lm's flags for a model that trains in seconds (sparse from the first step).
 TINY = ["--steps", "4", "--eval-every", "4", "--d-model", "32", "--layers", "1", "--heads", "2",
         "--seq-len", "16", "--batch", "4", "--eval-batches", "1", "--mask-warmup", "0"]
 
 
-def load_generate():
-  spec = importlib.util.spec_from_file_location("example_generate", EXAMPLES / "generate.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # Flax modules look their module up
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
   """(the module, its train_lm flags, what the first run printed, its result):
   a run with no checkpoint, which trains first."""
-  gen = load_generate()
+  gen = load_example("generate")
   argv = TINY + ["--out", str(tmp_path_factory.mktemp("generate")), "--tokens", "4",
                  "--batches", "1", "--repeats", "1"]
   printed = io.StringIO()
@@ -336,7 +325,7 @@ def test_generate_decodes_a_squared_relu_model_with_24_activations(tmp_path, mlp
   trains it, ships it and generates; its decode model has the run's
   feed-forward, and its cached logits equal those of the run's own CharLM on
   the trained variables."""
-  gen = load_generate()
+  gen = load_example("generate")
   out = str(tmp_path)
   flags = TINY + ["--ffn-activation", "relu2", "--sparse-activations", "masked",
                   "--mlp-weights", mlp_weights, "--out", out]
@@ -365,7 +354,7 @@ def test_generate_decodes_a_squared_relu_model_with_24_activations(tmp_path, mlp
 
 
 def test_decode_model_refuses_a_moe_model_by_name():
-  gen = load_generate()
+  gen = load_example("generate")
   moe = gen.lm.CharLM(256, 32, 1, 2, 16, True, moe=(4, 2))
   with pytest.raises(ValueError, match="SparseMoEs .*--moe 4,2"):
     gen.decode_model(moe)
