@@ -42,13 +42,9 @@ def load_example(name: str):
   return module
 
 
-def sparse_layers_of(sparsity: dict, path=()) -> dict[str, dict]:
-  if isinstance(sparsity.get("mask"), jsparse24.Mask24):
-    return {"/".join(path): sparsity}
-  out = {}
-  for key, value in sparsity.items():
-    out.update(sparse_layers_of(value, path + (key,)))
-  return out
+def sparse_layers_of(sparsity: dict) -> dict[str, dict]:
+  """`{"block_0/mlp/up": {"mask": ..., "active": ...}, ...}` of a "sparsity" tree."""
+  return {"/".join(path): layer for path, layer in jsparse24.linen.layers_by_path(sparsity).items()}
 
 
 def at_path(tree: dict, path: str):
