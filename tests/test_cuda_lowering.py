@@ -1,0 +1,199 @@
+"""The GPU code lowers for CUDA on a CPU: every Pallas kernel through Pallas's
+Triton lowering, and the library's GPU paths (the "pallas" backend's training
+products, compression and decode product, the fused mask kernels, a training
+step's mask rebuild) as a GPU runs them.
+
+Interpret mode (the CPU tests of what the kernels compute) never runs the
+Triton lowering, so a kernel that uses an operation it refuses, or a jax
+release that changes it, would first fail where a GPU is lent. Here each is
+lowered with `.lower(lowering_platforms=("cuda",))`, under the oldest and the
+newest jax CI runs, against an H100 that JAX is told of: jax 0.12's Triton
+lowering asks the device for its compute capability, and takes an abstract
+device (`jax.sharding.AbstractDevice`) where none is present. What is
+lowered is not compiled or run: `tests/test_gpu.py` checks the results on a
+GPU. Not covered: the cuSPARSELt products (their plans are made with the
+library at trace time, so tracing them needs a GPU) and the Mosaic GPU
+decode kernel (`tests/test_decode24.py` lowers it).
+"""
+
+import contextlib
+import re
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jsparse24
+from jsparse24 import _pallas_runtime
+from jsparse24.backends import pallas as pallas_backend
+
+pytest.importorskip("jax.experimental.pallas.triton",
+                    reason="Pallas's Triton lowering is gone from this jax (the kernels with it)")
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from pallas_kernels import (cusparselt_metadata, cusparselt_values, decode24, input_prune24,
+                            mask_rebuild, masked_compress, mvue24, prune24, spmm24,
+                            transposable24)
+from pallas_kernels.prune_config import PruneConfig
+from pallas_kernels.spmm24 import MatmulConfig
+
+TRITON = "__gpu$xla.gpu.triton"
+S = jax.ShapeDtypeStruct
+BF16, F16, F32, U8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.uint8
+K, N = 192, 320  # multiples of 64 (cuSPARSELt's layout), not powers of two
+
+
+@contextlib.contextmanager
+def _hopper():
+  """Lowering for an H100: an abstract device of that kind where this jax
+  has them (0.12 needs one without a GPU), else nothing (0.10.2's lowering
+  asks no device)."""
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    yield
+    return
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132,
+                                       platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
+
+
+def _custom_calls(fn, *args) -> list[str]:
+  """The custom calls of `jax.jit(fn)` lowered for CUDA at `args`' shapes, in
+  order. jsparse24's own warnings are errors (a warning that is issued once
+  per process would be spent here), Pallas's Triton deprecation is not."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+    warnings.simplefilter("error", jsparse24.backends.UnmeasuredChoiceWarning)
+    warnings.simplefilter("error", jsparse24.backends.XlaFallbackWarning)
+    with _hopper():
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return re.findall(r"stablehlo\.custom_call @([^(\s]+)\(", text)
+
+
+KERNELS = {
+    "prune_compress": (lambda w: prune24.prune_compress(w), [S((K, N), BF16)]),
+    "prune_compress transposable, registers": (
+        lambda w: prune24.prune_compress(w, transposable=True,
+                                         config=PruneConfig(strided_lanes=False)),
+        [S((K, N), F16)]),
+    "prune_compress transposable, cusparselt layout": (
+        lambda w: prune24.prune_compress(w, transposable=True, layout="cusparselt"),
+        [S((K, N), BF16)]),
+    "compress_with_meta": (lambda w, m: masked_compress.compress_with_meta(w, m),
+                           [S((K, N), BF16), S((N, K // 8), U8)]),
+    "compress_with_meta transposed, cusparselt layout": (
+        lambda w, m: masked_compress.compress_with_meta(w, m, transposed=True,
+                                                        layout="cusparselt"),
+        [S((K, N), BF16), S((N, K // 8), U8)]),
+    "prune_compress_rows, cusparselt layout": (
+        lambda x: input_prune24.prune_compress_rows(x, layout="cusparselt"), [S((K, N), BF16)]),
+    "transposable_mask, float32": (lambda w: transposable24.transposable_mask(w),
+                                   [S((K, N), F32)]),
+    "rebuild_mask": (lambda w, old, r: mask_rebuild.rebuild_mask(w, old, r, transposable=False),
+                     [S((K, N), F32), S((N, K // 8), U8), S((N,), jnp.int32)]),
+    "rebuild_mask transposable": (
+        lambda w, old, r: mask_rebuild.rebuild_mask(w, old, r, transposable=True),
+        [S((K, N), BF16), S((N, K // 8), U8), S((N,), jnp.int32)]),
+    "mvue_compress": (lambda g, seed: mvue24.mvue_compress(g, seed),
+                      [S((K, N), BF16), S((2,), jnp.uint32)]),
+    "sparse_matmul, 17 rows": (lambda x, v, m: spmm24.sparse_matmul(x, v, m, k=200),
+                               [S((17, 200), BF16), S((72, 100), BF16), S((72, 25), U8)]),
+    "sparse_matmul, lane dots": (
+        lambda x, v, m: spmm24.sparse_matmul(x, v, m, k=K, config=MatmulConfig(lane_dots=True)),
+        [S((256, K), F16), S((N, K // 2), F16), S((N, K // 8), U8)]),
+    "decode_matmul, 3 rows": (lambda x, v, m: decode24.decode_matmul(x, v, m, k=1028),
+                              [S((3, 1028), BF16), S((72, 514), BF16), S((72, 129), U8)]),
+    "write_cusparselt_metadata": (
+        lambda buf, m: cusparselt_metadata.write_cusparselt_metadata(buf, m, row=K // 2),
+        [S((K // 2 + K // 16, N), BF16), S((N, K // 8), U8)]),
+    "values_into_buffer": (lambda v: cusparselt_values.values_into_buffer(v, rows=K // 2 + K // 16),
+                           [S((N, K // 2), BF16)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_lowers_through_triton(name):
+  fn, args = KERNELS[name]
+  calls = _custom_calls(fn, *args)
+  assert calls and set(calls) == {TRITON}, calls
+
+
+def _as_on_a_gpu(monkeypatch):
+  """The library's checks answer as on an H100 from here on: JAX's backend
+  "gpu", and the Pallas kernels able to run natively (not interpreted).
+  Nothing may run after it, only be lowered: the kernels would run
+  compiled, which a CPU refuses."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  for module in (_pallas_runtime, pallas_backend):
+    monkeypatch.setattr(module, "gpu_unavailable_reason", lambda elsewhere="": None)
+  assert _pallas_runtime.runs_natively()
+
+
+def _grads(**options):
+  def loss(x, w):
+    return jnp.sum(jsparse24.sparse_dot(x, w, **options).astype(jnp.float32) ** 2)
+  return jax.grad(loss, argnums=(0, 1))
+
+
+def _compressed_product(x, w):
+  sp = jsparse24.compress(w, jsparse24.Mask24.from_weights(w), implementation="pallas")
+  return jsparse24.sparse_dot(x, sp, implementation="pallas")
+
+
+LIBRARY = {
+    # The Pallas backend's products and the prune kernel, forward and backward.
+    "sparse_dot pallas, grads": (_grads(implementation="pallas"),
+                                 [S((64, K), BF16), S((K, N), BF16)]),
+    "sparse_dot pallas, masked gradient, plain mask": (
+        _grads(implementation="pallas", gradient="masked", transposable=False),
+        [S((64, K), BF16), S((K, N), BF16)]),
+    # Compressed with the prune kernel, multiplied by the decode kernel.
+    "compress + decode product": (_compressed_product, [S((4, K), BF16), S((K, N), BF16)]),
+    # The fused transposable mask kernel (Mask24.from_weights on a GPU).
+    "Mask24.from_weights transposable": (
+        lambda w: jsparse24.Mask24.from_weights(w, transposable=True).packed, [S((K, N), F32)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY))
+def test_library_gpu_path_lowers_through_triton(monkeypatch, name):
+  _as_on_a_gpu(monkeypatch)
+  fn, args = LIBRARY[name]
+  assert TRITON in _custom_calls(fn, *args)
+
+
+def test_training_step_rebuilds_masks_with_the_kernel(monkeypatch):
+  """A SparseDense MLP's training step with `jsparse24.optim.with_masks` as a
+  GPU lowers it: the products are XLA's at these shapes (the automatic
+  choice), the masks rebuilt by the rebuild kernel on the run-time flag
+  (`mask_rebuild=None`: no conditional), so a Triton call is in the step.
+  The state is made on the CPU first."""
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = jsparse24.SparseDense(N, name="up")(x)
+      return jsparse24.SparseDense(K, name="down")(jax.nn.gelu(h))
+
+  model, x = Mlp(), jnp.zeros((64, K), F32)
+  variables = model.init(jax.random.key(0), x)
+  tx = jsparse24.optim.with_masks(optax.sgd(0.1), variables["sparsity"],
+                                  jsparse24.optim.MaskSchedule(rebuild_every=2))
+  params = variables["params"]
+  opt_state = tx.init(params)
+  _as_on_a_gpu(monkeypatch)
+
+  def step(params, opt_state, x):
+    def loss(p):
+      masks = jsparse24.optim.masks(opt_state)
+      return jnp.mean(model.apply({"params": p, "sparsity": masks}, x) ** 2)
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  calls = _custom_calls(step, params, opt_state, x)
+  assert calls.count(TRITON) == 2, calls  # one rebuild per layer
