@@ -11,9 +11,11 @@ newest jax CI runs, against an H100 that JAX is told of: jax 0.12's Triton
 lowering asks the device for its compute capability, and takes an abstract
 device (`jax.sharding.AbstractDevice`) where none is present. What is
 lowered is not compiled or run: `tests/test_gpu.py` checks the results on a
-GPU. Not covered: the cuSPARSELt products (their plans are made with the
-library at trace time, so tracing them needs a GPU) and the Mosaic GPU
-decode kernel (`tests/test_decode24.py` lowers it).
+GPU. The "cusparselt" backend's training products lower too, their
+cuSPARSELt calls as the FFI custom calls they are (the one question the
+backend asks cuSPARSELt while tracing, the compressed size of a weight, is
+answered by the layout jsparse24 writes; on a GPU the two are checked equal).
+Not here: the Mosaic GPU decode kernel (`tests/test_decode24.py` lowers it).
 """
 
 import contextlib
@@ -28,6 +30,7 @@ import pytest
 
 import jsparse24
 from jsparse24 import _pallas_runtime
+from jsparse24.backends import cusparselt
 from jsparse24.backends import pallas as pallas_backend
 
 pytest.importorskip("jax.experimental.pallas.triton",
@@ -40,6 +43,7 @@ from pallas_kernels.prune_config import PruneConfig
 from pallas_kernels.spmm24 import MatmulConfig
 
 TRITON = "__gpu$xla.gpu.triton"
+CUSPARSELT = "jsparse24_cusparselt_matmul"  # cusparselt_ffi.cc's product
 S = jax.ShapeDtypeStruct
 BF16, F16, F32, U8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.uint8
 K, N = 192, 320  # multiples of 64 (cuSPARSELt's layout), not powers of two
@@ -122,6 +126,14 @@ def test_kernel_lowers_through_triton(name):
   assert calls and set(calls) == {TRITON}, calls
 
 
+@pytest.fixture(autouse=True)
+def _forget_what_was_traced():
+  """JAX's caches cleared after each test: what a test traced as on a GPU
+  (native kernels) is never found again by a test that runs on the CPU."""
+  yield
+  jax.clear_caches()
+
+
 def _as_on_a_gpu(monkeypatch):
   """The library's checks answer as on an H100 from here on: JAX's backend
   "gpu", and the Pallas kernels able to run natively (not interpreted).
@@ -197,3 +209,36 @@ def test_training_step_rebuilds_masks_with_the_kernel(monkeypatch):
 
   calls = _custom_calls(step, params, opt_state, x)
   assert calls.count(TRITON) == 2, calls  # one rebuild per layer
+
+
+def _cusparselt_grads(**options):
+  def loss(x, w, key):
+    y = jsparse24.sparse_dot(x, w, implementation="cusparselt", key=key, **options)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+  return jax.grad(loss, argnums=(0, 1))
+
+
+CUSPARSELT_STEPS = {
+    "weights, transposable mask": {},
+    "weights, plain mask": {"transposable": False},
+    "weights, MVUE weight gradient": {"weight_grad": "mvue"},
+    "activations": {"input_sparsity": "masked"},
+    "activations on tiles, 2:4 output gradient": {"input_sparsity": "masked",
+                                                  "transposable": True, "grad_output": "2:4"},
+    "activations, tokens' weight gradient": {"input_sparsity": "masked", "grad_output": "2:4",
+                                             "weight_grad": "2:4"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUSPARSELT_STEPS))
+def test_cusparselt_products_and_their_kernels_lower(monkeypatch, name):
+  """A linear layer's products on the "cusparselt" backend (forward and
+  gradients) as a GPU lowers them: cuSPARSELt's FFI calls, and the Pallas
+  kernels that prune and compress their sparse operands and write
+  cuSPARSELt's metadata."""
+  _as_on_a_gpu(monkeypatch)
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *args: None)  # the size cuSPARSELt reports
+  calls = _custom_calls(_cusparselt_grads(**CUSPARSELT_STEPS[name]), S((256, 512), BF16),
+                        S((512, 1024), BF16), jax.random.key(0))
+  assert set(calls) == {CUSPARSELT, TRITON}, calls
