@@ -247,8 +247,9 @@ def test_patch_model_sparsifies_only_the_mlps():
 
 @pytest.mark.parametrize("layout", ["data", "fsdp", "tp", "2d"])
 def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
-  """8 fake CPU devices: both runs learn, and their state stays in the layout's
-  shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
+  """8 fake CPU devices: the runs learn (data and 2d: the dense and the 2:4
+  run; fsdp and tp, whose axes 2d combines: the 2:4 run), and their state
+  stays in the layout's shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
   kernels column- and row-parallel over 4 model devices for tp, and over 2
   model devices and sharded over 4 data devices on their other axis for 2d,
   and their masks alike). tp, 2d: the step rebuilds the masks with the mask
@@ -270,9 +271,12 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
         ["--layout", layout, "--steps", "30", "--batch", "16", "--d-model", "32",
          "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2",
          "--out", str(tmp_path)]
-        + (["--model-devices", "4"] if layout == "tp" else []))
+        + (["--model-devices", "4"] if layout == "tp" else [])
+        + (["--runs", "2:4"] if layout in ("fsdp", "tp") else []))
   printed = capsys.readouterr().out
-  for run in ("dense", "2:4"):
+  runs = ("dense", "2:4") if layout in ("data", "2d") else ("2:4",)
+  assert set(out) >= set(runs) and ("dense" in out) == ("dense" in runs), sorted(out)
+  for run in runs:
     r = out[run]
     # Timed from the step after the first sparse one, as train_lm: the
     # warm-up (--steps // 10) runs steps 0-2 dense, step 3 is the first sparse.
