@@ -1,21 +1,23 @@
-"""The GPU code lowers for CUDA on a CPU: every Pallas kernel through Pallas's
-Triton lowering, and the library's GPU paths (the "pallas" backend's training
-products, compression and decode product, the fused mask kernels, a training
-step's mask rebuild) as a GPU runs them.
+"""The GPU code lowers for CUDA on a CPU, as a GPU would lower it: every
+Pallas kernel through Pallas's Triton lowering; the "pallas" backend's
+products, compression and fused mask kernels; the "cusparselt" backend's
+training products with the kernels around them (cuSPARSELt's calls are FFI
+custom calls); a training step's mask rebuild; a whole GPT training step and
+a compressed weight's products as the automatic choice makes them on an
+H200 (the Mosaic GPU decode kernel among them; `tests/test_decode24.py`
+lowers it at more shapes).
 
 Interpret mode (the CPU tests of what the kernels compute) never runs the
-Triton lowering, so a kernel that uses an operation it refuses, or a jax
-release that changes it, would first fail where a GPU is lent. Here each is
-lowered with `.lower(lowering_platforms=("cuda",))`, under the oldest and the
-newest jax CI runs, against an H100 that JAX is told of: jax 0.12's Triton
-lowering asks the device for its compute capability, and takes an abstract
-device (`jax.sharding.AbstractDevice`) where none is present. What is
-lowered is not compiled or run: `tests/test_gpu.py` checks the results on a
-GPU. The "cusparselt" backend's training products lower too, their
-cuSPARSELt calls as the FFI custom calls they are (the one question the
-backend asks cuSPARSELt while tracing, the compressed size of a weight, is
-answered by the layout jsparse24 writes; on a GPU the two are checked equal).
-Not here: the Mosaic GPU decode kernel (`tests/test_decode24.py` lowers it).
+Triton lowering, so a kernel using an operation it refuses, or a jax release
+that changes it, would otherwise first fail on a GPU. Each program is lowered
+with `.lower(lowering_platforms=("cuda",))` under the oldest and the newest
+jax CI runs, for an H200 that JAX is told of: jax 0.12's Triton lowering asks
+the device for its compute capability and takes an abstract device
+(`jax.sharding.AbstractDevice`) where none is present. The one question the
+cuSPARSELt backend asks the library while tracing, a weight's compressed
+size, is answered by the layout jsparse24 writes (on a GPU the two are
+checked equal). Nothing is compiled or run: `tests/test_gpu.py` checks the
+results on a GPU.
 """
 
 import contextlib
@@ -29,6 +31,7 @@ import optax
 import pytest
 
 import jsparse24
+from benchmarks import _gpt
 from jsparse24 import _pallas_runtime
 from jsparse24.backends import cusparselt
 from jsparse24.backends import pallas as pallas_backend
@@ -49,16 +52,20 @@ BF16, F16, F32, U8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.uint8
 K, N = 192, 320  # multiples of 64 (cuSPARSELt's layout), not powers of two
 
 
+# The GPU the code is lowered for: an H200, whose rows of the per-GPU decode
+# tables (`jsparse24.backends.pallas`) the automatic choice reads.
+GPU = "NVIDIA H200"
+
+
 @contextlib.contextmanager
 def _hopper():
-  """Lowering for an H100: an abstract device of that kind where this jax
+  """Lowering for the `GPU`: an abstract device of that kind where this jax
   has them (0.12 needs one without a GPU), else nothing (0.10.2's lowering
   asks no device)."""
   if not hasattr(jax.sharding, "AbstractDevice"):
     yield
     return
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132,
-                                       platform="cuda")
+  device = jax.sharding.AbstractDevice(device_kind=GPU, num_cores=132, platform="cuda")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                                    abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
@@ -135,13 +142,18 @@ def _forget_what_was_traced():
 
 
 def _as_on_a_gpu(monkeypatch):
-  """The library's checks answer as on an H100 from here on: JAX's backend
-  "gpu", and the Pallas kernels able to run natively (not interpreted).
-  Nothing may run after it, only be lowered: the kernels would run
-  compiled, which a CPU refuses."""
+  """The library's checks answer as on the `GPU` from here on: JAX's backend
+  "gpu", the Pallas kernels able to run natively (not interpreted), the
+  per-GPU tables read at the `GPU`'s rows, and cuSPARSELt available, the
+  compressed size it would report taken as the size of the layout that
+  jsparse24 writes. Nothing may run after it, only be lowered: the kernels
+  would run compiled, which a CPU refuses."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   for module in (_pallas_runtime, pallas_backend):
     monkeypatch.setattr(module, "gpu_unavailable_reason", lambda elsewhere="": None)
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: GPU)
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt, "_check_size", lambda *args: None)
   assert _pallas_runtime.runs_natively()
 
 
@@ -237,8 +249,55 @@ def test_cusparselt_products_and_their_kernels_lower(monkeypatch, name):
   kernels that prune and compress their sparse operands and write
   cuSPARSELt's metadata."""
   _as_on_a_gpu(monkeypatch)
-  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
-  monkeypatch.setattr(cusparselt, "_check_size", lambda *args: None)  # the size cuSPARSELt reports
   calls = _custom_calls(_cusparselt_grads(**CUSPARSELT_STEPS[name]), S((256, 512), BF16),
                         S((512, 1024), BF16), jax.random.key(0))
   assert set(calls) == {CUSPARSELT, TRITON}, calls
+
+
+def test_gpt_training_step_takes_cusparselt_by_the_automatic_choice(monkeypatch):
+  """`benchmarks/bench_model.py`'s model at d_model 4096 (2 blocks under
+  `nn.scan` and remat, 16,384 tokens per step, every block's linear layers
+  2:4 with the default options) and its training step with
+  `optim.with_masks`, as a GPU lowers them: the automatic choice puts the
+  products on cuSPARSELt (the forward products and `dx` of the four layers
+  at least), the masks and compressed operands on the Pallas kernels. The
+  model and the state are shapes only (`jax.eval_shape`)."""
+  _as_on_a_gpu(monkeypatch)
+  d, seq, batch, vocab = 4096, 512, 32, 1024
+  model = jsparse24.sparsify(_gpt.GPT(vocab, d, 2, seq, None, remat=True),
+                             {r"blocks/(qkv|out|up|down)": {}})
+  variables = jax.eval_shape(model.init, jax.random.key(0), S((batch, seq), jnp.int32))
+  tx = jsparse24.optim.with_masks(optax.adamw(1e-3), variables["sparsity"],
+                                  jsparse24.optim.MaskSchedule(rebuild_every=10))
+  opt_state = jax.eval_shape(tx.init, variables["params"])
+  assert {jsparse24.selected_implementation((batch * seq, k), (k, n), BF16, transposable=True)
+          for k, n in _gpt.layer_shapes(d).values()} == {"cusparselt"}
+
+  def step(params, opt_state, tokens):
+    def loss(p):
+      masks = jsparse24.optim.masks(opt_state)
+      return _gpt.lm_loss(model.apply({"params": p, "sparsity": masks}, tokens[:, :-1]), tokens)
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  calls = _custom_calls(step, variables["params"], opt_state, S((batch, seq + 1), jnp.int32))
+  assert set(calls) == {CUSPARSELT, TRITON} and calls.count(CUSPARSELT) >= 8, calls
+
+
+@pytest.mark.parametrize("rows,cusparselt_layout,kernel", [
+    (1, False, "mosaic_gpu_v2"), (64, False, "mosaic_gpu_v2"), (128, False, TRITON),
+    (2048, True, CUSPARSELT)])
+def test_compressed_weights_product_by_the_automatic_choice(monkeypatch, rows,
+                                                            cusparselt_layout, kernel):
+  """A compressed 4096 x 4096 bf16 weight (`compress`, as `compress_params`
+  ships it) multiplied with `implementation=None` as an H200 lowers it: the
+  sparse-tensor-core decode kernel (Mosaic GPU) at decoding's few rows, the
+  Triton decode kernel at 128, cuSPARSELt on its own layout at a prefill's
+  2048 (`benchmarks/bench_decode.py`'s choices)."""
+  _as_on_a_gpu(monkeypatch)
+  w = S((4096, 4096), BF16)
+  sp = jax.eval_shape(lambda w: jsparse24.compress(
+      w, jsparse24.Mask24.from_weights(w), cusparselt=cusparselt_layout), w)
+  calls = _custom_calls(jsparse24.sparse_dot, S((rows, 4096), BF16), sp)
+  assert calls == [kernel], calls
