@@ -165,13 +165,15 @@ def write_by_groups(buf, head, meta, groups):
   return cusparselt._with_metadata(buf, head, meta.T, groups, by_groups=True)  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("k,n", [(64, 64), (128, 192), (256, 64), (640, 320), (192, 1024)])
+@pytest.mark.parametrize("k,n,dtype", [(64, 64, jnp.bfloat16), (128, 192, jnp.float16),
+                                       (256, 64, jnp.bfloat16), (640, 320, jnp.float16),
+                                       (192, 1024, jnp.bfloat16)])
 @pytest.mark.parametrize("transpose", [False, True])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("by_groups", [False, True])
 def test_metadata_kernel_writes_the_bytewise_layout_in_place(k, n, transpose, dtype, by_groups):
   """The Pallas metadata pass (`_with_metadata`) on both buffers of a
-  `[K, N]` weight (`buffer_shape`), from the packed mask or its transpose."""
+  `[K, N]` weight (`buffer_shape`), from the packed mask or its transpose;
+  both 16-bit dtypes (the pass moves their bits alike), each on some shapes."""
   rows, groups = (k, n // 4) if transpose else (n, k // 4)
   cols = cusparselt.buffer_shape(k, n, transpose=transpose)[1]
   head = k if transpose else k // 2  # the value rows
