@@ -2,10 +2,10 @@
 Pallas kernel through Pallas's Triton lowering; the "pallas" backend's
 products, compression and fused mask kernels; the "cusparselt" backend's
 training products with the kernels around them (cuSPARSELt's calls are FFI
-custom calls); a training step's mask rebuild; a whole GPT training step and
-a compressed weight's products as the automatic choice makes them on an
-H200 (the Mosaic GPU decode kernel among them; `tests/test_decode24.py`
-lowers it at more shapes).
+custom calls), a mixture of experts' among them; a training step's mask
+rebuild; a whole GPT training step and a compressed weight's products as
+the automatic choice makes them on an H200 (the Mosaic GPU decode kernel
+among them; `tests/test_decode24.py` lowers it at more shapes).
 
 Interpret mode (the CPU tests of what the kernels compute) never runs the
 Triton lowering, so a kernel using an operation it refuses, or a jax release
@@ -301,3 +301,23 @@ def test_compressed_weights_product_by_the_automatic_choice(monkeypatch, rows,
       w, jsparse24.Mask24.from_weights(w), cusparselt=cusparselt_layout), w)
   calls = _custom_calls(jsparse24.sparse_dot, S((rows, 4096), BF16), sp)
   assert calls == [kernel], calls
+
+
+def test_moe_experts_run_on_cusparselt(monkeypatch):
+  """`SparseMoE` with `implementation="cusparselt"` (forward and gradients)
+  as a GPU lowers it: the experts' stacked products are cuSPARSELt calls,
+  their masks and compressed operands the Pallas kernels'. The layer's
+  variables are shapes only."""
+  _as_on_a_gpu(monkeypatch)
+  moe = jsparse24.SparseMoE(num_experts=4, hidden=1024, dtype=BF16, param_dtype=BF16,
+                            implementation="cusparselt")
+  x = S((2, 256, 512), BF16)
+  variables = jax.eval_shape(moe.init, jax.random.key(0), x)
+
+  def loss(params, sparsity, x):
+    y = moe.apply({"params": params, "sparsity": sparsity}, x)
+    return jnp.sum(y.astype(F32) ** 2)
+
+  calls = _custom_calls(jax.grad(loss, argnums=(0, 2)), variables["params"],
+                        variables["sparsity"], x)
+  assert set(calls) == {CUSPARSELT, TRITON}, calls
