@@ -88,9 +88,8 @@ from jsparse24._format import Mask24
 from jsparse24._phase import STATIC_DENSE, is_static_dense
 from jsparse24._sharding import explicit_sharding, typed_like
 from jsparse24.linen import (check_sparsity, dense_kernel, entries_by_path, layers_by_path,
-                             map_layers,
-                             map_sparse_kernels, masks_like_kernels as _masks_like_kernels,
-                             rebuild_masks)
+                             map_layers, map_sparse_kernels,
+                             masks_like_kernels as _masks_like_kernels, rebuild_masks)
 from pallas_kernels import prune_rule
 
 DENSITY = 0.5  # 2 of 4 kept

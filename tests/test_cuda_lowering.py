@@ -133,21 +133,18 @@ def test_kernel_lowers_through_triton(name):
   assert calls and set(calls) == {TRITON}, calls
 
 
-@pytest.fixture(autouse=True)
-def _forget_what_was_traced():
-  """JAX's caches cleared after each test: what a test traced as on a GPU
-  (native kernels) is never found again by a test that runs on the CPU."""
-  yield
-  jax.clear_caches()
-
-
 def _as_on_a_gpu(monkeypatch):
   """The library's checks answer as on the `GPU` from here on: JAX's backend
   "gpu", the Pallas kernels able to run natively (not interpreted), the
   per-GPU tables read at the `GPU`'s rows, and cuSPARSELt available, the
   compressed size it would report taken as the size of the layout that
   jsparse24 writes. Nothing may run after it, only be lowered: the kernels
-  would run compiled, which a CPU refuses."""
+  would run compiled, which a CPU refuses.
+
+  What is traced then stays with this test: the library asks these
+  questions in Python before it traces (the kernels' `interpret=False` is
+  part of their jit and builder keys), never inside a function jitted once
+  for the module, so no later test on the CPU finds a program traced here."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   for module in (_pallas_runtime, pallas_backend):
     monkeypatch.setattr(module, "gpu_unavailable_reason", lambda elsewhere="": None)
