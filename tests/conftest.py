@@ -78,16 +78,17 @@ import pytest  # noqa: E402
 
 
 # The modules whose tests take longest on a CPU, longest first: the one test
-# of over 2 minutes (test_multiprocess.py), then by the summed `--durations`
+# of about a minute (test_multiprocess.py), then by the summed `--durations`
 # of their tests (a run of the whole suite on the 2-core CPU machine,
-# 2026-11-27). They run first: under `--dist worksteal` the worker that
+# 2026-12-05). They run first: under `--dist worksteal` the worker that
 # finishes early takes over the other's queue from its end, so the run ends
 # on short tests instead of one worker waiting for the other's last long one.
 SLOWEST_FIRST = ("test_multiprocess.py", "test_examples.py", "test_sharding.py",
-                 "test_pallas_kernels.py", "test_optim.py", "test_mvue.py",
-                 "test_bench_model.py", "test_cusparselt.py", "test_stacked.py",
-                 "test_bench_layouts.py", "test_generate.py", "test_triton_fallback.py",
-                 "test_prune_format.py", "test_decode24.py", "test_bench_sharded.py")
+                 "test_input_sparse.py", "test_pallas_kernels.py", "test_generate.py",
+                 "test_cusparselt.py", "test_optim.py", "test_bench_model.py",
+                 "test_triton_fallback.py", "test_stacked.py", "test_bench_layouts.py",
+                 "test_sparse_dot.py", "test_bench_sharded.py", "test_cuda_lowering.py",
+                 "test_mvue.py", "test_moe.py", "test_prune_format.py")
 
 
 def pytest_collection_modifyitems(config, items):
