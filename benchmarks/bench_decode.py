@@ -452,6 +452,21 @@ def time_kernels(cfg: dict, d: int, timer, sparse: bool, bandwidth: float) -> li
 # --- main ------------------------------------------------------------------------------
 
 
+def steps_line(cfg: dict, result: dict, name: str) -> str:
+  """The steps of `name` ("dense" or "2:4") just timed, in one line: ms per
+  decode step per batch and the prefill's, with the speed-up over dense for
+  2:4. Printed as each model finishes, so a run stopped before its tables
+  (a time limit) still shows them."""
+  def part(label, ms, dense_ms):
+    return f"{label} {ms:.4g} ms" + (f" ({dense_ms / ms:.3f}x)" if name != "dense" else "")
+  timed = result[name]
+  parts = [part(f"batch {b}", timed["decode"][b]["ms"], result["dense"]["decode"][b]["ms"])
+           for b in cfg["batches"]]
+  parts.append(part(f"prefill {cfg['prefill']}", timed["prefill"]["ms"],
+                    result["dense"]["prefill"]["ms"]))
+  return ", ".join(parts)
+
+
 def profile_section(rows: list[list]) -> str:
   """The `--profile` table, or why it is empty."""
   if not rows:
@@ -552,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for d in cfg["widths"]:
       print(f"[d_model {d}] {name}: decode steps and prefill {elapsed()}", flush=True)
       results[d][name] = time_model(cfg, d, models[d], name, step_timer)
+      print(f"[d_model {d}] {name}: {steps_line(cfg, results[d], name)}", flush=True)
       print(f"[d_model {d}] {name}: products {elapsed()}", flush=True)
       results[d][f"kernels_{name}"] = time_kernels(cfg, d, timer, name == "2:4", bandwidth)
 

@@ -167,6 +167,12 @@ def test_bench_decode_runs_quick_on_cpu(capsys, monkeypatch):
       (2, layer) for layer in _gpt.layer_shapes(128)]
   printed = capsys.readouterr().out
   assert "No 2:4 kernel ran" in printed and "Not run here: `pallas`" in printed
+  # Each model's steps printed as soon as they are timed (a run cut short keeps them).
+  d, s = r["dense"], r["2:4"]
+  assert (f"[d_model 128] dense: batch 1 {d['decode'][1]['ms']:.4g} ms, prefill 8"
+          f" {d['prefill']['ms']:.4g} ms\n") in printed
+  assert (f"[d_model 128] 2:4: batch 1 {s['decode'][1]['ms']:.4g} ms"
+          f" ({d['decode'][1]['ms'] / s['decode'][1]['ms']:.3f}x)") in printed
   # A CPU traces no GPU kernel: the profile section says so instead of a table.
   assert r["dense"]["decode"][1]["profile"] is None and r["2:4"]["decode"][1]["profile"] is None
   assert "`--profile`: no GPU kernel was traced" in printed

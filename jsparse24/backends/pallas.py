@@ -92,7 +92,12 @@ DECODE_MAX_M = 256
 # had it slower; (2048, 2048) only up to 64 rows, where the kernel measured
 # 0.92-1.53x of decompress + XLA from run to run ("Decode on the sparse tensor
 # cores up to 64 rows"). H100: its sweep ("Decode kernel: K steps of 128 ...")
-# had K and N of 4096-16384, so K or N = 2048 is not measured. What the rows
+# where K and N are 4096-16384; the cells where K or N is 2048 up to 64 rows,
+# where both decode kernels took at most 1.006x of dense XLA's time at every
+# M of 1-64 ("Decode products on the sparse tensor cores: the H100's row",
+# 2026-12-05; decompress + XLA takes longer than dense XLA, whose product
+# it ends with). (4096, 2048), (16384, 2048) and (2048, 16384): not
+# measured. What the rows
 # give a model, and why a KV cache carried through `nn.scan` must be pinned
 # around a product on this kernel: docs/performance.md, "Decode".
 DECODE_GRID = (2048, 4096, 8192, 16384)
@@ -103,9 +108,9 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
                     ((2, 256), 256, 256, 256),        # 4096
                     (256, 256, 256, 256),    # 8192
                     (256, 256, 256, 256)),   # 16384
-    "NVIDIA H100 80GB HBM3": ((None, None, None, None),  # 2048
+    "NVIDIA H100 80GB HBM3": ((64, 64, 64, None),        # 2048
                               (None, 256, 256, 256),     # 4096
-                              (None, 256, 256, 256),     # 8192
+                              (64, 256, 256, 256),       # 8192
                               (None, 256, 256, 256)),    # 16384
 }
 
@@ -120,14 +125,21 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
 # pays, the kernel beat the Triton one at every measured point up to 64 rows,
 # 1.25-1.62x (nvidia-h200.md, "Decode products: GPU time against wall time",
 # 2026-12-04), and the whole decode steps gained with it ("Decode: GPT-style
-# decoder with a KV cache", 2026-12-05). An H100 has no row: the Triton
-# kernel there.
+# decoder with a KV cache", 2026-12-05). H100: `tune_decode.py --mma`'s row by
+# GPU time (nvidia-h100-80gb-hbm3.md, "Decode products on the sparse tensor
+# cores: the H100's row", 2026-12-05): the Triton kernel where K = 4096 and
+# N = 8192-16383 below 32 rows (at 4096 x 12288 the sparse-tensor-core kernel
+# took 1.02-1.11x its GPU time at 1-16 rows), and in the cells not swept.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
                     ((2, 64), 64, 64, 64),   # 4096
                     (64, 64, 64, 64),        # 8192
                     (64, 64, 64, 64)),       # 16384
+    "NVIDIA H100 80GB HBM3": ((64, 16, 64, None),        # 2048
+                              (None, 64, (32, 64), 64),  # 4096
+                              (64, None, 64, None),      # 8192
+                              (None, 64, None, None)),   # 16384
 }
 
 
