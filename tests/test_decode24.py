@@ -318,6 +318,38 @@ def test_decompressing_for_want_of_a_measurement_warns(monkeypatch):
   assert not _decompressed_warnings(1, jnp.bfloat16, k=4096, n=6144)
 
 
+def test_rows_above_a_gpus_measurements_decompress_with_a_warning(monkeypatch):
+  """Where a GPU's measurements of a grid point stopped short of DECODE_MAX_M
+  rows (DECODE_SWEPT_M), more rows decompress with a warning that names the
+  rows measured; within them the cell decides, silently."""
+  monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "Test GPU")
+  grid = len(pallas_backend.DECODE_GRID)
+  monkeypatch.setitem(pallas_backend.DECODE_AUTO_MAX_M, "Test GPU", ((16,) * grid,) * grid)
+  monkeypatch.setitem(pallas_backend.DECODE_SWEPT_M, "Test GPU", {(2048, 4096): 32})
+  assert not _decompressed_warnings(32, jnp.bfloat16, k=2048, n=6144)  # measured slower
+  (w,) = _decompressed_warnings(33, jnp.bfloat16, k=2048, n=6144)
+  assert "(K, N) = (2048, 4096) up to 32 rows, not 33" in str(w.message)
+  assert not _decompressed_warnings(33, jnp.bfloat16, k=4096, n=4096)  # measured to 256
+
+
+def test_an_h100_multiplies_a_d_model_2048_models_weights_on_the_decode_kernels(monkeypatch):
+  """The H100's cells where K or N is 2048 (measured up to 64 rows): the
+  products of a d_model 2048 decoder (qkv, out, up, down) take the decode
+  kernels from 1 to 64 rows, and decompress with a warning above them."""
+  monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
+  for k, n in ((2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)):
+    for m in (1, 64):
+      assert jsparse24.selected_implementation(
+          (m, k), (k, n), jnp.bfloat16, compressed=True) == "pallas", (m, k, n)
+      assert not _decompressed_warnings(m, jnp.bfloat16, k=k, n=n)
+    (w,) = _decompressed_warnings(65, jnp.bfloat16, k=k, n=n)
+    assert "up to 64 rows, not 65" in str(w.message), (k, n)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", TILE_FAMILIES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])

@@ -258,6 +258,7 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
   that init builds come from XLA's search, the same bits (test_pallas_kernels),
   without compiling two more interpreted kernels."""
   context, kernel_calls = contextlib.nullcontext(), []
+  runs = ("dense", "2:4") if layout in ("data", "2d") else ("2:4",)
   if layout in ("tp", "2d"):
     from jsparse24 import _pallas_runtime, backends  # pylint: disable=g-import-not-at-top
     from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
@@ -272,9 +273,8 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
          "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2",
          "--out", str(tmp_path)]
         + (["--model-devices", "4"] if layout == "tp" else [])
-        + (["--runs", "2:4"] if layout in ("fsdp", "tp") else []))
+        + ["--runs", "both" if len(runs) == 2 else "2:4"])
   printed = capsys.readouterr().out
-  runs = ("dense", "2:4") if layout in ("data", "2d") else ("2:4",)
   assert set(out) >= set(runs) and ("dense" in out) == ("dense" in runs), sorted(out)
   for run in runs:
     r = out[run]

@@ -96,7 +96,8 @@ DECODE_MAX_M = 256
 # where both decode kernels took at most 1.006x of dense XLA's time at every
 # M of 1-64 ("Decode products on the sparse tensor cores: the H100's row",
 # 2026-12-05; decompress + XLA takes longer than dense XLA, whose product
-# it ends with). (4096, 2048), (16384, 2048) and (2048, 16384): not
+# it ends with); above 64 rows those cells are not measured
+# (DECODE_SWEPT_M). (4096, 2048), (16384, 2048) and (2048, 16384): not
 # measured. What the rows
 # give a model, and why a KV cache carried through `nn.scan` must be pinned
 # around a product on this kernel: docs/performance.md, "Decode".
@@ -112,6 +113,15 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
                               (None, 256, 256, 256),     # 4096
                               (64, 256, 256, 256),       # 8192
                               (None, 256, 256, 256)),    # 16384
+}
+
+# Grid points (K, N) where a GPU's measurements stopped short of
+# DECODE_MAX_M rows: above these rows the cell decides nothing, and a
+# product there decompresses with an `UnmeasuredChoiceWarning` as where no
+# cell was measured.
+DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {
+    "NVIDIA H100 80GB HBM3": {(2048, 2048): 64, (2048, 4096): 64, (2048, 8192): 64,
+                              (8192, 2048): 64},
 }
 
 
@@ -160,6 +170,11 @@ def _decode_cell(k: int, n: int, tables=DECODE_AUTO_MAX_M):
   return 0 if i is None or j is None else table[i][j]
 
 
+def _grid_point(k: int, n: int) -> tuple[int, int]:
+  """The DECODE_GRID point whose cell a `[K, N]` weight on the grid takes."""
+  return tuple(DECODE_GRID[grid_index(size, DECODE_GRID)] for size in (k, n))
+
+
 def _cell_rows(cell) -> tuple[int, int]:
   """A table cell's fewest and most rows (`(1, 0)`: none)."""
   if cell is None:
@@ -191,9 +206,13 @@ def warn_if_unmeasured(m: int, k: int, n: int, dtype) -> None:
   elif dtype != jnp.bfloat16:
     what = f"the decode kernel was measured on this GPU ({kind!r}) for bfloat16 only, not {dtype}"
   elif cell is None:
-    point = tuple(DECODE_GRID[grid_index(size, DECODE_GRID)] for size in (k, n))
     what = (f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M's row for this GPU ({kind!r}) has"
-            f" no measurement at its grid point (K, N) = {point}")
+            f" no measurement at its grid point (K, N) = {_grid_point(k, n)}")
+  elif cell and m > DECODE_SWEPT_M.get(kind, {}).get(_grid_point(k, n), DECODE_MAX_M):
+    what = (f"the decode kernel was measured on this GPU ({kind!r}) at its grid point"
+            f" (K, N) = {_grid_point(k, n)} up to"
+            f" {DECODE_SWEPT_M[kind][_grid_point(k, n)]} rows, not {m}"
+            f" (jsparse24.backends.pallas.DECODE_SWEPT_M)")
   else:
     return  # measured: the cell decided
   if PallasBackend().unavailable_reason() is not None:
