@@ -139,7 +139,9 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {
 # GPU time (nvidia-h100-80gb-hbm3.md, "Decode products on the sparse tensor
 # cores: the H100's row", 2026-12-05): the Triton kernel where K = 4096 and
 # N = 8192-16383 below 32 rows (at 4096 x 12288 the sparse-tensor-core kernel
-# took 1.02-1.11x its GPU time at 1-16 rows), and in the cells not swept.
+# took 1.02-1.11x its GPU time at 1-16 rows), where K = 2048 and N =
+# 4096-8191 above 16 rows (2048 x 6144: 1.12x at 32 rows, the longest run
+# within the margin ends at 16), and in the cells not swept.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
