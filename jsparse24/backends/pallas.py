@@ -210,10 +210,9 @@ def warn_if_unmeasured(m: int, k: int, n: int, dtype) -> None:
   elif cell is None:
     what = (f"jsparse24.backends.pallas.DECODE_AUTO_MAX_M's row for this GPU ({kind!r}) has"
             f" no measurement at its grid point (K, N) = {_grid_point(k, n)}")
-  elif cell and m > DECODE_SWEPT_M.get(kind, {}).get(_grid_point(k, n), DECODE_MAX_M):
+  elif cell and m > (swept := DECODE_SWEPT_M.get(kind, {}).get(_grid_point(k, n), DECODE_MAX_M)):
     what = (f"the decode kernel was measured on this GPU ({kind!r}) at its grid point"
-            f" (K, N) = {_grid_point(k, n)} up to"
-            f" {DECODE_SWEPT_M[kind][_grid_point(k, n)]} rows, not {m}"
+            f" (K, N) = {_grid_point(k, n)} up to {swept} rows, not {m}"
             f" (jsparse24.backends.pallas.DECODE_SWEPT_M)")
   else:
     return  # measured: the cell decided
