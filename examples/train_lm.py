@@ -653,6 +653,21 @@ def mask_transposable(args) -> bool | None:
   return None if args.mask == "default" else args.mask == "transposable"
 
 
+def why_no_kernel(args) -> str:
+  """Why the automatic choice ran no 2:4 kernel (`sparse_layer_backends` all
+  "xla"), and what would: said after the tokens/s, which then compare two
+  dense runs."""
+  if args.sparse_activations != "off":
+    return ("The automatic choice takes XLA's masked products for 2:4 activations, whose"
+            " cuSPARSELt step gained less than its margin (docs/performance.md, \"2:4"
+            " activations\"): --sparse-activations shows their accuracy here, not their speed.")
+  if jax.default_backend() == "gpu":
+    return ("At these shapes the automatic choice measured no 2:4 kernel faster than XLA on"
+            " this GPU; the gpu preset (--size gpu) trains at shapes where they are.")
+  return ("On an NVIDIA GPU the gpu preset (the default there) trains at shapes where the 2:4"
+          " kernels run.")
+
+
 def sparse_layer_backends(args) -> dict[str, str]:
   """The backend `implementation=None` picks for each 2:4 layer at this run's
   shapes (`jsparse24.selected_implementation`): where it is "xla" for every
@@ -1059,9 +1074,8 @@ def report(runs: list[Run], start_steps: dict[str, int], val, args) -> dict[str,
   if set(backends.values()) == {"xla"}:
     print(f"2:4 / dense tokens/s: no speed-up to report. No 2:4 kernel ran: the automatic"
           f" choice took the masked dense reference for every 2:4 layer ({backends}), so both"
-          f" runs did dense products and their tokens/s differ by timing noise only. On an"
-          f" NVIDIA GPU the gpu preset (the default there) trains at shapes where the 2:4"
-          f" kernels run.")
+          f" runs did dense products and their tokens/s differ by timing noise only."
+          f" {why_no_kernel(args)}")
   else:
     ratio = speed["2:4"][1] / speed["dense"][1]
     print(f"2:4 / dense tokens/s over the sparse steps ({sparse_from}+): {ratio:.3f}x"

@@ -108,6 +108,17 @@ def test_train_lm_reports_no_speed_up_where_no_sparse_kernel_ran(train_lm):
   assert ("sess" "ion") not in printed.lower()  # runs and steps, no diary words
 
 
+def test_train_lm_says_why_no_2_4_kernel_ran_where_it_runs(monkeypatch):
+  module = load_example("train_lm")
+  args = module.parse_args(["--d-model", "32"])
+  assert "the gpu preset (the default there)" in module.why_no_kernel(args)
+  monkeypatch.setattr(module.jax, "default_backend", lambda: "gpu")
+  assert "measured no 2:4 kernel faster than XLA on this GPU" in module.why_no_kernel(args)
+  args = module.parse_args(["--d-model", "32", "--ffn-activation", "relu2",
+                            "--sparse-activations", "masked"])
+  assert "takes XLA's masked products for 2:4 activations" in module.why_no_kernel(args)
+
+
 def test_train_lm_says_which_preset_it_chose_and_what_its_counts_count(train_lm):
   # On a CPU, without --size: the CPU preset, said first; the final table
   # says what its step count counts.
@@ -425,6 +436,10 @@ def test_train_lm_squared_relu_with_24_activations(tmp_path):
   assert result["sparse_layers"] == ["block_0/mlp/up"]
   assert set(result["sparsity_collection"]["block_0"]["mlp"]) == {"up"}
   assert result["sparse_layer_backends"]["mlp/down"] == "xla"
+  # Why no 2:4 kernel ran: the choice never takes one for 2:4 activations,
+  # on a GPU's preset too (not "the gpu preset ... where the 2:4 kernels run").
+  assert "--sparse-activations shows their accuracy here, not their speed" in printed.getvalue()
+  assert "the gpu preset" not in printed.getvalue()
   for run in ("dense", "sparse"):
     val = result[f"val_losses_{run}"]
     assert all(math.isfinite(v) for v in val) and val[-1] < val[0], (run, val)
