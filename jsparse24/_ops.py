@@ -354,17 +354,23 @@ def _problem(x_shape, w_shape, dtype, transposable, compressed=False) -> backend
 
 
 def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False,
-                            compressed: bool | str = False) -> str:
+                            compressed: bool | str = False,
+                            pruned_activations: bool = False) -> str:
   """The backend `sparse_dot(..., implementation=None)` runs for these shapes
   (x `[..., K]`, w `[K, N]`) and dtype on this machine; `compressed=True`: for
   a `Sparse24` weight (`compress`, `compress_params`), which may take another
   backend than a dense weight with a mask (nothing to prune or compress per
   call: the Pallas decode kernel at small M); `compressed="cusparselt"`: for
   one in cuSPARSELt's layout (`compress(..., cusparselt=True)`), which
-  cuSPARSELt multiplies in place, so from fewer rows."""
+  cuSPARSELt multiplies in place, so from fewer rows;
+  `pruned_activations=True`: for a dense weight whose layer prunes an
+  activation 2:4 (`input_sparsity` or `grad_output`)."""
   fn = "selected_implementation"
   if compressed not in (False, True, "cusparselt"):
     raise ValueError(f"{fn}: compressed must be False, True or 'cusparselt', got {compressed!r}.")
+  if pruned_activations and compressed:
+    raise ValueError(f"{fn}: pruned_activations=True describes a dense weight (the activation"
+                     f" is the pruned operand); pass compressed=False.")
   _checks.check_float_dtype(fn, "dtype", dtype)
   if len(tuple(w_shape)) != 2 or not tuple(x_shape):
     raise ValueError(f"{fn}: expected x_shape [..., K] and w_shape [K, N], got {tuple(x_shape)}"
@@ -374,8 +380,12 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = Fal
   if tuple(x_shape)[-1] != tuple(w_shape)[0]:
     raise ValueError(f"{fn}: x_shape[-1] = {tuple(x_shape)[-1]} does not match K ="
                      f" w_shape[0] = {tuple(w_shape)[0]}.")
-  return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable,
-                                        compressed)).name
+  # As sparse_dot builds it: with a pruned activation the weight is dense,
+  # so nothing about it is transposable.
+  problem = _problem(tuple(x_shape), tuple(w_shape), dtype,
+                     transposable and not pruned_activations, compressed)
+  return backends.select(None, dataclasses.replace(problem, input_sparse=bool(pruned_activations))
+                         ).name
 
 
 def compress(

@@ -615,6 +615,22 @@ def test_a_compressed_weights_prefill_takes_cusparselt(monkeypatch):
   assert pick(1 << 14, False) == "xla"
 
 
+def test_selected_implementation_asks_for_a_layer_with_a_pruned_activation(monkeypatch):
+  """`pruned_activations=True` asks what sparse_dot runs with `input_sparsity`
+  or `grad_output` (a dense weight, the activation pruned): where a masked
+  weight takes cuSPARSELt, that layer takes XLA's masked products
+  (`CusparseltBackend.prefers`); a compressed weight cannot be one."""
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  m = cusparselt.AUTO_MIN_M[True][2][3]  # K 4096, N 8192, transposable
+  pick = lambda **kw: jsparse24.selected_implementation(  # noqa: E731
+      (m, 4096), (4096, 8192), jnp.bfloat16, transposable=True, **kw)
+  assert pick() == "cusparselt"
+  assert pick(pruned_activations=True) == "xla"
+  with pytest.raises(ValueError, match="selected_implementation: pruned_activations=True"
+                                       " describes a dense weight"):
+    pick(pruned_activations=True, compressed=True)
+
+
 def test_prefers_follows_the_measured_table():
   backend = cusparselt.CusparseltBackend()
   table = cusparselt.AUTO_MIN_M

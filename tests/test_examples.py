@@ -116,7 +116,23 @@ def test_train_lm_says_why_no_2_4_kernel_ran_where_it_runs(monkeypatch):
   assert "measured no 2:4 kernel faster than XLA on this GPU" in module.why_no_kernel(args)
   args = module.parse_args(["--d-model", "32", "--ffn-activation", "relu2",
                             "--sparse-activations", "masked"])
-  assert "takes XLA's masked products for 2:4 activations" in module.why_no_kernel(args)
+  assert "took XLA's masked products for the 2:4 activations" in module.why_no_kernel(args)
+
+
+def test_train_lm_reports_the_backend_the_choice_gives_a_pruned_activation(monkeypatch):
+  """mlp/down's backend with --sparse-activations is the automatic choice's
+  answer for a pruned activation (`selected_implementation(...,
+  pruned_activations=True)`), not written down beside it: a choice that took
+  cuSPARSELt for it would be reported."""
+  module = load_example("train_lm")
+  args = module.parse_args(["--d-model", "32", "--ffn-activation", "relu2",
+                            "--sparse-activations", "masked"])
+  assert module.sparse_layer_backends(args)["mlp/down"] == "xla"
+  from jsparse24.backends import cusparselt
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "check_supported", lambda self, p: None)
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "prefers", lambda self, p: p.input_sparse)
+  assert module.sparse_layer_backends(args) == {"mlp/up": "xla", "mlp/down": "cusparselt"}
 
 
 def test_train_lm_says_which_preset_it_chose_and_what_its_counts_count(train_lm):
