@@ -335,19 +335,18 @@ def test_rows_above_a_gpus_measurements_decompress_with_a_warning(monkeypatch):
 
 
 def test_an_h100_multiplies_a_d_model_2048_models_weights_on_the_decode_kernels(monkeypatch):
-  """The H100's cells where K or N is 2048 (measured up to 64 rows): the
+  """The H100's cells where K or N is 2048 (measured up to 256 rows): the
   products of a d_model 2048 decoder (qkv, out, up, down) take the decode
-  kernels from 1 to 64 rows, and decompress with a warning above them."""
+  kernels from 1 to DECODE_MAX_M rows, silently."""
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
   monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
+  assert pallas_backend.DECODE_MAX_M == 256
   for k, n in ((2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)):
-    for m in (1, 64):
+    for m in (1, 64, 65, 256):
       assert jsparse24.selected_implementation(
           (m, k), (k, n), jnp.bfloat16, compressed=True) == "pallas", (m, k, n)
       assert not _decompressed_warnings(m, jnp.bfloat16, k=k, n=n)
-    (w,) = _decompressed_warnings(65, jnp.bfloat16, k=k, n=n)
-    assert "up to 64 rows, not 65" in str(w.message), (k, n)
 
 
 @pytest.mark.gpu

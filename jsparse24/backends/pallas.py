@@ -92,12 +92,14 @@ DECODE_MAX_M = 256
 # had it slower; (2048, 2048) only up to 64 rows, where the kernel measured
 # 0.92-1.53x of decompress + XLA from run to run ("Decode on the sparse tensor
 # cores up to 64 rows"). H100: its sweep ("Decode kernel: K steps of 128 ...")
-# where K and N are 4096-16384; the cells where K or N is 2048 up to 64 rows,
-# where both decode kernels took at most 1.006x of dense XLA's time at every
-# M of 1-64 ("Decode products on the sparse tensor cores: the H100's row",
-# 2026-12-05; decompress + XLA takes longer than dense XLA, whose product
-# it ends with); above 64 rows those cells are not measured
-# (DECODE_SWEPT_M). (4096, 2048), (16384, 2048) and (2048, 16384): not
+# where K and N are 4096-16384; the cells where K or N is 2048: up to 64 rows
+# both decode kernels took at most 1.006x of dense XLA's time at every M of
+# 1-64 ("Decode products on the sparse tensor cores: the H100's row",
+# 2026-12-05; decompress + XLA takes longer than dense XLA, whose product it
+# ends with), and at 64, 128 and 256 rows the kernel 1.40-4.15x as fast as
+# decompress + XLA ("Decode kernel against decompress + XLA where K or N =
+# 2048, 64-1024 rows", 2026-12-06; 0.50-0.94x of the dense weight's product
+# from 128 rows). (4096, 2048), (16384, 2048) and (2048, 16384): not
 # measured. What the rows
 # give a model, and why a KV cache carried through `nn.scan` must be pinned
 # around a product on this kernel: docs/performance.md, "Decode".
@@ -109,20 +111,18 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
                     ((2, 256), 256, 256, 256),        # 4096
                     (256, 256, 256, 256),    # 8192
                     (256, 256, 256, 256)),   # 16384
-    "NVIDIA H100 80GB HBM3": ((64, 64, 64, None),        # 2048
+    "NVIDIA H100 80GB HBM3": ((256, 256, 256, None),     # 2048
                               (None, 256, 256, 256),     # 4096
-                              (64, 256, 256, 256),       # 8192
+                              (256, 256, 256, 256),      # 8192
                               (None, 256, 256, 256)),    # 16384
 }
 
 # Grid points (K, N) where a GPU's measurements stopped short of
 # DECODE_MAX_M rows: above these rows the cell decides nothing, and a
 # product there decompresses with an `UnmeasuredChoiceWarning` as where no
-# cell was measured.
-DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {
-    "NVIDIA H100 80GB HBM3": {(2048, 2048): 64, (2048, 4096): 64, (2048, 8192): 64,
-                              (8192, 2048): 64},
-}
+# cell was measured. Empty while every GPU's measured cells reach
+# DECODE_MAX_M rows.
+DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 
 
 # On Hopper, for the rows of x DECODE_MMA_MAX_M gives, a compressed weight
