@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Literal
 
@@ -287,7 +286,7 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
         f"{fn}: with {arg} the output gradient is pruned 2:4 along N = w.shape[1] ="
         f" {w.shape[1]}, which must be a multiple of 4 (pad w's last axis with zeros).")
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
-  problem = dataclasses.replace(_problem(x.shape, w.shape, dtype, False), input_sparse=True)
+  problem = _problem(x.shape, w.shape, dtype, False, input_sparse=True)
   backend = backends.select(opts.implementation, problem)
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
   cfg = ActivationConfig(opts.input_sparsity, opts.grad_output, bool(opts.transposable),
@@ -344,13 +343,17 @@ def _check_contraction(fn: str, x: jax.Array, w_shape: tuple[int, ...]) -> None:
         f" = {w_shape[0]} (x: {x.shape}, w: {tuple(w_shape)}).")
 
 
-def _problem(x_shape, w_shape, dtype, transposable, compressed=False) -> backends.Problem:
+def _problem(x_shape, w_shape, dtype, transposable, compressed=False,
+             input_sparse=False) -> backends.Problem:
   """`compressed`: False (a dense weight), True (a `Sparse24`) or
-  "cusparselt" (a `Sparse24` in cuSPARSELt's layout)."""
+  "cusparselt" (a `Sparse24` in cuSPARSELt's layout); `input_sparse`: an
+  activation pruned 2:4 and the weight dense, so nothing is transposable."""
   return backends.Problem(m=math.prod(x_shape[:-1]), k=w_shape[0], n=w_shape[1],
-                          dtype=jnp.dtype(dtype), transposable=bool(transposable),
+                          dtype=jnp.dtype(dtype),
+                          transposable=bool(transposable) and not input_sparse,
                           platform=jax.default_backend(), compressed=bool(compressed),
-                          cusparselt_layout=compressed == "cusparselt")
+                          cusparselt_layout=compressed == "cusparselt",
+                          input_sparse=bool(input_sparse))
 
 
 def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False,
@@ -380,12 +383,8 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = Fal
   if tuple(x_shape)[-1] != tuple(w_shape)[0]:
     raise ValueError(f"{fn}: x_shape[-1] = {tuple(x_shape)[-1]} does not match K ="
                      f" w_shape[0] = {tuple(w_shape)[0]}.")
-  # As sparse_dot builds it: with a pruned activation the weight is dense,
-  # so nothing about it is transposable.
-  problem = _problem(tuple(x_shape), tuple(w_shape), dtype,
-                     transposable and not pruned_activations, compressed)
-  return backends.select(None, dataclasses.replace(problem, input_sparse=bool(pruned_activations))
-                         ).name
+  return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable,
+                                        compressed, input_sparse=pruned_activations)).name
 
 
 def compress(
