@@ -1,4 +1,4 @@
-"""`x @ W` for up to 64 rows of x on the sparse tensor cores (Pallas Mosaic GPU).
+"""`x @ W` for up to 128 rows of x on the sparse tensor cores (Pallas Mosaic GPU).
 
 The same product as `decode24.decode_matmul` (its reference,
 `decode24.decode_matmul_reference`, is this kernel's), on the same arrays: a
@@ -24,15 +24,17 @@ lowering cannot do that: its layouts place elements in threads as it sees fit.
 
 **The layout in shared memory.** Each CTA owns blocks of 64 rows of W (4 tiles
 of 16) and walks K in steps of 1024 (`K_STEP`; 512 past 16 rows of x,
-`K_STEP_WIDE`, so that two stages of x's tile fit beside the weight's). Up to
-16 rows its four warps split each step's K four ways and all own the 4 row
-tiles, so a warp's x fragment serves four products; past 16 (`warps`) each
-warp takes 16 rows of x, so that its accumulators stay at 32 registers, and K
-is split the two ways (17-32 rows) or the one way (33-64) left. TMA copies
-each step's tiles swizzled: the values as uint32 pairs `[64, K_STEP / 4]` (a
-group's two 16-bit values, as `_prmt` reads them) and x `[8 .. 64, K_STEP]`
-in 128-byte swizzle, the codes `uint8[64, K_STEP / 8]` in 128-byte (64-byte
-in steps of 512); with the swizzle the 8 row groups of a warp read 8
+`K_STEP_WIDE`, and 256 past 64, `K_STEP_TALL`, so that two stages of x's
+tile fit beside the weight's). Up to 16 rows its four warps split each
+step's K four ways and all own the 4 row tiles, so a warp's x fragment
+serves four products; past 16 (`warps`) each warp takes 16 rows of x, so
+that its accumulators stay at 32 registers, and K is split the two ways
+(17-32 rows) or the one way (33-64) left; past 64 each warp takes 24 or 32
+rows (64 accumulator registers at most). TMA copies each step's tiles
+swizzled: the values as uint32 pairs `[64, step / 4]` (a group's two 16-bit
+values, as `_prmt` reads them) and x `[8 .. 128, step]` in 128-byte swizzle,
+the codes `uint8[64, step / 8]` in 128-, 64- or 32-byte swizzle (steps of
+1024, 512, 256); with the swizzle the 8 row groups of a warp read 8
 different banks. For `mma.sp`'s `A`, thread
 `(g, t)` (lane `4g + t`) holds groups `t` and `t + 4` of rows `g` and `g + 8`
 of its 16-row tile: four 32-bit loads. Its metadata register holds the codes
@@ -63,9 +65,17 @@ kernels holds up to 13 us of idle GPU between their launches, and moved by
 up to 70% from one sweep to the next; by GPU time, which a busy decode step
 pays, the kernel ran 1.25-1.62x as fast as the Triton kernel at 1 and 8 rows
 at every such shape, at 70-82% of copy bandwidth (30% at 2048 x 2048;
-21:31 UTC, "Decode products: GPU time against wall time").
+21:31 UTC, "Decode products: GPU time against wall time"). From 65 to 128
+rows (one H100, 2026-12-06, two sweeps by GPU time; nvidia-h100-80gb-hbm3.md,
+"Decode on the sparse tensor cores from 65 to 128 rows") it ran at
+1.07-1.49x of dense XLA on the three large shapes (60-71% of copy
+bandwidth), 1.12-1.29x at 4096 x 4096 and 4096 x 12288, 1.11-1.63x where K
+or N = 2048 but 2048 x 6144 (0.91x at 128 rows), where the Triton kernel
+ran at 0.68-1.09x. Each block of 64 rows of W reads all of x from L2, N / 64
+times in all: 3.6 times the compressed weight's bytes at 128 rows, 7.1
+times at 256, which is why the kernel stops at 128 rows.
 
-**Limits** (`unsupported_reason`): 1-64 rows, K a multiple of 1024, N a
+**Limits** (`unsupported_reason`): 1-128 rows, K a multiple of 1024, N a
 multiple of 8, bfloat16 or float16; Hopper (TMA, `plgpu.kernel`). There is
 no CPU interpreter for it (Mosaic GPU's interprets neither the inline PTX
 nor swizzled tiles): CPU tests check the plan, the checks and that the
@@ -89,11 +99,13 @@ import numpy as np
 
 from pallas_kernels import _tiles
 
-MAX_M = 64
+MAX_M = 128
 K_STEP = 1024  # K per pipeline step up to 16 rows: 32 tiles of mma.sp's K (32)
 # Past 16 rows x's tile would not fit twice in shared memory beside the
-# weight's: steps of 512.
+# weight's: steps of 512, and of 256 past 64 rows (x's tile up to 128 x 256,
+# 64 KiB a stage).
 K_STEP_WIDE = 512
+K_STEP_TALL = 256
 ROWS = 64  # rows of W per block: 4 tiles of mma.sp's M (16)
 # Streaming multiprocessors where the device does not say (H100 and H200 SXM).
 _SMS = 132
@@ -104,34 +116,39 @@ _PAD_ROWS = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
 # TMA copies into 128-byte swizzled tiles: 8 rows of 128 bytes.
 _X_TF = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _V_TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-_M_TF = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-# Steps of 512 hold 64 bytes of codes per row: 64-byte swizzle (16-byte
-# chunks XORed with row // 2 % 4), so a warp's 8 rows still hit 8 banks.
-_M_TF_WIDE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+
+
+def _codes_bytes(step_k: int) -> int:
+  """Bytes of codes per row of W in a step: 128, 64 or 32."""
+  return step_k // 8
 
 
 def _codes_transforms(step_k: int):
-  """The TMA transforms of a step's codes (`k_step`): rows of 128 bytes in
-  128-byte swizzle, rows of 64 in 64-byte."""
-  return _M_TF if step_k == K_STEP else _M_TF_WIDE
+  """The TMA transforms of a step's codes (`k_step`): rows of B = 128, 64 or
+  32 bytes in B-byte swizzle (B / 16 chunks of 16 bytes, XORed with row //
+  (128 / B) % (B / 16)), so that a warp's 8 rows hit 8 different banks."""
+  row = _codes_bytes(step_k)
+  return (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(row))
 
 
 def warps(m: int) -> tuple[int, int, int]:
   """`(ways of K, ways of x's rows, 8-row tiles of x per warp)`: how the
   four warps share a step for `m` rows. Up to 16 rows they split K four ways
   and each holds all of x's tiles; past 16, x's rows in two (17-32) or four
-  (33-64) parts of 16 rows, each warp its own outputs, K in the two ways
-  left (or one)."""
+  (33-128) parts, each warp its own outputs, K in the two ways left (17-32
+  rows) or one: 16 rows a warp up to 64, 24 or 32 past 64 (64 or 128
+  accumulator registers a thread)."""
   tiles = pl.cdiv(m, 8)
   if tiles <= 2:
     return 4, 1, tiles
-  ways_m = 2 if tiles <= 4 else 4
-  return 4 // ways_m, ways_m, 2
+  if tiles <= 4:
+    return 2, 2, 2
+  return 1, 4, max(2, pl.cdiv(tiles, 4))
 
 
 def k_step(m: int) -> int:
   """K per pipeline step for `m` rows."""
-  return K_STEP if m <= 16 else K_STEP_WIDE
+  return K_STEP if m <= 16 else K_STEP_WIDE if m <= 64 else K_STEP_TALL
 
 
 def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
@@ -202,7 +219,7 @@ def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dty
   """One pipeline step: the accumulators plus this step's products."""
   ptx_type = "bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16"
   k_tiles = step_k // 32 // ways_k  # k32 tiles per warp per step
-  wide = step_k != K_STEP
+  chunks = _codes_bytes(step_k) // 16  # 16-byte chunks in a row of codes
 
   def mma_sp(selector: int) -> str:
     return (f"mma.sp.sync.aligned.m16n8k32.row.col.f32.{ptx_type}.{ptx_type}.f32"
@@ -230,9 +247,9 @@ def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dty
     # of row g + 8's (high half), h = t % 2.
     halves = arith.addi(c(0x5410), arith.muli(arith.andi(t, c(1)), c(0x2222)))
     selector_tiles = arith.muli(arith.shrui(t, c(1)), c(2))
-    # The 16-byte chunks of a row of codes are XORed with the row (128-byte
-    # swizzle) or with row // 2 (64-byte swizzle).
-    m_swizzle = arith.andi(arith.shrui(g, c(1)), c(3)) if wide else g
+    # The 16-byte chunks of a row of codes are XORed with row // (8 / chunks)
+    # % chunks (`_codes_transforms`): the row itself in 128-byte swizzle.
+    m_swizzle = arith.andi(arith.shrui(g, c((8 // chunks).bit_length() - 1)), c(chunks - 1))
     for kk in range(k_tiles):
       q = arith.addi(arith.muli(way_k, c(k_tiles)), c(kk))  # k32 tile of the step
       # B: x[row, 32q + 8i + 2t : +2], i = 0..3, for row g of each 8-row tile.

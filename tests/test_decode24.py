@@ -349,6 +349,22 @@ def test_an_h100_multiplies_a_d_model_2048_models_weights_on_the_decode_kernels(
       assert not _decompressed_warnings(m, jnp.bfloat16, k=k, n=n)
 
 
+def test_an_h100_multiplies_the_decoders_weights_on_the_sparse_tensor_cores_up_to_128_rows(
+    monkeypatch):
+  """The H100's DECODE_MMA_MAX_M row (swept to 128 rows): the products of a
+  d_model 2048 and 4096 decoder take `decode24_mma` from 1 row (32 for 4096
+  x 12288, where the Triton kernel was faster below) to 128, the Triton
+  kernel above."""
+  monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
+  takes = lambda m, k, n: pallas_backend.mma_takes(m, k, n, jnp.bfloat16)  # noqa: E731
+  for k, n in ((2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096),
+               (4096, 16384), (16384, 4096)):
+    assert all(takes(m, k, n) for m in (1, 16, 32, 64, 65, 100, 128)), (k, n)
+    assert not takes(129, k, n), (k, n)
+  assert not takes(16, 4096, 12288) and takes(32, 4096, 12288) and takes(128, 4096, 12288)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", TILE_FAMILIES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -380,8 +396,8 @@ def test_mma_plan_deals_equal_runs_to_at_most_one_cta_per_sm(n, k, want, step):
 def test_mma_kernel_names_what_it_cannot_take():
   reason = decode24_mma.unsupported_reason
   assert reason(16, 4096, 4104, jnp.float16) is None
-  assert reason(64, 4096, 4096, jnp.bfloat16) is None
-  assert "M = 65" in reason(65, 4096, 4096, jnp.bfloat16)
+  assert reason(128, 4096, 4096, jnp.bfloat16) is None
+  assert "M = 129" in reason(129, 4096, 4096, jnp.bfloat16)
   assert "K = 4100" in reason(1, 4100, 4096, jnp.bfloat16)
   assert "N = 4100" in reason(1, 4096, 4100, jnp.bfloat16)
   assert "float32" in reason(1, 4096, 4096, jnp.float32)
@@ -393,11 +409,13 @@ def test_mma_kernel_names_what_it_cannot_take():
 @pytest.mark.parametrize("m,k,n,dtype,rows_after_n,splits", [
     (1, 2048, 1000, jnp.bfloat16, 0, None), (9, 4096, 256, jnp.float16, 32, None),
     (17, 2048, 1000, jnp.bfloat16, 0, None), (64, 4096, 264, jnp.float16, 64, None),
+    (65, 2048, 1000, jnp.bfloat16, 0, None), (128, 4096, 264, jnp.float16, 64, None),
     (1, 4096, 4096, jnp.bfloat16, 0, 1)])
 def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits):
   """The Mosaic GPU program builds (lowered for CUDA on the CPU: its inline
   PTX and swizzled tiles, K split four ways (1 and 9 rows), two (17) and not
-  at all (64: steps of 512, the codes' 64-byte swizzle), a values buffer
+  at all (64: steps of 512, the codes' 64-byte swizzle; 65 and 128: steps
+  of 256, 24 and 32 rows of x a warp, the codes' 32-byte swizzle), a values buffer
   with rows after N, one K slice forced where the plan takes two); what it
   computes is checked on the GPU below."""
   x = jax.ShapeDtypeStruct((m, k), dtype)
@@ -542,8 +560,9 @@ def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
 
 # Odd shapes the kernel takes: M = 1, 3, 9 (x padded to 16 rows), 15, 16, and
 # past 16 rows (steps of 512; x's rows split between the warps) 17, 32, 33,
-# 47, 64; N not a multiple of the 64-row block; K 2048-16384 in one or several
-# slices; a cuSPARSELt buffer's values (rows after N).
+# 47, 64, and past 64 rows (steps of 256; 24 or 32 rows of x a warp) 65, 100,
+# 127, 128; N not a multiple of the 64-row block; K 2048-16384 in one or
+# several slices; a cuSPARSELt buffer's values (rows after N).
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,dtype,cusparselt", [
     (1, 4096, 4096, jnp.bfloat16, False), (3, 2048, 1000, jnp.bfloat16, False),
@@ -552,7 +571,9 @@ def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
     (2, 3072, 5120, jnp.bfloat16, True), (17, 2048, 1000, jnp.bfloat16, False),
     (32, 4096, 4096, jnp.float16, False), (33, 4096, 264, jnp.bfloat16, False),
     (47, 3072, 5120, jnp.bfloat16, True), (64, 8192, 8192, jnp.bfloat16, False),
-    (64, 16384, 1032, jnp.float16, False)])
+    (64, 16384, 1032, jnp.float16, False), (65, 2048, 1000, jnp.bfloat16, False),
+    (100, 3072, 5120, jnp.bfloat16, True), (127, 16384, 1032, jnp.float16, False),
+    (128, 8192, 8192, jnp.bfloat16, False), (128, 4096, 264, jnp.float16, False)])
 def test_mma_decode_matmul_on_gpu(m, k, n, dtype, cusparselt):
   if decode24_mma.unsupported_reason(m, k, n, dtype) is not None or not str(
       getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):

@@ -127,7 +127,7 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 
 # On Hopper, for the rows of x DECODE_MMA_MAX_M gives, a compressed weight
 # multiplies on the sparse tensor cores instead (`pallas_kernels.decode24_mma`:
-# Pallas Mosaic GPU, `mma.sp`, the same arrays read in place; up to 64 rows, K
+# Pallas Mosaic GPU, `mma.sp`, the same arrays read in place; up to 128 rows, K
 # a multiple of 1024, N of 8, 16-bit dtypes, `decode24_mma.unsupported_reason`).
 # Per GPU, cells as DECODE_AUTO_MAX_M's (None: not measured, the Triton
 # kernel), each within DECODE_AUTO_MAX_M's cell. H200: every cell, as far as
@@ -135,23 +135,31 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 # pays, the kernel beat the Triton one at every measured point up to 64 rows,
 # 1.25-1.62x (nvidia-h200.md, "Decode products: GPU time against wall time",
 # 2026-12-04), and the whole decode steps gained with it ("Decode: GPT-style
-# decoder with a KV cache", 2026-12-05). H100: `tune_decode.py --mma`'s row by
+# decoder with a KV cache", 2026-12-05); 65-128 rows not measured on an H200
+# (the Triton kernel). H100: `tune_decode.py --mma`'s row by
 # GPU time (nvidia-h100-80gb-hbm3.md, "Decode products on the sparse tensor
 # cores: the H100's row", 2026-12-05): the Triton kernel where K = 4096 and
 # N = 8192-16383 below 32 rows (at 4096 x 12288 the sparse-tensor-core kernel
 # took 1.02-1.11x its GPU time at 1-16 rows), where K = 2048 and N =
-# 4096-8191 above 16 rows (2048 x 6144: 1.12x at 32 rows, the longest run
-# within the margin ends at 16), and in the cells not swept.
+# 4096-8191 at 17-32 rows (2048 x 6144: 1.12x at 32 rows), and in the cells
+# not swept. From 65 to 128 rows, swept twice ("Decode on the sparse tensor
+# cores from 65 to 128 rows", 2026-12-06), the kernel beat the Triton one at
+# every shape and M (80, 96, 128 rows): 1.07-1.63x of dense XLA's GPU time
+# (2048 x 6144: 0.91-1.33x) against the Triton kernel's 0.68-1.09x. The cell at K = 2048, N = 4096 (a
+# d_model 2048 model's qkv) takes it from 1 to 128 rows though at 32 rows
+# it took 1.12x the Triton kernel's time (both faster than dense): one run
+# of rows per cell, and 64-128 rows gain more (the Triton kernel at
+# 0.71-0.99x of dense there, this one 0.91-1.38x).
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
                     ((2, 64), 64, 64, 64),   # 4096
                     (64, 64, 64, 64),        # 8192
                     (64, 64, 64, 64)),       # 16384
-    "NVIDIA H100 80GB HBM3": ((64, 16, 64, None),        # 2048
-                              (None, 64, (32, 64), 64),  # 4096
-                              (64, None, 64, None),      # 8192
-                              (None, 64, None, None)),   # 16384
+    "NVIDIA H100 80GB HBM3": ((128, 128, 128, None),       # 2048
+                              (None, 128, (32, 128), 128),  # 4096
+                              (128, None, 128, None),       # 8192
+                              (None, 128, None, None)),     # 16384
 }
 
 
