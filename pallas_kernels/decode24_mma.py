@@ -23,17 +23,18 @@ thread loads exactly the fragment `mma.sp` wants of it. Pallas's Triton
 lowering cannot do that: its layouts place elements in threads as it sees fit.
 
 **The layout in shared memory.** Each CTA owns blocks of 64 rows of W (4 tiles
-of 16) and walks K in steps of 1024 (`K_STEP`; 512 past 16 rows of x,
+of 16; 128, 8 tiles, past 64 rows of x on a weight of 2^26 elements or more,
+`block_rows`) and walks K in steps of 1024 (`K_STEP`; 512 past 16 rows of x,
 `K_STEP_WIDE`, and 256 past 64, `K_STEP_TALL`, so that two stages of x's
 tile fit beside the weight's). Up to 16 rows its four warps split each
 step's K four ways and all own the 4 row tiles, so a warp's x fragment
 serves four products; past 16 (`warps`) each warp takes 16 rows of x, so
 that its accumulators stay at 32 registers, and K is split the two ways
 (17-32 rows) or the one way (33-64) left; past 64 each warp takes 24 or 32
-rows (64 accumulator registers at most). TMA copies each step's tiles
-swizzled: the values as uint32 pairs `[64, step / 4]` (a group's two 16-bit
-values, as `_prmt` reads them) and x `[8 .. 128, step]` in 128-byte swizzle,
-the codes `uint8[64, step / 8]` in 128-, 64- or 32-byte swizzle (steps of
+rows (64 accumulator registers, 128 with blocks of 128 rows of W). TMA
+copies each step's tiles swizzled: the values as uint32 pairs `[rows, step
+/ 4]` (a group's two 16-bit values, as `_prmt` reads them) and x `[8 .. 128,
+step]` in 128-byte swizzle, the codes `uint8[rows, step / 8]` in 128-, 64- or 32-byte swizzle (steps of
 1024, 512, 256); with the swizzle the 8 row groups of a warp read 8
 different banks. For `mma.sp`'s `A`, thread
 `(g, t)` (lane `4g + t`) holds groups `t` and `t + 4` of rows `g` and `g + 8`
@@ -45,7 +46,7 @@ selector 0 threads t = 0, 1 supply the metadata and with selector 1 threads
 t = 2, 3 do, so each thread builds one register for two row tiles (one
 `prmt` of two 32-bit loads) and every loaded byte is used.
 
-**Splitting the work.** Work units are (64-row block, slice of K); a CTA runs
+**Splitting the work.** Work units are (block of W's rows, slice of K); a CTA runs
 one pipeline over the K steps of its units (`plan`: as many CTAs as the
 units divide into, at most one per SM). Where a K slice ends, the partial
 sums of the warps that split K meet in shared memory and each thread writes
@@ -72,8 +73,12 @@ rows (one H100, 2026-12-06, two sweeps by GPU time; nvidia-h100-80gb-hbm3.md,
 bandwidth), 1.12-1.29x at 4096 x 4096 and 4096 x 12288, 1.11-1.63x where K
 or N = 2048 but 2048 x 6144 (0.91x at 128 rows), where the Triton kernel
 ran at 0.68-1.09x. Each block of 64 rows of W reads all of x from L2, N / 64
-times in all: 3.6 times the compressed weight's bytes at 128 rows, 7.1
-times at 256, which is why the kernel stops at 128 rows.
+times in all: 3.6 times the compressed weight's bytes at 128 rows. Blocks
+of 128 rows halve that (128 accumulator registers a thread): 1.25-1.53x on
+the three large shapes against 1.04-1.44x with blocks of 64 in the same run,
+but slower at 4096 x 4096, 4096 x 12288 and where K or N = 2048 (fewer,
+longer units per SM; "... from 65 to 128 rows", 05:50 UTC). At 256 rows x's
+traffic would double again, which is why the kernel stops at 128 rows.
 
 **Limits** (`unsupported_reason`): 1-128 rows, K a multiple of 1024, N a
 multiple of 8, bfloat16 or float16; Hopper (TMA, `plgpu.kernel`). There is
@@ -107,6 +112,13 @@ K_STEP = 1024  # K per pipeline step up to 16 rows: 32 tiles of mma.sp's K (32)
 K_STEP_WIDE = 512
 K_STEP_TALL = 256
 ROWS = 64  # rows of W per block: 4 tiles of mma.sp's M (16)
+# Past 64 rows of x, where W has at least TALL_MIN_ELEMENTS, blocks of 128
+# rows of W (8 tiles), so that x is read from L2 half as often. On smaller
+# weights the fewer, longer units ran slower (H100, 2026-12-06,
+# nvidia-h100-80gb-hbm3.md, "Decode on the sparse tensor cores from 65 to 128
+# rows").
+ROWS_TALL = 128
+TALL_MIN_ELEMENTS = 1 << 26
 # Streaming multiprocessors where the device does not say (H100 and H200 SXM).
 _SMS = 132
 # jax 0.12's pipelines reject a block that passes its array's bounds when it
@@ -146,6 +158,11 @@ def warps(m: int) -> tuple[int, int, int]:
   return 1, 4, max(2, pl.cdiv(tiles, 4))
 
 
+def block_rows(m: int, k: int, n: int) -> int:
+  """Rows of W per block for `m` rows of x and a `[K, N]` weight."""
+  return ROWS_TALL if m > 64 and k * n >= TALL_MIN_ELEMENTS else ROWS
+
+
 def k_step(m: int) -> int:
   """K per pipeline step for `m` rows."""
   return K_STEP if m <= 16 else K_STEP_WIDE if m <= 64 else K_STEP_TALL
@@ -166,8 +183,9 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
 
 
 def plan(n: int, k: int, sms: int | None = None, step: int = K_STEP,
-         splits_among=(1, 2, 4, 8)) -> tuple[int, int, int]:
-  """`(splits, ctas, units per CTA)`: each 64-row block's K steps in
+         splits_among=(1, 2, 4, 8), rows: int = ROWS) -> tuple[int, int, int]:
+  """`(splits, ctas, units per CTA)`: the K steps of each block of `rows` rows
+  of W (`block_rows`) in
   `splits` slices (of `splits_among`, dividing the steps), the units (block,
   slice) dealt to `ctas` CTAs (at most `sms`, None: this device's streaming
   multiprocessors) in equal runs. The plan with the fewest K steps per CTA
@@ -175,7 +193,7 @@ def plan(n: int, k: int, sms: int | None = None, step: int = K_STEP,
   partial product that XLA then sums). `step`: K per pipeline step
   (`k_step`)."""
   sms = sms or _sms()
-  blocks, steps = pl.cdiv(n, ROWS), k // step
+  blocks, steps = pl.cdiv(n, rows), k // step
   best = None
   for splits in splits_among:
     if steps % splits:
@@ -215,7 +233,8 @@ def _thread():
   return c, ix, arith.shrui(tid, c(5)), arith.shrui(lane, c(2)), arith.andi(lane, c(3))
 
 
-def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dtype):
+def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dtype,
+             w_tiles: int):
   """One pipeline step: the accumulators plus this step's products."""
   ptx_type = "bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16"
   k_tiles = step_k // 32 // ways_k  # k32 tiles per warp per step
@@ -272,14 +291,14 @@ def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dty
       m_inner = ix(arith.addi(arith.muli(arith.xori(arith.shrui(q, c(2)), m_swizzle), c(16)),
                               arith.muli(arith.andi(q, c(3)), c(4))))
       meta_regs = []
-      for pair_of_tiles in range(2):
+      for pair_of_tiles in range(w_tiles // 2):
         words = []
         for hi in range(2):
           row_tile = ix(arith.addi(c(4 * pair_of_tiles + hi), selector_tiles))
           word = vector.load(four_bytes, m_s, [row_tile, ix(c(0)), g_ix, m_inner], alignment=4)
           words.append(mgpu_utils.bitcast(word, i32))
         meta_regs.append(_ptx("prmt.b32 $0, $1, $2, $3;", *words, halves, results=[i32]))
-      for r in range(4):
+      for r in range(w_tiles):
         a_regs = [memref.load(v_s, [ix(c(2 * r + i % 2)), v_tile, g_ix, v_inner[i // 2]])
                   for i in range(4)]
         for tile in range(ntw):
@@ -295,7 +314,7 @@ def _step_fn(ways_k: int, ntw: int, step_k: int, acc_layout, acc_width: int, dty
 
 
 def _finish_fn(m: int, n: int, ways_k: int, ntw: int, acc_layout, acc_width: int, out_dtype,
-               split_out: bool):
+               split_out: bool, w_tiles: int):
   """Where a unit ends: the sums of the warps that split K (through shared
   memory; none to add with one way of K), each thread storing its outputs
   (y, or its K slice's float32 partial)."""
@@ -315,7 +334,7 @@ def _finish_fn(m: int, n: int, ways_k: int, ntw: int, acc_layout, acc_width: int
     # Element e = (r * ntw + tile) * 4 + reg of a lane's accumulators: of
     # W's four 16-row tiles r this warp writes the `row_tiles` from r0, summed
     # over the `ways_k` warps of its part of x's rows.
-    row_tiles = 4 // ways_k
+    row_tiles = w_tiles // ways_k
     r0 = arith.muli(way_k, c(row_tiles))
     if ways_k == 1:
       total = reg
@@ -357,15 +376,16 @@ def _sms() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or _SMS)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "splits"))
+@functools.partial(jax.jit, static_argnames=("k", "splits", "rows"))
 def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
-                  splits: int | None = None) -> jax.Array:
+                  splits: int | None = None, rows: int | None = None) -> jax.Array:
   """`x[M, K] @ W[K, N]` with W given compressed (values `[N or more, K/2]`,
   meta `uint8[N, K/8]`, `Sparse24`'s layout): float32 accumulation, output in
   x's dtype. `values` rows after the N-th are not read for the product (a
-  cuSPARSELt buffer multiplies in place). `splits`: the K slices per 64-row
-  block (a divisor of the K steps, `k_step`), for tuning; None: `plan`'s
-  choice. Limits: `unsupported_reason`."""
+  cuSPARSELt buffer multiplies in place). `splits`: the K slices per block
+  of W's rows (a divisor of the K steps, `k_step`), for tuning; None:
+  `plan`'s choice. `rows`: W's rows per block (`ROWS`, or `ROWS_TALL` past 64
+  rows of x), for tuning; None: `block_rows`. Limits: `unsupported_reason`."""
   m, n = _tiles.check_operands("decode24_mma.decode_matmul", x, values, meta, k,
                                rows_after_n=True)
   reason = unsupported_reason(m, k, n, x.dtype)
@@ -380,14 +400,20 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
     raise ValueError(f"decode24_mma.decode_matmul: splits = {splits!r} does not divide the"
                      f" {k // step_k} K steps of {step_k} (K = {k}, {m} rows); pass a divisor"
                      " of them, or None for plan()'s choice.")
-  splits, ctas, per_cta = plan(n, k, step=step_k,
+  if rows not in (None, ROWS, ROWS_TALL) or (rows == ROWS_TALL and m <= 64):
+    raise ValueError(f"decode24_mma.decode_matmul: rows = {rows!r} rows of W per block; pass"
+                     f" {ROWS}, {ROWS_TALL} (past 64 rows of x: shared memory holds no more),"
+                     " or None for block_rows()'s choice.")
+  rows = rows or block_rows(m, k, n)
+  splits, ctas, per_cta = plan(n, k, step=step_k, rows=rows,
                                splits_among=(1, 2, 4, 8) if splits is None else (splits,))
   steps = k // step_k // splits
-  acc_width = 16 * ntw  # 4 row tiles x ntw column tiles x 4 registers
+  w_tiles = rows // 16
+  acc_width = 4 * w_tiles * ntw  # row tiles x ntw column tiles x 4 registers
   acc_layout = plgpu.Layout.WG_STRIDED((128, acc_width), vec_size=acc_width)
-  step = _step_fn(ways_k, ntw, step_k, acc_layout, acc_width, x.dtype)
+  step = _step_fn(ways_k, ntw, step_k, acc_layout, acc_width, x.dtype, w_tiles)
   out_dtype = x.dtype if splits == 1 else jnp.float32
-  finish = _finish_fn(m, n, ways_k, ntw, acc_layout, acc_width, out_dtype, splits > 1)
+  finish = _finish_fn(m, n, ways_k, ntw, acc_layout, acc_width, out_dtype, splits > 1, w_tiles)
 
   def jsparse24_decode_mma(x_ref, v_ref, m_ref, o_ref, red):
     cta = lax.axis_index("cta")
@@ -403,7 +429,7 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
       @pl.when(last)
       def _():
         u = unit(j)
-        finish(acc, red, o_ref, (u // splits) * ROWS, u % splits)
+        finish(acc, red, o_ref, (u // splits) * rows, u % splits)
 
       # A unit's last step starts the next unit from zero (a select: the
       # lowering broadcasts no scalar predicate).
@@ -416,9 +442,9 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
         grid=(per_cta, steps),
         in_specs=[
             plgpu.BlockSpec((8 * tiles, step_k), lambda j, s: (0, k_at(j, s)), transforms=_X_TF),
-            plgpu.BlockSpec((ROWS, step_k // 4), lambda j, s: (unit(j) // splits, k_at(j, s)),
+            plgpu.BlockSpec((rows, step_k // 4), lambda j, s: (unit(j) // splits, k_at(j, s)),
                             transforms=_V_TF),
-            plgpu.BlockSpec((ROWS, step_k // 8), lambda j, s: (unit(j) // splits, k_at(j, s)),
+            plgpu.BlockSpec((rows, step_k // 8), lambda j, s: (unit(j) // splits, k_at(j, s)),
                             transforms=_codes_transforms(step_k)),
         ],
         max_concurrent_steps=2,

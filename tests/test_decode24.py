@@ -376,20 +376,22 @@ def test_decode_matmul_on_gpu(m, k, n, dtype):
   assert _rel_err(y, x, sp) < _TOL[dtype]
 
 
-@pytest.mark.parametrize("n,k,want,step", [
-    (8192, 8192, (1, 128, 1), 1024),  # one block per CTA, all of K
-    (16384, 4096, (1, 128, 2), 1024),  # two blocks per CTA
-    (12288, 4096, (2, 128, 3), 1024),  # K in two slices: 6 steps per CTA, not 8
-    (4096, 16384, (2, 128, 1), 1024),  # 64 blocks: two K slices of 8 steps
-    (4096, 4096, (2, 128, 1), 1024),
-    (1000, 2048, (2, 32, 1), 1024),  # 16 blocks (the last one short)
-    (4096, 4096, (2, 128, 1), 512),  # steps of 512 (past 16 rows): two slices of 4
-    (264, 4096, (8, 40, 1), 512),  # 5 blocks, 8 slices of one step
+@pytest.mark.parametrize("n,k,want,step,rows", [
+    (8192, 8192, (1, 128, 1), 1024, 64),  # one block per CTA, all of K
+    (16384, 4096, (1, 128, 2), 1024, 64),  # two blocks per CTA
+    (12288, 4096, (2, 128, 3), 1024, 64),  # K in two slices: 6 steps per CTA, not 8
+    (4096, 16384, (2, 128, 1), 1024, 64),  # 64 blocks: two K slices of 8 steps
+    (4096, 4096, (2, 128, 1), 1024, 64),
+    (1000, 2048, (2, 32, 1), 1024, 64),  # 16 blocks (the last one short)
+    (4096, 4096, (2, 128, 1), 512, 64),  # steps of 512 (past 16 rows): two slices of 4
+    (264, 4096, (8, 40, 1), 512, 64),  # 5 blocks, 8 slices of one step
+    (8192, 8192, (2, 128, 1), 256, 128),  # 64 blocks of 128 rows: two slices of 16 steps
+    (12288, 4096, (4, 128, 3), 256, 128),  # 96 blocks: 4 slices, 12 steps a CTA, not 16
 ])
-def test_mma_plan_deals_equal_runs_to_at_most_one_cta_per_sm(n, k, want, step):
-  splits, ctas, per_cta = decode24_mma.plan(n, k, 132, step)
+def test_mma_plan_deals_equal_runs_to_at_most_one_cta_per_sm(n, k, want, step, rows):
+  splits, ctas, per_cta = decode24_mma.plan(n, k, 132, step, rows=rows)
   assert (splits, ctas, per_cta) == want
-  blocks, steps = -(-n // decode24_mma.ROWS), k // step
+  blocks, steps = -(-n // rows), k // step
   assert steps % splits == 0 and ctas * per_cta == blocks * splits and ctas <= 132
 
 
@@ -406,26 +408,41 @@ def test_mma_kernel_names_what_it_cannot_take():
     decode24_mma.decode_matmul(x, sp.values, sp.meta, k=1028)
 
 
-@pytest.mark.parametrize("m,k,n,dtype,rows_after_n,splits", [
-    (1, 2048, 1000, jnp.bfloat16, 0, None), (9, 4096, 256, jnp.float16, 32, None),
-    (17, 2048, 1000, jnp.bfloat16, 0, None), (64, 4096, 264, jnp.float16, 64, None),
-    (65, 2048, 1000, jnp.bfloat16, 0, None), (128, 4096, 264, jnp.float16, 64, None),
-    (1, 4096, 4096, jnp.bfloat16, 0, 1)])
-def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits):
+def test_mma_kernel_takes_blocks_of_128_rows_of_w_past_64_rows_on_large_weights():
+  rows = decode24_mma.block_rows
+  assert rows(128, 8192, 8192) == rows(65, 4096, 16384) == rows(100, 16384, 4096) == 128
+  assert rows(64, 8192, 8192) == 64  # steps of 512: two stages would not fit
+  assert rows(128, 4096, 12288) == rows(128, 4096, 4096) == rows(128, 2048, 8192) == 64
+  x, sp = _operand(0, 64, 4096, 256, jnp.bfloat16)
+  with pytest.raises(ValueError, match="decode24_mma.decode_matmul: rows = 128 .*past 64 rows"):
+    decode24_mma.decode_matmul(x, sp.values, sp.meta, k=4096, rows=128)
+  with pytest.raises(ValueError, match="rows = 32 rows of W per block; pass 64, 128"):
+    decode24_mma.decode_matmul(x, sp.values, sp.meta, k=4096, rows=32)
+
+
+@pytest.mark.parametrize("m,k,n,dtype,rows_after_n,splits,rows", [
+    (1, 2048, 1000, jnp.bfloat16, 0, None, None), (9, 4096, 256, jnp.float16, 32, None, None),
+    (17, 2048, 1000, jnp.bfloat16, 0, None, None), (64, 4096, 264, jnp.float16, 64, None, None),
+    (65, 2048, 1000, jnp.bfloat16, 0, None, None), (128, 4096, 264, jnp.float16, 64, None, None),
+    (65, 2048, 1000, jnp.bfloat16, 0, None, 128), (128, 8192, 8192, jnp.bfloat16, 0, None, None),
+    (1, 4096, 4096, jnp.bfloat16, 0, 1, None)])
+def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits, rows):
   """The Mosaic GPU program builds (lowered for CUDA on the CPU: its inline
   PTX and swizzled tiles, K split four ways (1 and 9 rows), two (17) and not
   at all (64: steps of 512, the codes' 64-byte swizzle; 65 and 128: steps
-  of 256, 24 and 32 rows of x a warp, the codes' 32-byte swizzle), a values buffer
-  with rows after N, one K slice forced where the plan takes two); what it
-  computes is checked on the GPU below."""
+  of 256, 24 and 32 rows of x a warp, the codes' 32-byte swizzle; blocks of
+  128 rows of W, chosen on 8192 x 8192 and forced on a short N), a values
+  buffer with rows after N, one K slice forced where the plan takes two);
+  what it computes is checked on the GPU below."""
   x = jax.ShapeDtypeStruct((m, k), dtype)
   values = jax.ShapeDtypeStruct((n + rows_after_n, k // 2), dtype)
   meta = jax.ShapeDtypeStruct((n, k // 8), jnp.uint8)
-  f = jax.jit(functools.partial(decode24_mma.decode_matmul, k=k, splits=splits))
+  f = jax.jit(functools.partial(decode24_mma.decode_matmul, k=k, splits=splits, rows=rows))
   text = f.trace(x, values, meta).lower(lowering_platforms=("cuda",)).as_text()
   assert "jsparse24_decode_mma" in text
   # One K slice writes y itself; S slices, float32 partials [S, M, N] that XLA sums.
-  slices = splits or decode24_mma.plan(n, k, step=decode24_mma.k_step(m))[0]
+  slices = splits or decode24_mma.plan(n, k, step=decode24_mma.k_step(m),
+                                       rows=rows or decode24_mma.block_rows(m, k, n))[0]
   assert (f"tensor<{slices}x{m}x{n}xf32>" in text) == (slices > 1)
   assert ("stablehlo.reduce" in text) == (slices > 1)
 
