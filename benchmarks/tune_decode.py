@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/tune_decode.py [--budget 240]
     PYTHONPATH=. python benchmarks/tune_decode.py --quick   # the defaults only
-    PYTHONPATH=. python benchmarks/tune_decode.py --mma [--cells K:N,...] [--ms 1,4,...,64]
-        [--repeat 3] [--one-slice]
+    PYTHONPATH=. python benchmarks/tune_decode.py --mma [--cells K:N,...] [--ms 1,4,...,128]
+        [--repeat 3] [--one-slice] [--other-rows]
 
 A developer tool (it calls `pallas_kernels` directly, and needs neither
 jsparse24 nor Flax): checks `decode24.decode_matmul` against its reference
@@ -28,7 +28,8 @@ traced). Kernel time, because a model's decode step keeps the GPU busy and
 pays that, while the wall time of a call of nothing but these products
 holds the gaps between their launches. `--one-slice` also times the kernel
 with one K slice where its plan (`decode24_mma.plan`) splits K, against the
-plan's.
+plan's; `--other-rows`, past 64 rows, with the block of W's rows
+(`decode24_mma.block_rows`: 64 or 128) that the kernel does not choose there.
 """
 
 from __future__ import annotations
@@ -213,13 +214,15 @@ def mma_cell(ms, mma_t, triton_t, margin: float):
   return best[-1] if best[0] == ms[0] else (best[0], best[-1])
 
 
-def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False) -> None:
+def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False,
+        other_rows: bool = False) -> None:
   """The sparse-tensor-core kernel against the Triton kernel and dense XLA:
   wall time per product (the median of `repeat` timings, taken in turn) and,
   on a GPU, GPU kernel time per product (the first round's), which decides
   the row. `one_slice`: also the kernel with one K slice where its plan
-  takes more (no XLA sum of partial products)."""
-  rows, times, basis, slices = [], {}, "GPU kernel time", []
+  takes more (no XLA sum of partial products). `other_rows`: past 64 rows,
+  also the kernel with the other block of W's rows."""
+  rows, times, basis, slices, blocks = [], {}, "GPU kernel time", [], []
   for (k, n), m in itertools.product(cells, ms):
     point = Point(m, k, n)
     impls = {"dense": (lambda x, w: x @ w, point.dense_weights()),
@@ -229,6 +232,11 @@ def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False) -> None:
     if one_slice and split > 1:
       impls["mma, 1 slice"] = (
           lambda x, op, k=k: decode24_mma.decode_matmul(x, *op, k=k, splits=1), point.ops)
+    chosen = decode24_mma.block_rows(m, k, n)
+    other = decode24_mma.ROWS + decode24_mma.ROWS_TALL - chosen
+    if other_rows and m > 64:
+      impls["mma, other rows"] = (
+          lambda x, op, k=k, r=other: decode24_mma.decode_matmul(x, *op, k=k, rows=r), point.ops)
     # GPU time from the first round only: it held within 1% where timed twice.
     runs = [{name: point.times(f, ops, kernel=i == 0) for name, (f, ops) in impls.items()}
             for i in range(repeat)]
@@ -246,6 +254,9 @@ def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False) -> None:
     if "mma, 1 slice" in impls:
       one = by["mma, 1 slice"]
       slices.append([m, k, n, split, by["mma"] * 1e3, one * 1e3, by["mma"] / one])
+    if "mma, other rows" in impls:
+      alt = by["mma, other rows"]
+      blocks.append([m, k, n, chosen, by["mma"] * 1e3, other, alt * 1e3, by["mma"] / alt])
     print(rows[-1], flush=True)
     del point, impls
   cell = {}
@@ -261,6 +272,11 @@ def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False) -> None:
     print(f"One K slice against the plan's slices, ms by {basis} (> 1: one slice faster):")
     print(_common.table(["M", "K", "N", "plan's slices", "mma.sp ms", "one slice ms",
                          "plan / one slice"], slices))
+  if blocks:
+    print(f"The block of W's rows the kernel chooses against the other, ms by {basis} (> 1:"
+          " the other faster):")
+    print(_common.table(["M", "K", "N", "chosen rows", "mma.sp ms", "other rows", "other ms",
+                         "chosen / other"], blocks))
   print(f"DECODE_MMA_MAX_M row by {basis} (columns N = 2048 ... 16384, rows K; None: not"
         " swept):")
   for k in GRID:
@@ -284,6 +300,9 @@ def main(argv=None):
   p.add_argument("--one-slice", action="store_true",
                  help="--mma: also time the kernel with one K slice where its plan splits K"
                       " (decode24_mma.plan)")
+  p.add_argument("--other-rows", action="store_true",
+                 help="--mma: past 64 rows, also time the kernel with the block of W's rows"
+                      " it does not choose (decode24_mma.block_rows)")
   args = p.parse_args(argv)
   start = time.time()
   print(_common.environment(), flush=True)
@@ -291,7 +310,7 @@ def main(argv=None):
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
   if args.mma:
     mma(bw, [tuple(map(int, c.split(":"))) for c in args.cells.split(",")],
-        [int(m) for m in args.ms.split(",")], args.repeat, args.one_slice)
+        [int(m) for m in args.ms.split(",")], args.repeat, args.one_slice, args.other_rows)
     return
   if args.quick:
     quick(bw)

@@ -536,6 +536,32 @@ def test_tune_mma_row_follows_gpu_time_where_traced(traced, monkeypatch, capsys)
     assert "| 2 | 2048 | 2048 | 2 | 0.006 | 0.003 | 2 |" in out
 
 
+def test_tune_mma_times_the_other_block_of_rows_past_64_rows(monkeypatch, capsys):
+  """--other-rows: past 64 rows the kernel with the block of W's rows it does
+  not choose (on 2048 x 2048 it chooses 64, so the other is 128), in a table
+  of its own; at 64 rows nothing more is timed."""
+  ran = []
+  monkeypatch.setattr(tune_decode.decode24, "decode_matmul",
+                      lambda x, v, mt, k: ran.append("triton") or x[:, :1])
+  monkeypatch.setattr(tune_decode.decode24_mma, "decode_matmul",
+                      lambda x, v, mt, k, rows=None: ran.append(f"mma{rows or ''}") or x[:, :1])
+  monkeypatch.setattr(tune_decode, "ROTATE_BYTES", 1)
+  gpu = {"dense": 10e-6, "triton": 5e-6, "mma": 4e-6, "mma128": 8e-6}
+  timed = []
+
+  def times(point, product, operands, kernel=False):
+    del ran[:]
+    product(point.xs[0], operands[0])
+    timed.append((point.m, ran[0] if ran else "dense"))
+    return gpu[timed[-1][1]], gpu[timed[-1][1]] if kernel else None
+
+  monkeypatch.setattr(tune_decode.Point, "times", times)
+  tune_decode.mma(1e12, [(2048, 2048)], [64, 80], repeat=1, other_rows=True)
+  out = capsys.readouterr().out
+  assert (80, "mma128") in timed and (64, "mma128") not in timed
+  assert "| 80 | 2048 | 2048 | 64 | 0.004 | 128 | 0.008 | 0.5 |" in out
+
+
 def test_mma_kernel_takes_a_number_of_k_slices_for_tuning():
   assert decode24_mma.plan(4096, 4096, 132, 1024, splits_among=(1,)) == (1, 64, 1)
   assert decode24_mma.plan(4096, 4096, 132, 1024, splits_among=(4,)) == (4, 128, 2)
