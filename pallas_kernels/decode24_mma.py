@@ -33,10 +33,10 @@ that its accumulators stay at 32 registers, and K is split the two ways
 (17-32 rows) or the one way (33-64) left; past 64 each warp takes 24 or 32
 rows (64 accumulator registers, 128 with blocks of 128 rows of W). TMA
 copies each step's tiles swizzled: the values as uint32 pairs `[rows, step
-/ 4]` (a group's two 16-bit values, as `_prmt` reads them) and x `[8 .. 128,
-step]` in 128-byte swizzle, the codes `uint8[rows, step / 8]` in 128-, 64- or 32-byte swizzle (steps of
-1024, 512, 256); with the swizzle the 8 row groups of a warp read 8
-different banks. For `mma.sp`'s `A`, thread
+/ 4]` (a group's two 16-bit values, as `_prmt` reads them) and x `[8 ..
+128, step]` in 128-byte swizzle, the codes `uint8[rows, step / 8]` in 128-,
+64- or 32-byte swizzle (steps of 1024, 512, 256); with the swizzle the 8
+row groups of a warp read 8 different banks. For `mma.sp`'s `A`, thread
 `(g, t)` (lane `4g + t`) holds groups `t` and `t + 4` of rows `g` and `g + 8`
 of its 16-row tile: four 32-bit loads. Its metadata register holds the codes
 of row `g` (low half) and `g + 8` (high half), 16 bits each: the codes of
@@ -46,8 +46,8 @@ selector 0 threads t = 0, 1 supply the metadata and with selector 1 threads
 t = 2, 3 do, so each thread builds one register for two row tiles (one
 `prmt` of two 32-bit loads) and every loaded byte is used.
 
-**Splitting the work.** Work units are (block of W's rows, slice of K); a CTA runs
-one pipeline over the K steps of its units (`plan`: as many CTAs as the
+**Splitting the work.** Work units are (block of W's rows, slice of K); a CTA
+runs one pipeline over the K steps of its units (`plan`: as many CTAs as the
 units divide into, at most one per SM). Where a K slice ends, the partial
 sums of the warps that split K meet in shared memory and each thread writes
 its outputs; with one slice per block the kernel writes y itself, with
@@ -332,7 +332,7 @@ def _finish_fn(m: int, n: int, ways_k: int, ntw: int, acc_layout, acc_width: int
     lane = arith.addi(arith.muli(g, c(4)), t)
     (reg,) = acc.registers.flat
     # Element e = (r * ntw + tile) * 4 + reg of a lane's accumulators: of
-    # W's four 16-row tiles r this warp writes the `row_tiles` from r0, summed
+    # W's `w_tiles` 16-row tiles r this warp writes the `row_tiles` from r0, summed
     # over the `ways_k` warps of its part of x's rows.
     row_tiles = w_tiles // ways_k
     r0 = arith.muli(way_k, c(row_tiles))

@@ -145,11 +145,11 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 # not swept. From 65 to 128 rows, swept twice ("Decode on the sparse tensor
 # cores from 65 to 128 rows", 2026-12-06), the kernel beat the Triton one at
 # every shape and M (80, 96, 128 rows): 1.07-1.63x of dense XLA's GPU time
-# (2048 x 6144: 0.91-1.33x) against the Triton kernel's 0.68-1.09x. The cell at K = 2048, N = 4096 (a
-# d_model 2048 model's qkv) takes it from 1 to 128 rows though at 32 rows
-# it took 1.12x the Triton kernel's time (both faster than dense): one run
-# of rows per cell, and 64-128 rows gain more (the Triton kernel at
-# 0.71-0.99x of dense there, this one 0.91-1.38x).
+# (2048 x 6144: 0.91-1.33x) against the Triton kernel's 0.68-1.09x. The cell
+# at K = 2048, N = 4096 (a d_model 2048 model's qkv) takes it from 1 to 128
+# rows though at 32 rows it took 1.12x the Triton kernel's time (both faster
+# than dense): one run of rows per cell, and 64-128 rows gain more (the
+# Triton kernel at 0.71-0.99x of dense there, this one 0.91-1.38x).
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
