@@ -17,8 +17,8 @@ The Triton kernels cannot use the sparse tensor cores (Triton cannot issue
 backend only for the shapes where it measured faster than dense XLA
 (`AUTO_MAX_M`; for a weight already compressed, a `Sparse24` from
 `compress_params`, the split-K decode kernel's sweep per GPU,
-`DECODE_AUTO_MAX_M`). On Hopper, a compressed weight's product with up to 64
-rows runs on the sparse tensor cores where that measured faster
+`DECODE_AUTO_MAX_M`). On Hopper, a compressed weight's product with up to 128
+rows (64 on an H200) runs on the sparse tensor cores where that measured faster
 (`DECODE_MMA_MAX_M`: `pallas_kernels.decode24_mma`, Pallas Mosaic GPU).
 
 The kernels are written for Pallas's Triton lowering
