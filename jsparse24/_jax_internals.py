@@ -9,8 +9,8 @@ is wrapped here with the JAX versions it was checked on, and
 release moves or changes one:
 
 * `register_dce_rule`: JAX's dead-code rule table
-  (`jax.interpreters.partial_eval.dce_rules`). Checked on jax 0.10.2, 0.11.2
-  and 0.12.0.1. Up to 0.11 a rule is called as `rule(used_outputs, eqn)`;
+  (`jax.interpreters.partial_eval.dce_rules`). Checked on jax 0.10.2, 0.11.2,
+  0.12.0.1 and 0.12.1. Up to 0.11 a rule is called as `rule(used_outputs, eqn)`;
   from 0.12 as `rule(used_outputs, live_inputs, eqn)` (`live_inputs` says which
   mutable-array inputs are read later, which a primitive without mutable
   arrays can ignore).
@@ -18,6 +18,11 @@ release moves or changes one:
   devices while lowering (`jax._src.dispatch.prim_requires_devices_during_lowering`),
   for a primitive whose lowering holds a `custom_partitioning` call. Checked
   on the same versions.
+* `vmapped_explicit_axes`: the Explicit mesh axes that an enclosing `vmap`
+  maps over (`jax._src.core.get_axis_env().explicit_mesh_axis_names`), which
+  a `shard_map` inside it cannot go manual over from jax 0.12.1. Checked on
+  jax 0.10.2 and 0.12.1 (both name the axis of a `vmap` with an Explicit
+  `spmd_axis_name`); an environment without the set reads as empty.
 
 Why the dead-code rule is worth an internal hook: the fused compression
 kernel writes the forward and the transposed copy of a weight in one pass;
@@ -48,8 +53,8 @@ class JaxInternalsError(RuntimeError):
 def _changed(what: str, detail: str) -> JaxInternalsError:
   return JaxInternalsError(
       f"jsparse24._jax_internals: {what} changed in jax {jax.__version__} ({detail});"
-      f" jsparse24 checked it on jax 0.10.2 to 0.12.0.1. Please report this with the"
-      f" JAX version; pinning jax<=0.12.0.1 works meanwhile.")
+      f" jsparse24 checked it on jax 0.10.2 to 0.12.1. Please report this with the"
+      f" JAX version; pinning jax<=0.12.1 works meanwhile.")
 
 
 def register_dce_rule(primitive: "jax.extend.core.Primitive", rule: DceRule) -> None:
@@ -79,3 +84,11 @@ def requires_devices_during_lowering(primitive: "jax.extend.core.Primitive") -> 
   if not isinstance(registry, set):
     raise _changed("jax._src.dispatch.prim_requires_devices_during_lowering", "no such set")
   registry.add(primitive)
+
+
+def vmapped_explicit_axes() -> frozenset:
+  """The Explicit mesh axes an enclosing `vmap` maps over here (none outside
+  such a `vmap`): a `shard_map` inside it goes manual over the other axes."""
+  from jax._src import core  # pylint: disable=g-import-not-at-top,protected-access
+  env = core.get_axis_env()
+  return frozenset(getattr(env, "explicit_mesh_axis_names", ()))

@@ -64,6 +64,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jsparse24 import _jax_internals
+
 _FACTORS = "abcdefghijlopqrstuvwxyz"  # weight-side factor names (not m, k, n)
 
 
@@ -334,6 +336,12 @@ def whole_on_each_device(fn: Callable, *args: jax.Array) -> Any:
   (Pallas calls only accept per-device arrays there)."""
   mesh = _weight_side_explicit_mesh(*args)
   if mesh is None or partitioning_off():
+    return fn(*args)
+  # Inside a shard_map (its axes Manual) and a vmap over Explicit axes (a
+  # stack of experts), the arrays are already each device's: no axis is
+  # left to go manual over (jax 0.12.1 refuses such a shard_map).
+  if not (set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+          - _jax_internals.vmapped_explicit_axes()):
     return fn(*args)
   args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args)
   return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),

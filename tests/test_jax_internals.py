@@ -79,3 +79,22 @@ def test_the_compression_primitive_uses_both_hooks():
   prim = pallas._compress_with_mask_p  # pylint: disable=protected-access
   assert prim in pe.dce_rules
   assert prim in dispatch.prim_requires_devices_during_lowering
+
+
+def test_vmapped_explicit_axes_names_the_axis_a_vmap_maps_over():
+  """Empty outside a vmap; inside `vmap(..., spmd_axis_name="x")` over an
+  Explicit axis, {"x"} (what `_sharding.whole_on_each_device` leaves out of
+  its shard_map's manual axes)."""
+  assert _jax_internals.vmapped_explicit_axes() == frozenset()
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  seen = []
+
+  def f(a):
+    seen.append(_jax_internals.vmapped_explicit_axes())
+    return a * 2
+
+  with jax.set_mesh(mesh):
+    a = jax.device_put(jnp.ones((2, 4)), jax.sharding.NamedSharding(mesh, jax.P("x")))
+    jax.vmap(f, spmd_axis_name="x")(a)
+  assert seen == [frozenset({"x"})]
