@@ -28,7 +28,7 @@ traced). Kernel time, because a model's decode step keeps the GPU busy and
 pays that, while the wall time of a call of nothing but these products
 holds the gaps between their launches. `--one-slice` also times the kernel
 with one K slice where its plan (`decode24_mma.plan`) splits K, against the
-plan's; `--other-rows`, past 64 rows, with the block of W's rows
+plan's; `--other-rows`, from 65 to 128 rows (one pass), with the block of W's rows
 (`decode24_mma.block_rows`: 64 or 128) that the kernel does not choose there.
 """
 
@@ -234,7 +234,7 @@ def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False,
           lambda x, op, k=k: decode24_mma.decode_matmul(x, *op, k=k, splits=1), point.ops)
     chosen = decode24_mma.block_rows(m, k, n)
     other = decode24_mma.ROWS + decode24_mma.ROWS_TALL - chosen
-    if other_rows and m > 64:
+    if other_rows and 64 < m <= decode24_mma.PASS_M:
       impls["mma, other rows"] = (
           lambda x, op, k=k, r=other: decode24_mma.decode_matmul(x, *op, k=k, rows=r), point.ops)
     # GPU time from the first round only: it held within 1% where timed twice.

@@ -1,4 +1,4 @@
-"""`x @ W` for up to 128 rows of x on the sparse tensor cores (Pallas Mosaic GPU).
+"""`x @ W` for up to 256 rows of x on the sparse tensor cores (Pallas Mosaic GPU).
 
 The same product as `decode24.decode_matmul` (its reference,
 `decode24.decode_matmul_reference`, is this kernel's), on the same arrays: a
@@ -78,9 +78,17 @@ of 128 rows halve that (128 accumulator registers a thread): 1.25-1.53x on
 the three large shapes against 1.04-1.44x with blocks of 64 in the same run,
 but slower at 4096 x 4096, 4096 x 12288 and where K or N = 2048 (fewer,
 longer units per SM; "... from 65 to 128 rows", 05:50 UTC). At 256 rows x's
-traffic would double again, which is why the kernel stops at 128 rows.
+traffic would double again, which is why one pass of the kernel stops at
+128 rows (`PASS_M`): past it, one pass per 128 rows of x, each reading W
+again (its 128 accumulator registers a thread leave no room for more rows of
+x, and sharing x between CTAs would need TMA multicast in a cluster). On an
+H100 (2026-12-06, "Decode on the sparse tensor cores from 129 to 256 rows")
+the passes took 0.58-0.94x the Triton kernel's GPU time at 160-256 rows on
+the swept shapes (1.02-1.04x at 2048 x 2048 and 2048 x 6144 with 256 rows),
+but ran at only 0.44-0.96x of dense XLA, whose product at 256 rows takes
+no longer than at 128 (0.87-1.13x its time).
 
-**Limits** (`unsupported_reason`): 1-128 rows, K a multiple of 1024, N a
+**Limits** (`unsupported_reason`): 1-256 rows, K a multiple of 1024, N a
 multiple of 8, bfloat16 or float16; Hopper (TMA, `plgpu.kernel`). There is
 no CPU interpreter for it (Mosaic GPU's interprets neither the inline PTX
 nor swizzled tiles): CPU tests check the plan, the checks and that the
@@ -104,7 +112,10 @@ import numpy as np
 
 from pallas_kernels import _tiles
 
-MAX_M = 128
+# Rows of x in one pass of the kernel (its accumulators and x's tiles in
+# shared memory hold no more); up to MAX_M rows in passes of PASS_M.
+PASS_M = 128
+MAX_M = 256
 K_STEP = 1024  # K per pipeline step up to 16 rows: 32 tiles of mma.sp's K (32)
 # Past 16 rows x's tile would not fit twice in shared memory beside the
 # weight's: steps of 512, and of 256 past 64 rows (x's tile up to 128 x 256,
@@ -382,16 +393,33 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   """`x[M, K] @ W[K, N]` with W given compressed (values `[N or more, K/2]`,
   meta `uint8[N, K/8]`, `Sparse24`'s layout): float32 accumulation, output in
   x's dtype. `values` rows after the N-th are not read for the product (a
-  cuSPARSELt buffer multiplies in place). `splits`: the K slices per block
-  of W's rows (a divisor of the K steps, `k_step`), for tuning; None:
-  `plan`'s choice. `rows`: W's rows per block (`ROWS`, or `ROWS_TALL` past 64
-  rows of x), for tuning; None: `block_rows`. Limits: `unsupported_reason`."""
+  cuSPARSELt buffer multiplies in place). Past `PASS_M` rows, one pass of the
+  kernel per `PASS_M` rows of x (the last takes the rest), each reading W
+  again. `splits`: the K slices per block of W's rows (a divisor of the K
+  steps, `k_step`), for tuning; None: `plan`'s choice. `rows`: W's rows per
+  block (`ROWS`, or `ROWS_TALL` past 64 rows of x), for tuning; None:
+  `block_rows`. Both tune a single pass (up to `PASS_M` rows). Limits:
+  `unsupported_reason`."""
   m, n = _tiles.check_operands("decode24_mma.decode_matmul", x, values, meta, k,
                                rows_after_n=True)
   reason = unsupported_reason(m, k, n, x.dtype)
   if reason is not None:
     raise ValueError(f"decode24_mma.decode_matmul: {reason}; decode24.decode_matmul takes"
                      " any shape.")
+  if m > PASS_M:
+    if splits is not None or rows is not None:
+      raise ValueError(f"decode24_mma.decode_matmul: splits = {splits!r}, rows = {rows!r} tune"
+                       f" one pass of at most {PASS_M} rows of x, and x has {m}; pass None for"
+                       " both, or time the passes' rows alone.")
+    return jnp.concatenate([_one_pass(x[i:i + PASS_M], values, meta, k=k, n=n)
+                            for i in range(0, m, PASS_M)], axis=0)
+  return _one_pass(x, values, meta, k=k, n=n, splits=splits, rows=rows)
+
+
+def _one_pass(x, values, meta, *, k: int, n: int, splits: int | None = None,
+              rows: int | None = None) -> jax.Array:
+  """`decode_matmul` for up to `PASS_M` rows of x: one kernel."""
+  m = x.shape[0]
   ways_k, ways_m, ntw = warps(m)
   tiles = ways_m * ntw  # 8-row tiles of x in a step
   step_k = k_step(m)

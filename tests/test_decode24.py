@@ -349,20 +349,22 @@ def test_an_h100_multiplies_a_d_model_2048_models_weights_on_the_decode_kernels(
       assert not _decompressed_warnings(m, jnp.bfloat16, k=k, n=n)
 
 
-def test_an_h100_multiplies_the_decoders_weights_on_the_sparse_tensor_cores_up_to_128_rows(
+def test_an_h100_multiplies_the_decoders_weights_on_the_sparse_tensor_cores_up_to_256_rows(
     monkeypatch):
-  """The H100's DECODE_MMA_MAX_M row (swept to 128 rows): the products of a
+  """The H100's DECODE_MMA_MAX_M row (swept to 256 rows): the products of a
   d_model 2048 and 4096 decoder take `decode24_mma` from 1 row (32 for 4096
-  x 12288, where the Triton kernel was faster below) to 128, the Triton
-  kernel above."""
+  x 12288, where the Triton kernel was faster below) to 256 (192 for 2048 x
+  6144, whose 256 rows the Triton kernel ran faster), the Triton kernel
+  above (and from 257 rows no decode kernel)."""
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
   takes = lambda m, k, n: pallas_backend.mma_takes(m, k, n, jnp.bfloat16)  # noqa: E731
-  for k, n in ((2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096),
-               (4096, 16384), (16384, 4096)):
-    assert all(takes(m, k, n) for m in (1, 16, 32, 64, 65, 100, 128)), (k, n)
-    assert not takes(129, k, n), (k, n)
-  assert not takes(16, 4096, 12288) and takes(32, 4096, 12288) and takes(128, 4096, 12288)
+  for k, n in ((2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 16384),
+               (16384, 4096)):
+    assert all(takes(m, k, n) for m in (1, 16, 32, 64, 65, 100, 128, 129, 200, 256)), (k, n)
+    assert not takes(257, k, n), (k, n)
+  assert takes(192, 2048, 6144) and not takes(193, 2048, 6144)
+  assert not takes(16, 4096, 12288) and takes(32, 4096, 12288) and takes(256, 4096, 12288)
 
 
 @pytest.mark.gpu
@@ -399,7 +401,9 @@ def test_mma_kernel_names_what_it_cannot_take():
   reason = decode24_mma.unsupported_reason
   assert reason(16, 4096, 4104, jnp.float16) is None
   assert reason(128, 4096, 4096, jnp.bfloat16) is None
-  assert "M = 129" in reason(129, 4096, 4096, jnp.bfloat16)
+  assert reason(256, 4096, 4096, jnp.bfloat16) is None  # two passes
+  assert "M = 257" in reason(257, 4096, 4096, jnp.bfloat16)
+  assert "M = 0" in reason(0, 4096, 4096, jnp.bfloat16)
   assert "K = 4100" in reason(1, 4100, 4096, jnp.bfloat16)
   assert "N = 4100" in reason(1, 4096, 4100, jnp.bfloat16)
   assert "float32" in reason(1, 4096, 4096, jnp.float32)
@@ -418,6 +422,10 @@ def test_mma_kernel_takes_blocks_of_128_rows_of_w_past_64_rows_on_large_weights(
     decode24_mma.decode_matmul(x, sp.values, sp.meta, k=4096, rows=128)
   with pytest.raises(ValueError, match="rows = 32 rows of W per block; pass 64, 128"):
     decode24_mma.decode_matmul(x, sp.values, sp.meta, k=4096, rows=32)
+  x, sp = _operand(0, 129, 4096, 256, jnp.bfloat16)
+  with pytest.raises(ValueError, match="rows = 128 tune one pass of at most 128 rows of x,"
+                                       " and x has 129"):
+    decode24_mma.decode_matmul(x, sp.values, sp.meta, k=4096, rows=128)
 
 
 @pytest.mark.parametrize("m,k,n,dtype,rows_after_n,splits,rows", [
@@ -425,26 +433,33 @@ def test_mma_kernel_takes_blocks_of_128_rows_of_w_past_64_rows_on_large_weights(
     (17, 2048, 1000, jnp.bfloat16, 0, None, None), (64, 4096, 264, jnp.float16, 64, None, None),
     (65, 2048, 1000, jnp.bfloat16, 0, None, None), (128, 4096, 264, jnp.float16, 64, None, None),
     (65, 2048, 1000, jnp.bfloat16, 0, None, 128), (128, 8192, 8192, jnp.bfloat16, 0, None, None),
-    (1, 4096, 4096, jnp.bfloat16, 0, 1, None)])
+    (1, 4096, 4096, jnp.bfloat16, 0, 1, None), (136, 4096, 264, jnp.bfloat16, 64, None, None),
+    (256, 8192, 8192, jnp.bfloat16, 0, None, None)])
 def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits, rows):
   """The Mosaic GPU program builds (lowered for CUDA on the CPU: its inline
   PTX and swizzled tiles, K split four ways (1 and 9 rows), two (17) and not
   at all (64: steps of 512, the codes' 64-byte swizzle; 65 and 128: steps
   of 256, 24 and 32 rows of x a warp, the codes' 32-byte swizzle; blocks of
   128 rows of W, chosen on 8192 x 8192 and forced on a short N), a values
-  buffer with rows after N, one K slice forced where the plan takes two);
-  what it computes is checked on the GPU below."""
+  buffer with rows after N, one K slice forced where the plan takes two;
+  past 128 rows one kernel per 128 rows of x, the last taking the rest: 136
+  as 128 + 8, 256 as 128 + 128); what it computes is checked on the GPU
+  below."""
   x = jax.ShapeDtypeStruct((m, k), dtype)
   values = jax.ShapeDtypeStruct((n + rows_after_n, k // 2), dtype)
   meta = jax.ShapeDtypeStruct((n, k // 8), jnp.uint8)
   f = jax.jit(functools.partial(decode24_mma.decode_matmul, k=k, splits=splits, rows=rows))
   text = f.trace(x, values, meta).lower(lowering_platforms=("cuda",)).as_text()
+  passes = [min(128, m - i) for i in range(0, m, 128)]
   assert "jsparse24_decode_mma" in text
-  # One K slice writes y itself; S slices, float32 partials [S, M, N] that XLA sums.
-  slices = splits or decode24_mma.plan(n, k, step=decode24_mma.k_step(m),
-                                       rows=rows or decode24_mma.block_rows(m, k, n))[0]
-  assert (f"tensor<{slices}x{m}x{n}xf32>" in text) == (slices > 1)
-  assert ("stablehlo.reduce" in text) == (slices > 1)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == len(passes)  # a kernel a pass
+  for rows_x in passes:
+    # One K slice writes y itself; S slices, float32 partials [S, M, N] that XLA sums.
+    slices = splits or decode24_mma.plan(n, k, step=decode24_mma.k_step(rows_x),
+                                         rows=rows or decode24_mma.block_rows(rows_x, k, n))[0]
+    assert (f"tensor<{slices}x{rows_x}x{n}xf32>" in text) == (slices > 1)
+    assert ("stablehlo.reduce" in text) == (slices > 1)
+  assert (f"tensor<{m}x{n}x{jnp.dtype(dtype).name[0]}" in text)
 
 
 @pytest.fixture
@@ -607,7 +622,7 @@ def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
 # 127, 128; N not a multiple of the 64-row block; K 2048-16384 in one or
 # several slices; a cuSPARSELt buffer's values (rows after N).
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,dtype,cusparselt", [
+@pytest.mark.parametrize("m,k,n,dtype,cusparselt,rows", [(*case, None)[:6] for case in [
     (1, 4096, 4096, jnp.bfloat16, False), (3, 2048, 1000, jnp.bfloat16, False),
     (9, 8192, 264, jnp.float16, False), (16, 16384, 4096, jnp.bfloat16, False),
     (15, 2048, 2048, jnp.float16, False), (5, 4096, 12288, jnp.bfloat16, False),
@@ -616,8 +631,15 @@ def test_compressed_products_reach_the_sparse_tensor_cores(mma_gpu):
     (47, 3072, 5120, jnp.bfloat16, True), (64, 8192, 8192, jnp.bfloat16, False),
     (64, 16384, 1032, jnp.float16, False), (65, 2048, 1000, jnp.bfloat16, False),
     (100, 3072, 5120, jnp.bfloat16, True), (127, 16384, 1032, jnp.float16, False),
-    (128, 8192, 8192, jnp.bfloat16, False), (128, 4096, 264, jnp.float16, False)])
-def test_mma_decode_matmul_on_gpu(m, k, n, dtype, cusparselt):
+    (128, 8192, 8192, jnp.bfloat16, False), (128, 4096, 264, jnp.float16, False),
+    # Blocks of 128 rows of W forced where block_rows() takes 64: N not a
+    # multiple of the block, a cuSPARSELt buffer, float16, one ragged 8-row tile.
+    (65, 2048, 1000, jnp.bfloat16, False, 128), (100, 3072, 5120, jnp.bfloat16, True, 128),
+    (127, 16384, 1032, jnp.float16, False, 128), (128, 4096, 264, jnp.float16, False, 128),
+    # Past 128 rows, passes of 128 rows of x (the last: 1, 72, 128 rows).
+    (129, 2048, 1000, jnp.bfloat16, False), (200, 3072, 5120, jnp.bfloat16, True),
+    (256, 8192, 8192, jnp.bfloat16, False), (256, 4096, 264, jnp.float16, False)]])
+def test_mma_decode_matmul_on_gpu(m, k, n, dtype, cusparselt, rows):
   if decode24_mma.unsupported_reason(m, k, n, dtype) is not None or not str(
       getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
     pytest.skip("decode24_mma runs on Hopper")
@@ -625,7 +647,7 @@ def test_mma_decode_matmul_on_gpu(m, k, n, dtype, cusparselt):
   values = sp.values
   if cusparselt:  # rows after N that the product must not read
     values = jnp.concatenate([values, jnp.full((n // 8, k // 2), jnp.nan, dtype)])
-  got = decode24_mma.decode_matmul(x, values, sp.meta, k=k)
+  got = decode24_mma.decode_matmul(x, values, sp.meta, k=k, rows=rows)
   assert got.shape == (m, n) and got.dtype == dtype
   assert _rel_err(got, x, sp) < _TOL[dtype]
   if pallas_backend.mma_takes(m, k, n, dtype):

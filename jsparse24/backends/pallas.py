@@ -17,7 +17,7 @@ The Triton kernels cannot use the sparse tensor cores (Triton cannot issue
 backend only for the shapes where it measured faster than dense XLA
 (`AUTO_MAX_M`; for a weight already compressed, a `Sparse24` from
 `compress_params`, the split-K decode kernel's sweep per GPU,
-`DECODE_AUTO_MAX_M`). On Hopper, a compressed weight's product with up to 128
+`DECODE_AUTO_MAX_M`). On Hopper, a compressed weight's product with up to 256
 rows (64 on an H200) runs on the sparse tensor cores where that measured faster
 (`DECODE_MMA_MAX_M`: `pallas_kernels.decode24_mma`, Pallas Mosaic GPU).
 
@@ -127,7 +127,7 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 
 # On Hopper, for the rows of x DECODE_MMA_MAX_M gives, a compressed weight
 # multiplies on the sparse tensor cores instead (`pallas_kernels.decode24_mma`:
-# Pallas Mosaic GPU, `mma.sp`, the same arrays read in place; up to 128 rows, K
+# Pallas Mosaic GPU, `mma.sp`, the same arrays read in place; up to 256 rows, K
 # a multiple of 1024, N of 8, 16-bit dtypes, `decode24_mma.unsupported_reason`).
 # Per GPU, cells as DECODE_AUTO_MAX_M's (None: not measured, the Triton
 # kernel), each within DECODE_AUTO_MAX_M's cell. H200: every cell, as far as
@@ -149,17 +149,23 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 # at K = 2048, N = 4096 (a d_model 2048 model's qkv) takes it from 1 to 128
 # rows though at 32 rows it took 1.12x the Triton kernel's time (both faster
 # than dense): one run of rows per cell, and 64-128 rows gain more (the
-# Triton kernel at 0.71-0.99x of dense there, this one 0.91-1.38x).
+# Triton kernel at 0.71-0.99x of dense there, this one 0.91-1.38x). From 129
+# to 256 rows (passes of 128 rows of x, each reading W again; "Decode on the
+# sparse tensor cores from 129 to 256 rows", 2026-12-06) it took 0.58-0.94x
+# the Triton kernel's GPU time at 160, 192 and 256 rows, but 1.02x at 2048 x
+# 2048 and 1.04x at 2048 x 6144 (past the margin: that cell stops at 192)
+# with 256 rows. Both run slower than dense XLA there: this kernel at
+# 0.44-0.96x of its speed, the Triton one at 0.32-0.92x.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
                     ((2, 64), 64, 64, 64),   # 4096
                     (64, 64, 64, 64),        # 8192
                     (64, 64, 64, 64)),       # 16384
-    "NVIDIA H100 80GB HBM3": ((128, 128, 128, None),       # 2048
-                              (None, 128, (32, 128), 128),  # 4096
-                              (128, None, 128, None),       # 8192
-                              (None, 128, None, None)),     # 16384
+    "NVIDIA H100 80GB HBM3": ((256, 192, 256, None),       # 2048
+                              (None, 256, (32, 256), 256),  # 4096
+                              (256, None, 256, None),       # 8192
+                              (None, 256, None, None)),     # 16384
 }
 
 
