@@ -77,16 +77,26 @@ times in all: 3.6 times the compressed weight's bytes at 128 rows. Blocks
 of 128 rows halve that (128 accumulator registers a thread): 1.25-1.53x on
 the three large shapes against 1.04-1.44x with blocks of 64 in the same run,
 but slower at 4096 x 4096, 4096 x 12288 and where K or N = 2048 (fewer,
-longer units per SM; "... from 65 to 128 rows", 05:50 UTC). At 256 rows x's
-traffic would double again, which is why one pass of the kernel stops at
-128 rows (`PASS_M`): past it, one pass per 128 rows of x, each reading W
-again (its 128 accumulator registers a thread leave no room for more rows of
-x, and sharing x between CTAs would need TMA multicast in a cluster). On an
-H100 (2026-12-06, "Decode on the sparse tensor cores from 129 to 256 rows")
-the passes took 0.58-0.94x the Triton kernel's GPU time at 160-256 rows on
-the swept shapes (1.02-1.04x at 2048 x 2048 and 2048 x 6144 with 256 rows),
-but ran at only 0.44-0.96x of dense XLA, whose product at 256 rows takes
-no longer than at 128 (0.87-1.13x its time).
+longer units per SM; "... from 65 to 128 rows", 05:50 UTC). One pass of
+the kernel stops at 128 rows (`PASS_M`: its 128 accumulator registers a
+thread leave no room for more rows of x); past it, one pass per 128 rows of
+x, each reading W again. On an H100 (2026-12-06, "Decode on the sparse
+tensor cores from 129 to 256 rows") the passes took 0.58-0.94x the Triton
+kernel's GPU time at 160-256 rows on the swept shapes (1.02-1.04x at 2048 x
+2048 and 2048 x 6144 with 256 rows), but ran at only 0.44-0.96x of dense
+XLA, whose product at 256 rows takes no longer than at 128 (0.87-1.13x its
+time).
+
+**What bounds it past 64 rows** (nvidia-h100-80gb-hbm3.md, "What bounds the kernel past
+64 rows"): not x's reads from L2 (x multicast to the two CTAs of a cluster
+by TMA took the same time) nor too few warps (a second warpgroup
+multiplying half of each block of W, fed by a third issuing the copies, ran
+1-7% slower). At 128 rows on 8192 x 8192 Nsight Compute saw no unit
+saturated: the shared pipeline, which carries `mma.sp`, at 50% of its peak,
+issue slots 26% busy, DRAM 54%, 255 registers a thread. The likely bound,
+not measured further, is warp-level `mma` itself, which on Hopper runs below
+the rate of `wgmma` (the warpgroup form); Pallas Mosaic GPU has no sparse
+`wgmma`.
 
 **Limits** (`unsupported_reason`): 1-256 rows, K a multiple of 1024, N a
 multiple of 8, bfloat16 or float16; Hopper (TMA, `plgpu.kernel`). There is
