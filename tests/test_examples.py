@@ -272,11 +272,15 @@ def test_patch_model_sparsifies_only_the_mlps():
     assert bool(jsparse24.is_24(layer["mask"].unpack(), axis=0))
 
 
-@pytest.mark.parametrize("layout", ["data", "fsdp", "tp", "2d"])
+# fsdp: its layout's 2:4 shardings and losses are test_bench_layouts.py's
+# (the same `jsparse24.layouts`), the example runs it in
+# test_sharded_train_24_activations_alone_under_fsdp, and 2d shards over its
+# data axis as fsdp does.
+@pytest.mark.parametrize("layout", ["data", "tp", "2d"])
 def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
   """8 fake CPU devices: the runs learn (data and 2d: the dense and the 2:4
-  run; fsdp and tp, whose axes 2d combines: the 2:4 run), and their state
-  stays in the layout's shardings (replicated for data parallel, sharded at rest for FSDP, the MLP
+  run; tp, one of the axes 2d combines: the 2:4 run), and their state
+  stays in the layout's shardings (replicated for data parallel, the MLP
   kernels column- and row-parallel over 4 model devices for tp, and over 2
   model devices and sharded over 4 data devices on their other axis for 2d,
   and their masks alike). tp, 2d: the step rebuilds the masks with the mask
@@ -314,8 +318,7 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
     kernel = r["params"]["block_0"]["mlp"]["up"]["kernel"]
     assert len(kernel.sharding.device_set) == 8
     spec = lambda a: (tuple(a.sharding.spec) + (None, None))[:2]  # noqa: E731
-    want = {"data": (None, None), "fsdp": (None, "data"), "tp": (None, "model"),
-            "2d": ("data", "model")}[layout]
+    want = {"data": (None, None), "tp": (None, "model"), "2d": ("data", "model")}[layout]
     assert spec(kernel) == want, kernel.sharding
     if layout in ("tp", "2d"):
       down = r["params"]["block_0"]["mlp"]["down"]["kernel"]
@@ -613,3 +616,5 @@ def test_sharded_train_24_activations_alone_under_fsdp(tmp_path, capsys):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["dense", "sparse"]
   for run in ("dense", "2:4"):
     assert out[run]["loss_last"] < out[run]["loss_first"], (run, out[run])
+    kernel = out[run]["params"]["block_0"]["mlp"]["up"]["kernel"]
+    assert (tuple(kernel.sharding.spec) + (None,))[:2] == (None, "data"), kernel.sharding
