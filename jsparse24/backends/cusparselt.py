@@ -154,6 +154,20 @@ AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
     (None, 512, 256, 256, 256),       # K 16384
 )
 
+# Per GPU (`jax.Device.device_kind`), the grid points (K, N) of AUTO_GRID
+# where that GPU's own sweep against its products of compressed weights
+# moved AUTO_MIN_M_COMPRESSED's cell. H100: the `"pallas"` backend multiplies
+# a compressed weight on the sparse tensor cores up to 256 rows
+# (DECODE_MMA_MAX_M), where the H200's cells compared cuSPARSELt with the
+# Triton kernel; at 256 rows those passes ran 1.19x (4096 x 16384) and 1.28x
+# (16384 x 4096) as fast as cuSPARSELt, which won from 512 rows (1.79x,
+# 1.71x); the other cells swept (K = 4096, 16384; N = 4096, 12288, 16384)
+# kept theirs (nvidia-h100-80gb-hbm3.md, "cuSPARSELt against the passes at
+# 256 and 512 rows", 2026-12-06).
+AUTO_MIN_M_COMPRESSED_BY_GPU: dict[str, dict[tuple[int, int], int | None]] = {
+    "NVIDIA H100 80GB HBM3": {(4096, 16384): 512, (16384, 4096): 512},
+}
+
 # The same for a `Sparse24` in cuSPARSELt's layout (`compress(...,
 # cusparselt=True)`), which cuSPARSELt multiplies in place, so from fewer
 # rows. Measured on an NVIDIA H200, M = 128, 256, 512 (2026-12-04,
@@ -1070,7 +1084,8 @@ class CusparseltBackend(Backend):
     if problem.cusparselt_layout:
       min_m = AUTO_MIN_M_CUSPARSELT_LAYOUT[i][j]
     elif problem.compressed:
-      min_m = AUTO_MIN_M_COMPRESSED[i][j]
+      moved = AUTO_MIN_M_COMPRESSED_BY_GPU.get(pallas_backend._gpu_kind(), {})  # pylint: disable=protected-access
+      min_m = moved.get((AUTO_GRID[i], AUTO_GRID[j]), AUTO_MIN_M_COMPRESSED[i][j])
     else:
       min_m = AUTO_MIN_M[problem.transposable][i][j]
     return min_m is not None and problem.m >= min_m
