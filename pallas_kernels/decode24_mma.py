@@ -87,16 +87,15 @@ kernel's GPU time at 160-256 rows on the swept shapes (1.02-1.04x at 2048 x
 XLA, whose product at 256 rows takes no longer than at 128 (0.87-1.13x its
 time).
 
-**What bounds it past 64 rows** (nvidia-h100-80gb-hbm3.md, "What bounds the kernel past
-64 rows"): not x's reads from L2 (x multicast to the two CTAs of a cluster
-by TMA took the same time) nor too few warps (a second warpgroup
+**What bounds it past 64 rows** (nvidia-h100-80gb-hbm3.md, "What bounds the
+kernel past 64 rows"): not x's reads from L2 (x multicast to the two CTAs of a
+cluster by TMA took the same time) nor too few warps (a second warpgroup
 multiplying half of each block of W, fed by a third issuing the copies, ran
-1-7% slower). At 128 rows on 8192 x 8192 Nsight Compute saw no unit
-saturated: the shared pipeline, which carries `mma.sp`, at 50% of its peak,
-issue slots 26% busy, DRAM 54%, 255 registers a thread. The likely bound,
-not measured further, is warp-level `mma` itself, which on Hopper runs below
-the rate of `wgmma` (the warpgroup form); Pallas Mosaic GPU has no sparse
-`wgmma`.
+1-7% slower). At 128 rows on 8192 x 8192 Nsight Compute saw no unit saturated:
+the shared pipeline, which carries `mma.sp`, at 50% of its peak, issue slots
+26% busy, DRAM 54%, 255 registers a thread. The likely bound, not measured
+further, is warp-level `mma` itself, which on Hopper runs below the rate of
+`wgmma` (the warpgroup form); Pallas Mosaic GPU has no sparse `wgmma`.
 
 **Limits** (`unsupported_reason`): 1-256 rows, K a multiple of 1024, N a
 multiple of 8, bfloat16 or float16; Hopper (TMA, `plgpu.kernel`). There is

@@ -1084,8 +1084,9 @@ class CusparseltBackend(Backend):
     if problem.cusparselt_layout:
       min_m = AUTO_MIN_M_CUSPARSELT_LAYOUT[i][j]
     elif problem.compressed:
-      moved = AUTO_MIN_M_COMPRESSED_BY_GPU.get(pallas_backend._gpu_kind(), {})  # pylint: disable=protected-access
-      min_m = moved.get((AUTO_GRID[i], AUTO_GRID[j]), AUTO_MIN_M_COMPRESSED[i][j])
+      gpu = pallas_backend._gpu_kind()  # pylint: disable=protected-access
+      min_m = AUTO_MIN_M_COMPRESSED_BY_GPU.get(gpu, {}).get(
+          (AUTO_GRID[i], AUTO_GRID[j]), AUTO_MIN_M_COMPRESSED[i][j])
     else:
       min_m = AUTO_MIN_M[problem.transposable][i][j]
     return min_m is not None and problem.m >= min_m
