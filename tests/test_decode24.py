@@ -453,12 +453,14 @@ def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits, rows
   passes = [min(128, m - i) for i in range(0, m, 128)]
   assert "jsparse24_decode_mma" in text
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(passes)  # a kernel a pass
+  sliced = []
   for rows_x in passes:
     # One K slice writes y itself; S slices, float32 partials [S, M, N] that XLA sums.
     slices = splits or decode24_mma.plan(n, k, step=decode24_mma.k_step(rows_x),
                                          rows=rows or decode24_mma.block_rows(rows_x, k, n))[0]
     assert (f"tensor<{slices}x{rows_x}x{n}xf32>" in text) == (slices > 1)
-    assert ("stablehlo.reduce" in text) == (slices > 1)
+    sliced.append(slices > 1)
+  assert ("stablehlo.reduce" in text) == any(sliced)
   assert (f"tensor<{m}x{n}x{jnp.dtype(dtype).name[0]}" in text)
 
 
