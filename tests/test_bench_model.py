@@ -148,15 +148,14 @@ def test_bench_model_rejects_more_devices_than_there_are():
     bench_model.main(["--widths", "128", "--layers", "1", "--devices", "1000", "--no-write"])
 
 
-@pytest.mark.parametrize("policy", ["compressed", "dots-compressed"])
+@pytest.mark.parametrize("policy", ["dots-compressed"])
 def test_bench_model_remat_policy_that_saves_something(capsys, policy):
-  """--remat --remat-policy compressed (the 2:4 model's remat keeps its
-  compressed weights, jsparse24.CHECKPOINT_NAME) or dots-compressed (and
-  the matmul outputs, jsparse24.checkpoint_policies): no breakdown (its
-  parts would time a whole recomputed forward pass); the notes name the
-  policy. (--remat-policy dots is jsparse24.checkpoint_policies'
-  dots_with_no_batch_dims_saveable alone: tests/test_stacked.py counts what
-  it saves.)"""
+  """--remat --remat-policy dots-compressed (the 2:4 model's remat keeps
+  its compressed weights, jsparse24.CHECKPOINT_NAME, and the matmul
+  outputs, jsparse24.checkpoint_policies): no breakdown (its parts would
+  time a whole recomputed forward pass); the notes name the policy. The
+  other policies are the same lookup in `_gpt.REMAT_POLICIES`: what each
+  saves is tests/test_stacked.py's."""
   out = bench_model.main(["--widths", "128", "--layers", "1", "--seq", "32", "--batch", "2",
                           "--vocab", "512", "--rebuild-every", "5", "--remat",
                           "--remat-policy", policy, "--quick", "--no-write"])

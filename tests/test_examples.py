@@ -275,30 +275,31 @@ def test_patch_model_sparsifies_only_the_mlps():
 # fsdp: its layout's 2:4 shardings and losses are test_bench_layouts.py's
 # (the same `jsparse24.layouts`), the example runs it in
 # test_sharded_train_24_activations_alone_under_fsdp, and 2d shards over its
-# data axis as fsdp does.
-@pytest.mark.parametrize("layout", ["data", "tp", "2d"])
+# data axis as fsdp does. data: tests/test_multiprocess.py runs the example
+# in it (1 process x 4 devices and 2 x 2) and checks its replicated state;
+# 2d's data axis is its batch split, and 2d runs the dense model too.
+@pytest.mark.parametrize("layout", ["tp", "2d"])
 def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
-  """8 fake CPU devices: the runs learn (data and 2d: the dense and the 2:4
-  run; tp, one of the axes 2d combines: the 2:4 run), and their state
-  stays in the layout's shardings (replicated for data parallel, the MLP
-  kernels column- and row-parallel over 4 model devices for tp, and over 2
-  model devices and sharded over 4 data devices on their other axis for 2d,
-  and their masks alike). tp, 2d: the step rebuilds the masks with the mask
-  kernel on a run-time flag, as on a GPU (interpreted here), and they stay on
-  each device's block. Only the step's rebuild takes the kernel: the masks
-  that init builds come from XLA's search, the same bits (test_pallas_kernels),
-  without compiling two more interpreted kernels."""
-  context, kernel_calls = contextlib.nullcontext(), []
-  runs = ("dense", "2:4") if layout in ("data", "2d") else ("2:4",)
-  if layout in ("tp", "2d"):
-    from jsparse24 import _pallas_runtime, backends  # pylint: disable=g-import-not-at-top
-    from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
-    def applies(w, transposable):
-      kernel_calls.append(tuple(w.shape))
-      return _pallas_runtime.mask_kernel_takes(w, transposable)
-    monkeypatch.setattr(backends, "_mask_kernel_applies", applies)
-    context = interpret_mode()
-  with context:
+  """8 fake CPU devices: the runs learn (2d: the dense and the 2:4 run; tp,
+  one of the axes 2d combines: the 2:4 run), and their state stays in the
+  layout's shardings (the MLP kernels column- and row-parallel over 4 model
+  devices for tp, and over 2 model devices and sharded over 4 data devices
+  on their other axis for 2d, and their masks alike). The step rebuilds the
+  masks with the mask kernel on a run-time flag, as on a GPU (interpreted
+  here), and they stay on each device's block. Only the step's rebuild takes
+  the kernel: the masks that init builds come from XLA's search, the same
+  bits (test_pallas_kernels), without compiling two more interpreted
+  kernels."""
+  from jsparse24 import _pallas_runtime, backends  # pylint: disable=g-import-not-at-top
+  from jsparse24.backends.pallas import interpret_mode  # pylint: disable=g-import-not-at-top
+  kernel_calls = []
+  runs = ("dense", "2:4") if layout == "2d" else ("2:4",)
+
+  def applies(w, transposable):
+    kernel_calls.append(tuple(w.shape))
+    return _pallas_runtime.mask_kernel_takes(w, transposable)
+  monkeypatch.setattr(backends, "_mask_kernel_applies", applies)
+  with interpret_mode():
     out = load_example("sharded_train").main(
         ["--layout", layout, "--steps", "30", "--batch", "16", "--d-model", "32",
          "--layers", "1", "--heads", "2", "--seq-len", "32", "--lr", "1e-2",
@@ -318,18 +319,17 @@ def test_sharded_train_learns_on_a_mesh(layout, monkeypatch, tmp_path, capsys):
     kernel = r["params"]["block_0"]["mlp"]["up"]["kernel"]
     assert len(kernel.sharding.device_set) == 8
     spec = lambda a: (tuple(a.sharding.spec) + (None, None))[:2]  # noqa: E731
-    want = {"data": (None, None), "tp": (None, "model"), "2d": ("data", "model")}[layout]
+    want = {"tp": (None, "model"), "2d": ("data", "model")}[layout]
     assert spec(kernel) == want, kernel.sharding
-    if layout in ("tp", "2d"):
-      down = r["params"]["block_0"]["mlp"]["down"]["kernel"]
-      assert spec(down) == want[::-1], down.sharding
-  if layout in ("tp", "2d"):  # the masks stay sharded like their kernels (packed [N, K/8])
-    # The step took the kernel for both MLP kernels ([K, N] of up and down).
-    assert {(32, 128), (128, 32)} <= set(kernel_calls), kernel_calls
-    masks = jsparse24.optim.masks(out["2:4"]["opt_state"])["block_0"]["mlp"]
-    up, down = masks["up"]["mask"].packed, masks["down"]["mask"].packed
-    assert spec(up) == want[::-1], up.sharding
-    assert spec(down) == want, down.sharding
+    down = r["params"]["block_0"]["mlp"]["down"]["kernel"]
+    assert spec(down) == want[::-1], down.sharding
+  # The masks stay sharded like their kernels (packed [N, K/8]), the step
+  # having taken the kernel for both MLP kernels ([K, N] of up and down).
+  assert {(32, 128), (128, 32)} <= set(kernel_calls), kernel_calls
+  masks = jsparse24.optim.masks(out["2:4"]["opt_state"])["block_0"]["mlp"]
+  up, down = masks["up"]["mask"].packed, masks["down"]["mask"].packed
+  assert spec(up) == want[::-1], up.sharding
+  assert spec(down) == want, down.sharding
 
 
 def test_train_lm_resume_at_or_past_steps_says_so(train_lm, capsys, tmp_path):

@@ -18,6 +18,20 @@ from jsparse24 import nnx as jnnx
 from jsparse24._input_sparse import input_mask, input_sparse_reference, token_mask
 
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _pairwise(shapes, options, cycled=DTYPES):
+  """`(c, option, shape)` cases, `c` from `cycled`: every shape with every
+  option, and each `c` with every shape and with every option (a Latin
+  square): every pair of two arguments' values, in a fraction of all
+  combinations (each case compiles programs of its own)."""
+  name = lambda v: (jnp.dtype(v).name if isinstance(v, type)  # noqa: E731
+                    else "x".join(map(str, v)) if isinstance(v, tuple) and isinstance(v[0], int)
+                    else ",".join(v) if isinstance(v, tuple) else v)
+  return [pytest.param(c, option, shape, id="-".join(map(name, (c, option, shape))))
+          for i, shape in enumerate(shapes) for j, option in enumerate(options)
+          for c in [cycled[(i + j) % len(cycled)]]]
 
 
 def _rand(seed, shape, dtype=jnp.float32):
@@ -38,10 +52,10 @@ def _vjp(x, w, dy, gradient, implementation=None, grad_output="dense", transposa
   return (y, *vjp(dy))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("gradient", ["masked", "ste"])
-@pytest.mark.parametrize("m,k,n", [(1, 8, 5), (3, 12, 7), (17, 32, 9), (16, 64, 33)])
-def test_forward_and_gradients_match_the_reference(dtype, gradient, m, k, n):
+@pytest.mark.parametrize("gradient,dtype,shape", _pairwise(
+    [(1, 8, 5), (3, 12, 7), (17, 32, 9), (16, 64, 33)], DTYPES, ("masked", "ste")))
+def test_forward_and_gradients_match_the_reference(dtype, gradient, shape):
+  m, k, n = shape
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n, (m, n), dtype)
   y, dx, dw = jax.jit(_vjp, static_argnums=3)(x, w, dy, gradient)
   ry, rdx, rdw = input_sparse_reference(x, w, dy, input_sparsity=gradient)
@@ -163,13 +177,13 @@ def test_combinations_that_make_no_sense_raise(kw, match):
     jsparse24.sparsify(nn.Dense(4), {".*": kw})
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("input_sparsity", ["off", "masked", "ste"])
-@pytest.mark.parametrize("m,k,n", [(1, 8, 8), (3, 12, 4), (17, 32, 12), (16, 64, 36)])
-def test_grad_output_matches_the_reference(dtype, input_sparsity, m, k, n):
+@pytest.mark.parametrize("dtype,input_sparsity,shape", _pairwise(
+    [(1, 8, 8), (3, 12, 4), (17, 32, 12), (16, 64, 36)], ["off", "masked", "ste"]))
+def test_grad_output_matches_the_reference(dtype, input_sparsity, shape):
   """`grad_output="2:4"`: `dx` from the output gradient pruned 2:4 along N
   (alone, or with the input pruned too); `y` and `dw` those of the product
   without it. On a random `dy` (not 2:4) the pruning changes `dx`."""
+  m, k, n = shape
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 1, (m, n), dtype)
   y, dx, dw = jax.jit(_vjp, static_argnums=(3, 4, 5))(x, w, dy, input_sparsity, None, "2:4")
   ry, rdx, rdw = input_sparse_reference(x, w, dy, input_sparsity=input_sparsity, grad_output="2:4")
@@ -384,16 +398,17 @@ def test_transposable_mask_is_the_best_tile_pattern_and_differs_from_the_rows():
   assert bool(jnp.all(m.sum(axis=1) == 2))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("input_sparsity,grad_output", [
-    ("masked", "dense"), ("ste", "dense"), ("off", "2:4"), ("masked", "2:4")])
-@pytest.mark.parametrize("m,k,n", [(3, 12, 4), (17, 32, 12)])
-def test_transposable_matches_the_reference(dtype, input_sparsity, grad_output, m, k, n):
+@pytest.mark.parametrize("dtype,gradients,shape", _pairwise(
+    [(3, 12, 4), (17, 32, 12)],
+    [("masked", "dense"), ("ste", "dense"), ("off", "2:4"), ("masked", "2:4")],
+    DTYPES[:2]))
+def test_transposable_matches_the_reference(dtype, gradients, shape):
   """`transposable=True` on the "xla" backend: the input and/or the output
   gradient pruned on tiles, `dw` from the pruned operands, against the
   plain-`jnp` reference; the tile masks differ from the rows' (so y or dw
   differs from the row-pruned product's), and the reference's dw is JAX's
   derivative of the masked product."""
+  (input_sparsity, grad_output), (m, k, n) = gradients, shape
   x, w, dy = _rand(m, (m, k), dtype), _rand(k, (k, n), dtype), _rand(n + 2, (m, n), dtype)
   got = jax.jit(_vjp, static_argnums=(3, 4, 5, 6))(x, w, dy, input_sparsity, "xla",
                                                      grad_output, True)

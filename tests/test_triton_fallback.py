@@ -52,9 +52,14 @@ def test_the_switch_is_off_here():
     assert pallas.PallasBackend().unavailable_reason() is None
 
 
-@pytest.mark.parametrize("shape,dtype", [((192, 320), jnp.bfloat16), ((320, 192), jnp.float16)])
-@pytest.mark.parametrize("mask_kind", ["none", "mask24", "bool"])
-@pytest.mark.parametrize("transposable", [False, True])
+# Every pair of two of the three arguments' values: all mask kinds x
+# transposable, each shape (and dtype) with each of those.
+_WIDE, _TALL = ((192, 320), jnp.bfloat16), ((320, 192), jnp.float16)
+
+
+@pytest.mark.parametrize("shape,dtype,mask_kind,transposable", [
+    (*_WIDE, "none", False), (*_TALL, "none", True), (*_TALL, "mask24", False),
+    (*_WIDE, "mask24", True), (*_WIDE, "bool", False), (*_TALL, "bool", True)])
 def test_compress_fallback_writes_the_kernels_bytes(shape, dtype, mask_kind, transposable):
   """`compress_for_products_xla` against the Pallas path (prune or stored
   mask, one pass, then the metadata pass) in interpret mode: buffers and
