@@ -24,8 +24,10 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 def _pairwise(shapes, options, cycled=DTYPES):
   """`(c, option, shape)` cases, `c` from `cycled`: every shape with every
   option, and each `c` with every shape and with every option (a Latin
-  square): every pair of two arguments' values, in a fraction of all
-  combinations (each case compiles programs of its own)."""
+  square, given at least as many shapes and options as `cycled` holds):
+  every pair of two arguments' values, in a fraction of all combinations
+  (each case compiles programs of its own)."""
+  assert min(len(shapes), len(options)) >= len(cycled)
   name = lambda v: (jnp.dtype(v).name if isinstance(v, type)  # noqa: E731
                     else "x".join(map(str, v)) if isinstance(v, tuple) and isinstance(v[0], int)
                     else ",".join(v) if isinstance(v, tuple) else v)
