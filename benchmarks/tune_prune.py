@@ -8,7 +8,8 @@ apply = compress with a stored mask; apply_t also writes the transposed copy;
 mask = the transposable mask alone (transposable24.transposable_mask, on a
 float32 weight, as the mask rebuilds read the master weights);
 mvue = the MVUE pruning + compression of a gradient (pallas_kernels.mvue24,
-always in cuSPARSELt's layout).
+always in cuSPARSELt's layout); rows = an activation `x[M, K]` pruned along
+its contiguous axis (pallas_kernels.input_prune24, x of shape size x size).
 With --layout cusparselt the values are written as cuSPARSELt holds them
 (pallas_kernels.prune24's module docstring); its sweep includes both ways of
 separating the row lanes (strided loads/stores, or register transposes).
@@ -26,13 +27,18 @@ import numpy as np
 
 import jsparse24
 from benchmarks import _common
-from pallas_kernels import mvue24, prune24, transposable24
+from pallas_kernels import input_prune24, mvue24, prune24, transposable24
 from pallas_kernels.masked_compress import compress_with_meta
 from pallas_kernels._compress_io import LAYOUTS
 from pallas_kernels.prune_config import PruneConfig
 
 
 def _candidates(which: str) -> list[PruneConfig]:
+  if which == "rows":  # lanes split in registers, or loaded (and stored) strided
+    return [PruneConfig(bk, bm, warps, 1, strided)
+            for strided, (bk, bm), warps in itertools.product(
+                [False, True], [(64, 128), (128, 64), (64, 64), (128, 128), (256, 32),
+                                (256, 64), (32, 256), (32, 128)], [4, 8])]
   if which == "mvue":
     return [PruneConfig(bk, bn, warps, 1)
             for (bk, bn), warps in itertools.product(
@@ -99,7 +105,7 @@ def main(argv=None):
   p.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
   p.add_argument("--index", type=int, default=None, help="run only this candidate")
   p.add_argument("--check", action="store_true",
-                 help="transposable, mask: time on adversarial weights (NaN, inf, ties,"
+                 help="transposable, mask, rows: time on adversarial weights (NaN, inf, ties,"
                       " subnormals) and check every candidate bit for bit against the"
                       " XLA reference; apply_t: check against the XLA reference too")
   p.add_argument("--interpret", action="store_true",
@@ -124,10 +130,14 @@ def main(argv=None):
     if which == "mask":  # reads float32, writes the packed mask
       w_in = adversarial(k, n, jnp.float32) if args.check else w.astype(jnp.float32)
       nbytes = 4 * k * n + k * n // 8
-    elif transposable and args.check:
+    elif (transposable or which == "rows") and args.check:
       w_in = adversarial(k, n, jnp.bfloat16)
     if args.check and which in ("mask", "transposable"):
       want = jax.jit(lambda w: _reference(w, which, args.layout))(w_in)
+    if args.check and which == "rows":  # x^T's Sparse24, as a [K, M] weight's
+      sp = jax.jit(lambda x: jsparse24.compress(
+          x.T, jsparse24.prune_24(x.T), implementation="xla"))(w_in)
+      want = (sp.values, sp.meta)
     if args.check and which == "apply_t":
       sp = jsparse24.compress(w, mask_t, transposed=True, implementation="xla")
       want = (sp.values.T if args.layout == "cusparselt" else sp.values, sp.values_t, sp.meta_t)
@@ -146,6 +156,10 @@ def main(argv=None):
         f = jax.jit(lambda w, m, cfg=cfg, t=which == "apply_t": compress_with_meta(
             w, m, transposed=t, config=cfg, layout=args.layout, **ip))
         call_args = (w, meta_t if which == "apply_t" else meta)
+      elif which == "rows":
+        f = jax.jit(lambda x, cfg=cfg: input_prune24.prune_compress_rows(
+            x, config=cfg, layout=args.layout, **ip))
+        call_args = (w_in,)
       elif which == "mask":
         f = jax.jit(lambda w, cfg=cfg: (transposable24.transposable_mask(w, config=cfg, **ip),))
         call_args = (w_in,)
