@@ -34,11 +34,11 @@ from pallas_kernels.prune_config import PruneConfig
 
 
 def _candidates(which: str) -> list[PruneConfig]:
-  if which == "rows":  # lanes split in registers, or loaded (and stored) strided
-    return [PruneConfig(bk, bm, warps, 1, strided)
-            for strided, (bk, bm), warps in itertools.product(
-                [False, True], [(64, 128), (128, 64), (64, 64), (128, 128), (256, 32),
-                                (256, 64), (32, 256), (32, 128)], [4, 8])]
+  if which == "rows":
+    return [PruneConfig(bk, bm, warps, 1)
+            for (bk, bm), warps in itertools.product(
+                [(256, 32), (128, 64), (64, 128), (512, 16), (512, 32), (256, 16), (1024, 16),
+                 (128, 32)], [4, 8, 16])]
   if which == "mvue":
     return [PruneConfig(bk, bn, warps, 1)
             for (bk, bn), warps in itertools.product(

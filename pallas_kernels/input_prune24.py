@@ -25,11 +25,8 @@ and compressed, each row's groups staying in that row:
   layout yet.
 
 Each program compresses a `[bm, bk]` tile along its rows, its last axis,
-with no transpose: the row groups are the tile's contiguous lanes. The 8
-lanes (columns l, l+8, ...) come from one contiguous load split in
-registers (`_tiles.compress_rows`; `strided_lanes=False`) or from 8
-strided loads, the 4 value slots then stored with strided stores
-(`strided_lanes=True`, as the weights' kernel reads its row lanes).
+with no transpose: the row groups are the tile's contiguous lanes
+(`_tiles.compress_rows`).
 """
 
 from __future__ import annotations
@@ -47,20 +44,17 @@ from pallas_kernels._compress_io import check_layout, with_pad_code
 from pallas_kernels.prune_config import PruneConfig, fit_config
 
 # block_k: the tile's extent along K (the compressed axis), block_n: along M.
-# Not tuned: the shape of `prune24`'s plain-pruning tile, turned so that K,
-# the compressed axis, is contiguous.
-DEFAULT_CONFIG = PruneConfig(block_k=64, block_n=128, num_warps=8, strided_lanes=False)
+# The fastest of `benchmarks/tune_prune.py --which rows`'s sweep on an H100
+# at 16384^2 (0.300 ms, 95% of copy bandwidth, against 0.359 ms for the
+# 64 x 128 tile of `prune24`'s plain pruning; long, flat tiles: each row's
+# stretch of K is contiguous): benchmarks/results/nvidia-h100-80gb-hbm3.md,
+# "The activations' prune + compress tile".
+DEFAULT_CONFIG = PruneConfig(block_k=256, block_n=32, num_warps=8)
 
 
-def _kernel(x_ref, values_ref, meta_ref, *, strided_lanes: bool):
-  if strided_lanes:
-    lanes = [x_ref[:, pl.ds(l, x_ref.shape[1] // 8, stride=8)] for l in range(8)]
-    slots, meta = _tiles.compress_lanes(lanes, None)
-    for s, slot in enumerate(slots):  # column 4r + s of the values is slot s's column r
-      values_ref[:, pl.ds(s, slot.shape[1], stride=4)] = slot
-  else:
-    values, meta = _tiles.compress_rows(x_ref[...], None)
-    values_ref[...] = values
+def _kernel(x_ref, values_ref, meta_ref):
+  values, meta = _tiles.compress_rows(x_ref[...], None)
+  values_ref[...] = values
   meta_ref[...] = meta
 
 
@@ -93,7 +87,7 @@ def prune_compress_rows(x: jax.Array, *, config: PruneConfig | None = None,
   mp, kp = xp.shape
   rows = mp + mp // 8 if exact else mp
   values, meta = pl.pallas_call(
-      functools.partial(_kernel, strided_lanes=cfg.strided_lanes),
+      _kernel,
       out_shape=[jax.ShapeDtypeStruct((rows, kp // 2), x.dtype),
                  jax.ShapeDtypeStruct((mp, kp // 8), jnp.uint8)],
       grid=(mp // bm, kp // bk),

@@ -25,10 +25,6 @@ class PruneConfig:
   # With a stored mask's transposed copy (either layout), True also decodes
   # each row's keep from its code byte (`_tiles.keep_rows`) where False
   # joins the keep lanes and transposes the tile.
-  # The activations' kernel (`input_prune24`: K the tile's contiguous
-  # axis): True loads each of the 8 lanes of a row with a strided load and
-  # stores the 4 value slots with strided stores; False loads the tile and
-  # separates the lanes in registers.
   # Transposable pruning always loads its lanes strided, and
   # this says how it stores them: each lane with a strided store (True), or
   # a row's lanes interleaved in registers and stored contiguously (False).

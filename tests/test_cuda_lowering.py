@@ -102,10 +102,6 @@ KERNELS = {
         [S((K, N), BF16), S((N, K // 8), U8)]),
     "prune_compress_rows, cusparselt layout": (
         lambda x: input_prune24.prune_compress_rows(x, layout="cusparselt"), [S((K, N), BF16)]),
-    "prune_compress_rows, strided lanes": (
-        lambda x: input_prune24.prune_compress_rows(
-            x, layout="cusparselt", config=PruneConfig(64, 128, 4, strided_lanes=True)),
-        [S((K, N), BF16)]),
     "transposable_mask, float32": (lambda w: transposable24.transposable_mask(w),
                                    [S((K, N), F32)]),
     "rebuild_mask": (lambda w, old, r: mask_rebuild.rebuild_mask(w, old, r, transposable=False),

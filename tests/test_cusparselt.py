@@ -1018,19 +1018,19 @@ def test_cusparselt_layout_cast_keeps_the_kept_values():
 
 
 def test_an_h100_keeps_256_row_products_of_compressed_ffn_weights_off_cusparselt(monkeypatch):
-  """On an H100 a compressed 4096 x 16384, 8192 x 8192 or 16384 x 4096
-  weight takes cuSPARSELt from 512 rows (its sparse-tensor-core passes ran
-  faster at 256), elsewhere and on other GPUs from AUTO_MIN_M_COMPRESSED's
-  256."""
+  """On an H100 a compressed 4096 x 16384, 8192 x 4096, 8192 x 8192 or
+  16384 x 4096 weight takes cuSPARSELt from 512 rows (its sparse-tensor-core
+  passes ran faster at 256), elsewhere and on other GPUs from
+  AUTO_MIN_M_COMPRESSED's 256."""
   backend = cusparselt.CusparseltBackend()
   problem = lambda m, k, n: backends.Problem(  # noqa: E731
       m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16), transposable=False, platform="gpu",
       compressed=True)
   table = cusparselt.AUTO_MIN_M_COMPRESSED
-  assert table[2][4] == table[3][3] == table[4][2] == 256
+  assert table[2][4] == table[3][2] == table[3][3] == table[4][2] == 256
   for kind, h100 in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)):
     monkeypatch.setattr(cusparselt.pallas_backend, "_gpu_kind", lambda kind=kind: kind)
-    for k, n in ((4096, 16384), (8192, 8192), (16384, 4096)):
+    for k, n in ((4096, 16384), (8192, 4096), (8192, 8192), (16384, 4096)):
       assert backend.prefers(problem(256, k, n)) is not h100, (kind, k, n)
       assert backend.prefers(problem(512, k, n)), (kind, k, n)
     assert backend.prefers(problem(256, 4096, 12288))  # cells the H100 kept

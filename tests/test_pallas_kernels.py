@@ -539,9 +539,7 @@ def test_scan_compress_kernels_read_the_cast_kernel():
 # --- 2:4 activations: x[M, K] pruned along its contiguous axis -------------
 
 
-@pytest.mark.parametrize("config", [None, PruneConfig(block_k=32, block_n=16,
-                                                      strided_lanes=True)],
-                         ids=["default", "strided_lanes"])
+@pytest.mark.parametrize("config", [None, PruneConfig(block_k=32, block_n=16)])
 @pytest.mark.parametrize("shape,dtype", [
     ((1, 8), jnp.float32), ((3, 12), jnp.bfloat16), ((17, 36), jnp.float16),
     ((40, 132), jnp.bfloat16)])

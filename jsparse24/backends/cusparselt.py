@@ -161,12 +161,17 @@ AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
 # (DECODE_MMA_MAX_M), where the H200's cells compared cuSPARSELt with the
 # Triton kernel; at 256 rows those passes ran 1.19x (4096 x 16384) and 1.28x
 # (16384 x 4096) as fast as cuSPARSELt, which won from 512 rows (1.79x,
-# 1.71x); so at (8192, 8192): 1.17x, and 1.84x from 512 rows. The other
-# cells swept (K = 2048-16384, N = 2048-16384, 2026-12-06) kept theirs
-# (nvidia-h100-80gb-hbm3.md, "cuSPARSELt against the passes at 256 and 512
-# rows" and "The cells where K or N = 2048 or K = 8192; ...").
+# 1.71x); so at (8192, 8192): 1.17x, and 1.84x from 512 rows; at (8192,
+# 4096), whose 256 rows multiply on the Triton kernel or decompressed
+# (DECODE_MMA_MAX_M has no cell there), they ran 1.07x as fast as
+# cuSPARSELt, which won from 512 rows (1.48x). Every other cell of K, N =
+# 2048-16384 (swept 2026-12-06) kept its own (nvidia-h100-80gb-hbm3.md,
+# "cuSPARSELt against the passes at 256 and 512 rows", "The cells where K or
+# N = 2048 or K = 8192; ..." and "The H100's last cells of
+# AUTO_MIN_M_COMPRESSED").
 AUTO_MIN_M_COMPRESSED_BY_GPU: dict[str, dict[tuple[int, int], int | None]] = {
-    "NVIDIA H100 80GB HBM3": {(4096, 16384): 512, (8192, 8192): 512, (16384, 4096): 512},
+    "NVIDIA H100 80GB HBM3": {(4096, 16384): 512, (8192, 4096): 512, (8192, 8192): 512,
+                              (16384, 4096): 512},
 }
 
 # The same for a `Sparse24` in cuSPARSELt's layout (`compress(...,
