@@ -336,16 +336,20 @@ def test_rows_above_a_gpus_measurements_decompress_with_a_warning(monkeypatch):
 
 def test_an_h100_multiplies_a_d_model_2048_models_weights_on_the_decode_kernels(monkeypatch):
   """The H100's cells where K or N is 2048 (measured up to 256 rows): the
-  products of a d_model 2048 decoder (qkv, out, up, down) take the decode
-  kernels from 1 to DECODE_MAX_M rows, silently."""
+  products of a d_model 2048 decoder (qkv, out, up, down), and the cells
+  swept with the other side 4096 or 16384, take the decode kernels from 1
+  (2 at 4096 x 2048, where one row decompressed as fast) to DECODE_MAX_M
+  rows, silently."""
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pallas_backend.PallasBackend, "unavailable_reason", lambda self: None)
   monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
   assert pallas_backend.DECODE_MAX_M == 256
-  for k, n in ((2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)):
-    for m in (1, 64, 65, 256):
+  for k, n in ((2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048), (16384, 2048),
+               (2048, 16384), (4096, 2048)):
+    for m in (1, 2, 64, 65, 256):
+      want = "xla" if (k, n, m) == (4096, 2048, 1) else "pallas"
       assert jsparse24.selected_implementation(
-          (m, k), (k, n), jnp.bfloat16, compressed=True) == "pallas", (m, k, n)
+          (m, k), (k, n), jnp.bfloat16, compressed=True) == want, (m, k, n)
       assert not _decompressed_warnings(m, jnp.bfloat16, k=k, n=n)
 
 
@@ -360,9 +364,10 @@ def test_an_h100_multiplies_the_decoders_weights_on_the_sparse_tensor_cores_up_t
   monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
   takes = lambda m, k, n: pallas_backend.mma_takes(m, k, n, jnp.bfloat16)  # noqa: E731
   for k, n in ((2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 16384),
-               (16384, 4096)):
+               (16384, 4096), (16384, 2048), (2048, 16384)):
     assert all(takes(m, k, n) for m in (1, 16, 32, 64, 65, 100, 128, 129, 200, 256)), (k, n)
     assert not takes(257, k, n), (k, n)
+  assert not takes(1, 4096, 2048) and takes(2, 4096, 2048) and takes(256, 4096, 2048)
   assert takes(192, 2048, 6144) and not takes(193, 2048, 6144)
   assert not takes(16, 4096, 12288) and takes(32, 4096, 12288) and takes(256, 4096, 12288)
 

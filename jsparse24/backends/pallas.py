@@ -99,8 +99,11 @@ DECODE_MAX_M = 256
 # ends with), and at 64, 128 and 256 rows the kernel 1.40-4.15x as fast as
 # decompress + XLA ("Decode kernel against decompress + XLA where K or N =
 # 2048, 64-1024 rows", 2026-12-06; 0.50-0.94x of the dense weight's product
-# from 128 rows). (4096, 2048), (16384, 2048) and (2048, 16384): not
-# measured. What the rows
+# from 128 rows); (4096, 2048), (16384, 2048) and (2048, 16384) by their
+# sweep ("The H100's decode cells where K or N = 2048 and the other is 4096
+# or 16384", 2026-12-06), where at (4096, 2048) and one row decompress + XLA
+# ran as fast as the kernel (0.0128 against 0.0129 ms), as on the H200, so
+# that cell starts at 2 rows. What the rows
 # give a model, and why a KV cache carried through `nn.scan` must be pinned
 # around a product on this kernel: docs/performance.md, "Decode".
 DECODE_GRID = (2048, 4096, 8192, 16384)
@@ -111,10 +114,10 @@ DECODE_AUTO_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...
                     ((2, 256), 256, 256, 256),        # 4096
                     (256, 256, 256, 256),    # 8192
                     (256, 256, 256, 256)),   # 16384
-    "NVIDIA H100 80GB HBM3": ((256, 256, 256, None),     # 2048
-                              (None, 256, 256, 256),     # 4096
+    "NVIDIA H100 80GB HBM3": ((256, 256, 256, 256),      # 2048
+                              ((2, 256), 256, 256, 256),  # 4096
                               (256, 256, 256, 256),      # 8192
-                              (None, 256, 256, 256)),    # 16384
+                              (256, 256, 256, 256)),     # 16384
 }
 
 # Grid points (K, N) where a GPU's measurements stopped short of
@@ -155,17 +158,21 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 # the Triton kernel's GPU time at 160, 192 and 256 rows, but 1.02x at 2048 x
 # 2048 and 1.04x at 2048 x 6144 (past the margin: that cell stops at 192)
 # with 256 rows. Both run slower than dense XLA there: this kernel at
-# 0.44-0.96x of its speed, the Triton one at 0.32-0.92x.
+# 0.44-0.96x of its speed, the Triton one at 0.32-0.92x. (4096, 2048),
+# (16384, 2048) and (2048, 16384), swept at 1-256 rows ("The H100's decode
+# cells where K or N = 2048 and the other is 4096 or 16384", 2026-12-06):
+# 0.69-1.02x the Triton kernel's GPU time at every M, so as far as their
+# DECODE_AUTO_MAX_M cells reach.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
                     ((2, 64), 64, 64, 64),   # 4096
                     (64, 64, 64, 64),        # 8192
                     (64, 64, 64, 64)),       # 16384
-    "NVIDIA H100 80GB HBM3": ((256, 192, 256, None),       # 2048
-                              (None, 256, (32, 256), 256),  # 4096
+    "NVIDIA H100 80GB HBM3": ((256, 192, 256, 256),        # 2048
+                              ((2, 256), 256, (32, 256), 256),  # 4096
                               (256, None, 256, None),       # 8192
-                              (None, 256, None, None)),     # 16384
+                              (256, 256, None, None)),      # 16384
 }
 
 
