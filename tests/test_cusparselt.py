@@ -1019,8 +1019,8 @@ def test_cusparselt_layout_cast_keeps_the_kept_values():
 
 def test_an_h100_keeps_256_row_products_of_compressed_ffn_weights_off_cusparselt(monkeypatch):
   """On an H100 a compressed 4096 x 16384, 8192 x 4096, 8192 x 8192 or
-  16384 x 4096 weight takes cuSPARSELt from 512 rows (its sparse-tensor-core
-  passes ran faster at 256), elsewhere and on other GPUs from
+  16384 x 4096 weight takes cuSPARSELt from 512 rows (its other compressed
+  products ran faster at 256), elsewhere and on other GPUs from
   AUTO_MIN_M_COMPRESSED's 256."""
   backend = cusparselt.CusparseltBackend()
   problem = lambda m, k, n: backends.Problem(  # noqa: E731

@@ -163,8 +163,8 @@ AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
 # (16384 x 4096) as fast as cuSPARSELt, which won from 512 rows (1.79x,
 # 1.71x); so at (8192, 8192): 1.17x, and 1.84x from 512 rows; at (8192,
 # 4096), whose 256 rows multiply on the Triton kernel or decompressed
-# (DECODE_MMA_MAX_M has no cell there), they ran 1.07x as fast as
-# cuSPARSELt, which won from 512 rows (1.48x). Every other cell of K, N =
+# (DECODE_MMA_MAX_M has no cell there), those products ran 1.07x as fast
+# as cuSPARSELt, which won from 512 rows (1.48x). Every other cell of K, N =
 # 2048-16384 (swept 2026-12-06) kept its own (nvidia-h100-80gb-hbm3.md,
 # "cuSPARSELt against the passes at 256 and 512 rows", "The cells where K or
 # N = 2048 or K = 8192; ..." and "The H100's last cells of
