@@ -355,16 +355,18 @@ def test_an_h100_multiplies_a_d_model_2048_models_weights_on_the_decode_kernels(
 
 def test_an_h100_multiplies_the_decoders_weights_on_the_sparse_tensor_cores_up_to_256_rows(
     monkeypatch):
-  """The H100's DECODE_MMA_MAX_M row (swept to 256 rows): the products of a
-  d_model 2048 and 4096 decoder take `decode24_mma` from 1 row (32 for 4096
-  x 12288, where the Triton kernel was faster below) to 256 (192 for 2048 x
-  6144, whose 256 rows the Triton kernel ran faster), the Triton kernel
-  above (and from 257 rows no decode kernel)."""
+  """The H100's DECODE_MMA_MAX_M row (every cell swept to 256 rows): the
+  products of a d_model 2048 and 4096 decoder, and every K, N of 2048-16384,
+  take `decode24_mma` from 1 row (32 for 4096 x 12288, where the Triton
+  kernel was faster below) to 256 (192 for 2048 x 6144, whose 256 rows the
+  Triton kernel ran faster), the Triton kernel above (and from 257 rows no
+  decode kernel)."""
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pallas_backend, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
   takes = lambda m, k, n: pallas_backend.mma_takes(m, k, n, jnp.bfloat16)  # noqa: E731
   for k, n in ((2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 16384),
-               (16384, 4096), (16384, 2048), (2048, 16384)):
+               (16384, 4096), (16384, 2048), (2048, 16384), (8192, 4096), (8192, 8192),
+               (8192, 16384), (16384, 8192), (16384, 16384), (12288, 12288)):
     assert all(takes(m, k, n) for m in (1, 16, 32, 64, 65, 100, 128, 129, 200, 256)), (k, n)
     assert not takes(257, k, n), (k, n)
   assert not takes(1, 4096, 2048) and takes(2, 4096, 2048) and takes(256, 4096, 2048)

@@ -142,11 +142,11 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 # (the Triton kernel). H100: `tune_decode.py --mma`'s row by
 # GPU time (nvidia-h100-80gb-hbm3.md, "Decode products on the sparse tensor
 # cores: the H100's row", 2026-12-05): the Triton kernel where K = 4096 and
-# N = 8192-16383 below 32 rows (at 4096 x 12288 the sparse-tensor-core kernel
-# took 1.02-1.11x its GPU time at 1-16 rows), where K = 2048 and N =
-# 4096-8191 at 17-32 rows (2048 x 6144: 1.12x at 32 rows), and in the cells
-# not swept. From 65 to 128 rows, swept twice ("Decode on the sparse tensor
-# cores from 65 to 128 rows", 2026-12-06), the kernel beat the Triton one at
+# N = 8192-16383 below 32 rows (at 4096 x 12288, a d_model 4096 model's
+# qkv, the sparse-tensor-core kernel took 1.02-1.11x its GPU time at 1-16
+# rows; at 4096 x 8192 0.83-0.89x, but a cell holds one run of rows). From
+# 65 to 128 rows, swept twice ("Decode on the sparse tensor cores from 65 to
+# 128 rows", 2026-12-06), the kernel beat the Triton one at
 # every shape and M (80, 96, 128 rows): 1.07-1.63x of dense XLA's GPU time
 # (2048 x 6144: 0.91-1.33x) against the Triton kernel's 0.68-1.09x. The cell
 # at K = 2048, N = 4096 (a d_model 2048 model's qkv) takes it from 1 to 128
@@ -162,7 +162,9 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 # (16384, 2048) and (2048, 16384), swept at 1-256 rows ("The H100's decode
 # cells where K or N = 2048 and the other is 4096 or 16384", 2026-12-06):
 # 0.69-1.02x the Triton kernel's GPU time at every M, so as far as their
-# DECODE_AUTO_MAX_M cells reach.
+# DECODE_AUTO_MAX_M cells reach; (8192, 4096), (8192, 16384), (16384, 8192)
+# and (16384, 16384) too ("The H100's last decode cells on the sparse tensor
+# cores", 2026-12-06: 0.61-0.99x at 1-256 rows).
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
@@ -171,8 +173,8 @@ DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]
                     (64, 64, 64, 64)),       # 16384
     "NVIDIA H100 80GB HBM3": ((256, 192, 256, 256),        # 2048
                               ((2, 256), 256, (32, 256), 256),  # 4096
-                              (256, None, 256, None),       # 8192
-                              (256, 256, None, None)),      # 16384
+                              (256, 256, 256, 256),         # 8192
+                              (256, 256, 256, 256)),        # 16384
 }
 
 
