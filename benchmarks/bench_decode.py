@@ -128,10 +128,19 @@ def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, pos) -> j
   benchmarks/results/nvidia-h200.md, "Decode: products on the CUDA cores at
   1-4 rows, ..."); in the model the head-major cache made both models' steps
   7-11% faster and left their ratio as it was ("Decode: the steps timed
-  over longer runs, ...")."""
+  over longer runs, ...").
+
+  The barrier between the softmax and the values' reduction keeps XLA from
+  fusing the softmax into that reduction at batch 1, where its fusion
+  computed 8 of a head's 128 outputs per program: 25.7 us per block against
+  21.7 us kept apart (at batch 4-64 the barrier took 0.6-0.9% off); the
+  decode step at batch 1 took 1.446 / 1.044 ms (dense / 2:4) with it and
+  1.479 / 1.084 ms without (H100, 2026-12-06,
+  benchmarks/results/nvidia-h100-80gb-hbm3.md, "Decode: the softmax kept
+  out of the values' reduction")."""
   logits = jnp.einsum("bhd,bhkd->bhk", q, keys, preferred_element_type=jnp.float32)
   logits = jnp.where(jnp.arange(keys.shape[2]) <= pos, logits * HEAD_DIM ** -0.5, -jnp.inf)
-  probs = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
+  probs = jax.lax.optimization_barrier(jax.nn.softmax(logits, axis=-1).astype(values.dtype))
   return jnp.einsum("bhk,bhkd->bhd", probs, values,
                     preferred_element_type=jnp.float32).astype(q.dtype)
 
