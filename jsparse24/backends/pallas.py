@@ -139,32 +139,27 @@ DECODE_SWEPT_M: dict[str, dict[tuple[int, int], int]] = {}
 # 1.25-1.62x (nvidia-h200.md, "Decode products: GPU time against wall time",
 # 2026-12-04), and the whole decode steps gained with it ("Decode: GPT-style
 # decoder with a KV cache", 2026-12-05); 65-128 rows not measured on an H200
-# (the Triton kernel). H100: `tune_decode.py --mma`'s row by
-# GPU time (nvidia-h100-80gb-hbm3.md, "Decode products on the sparse tensor
-# cores: the H100's row", 2026-12-05): the Triton kernel where K = 4096 and
-# N = 8192-16383 below 32 rows (at 4096 x 12288, a d_model 4096 model's
-# qkv, the sparse-tensor-core kernel took 1.02-1.11x its GPU time at 1-16
-# rows; at 4096 x 8192 0.83-0.89x, but a cell holds one run of rows). From
-# 65 to 128 rows, swept twice ("Decode on the sparse tensor cores from 65 to
-# 128 rows", 2026-12-06), the kernel beat the Triton one at
-# every shape and M (80, 96, 128 rows): 1.07-1.63x of dense XLA's GPU time
-# (2048 x 6144: 0.91-1.33x) against the Triton kernel's 0.68-1.09x. The cell
-# at K = 2048, N = 4096 (a d_model 2048 model's qkv) takes it from 1 to 128
-# rows though at 32 rows it took 1.12x the Triton kernel's time (both faster
-# than dense): one run of rows per cell, and 64-128 rows gain more (the
-# Triton kernel at 0.71-0.99x of dense there, this one 0.91-1.38x). From 129
-# to 256 rows (passes of 128 rows of x, each reading W again; "Decode on the
-# sparse tensor cores from 129 to 256 rows", 2026-12-06) it took 0.58-0.94x
-# the Triton kernel's GPU time at 160, 192 and 256 rows, but 1.02x at 2048 x
-# 2048 and 1.04x at 2048 x 6144 (past the margin: that cell stops at 192)
-# with 256 rows. Both run slower than dense XLA there: this kernel at
-# 0.44-0.96x of its speed, the Triton one at 0.32-0.92x. (4096, 2048),
-# (16384, 2048) and (2048, 16384), swept at 1-256 rows ("The H100's decode
-# cells where K or N = 2048 and the other is 4096 or 16384", 2026-12-06):
-# 0.69-1.02x the Triton kernel's GPU time at every M, so as far as their
-# DECODE_AUTO_MAX_M cells reach; (8192, 4096), (8192, 16384), (16384, 8192)
-# and (16384, 16384) too ("The H100's last decode cells on the sparse tensor
-# cores", 2026-12-06: 0.61-0.99x at 1-256 rows).
+# (the Triton kernel). H100: `tune_decode.py --mma`'s rows by GPU time, every
+# cell swept from 1 to 256 rows (nvidia-h100-80gb-hbm3.md: "Decode products
+# on the sparse tensor cores: the H100's row", 2026-12-05; "Decode on the
+# sparse tensor cores from 65 to 128 rows", "... from 129 to 256 rows", "The
+# H100's decode cells where K or N = 2048 and the other is 4096 or 16384" and
+# "The H100's last decode cells on the sparse tensor cores", 2026-12-06). The
+# kernel takes each cell as far as its DECODE_AUTO_MAX_M cell reaches, but
+# - K = 4096, N = 8192-16383 below 32 rows (the Triton kernel): at 4096 x
+#   12288, a d_model 4096 model's qkv, it took 1.02-1.11x the Triton kernel's
+#   GPU time at 1-16 rows (at 4096 x 8192 0.83-0.89x; a cell holds one run
+#   of rows);
+# - K = 2048, N = 4096-8191 past 192 rows: at 2048 x 6144 and 256 rows it
+#   took 1.04x the Triton kernel's time. That cell takes it at 17-32 rows
+#   though it took 1.12x there: one run of rows per cell, and 64-128 rows
+#   gain more (the Triton kernel at 0.71-0.99x of dense there, this one
+#   0.91-1.38x).
+# Elsewhere it took at most 1.02x the Triton kernel's GPU time. From 65 to 128
+# rows it ran at 1.07-1.63x of dense XLA's GPU time (2048 x 6144: 0.91-1.33x;
+# the Triton kernel 0.68-1.09x); from 129 to 256 rows (passes of 128 rows of
+# x, each reading W again) at 0.44-0.96x, the Triton kernel at 0.32-0.92x:
+# both slower than dense XLA there.
 DECODE_MMA_MAX_M: dict[str, tuple[tuple[int | tuple[int, int] | None, ...], ...]] = {
     # columns N = 2048, 4096, 8192, 16384; rows K as marked
     "NVIDIA H200": ((64, 64, 64, 64),        # 2048
