@@ -162,9 +162,11 @@ AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
 # Triton kernel; at 256 rows those passes ran 1.19x (4096 x 16384) and 1.28x
 # (16384 x 4096) as fast as cuSPARSELt, which won from 512 rows (1.79x,
 # 1.71x); so at (8192, 8192): 1.17x, and 1.84x from 512 rows; at (8192,
-# 4096), whose 256 rows multiply on the Triton kernel or decompressed
-# (DECODE_MMA_MAX_M has no cell there), those products ran 1.07x as fast
-# as cuSPARSELt, which won from 512 rows (1.48x). Every other cell of K, N =
+# 4096), swept while its 256 rows multiplied on the Triton kernel, that
+# kernel ran 1.07x as fast as cuSPARSELt, which won from 512 rows (1.48x);
+# those rows now take the sparse-tensor-core kernel, which took 0.83x the
+# Triton kernel's GPU time there ("The H100's last decode cells on the
+# sparse tensor cores", 2026-12-06). Every other cell of K, N =
 # 2048-16384 (swept 2026-12-06) kept its own (nvidia-h100-80gb-hbm3.md,
 # "cuSPARSELt against the passes at 256 and 512 rows", "The cells where K or
 # N = 2048 or K = 8192; ..." and "The H100's last cells of
