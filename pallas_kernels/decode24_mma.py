@@ -202,6 +202,30 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   return None
 
 
+# Up to ONE_SLICE_MAX_M rows of x, a weight whose K and N are both at least
+# ONE_SLICE_MIN_KN takes all of K in one slice, where `plan` alone would deal
+# two slices to fill more SMs: half the CTAs, each streaming twice the steps,
+# ran faster than the two slices and their float32 partial products (at
+# 4096 x 4096 8.96 against 9.87 us of GPU time at one row, 10.2 against 11.15
+# at 16; 4096 x 12288 and 16384 x 4096 3-6% less), and a d_model 4096 decode
+# step gained with them at batch 1-8 (1.016 against 1.026 ms at batch 1),
+# though there XLA sums two slices' partials inside a residual add it runs
+# anyway. Where K or N is 2048 the kernel alone was faster in one slice too,
+# but a d_model 2048 decode step lost 1-4% at every batch (0.520 against
+# 0.507 ms at batch 1), and at 64 rows the d_model 4096 step lost 2% (H100,
+# 2026-12-06, benchmarks/results/nvidia-h100-80gb-hbm3.md, "The
+# sparse-tensor-core decode kernel in one K slice against its plan's, by GPU
+# time" and "Decode steps with the kernel in one K slice").
+ONE_SLICE_MAX_M = 16
+ONE_SLICE_MIN_KN = 4096
+
+
+def slice_counts(m: int, k: int, n: int) -> tuple[int, ...]:
+  """The K slice counts `plan` chooses among for `m` rows of x and a `[K, N]`
+  weight (`ONE_SLICE_MAX_M`)."""
+  return (1,) if m <= ONE_SLICE_MAX_M and min(k, n) >= ONE_SLICE_MIN_KN else (1, 2, 4, 8)
+
+
 def plan(n: int, k: int, sms: int | None = None, step: int = K_STEP,
          splits_among=(1, 2, 4, 8), rows: int = ROWS) -> tuple[int, int, int]:
   """`(splits, ctas, units per CTA)`: the K steps of each block of `rows` rows
@@ -405,9 +429,9 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   cuSPARSELt buffer multiplies in place). Past `PASS_M` rows, one pass of the
   kernel per `PASS_M` rows of x (the last takes the rest), each reading W
   again. `splits`: the K slices per block of W's rows (a divisor of the K
-  steps, `k_step`), for tuning; None: `plan`'s choice. `rows`: W's rows per
-  block (`ROWS`, or `ROWS_TALL` past 64 rows of x), for tuning; None:
-  `block_rows`. Both tune a single pass (up to `PASS_M` rows). Limits:
+  steps, `k_step`), for tuning; None: `plan`'s choice among `slice_counts`.
+  `rows`: W's rows per block (`ROWS`, or `ROWS_TALL` past 64 rows of x), for
+  tuning; None: `block_rows`. Both tune a single pass (up to `PASS_M` rows). Limits:
   `unsupported_reason`."""
   m, n = _tiles.check_operands("decode24_mma.decode_matmul", x, values, meta, k,
                                rows_after_n=True)
@@ -443,7 +467,7 @@ def _one_pass(x, values, meta, *, k: int, n: int, splits: int | None = None,
                      " or None for block_rows()'s choice.")
   rows = rows or block_rows(m, k, n)
   splits, ctas, per_cta = plan(n, k, step=step_k, rows=rows,
-                               splits_among=(1, 2, 4, 8) if splits is None else (splits,))
+                               splits_among=slice_counts(m, k, n) if splits is None else (splits,))
   steps = k // step_k // splits
   w_tiles = rows // 16
   acc_width = 4 * w_tiles * ntw  # row tiles x ntw column tiles x 4 registers

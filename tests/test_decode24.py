@@ -463,8 +463,9 @@ def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits, rows
   sliced = []
   for rows_x in passes:
     # One K slice writes y itself; S slices, float32 partials [S, M, N] that XLA sums.
-    slices = splits or decode24_mma.plan(n, k, step=decode24_mma.k_step(rows_x),
-                                         rows=rows or decode24_mma.block_rows(rows_x, k, n))[0]
+    slices = splits or decode24_mma.plan(
+        n, k, step=decode24_mma.k_step(rows_x), rows=rows or decode24_mma.block_rows(rows_x, k, n),
+        splits_among=decode24_mma.slice_counts(rows_x, k, n))[0]
     assert (f"tensor<{slices}x{rows_x}x{n}xf32>" in text) == (slices > 1)
     sliced.append(slices > 1)
   assert ("stablehlo.reduce" in text) == any(sliced)
@@ -584,6 +585,23 @@ def test_tune_mma_times_the_other_block_of_rows_past_64_rows(monkeypatch, capsys
   out = capsys.readouterr().out
   assert (80, "mma128") in timed and (64, "mma128") not in timed
   assert "| 80 | 2048 | 2048 | 64 | 0.004 | 128 | 0.008 | 0.5 |" in out
+
+
+def test_mma_kernel_keeps_k_whole_up_to_16_rows_where_k_and_n_reach_4096():
+  counts = decode24_mma.slice_counts
+  assert counts(1, 4096, 4096) == counts(16, 16384, 4096) == counts(16, 4096, 12288) == (1,)
+  assert counts(17, 4096, 4096) == counts(1, 2048, 4096) == counts(1, 8192, 2048) == (1, 2, 4, 8)
+  # The plan alone deals two slices at both shapes (4 K steps of 1024 and 2
+  # over 64 blocks of W's rows); the lowered kernel writes float32 partials
+  # only where K = 2048.
+  for k, sliced in ((4096, False), (2048, True)):
+    assert decode24_mma.plan(4096, k, 132, 1024)[0] == 2
+    f = jax.jit(functools.partial(decode24_mma.decode_matmul, k=k))
+    text = f.trace(jax.ShapeDtypeStruct((16, k), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((4096, k // 2), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((4096, k // 8), jnp.uint8)).lower(
+                       lowering_platforms=("cuda",)).as_text()
+    assert ("tensor<2x16x4096xf32>" in text) == sliced
 
 
 def test_mma_kernel_takes_a_number_of_k_slices_for_tuning():
