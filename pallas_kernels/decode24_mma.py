@@ -215,7 +215,10 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
 # 0.507 ms at batch 1), and at 64 rows the d_model 4096 step lost 2% (H100,
 # 2026-12-06, benchmarks/results/nvidia-h100-80gb-hbm3.md, "The
 # sparse-tensor-core decode kernel in one K slice against its plan's, by GPU
-# time" and "Decode steps with the kernel in one K slice").
+# time" and "Decode steps with the kernel in one K slice"). On an H200 the
+# kernel alone was faster in one slice at 4096 x 4096 too, by GPU time (7.78
+# against 7.99 us at one row, 2026-12-04, nvidia-h200.md, "Decode products:
+# GPU time against wall time"); no H200 decode step was timed with it.
 ONE_SLICE_MAX_M = 16
 ONE_SLICE_MIN_KN = 4096
 
