@@ -207,11 +207,11 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
 # two slices to fill more SMs: half the CTAs, each streaming twice the steps,
 # ran faster than the two slices and their float32 partial products (at
 # 4096 x 4096 8.96 against 9.87 us of GPU time at one row, 10.2 against 11.15
-# at 16; 4096 x 12288 and 16384 x 4096 3-6% less), and a d_model 4096 decode
+# at 16; 4096 x 12288 and 16384 x 4096 2-6% less), and a d_model 4096 decode
 # step gained with them at batch 1-8 (1.016 against 1.026 ms at batch 1),
 # though there XLA sums two slices' partials inside a residual add it runs
 # anyway. Where K or N is 2048 the kernel alone was faster in one slice too,
-# but a d_model 2048 decode step lost 1-4% at every batch (0.520 against
+# but a d_model 2048 decode step lost 1.6-2.8% at every batch (0.520 against
 # 0.507 ms at batch 1), and at 64 rows the d_model 4096 step lost 2% (H100,
 # 2026-12-06, benchmarks/results/nvidia-h100-80gb-hbm3.md, "The
 # sparse-tensor-core decode kernel in one K slice against its plan's, by GPU
@@ -434,8 +434,8 @@ def decode_matmul(x: jax.Array, values: jax.Array, meta: jax.Array, *, k: int,
   again. `splits`: the K slices per block of W's rows (a divisor of the K
   steps, `k_step`), for tuning; None: `plan`'s choice among `slice_counts`.
   `rows`: W's rows per block (`ROWS`, or `ROWS_TALL` past 64 rows of x), for
-  tuning; None: `block_rows`. Both tune a single pass (up to `PASS_M` rows). Limits:
-  `unsupported_reason`."""
+  tuning; None: `block_rows`. Both tune a single pass (up to `PASS_M` rows).
+  Limits: `unsupported_reason`."""
   m, n = _tiles.check_operands("decode24_mma.decode_matmul", x, values, meta, k,
                                rows_after_n=True)
   reason = unsupported_reason(m, k, n, x.dtype)
