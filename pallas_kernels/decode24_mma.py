@@ -221,16 +221,17 @@ def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
 # GPU time against wall time"); no H200 decode step was timed with it.
 ONE_SLICE_MAX_M = 16
 ONE_SLICE_MIN_KN = 4096
+SLICE_COUNTS = (1, 2, 4, 8)  # the K slice counts `plan` weighs elsewhere
 
 
 def slice_counts(m: int, k: int, n: int) -> tuple[int, ...]:
   """The K slice counts `plan` chooses among for `m` rows of x and a `[K, N]`
   weight (`ONE_SLICE_MAX_M`)."""
-  return (1,) if m <= ONE_SLICE_MAX_M and min(k, n) >= ONE_SLICE_MIN_KN else (1, 2, 4, 8)
+  return (1,) if m <= ONE_SLICE_MAX_M and min(k, n) >= ONE_SLICE_MIN_KN else SLICE_COUNTS
 
 
 def plan(n: int, k: int, sms: int | None = None, step: int = K_STEP,
-         splits_among=(1, 2, 4, 8), rows: int = ROWS) -> tuple[int, int, int]:
+         splits_among=SLICE_COUNTS, rows: int = ROWS) -> tuple[int, int, int]:
   """`(splits, ctas, units per CTA)`: the K steps of each block of `rows` rows
   of W (`block_rows`) in
   `splits` slices (of `splits_among`, dividing the steps), the units (block,
