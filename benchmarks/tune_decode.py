@@ -228,9 +228,8 @@ def mma(bw: float, cells, ms, repeat: int, one_slice: bool = False,
     impls = {"dense": (lambda x, w: x @ w, point.dense_weights()),
              "triton": (lambda x, op, k=k: decode24.decode_matmul(x, *op, k=k), point.ops),
              "mma": (lambda x, op, k=k: decode24_mma.decode_matmul(x, *op, k=k), point.ops)}
+    split = decode24_mma.default_slices(m, k, n)
     chosen = decode24_mma.block_rows(m, k, n)
-    split = decode24_mma.plan(n, k, step=decode24_mma.k_step(m), rows=chosen,
-                              splits_among=decode24_mma.slice_counts(m, k, n))[0]
     if one_slice and split > 1:
       impls["mma, 1 slice"] = (
           lambda x, op, k=k: decode24_mma.decode_matmul(x, *op, k=k, splits=1), point.ops)

@@ -230,6 +230,14 @@ def slice_counts(m: int, k: int, n: int) -> tuple[int, ...]:
   return (1,) if m <= ONE_SLICE_MAX_M and min(k, n) >= ONE_SLICE_MIN_KN else SLICE_COUNTS
 
 
+def default_slices(m: int, k: int, n: int, rows: int | None = None) -> int:
+  """The K slices `decode_matmul` runs one pass of `m` rows in by default
+  (`plan` among `slice_counts`), with `rows` rows of W per block (None:
+  `block_rows`)."""
+  return plan(n, k, step=k_step(m), rows=rows or block_rows(m, k, n),
+              splits_among=slice_counts(m, k, n))[0]
+
+
 def plan(n: int, k: int, sms: int | None = None, step: int = K_STEP,
          splits_among=SLICE_COUNTS, rows: int = ROWS) -> tuple[int, int, int]:
   """`(splits, ctas, units per CTA)`: the K steps of each block of `rows` rows

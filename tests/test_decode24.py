@@ -463,9 +463,7 @@ def test_mma_kernel_lowers_for_hopper(m, k, n, dtype, rows_after_n, splits, rows
   sliced = []
   for rows_x in passes:
     # One K slice writes y itself; S slices, float32 partials [S, M, N] that XLA sums.
-    slices = splits or decode24_mma.plan(
-        n, k, step=decode24_mma.k_step(rows_x), rows=rows or decode24_mma.block_rows(rows_x, k, n),
-        splits_among=decode24_mma.slice_counts(rows_x, k, n))[0]
+    slices = splits or decode24_mma.default_slices(rows_x, k, n, rows)
     assert (f"tensor<{slices}x{rows_x}x{n}xf32>" in text) == (slices > 1)
     sliced.append(slices > 1)
   assert ("stablehlo.reduce" in text) == any(sliced)
