@@ -513,10 +513,14 @@ def checkpoint_manager(directory: str) -> ocp.CheckpointManager:
   ocp.type_handlers.register_type_handler(
       jax.Array, ocp.type_handlers.ArrayHandler(
           min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES), override=True)
+  # Handlers named up front (not just the items' names): a manager that has
+  # not saved or restored yet can then read a checkpoint's metadata
+  # (`restore`'s check of the params' shapes).
   return ocp.CheckpointManager(
       os.path.abspath(directory),
       options=ocp.CheckpointManagerOptions(max_to_keep=2),
-      item_names=("state", "history"))
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "history": ocp.JsonCheckpointHandler()})
 
 
 def save(mngr: ocp.CheckpointManager, run: Run) -> None:
@@ -525,10 +529,38 @@ def save(mngr: ocp.CheckpointManager, run: Run) -> None:
       history=ocp.args.JsonSave(run.history)))
 
 
+def _path_name(path) -> str:
+  """`block_0/mlp/up/kernel` for a params key path."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_differences(saved, params) -> list[str]:
+  """Where a checkpoint's params (`saved`: Orbax's metadata of them) and a
+  model's differ: each param only one of them holds, or whose shapes
+  differ, as `name: [checkpoint shape] in the checkpoint, [model shape] in
+  the model`."""
+  shapes = [{_path_name(path): tuple(leaf.shape)
+             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+            for tree in (saved, params)]
+  return [f"{name}: {list(shapes[0][name]) if name in shapes[0] else 'none'} in the checkpoint,"
+          f" {list(shapes[1][name]) if name in shapes[1] else 'none'} in the model"
+          for name in sorted(shapes[0].keys() | shapes[1].keys())
+          if shapes[0].get(name) != shapes[1].get(name)]
+
+
 def restore(mngr: ocp.CheckpointManager, run: Run) -> None:
   """Restores `run` from the latest checkpoint, into the structure of its
-  freshly initialised state (the masks come back as `Mask24`s)."""
+  freshly initialised state (the masks come back as `Mask24`s).
+
+  The params' shapes are checked against the checkpoint's metadata first: a
+  checkpoint of other flags (another width, another number of layers) is
+  refused with the params that differ, before Orbax starts reading it (its
+  own error lists every key, and leaves its reads pending)."""
   step = mngr.latest_step()
+  differ = param_differences(mngr.item_metadata(step).state["params"], run.params)
+  if differ:
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+    raise ValueError(f"its params differ from the model's: {'; '.join(differ[:3])}{more}")
   target = {"params": run.params, "opt_state": run.opt_state}
   restored = mngr.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, target)),

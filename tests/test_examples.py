@@ -342,6 +342,21 @@ def test_train_lm_resume_at_or_past_steps_says_so(train_lm, capsys, tmp_path):
   assert "NOTHING TO TRAIN" in capsys.readouterr().out
 
 
+def test_train_lm_resume_refuses_a_checkpoint_of_other_flags(train_lm, tmp_path):
+  """A checkpoint of another width is refused with the params that differ
+  and the fix, before Orbax reads it."""
+  module, out, _ = train_lm
+  import shutil
+  copy = tmp_path / "copy"
+  shutil.copytree(out, copy)
+  with pytest.raises(ValueError, match=r"train_lm --resume: the checkpoint in .*dense.* does not"
+                     r" load into the model these flags describe \(ValueError: its params differ"
+                     r" from the model's: block_0/attn/key/bias: \[2, 16\] in the checkpoint,"
+                     r" \[2, 8\] in the model; .* more\)\. Resume with the flags it was trained"
+                     r" with, or start afresh without --resume\."):
+    module.main(["--d-model", "16", "--out", str(copy), "--resume"])
+
+
 @pytest.mark.parametrize("name", ["pmap_train", "patch_model", "train_lm", "sharded_train"])
 def test_every_example_flag_has_help_text(name, capsys):
   import re
