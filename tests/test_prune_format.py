@@ -460,7 +460,8 @@ def test_transposable_rounding_ties(dtype):
   pattern of the largest float32 total)."""
   rng = np.random.default_rng(_seed("trounding", str(dtype)))
   big = np.array([0, 1, 2, 3, 2.0**24, 1.5 * 2.0**24, 2.0**25])
-  w = rng.choice(big, (8, 4 * 500)).astype(dtype)
+  with np.errstate(over="ignore"):  # float16: 2^24 and up round to inf, as XLA's cast does
+    w = rng.choice(big, (8, 4 * 500)).astype(dtype)
   check_transposable(w, _prune_t(w), exact="f32")
   _, _, s32, counts = _block_scores(_blocks(w))
   naive = [int(np.argmax(s[:, 0])) for s in s32]
