@@ -100,6 +100,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -529,18 +530,13 @@ def save(mngr: ocp.CheckpointManager, run: Run) -> None:
       history=ocp.args.JsonSave(run.history)))
 
 
-def _path_name(path) -> str:
-  """`block_0/mlp/up/kernel` for a params key path."""
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def param_differences(saved, params) -> list[str]:
   """Where a checkpoint's params (`saved`: Orbax's metadata of them) and a
   model's differ: each param only one of them holds, or whose shapes
   differ, as `name: [checkpoint shape] in the checkpoint, [model shape] in
   the model`."""
-  shapes = [{_path_name(path): tuple(leaf.shape)
-             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  shapes = [{name: tuple(leaf.shape)
+             for name, leaf in traverse_util.flatten_dict(tree, sep="/").items()}
             for tree in (saved, params)]
   return [f"{name}: {list(shapes[0][name]) if name in shapes[0] else 'none'} in the checkpoint,"
           f" {list(shapes[1][name]) if name in shapes[1] else 'none'} in the model"
