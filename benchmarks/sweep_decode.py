@@ -267,20 +267,16 @@ def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list
   for each (K, N), the smallest M from which cuSPARSELt measured at least
   `AUTO_MARGIN` times as fast as the faster of decompress + XLA and, up to
   DECODE_MAX_M rows, the decode kernel (what a compressed weight multiplies
-  through otherwise), at that M and every larger M swept (None: at none)."""
+  through otherwise), at that M and every larger M swept (None: at none);
+  `first_cusparselt_m` says where a cell starts between two swept Ms."""
   key, name = (("cusparselt_layout_ms", "AUTO_MIN_M_CUSPARSELT_LAYOUT") if layout
                else ("cusparselt_ms", "AUTO_MIN_M_COMPRESSED"))
   if not any(key in p for p in points):
     return ""
   by_point = {(p["m"], p["k"], p["n"]): p for p in points}
 
-  def rival_ms(p):
-    if p["m"] <= pallas_backend.DECODE_MAX_M:
-      return min(p["decompress_ms"], p["decode_ms"])
-    return p["decompress_ms"]
-
-  rows = [[p["m"], p["k"], p["n"], p["dense_ms"], rival_ms(p), p[key],
-           p["dense_ms"] / p[key], rival_ms(p) / p[key]]
+  rows = [[p["m"], p["k"], p["n"], p["dense_ms"], _rival_ms(p), p[key],
+           p["dense_ms"] / p[key], _rival_ms(p) / p[key]]
           for p in sorted(points, key=lambda p: (p["k"], p["n"], p["m"])) if key in p]
   what = ("the `Sparse24` in cuSPARSELt's layout (`compress(..., cusparselt=True)`), multiplied"
           " in place" if layout else
@@ -293,22 +289,53 @@ def cusparselt_report(points: list[dict], ks: list[int], ns: list[int], ms: list
                            "cuSPARSELt over other"], rows))
   if not all(key in by_point.get((m, k, n), {}) for k in ks for n in ns for m in ms):
     return body + f"\n\nNo {name} row: cuSPARSELt was not timed on the whole grid.\n"
-  margin = cusparselt_backend.AUTO_MARGIN
-  table = []
-  for k in ks:
-    row = []
-    for n in ns:
-      first = None
-      for m in sorted(ms, reverse=True):
-        p = by_point[m, k, n]
-        if rival_ms(p) / p[key] < margin:
-          break
-        first = m
-      row.append(first)
-    table.append(tuple(row))
+  table = tuple(tuple(first_cusparselt_m([by_point[m, k, n] for m in ms], key) for n in ns)
+                for k in ks)
   return (body + f"\n\n{name} row (smallest M from which cuSPARSELt measured >="
-          f" {margin}x of the other compressed product at that and every larger swept M; rows"
-          f" K = {ks}, columns N = {ns}):\n\n```\n    {tuple(table)!r}\n```\n")
+          f" {cusparselt_backend.AUTO_MARGIN}x of the other compressed product at that and every"
+          f" larger swept M, {pallas_backend.DECODE_MAX_M + 1} where that is the first M swept"
+          f" past the decode kernels and cuSPARSELt measured as fast against decompress + XLA"
+          f" at the last M before; rows K = {ks}, columns N = {ns}):\n\n```\n    {table!r}\n```\n")
+
+
+def _rival_ms(p: dict) -> float:
+  """What a compressed weight multiplies through at `p`'s rows if not
+  cuSPARSELt: the faster of decompress + XLA and, up to DECODE_MAX_M rows,
+  the decode kernels."""
+  if p["m"] <= pallas_backend.DECODE_MAX_M:
+    return min(p["decompress_ms"], p["decode_ms"])
+  return p["decompress_ms"]
+
+
+def first_cusparselt_m(points: list[dict], key: str = "cusparselt_ms") -> int | None:
+  """One cell of the cuSPARSELt row from its points (one per swept M): the
+  smallest M from which cuSPARSELt (`p[key]` ms) measured at least
+  `AUTO_MARGIN` times as fast as `_rival_ms` at that and every larger M
+  (None: at none).
+
+  Where that M is the first swept past the decode kernels (DECODE_MAX_M)
+  and at the last M swept before it cuSPARSELt also measured that fast
+  against decompress + XLA, the cell starts at DECODE_MAX_M + 1: the rows
+  between the two swept Ms have no decode kernel, and cuSPARSELt beat their
+  one other product, decompress + XLA, on both sides of them. Without it a
+  sweep of 256 and 512 rows left 257-511 rows decompressed where
+  decompress + XLA took 1.19-2.18x cuSPARSELt's time at both (H200,
+  2026-12-03, benchmarks/results/nvidia-h200.md, "cuSPARSELt on compressed
+  weights, re-laid out by Pallas")."""
+  points = sorted(points, key=lambda p: p["m"])
+  margin = cusparselt_backend.AUTO_MARGIN
+  first = None
+  for p in reversed(points):
+    if _rival_ms(p) / p[key] < margin:
+      break
+    first = p["m"]
+  limit = pallas_backend.DECODE_MAX_M
+  below = [p for p in points if p["m"] <= limit]
+  above = [p for p in points if p["m"] > limit]
+  if (first is not None and below and above and first == above[0]["m"]
+      and below[-1]["decompress_ms"] / below[-1][key] >= margin):
+    return limit + 1
+  return first
 
 
 if __name__ == "__main__":

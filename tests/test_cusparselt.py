@@ -1019,9 +1019,9 @@ def test_cusparselt_layout_cast_keeps_the_kept_values():
 
 def test_an_h100_keeps_256_row_products_of_compressed_ffn_weights_off_cusparselt(monkeypatch):
   """On an H100 a compressed 4096 x 16384, 8192 x 4096, 8192 x 8192 or
-  16384 x 4096 weight takes cuSPARSELt from 512 rows (its other compressed
-  products ran faster at 256), elsewhere and on other GPUs from
-  AUTO_MIN_M_COMPRESSED's 256."""
+  16384 x 4096 weight takes cuSPARSELt from 257 rows (its decode kernel ran
+  faster at 256; past 256 rows only decompress + XLA is left), elsewhere and
+  on other GPUs from AUTO_MIN_M_COMPRESSED's 256."""
   backend = cusparselt.CusparseltBackend()
   problem = lambda m, k, n: backends.Problem(  # noqa: E731
       m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16), transposable=False, platform="gpu",
@@ -1032,9 +1032,37 @@ def test_an_h100_keeps_256_row_products_of_compressed_ffn_weights_off_cusparselt
     monkeypatch.setattr(cusparselt.pallas_backend, "_gpu_kind", lambda kind=kind: kind)
     for k, n in ((4096, 16384), (8192, 4096), (8192, 8192), (16384, 4096)):
       assert backend.prefers(problem(256, k, n)) is not h100, (kind, k, n)
-      assert backend.prefers(problem(512, k, n)), (kind, k, n)
+      assert backend.prefers(problem(257, k, n)), (kind, k, n)
     assert backend.prefers(problem(256, 4096, 12288))  # cells the H100 kept
     assert backend.prefers(problem(256, 8192, 16384))
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+@pytest.mark.parametrize("cusparselt_layout", [False, True])
+def test_a_compressed_weight_past_the_decode_kernels_multiplies_decompressed_only_where_it_won(
+    monkeypatch, gpu, cusparselt_layout):
+  """Past the decode kernels' last row (DECODE_MAX_M) a compressed weight
+  multiplies on cuSPARSELt or decompressed. In every cell of K, N =
+  2048-16384 where its table starts cuSPARSELt after a sweep's 256 rows,
+  decompress + XLA measured faster at 256 or at every M before the start
+  (K, N = (2048, 2048), (2048, 4096), (4096, 2048) re-laid out; (2048, 2048)
+  in cuSPARSELt's layout); elsewhere cuSPARSELt takes every row past the
+  kernels: a d_model 4096 model's out, up and down projections (4096 x 4096,
+  4096 x 16384, 16384 x 4096) at 257-511 rows, say, on both GPUs."""
+  monkeypatch.setattr(cusparselt.CusparseltBackend, "unavailable_reason", lambda self: None)
+  monkeypatch.setattr(cusparselt.pallas_backend, "_gpu_kind", lambda: gpu)
+  rows = cusparselt.pallas_backend.DECODE_MAX_M + 1
+  decompressed_won = ({(2048, 2048)} if cusparselt_layout
+                      else {(2048, 2048), (2048, 4096), (4096, 2048)})
+  for k in (2048, 4096, 8192, 16384):
+    for n in (2048, 4096, 8192, 16384):
+      picked = jsparse24.selected_implementation(
+          (rows, k), (k, n), jnp.bfloat16, compressed="cusparselt" if cusparselt_layout else True)
+      assert picked == ("xla" if (k, n) in decompressed_won else "cusparselt"), (k, n, picked)
+      # The rows between the sweep's 256 and 512 follow the row past the kernels.
+      assert jsparse24.selected_implementation(
+          (511, k), (k, n), jnp.bfloat16,
+          compressed="cusparselt" if cusparselt_layout else True) == picked, (k, n)
 
 
 def test_automatic_choice_reads_the_cusparselt_layout_table():

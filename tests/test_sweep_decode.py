@@ -87,3 +87,35 @@ def test_cusparselt_missing_at_one_point_gives_no_cusparselt_row(tmp_path, capsy
   out = capsys.readouterr().out
   assert "No AUTO_MIN_M_COMPRESSED row" in out
   assert "'NVIDIA H200': ((256, 256), (256, 256))," in out  # the kernel's row is whole
+
+
+def test_a_cusparselt_cell_starts_past_the_decode_kernels_where_it_beat_decompressing():
+  """`first_cusparselt_m`: swept at 128, 256 and 512 rows, cuSPARSELt slower
+  than the decode kernel up to 256 and faster than decompress + XLA from
+  512: the cell starts at 257 where cuSPARSELt also beat decompress + XLA at
+  256 (the rows between have no decode kernel), at 512 where it did not."""
+  limit = sweep_decode.pallas_backend.DECODE_MAX_M
+  assert limit == 256
+
+  def cell(decompress_at_256):
+    return [dict(m=128, decompress_ms=2.0, decode_ms=1.0, cusparselt_ms=1.5),
+            dict(m=256, decompress_ms=decompress_at_256, decode_ms=1.0, cusparselt_ms=1.5),
+            dict(m=512, decompress_ms=2.0, cusparselt_ms=1.5)]
+
+  assert sweep_decode.first_cusparselt_m(cell(2.0)) == 257
+  assert sweep_decode.first_cusparselt_m(cell(1.5)) == 512  # decompressing as fast at 256
+  assert sweep_decode.first_cusparselt_m(cell(1.5 * 1.04)) == 512  # within the margin
+  # cuSPARSELt from the first M swept: as it measured.
+  points = cell(2.0)
+  points[0]["cusparselt_ms"] = points[1]["cusparselt_ms"] = 0.5
+  assert sweep_decode.first_cusparselt_m(points) == 128
+  # Slower than decompressing at 512, faster at 1024: past a swept M that
+  # lost to decompress + XLA, the cell keeps the M it measured.
+  points = cell(2.0) + [dict(m=1024, decompress_ms=2.0, cusparselt_ms=1.5)]
+  points[2]["cusparselt_ms"] = 2.5
+  assert sweep_decode.first_cusparselt_m(points) == 1024
+  assert sweep_decode.first_cusparselt_m(
+      [dict(m=512, decompress_ms=1.0, cusparselt_ms=1.5)]) is None
+  # The layout's sweep reads its own column.
+  layout = [dict(p, cusparselt_layout_ms=p.pop("cusparselt_ms")) for p in cell(2.0)]
+  assert sweep_decode.first_cusparselt_m(layout, "cusparselt_layout_ms") == 257

@@ -136,7 +136,14 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # product: a prefill's products, a decode step's from a few hundred rows)
 # from the M of this table on, rows K and columns N of AUTO_GRID as above:
 # the smallest M from which it measured at least AUTO_MARGIN times as fast
-# as the faster of those two at that M and every larger M of the sweep.
+# as the faster of those two at that M and every larger M of the sweep;
+# 257 (DECODE_MAX_M + 1) where that M was 512, the first swept past the
+# decode kernels, and at 256 rows cuSPARSELt also measured AUTO_MARGIN times
+# as fast as decompress + XLA: the rows between have no decode kernel, and
+# cuSPARSELt beat their only other product on both sides of them (H200:
+# decompress + XLA took 1.19-1.32x cuSPARSELt's time at 256 rows and
+# 1.31-2.18x at 512 in the four cells of 257; `benchmarks/sweep_decode.py`'s
+# `first_cusparselt_m`).
 # Measured on an NVIDIA H200 with `forward_buffer`'s re-layout, M = 128 ...
 # 1024 (2026-12-03, benchmarks/results/nvidia-h200.md, "cuSPARSELt on
 # compressed weights, re-laid out by Pallas", `sweep_decode.py --cusparselt`),
@@ -148,10 +155,10 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # K and N >= 4096. K or N = 1024: not swept, None.
 AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
     (None, None, None, None, None),   # K 1024
-    (None, 2048, 1024, 512, 256),     # K 2048
-    (None, 1024, 512, 256, 256),      # K 4096
-    (None, 512, 256, 256, 256),       # K 8192
-    (None, 512, 256, 256, 256),       # K 16384
+    (None, 2048, 1024, 257, 256),     # K 2048
+    (None, 1024, 257, 256, 256),      # K 4096
+    (None, 257, 256, 256, 256),       # K 8192
+    (None, 257, 256, 256, 256),       # K 16384
 )
 
 # Per GPU (`jax.Device.device_kind`), the grid points (K, N) of AUTO_GRID
@@ -166,14 +173,17 @@ AUTO_MIN_M_COMPRESSED: tuple[tuple[int | None, ...], ...] = (
 # kernel ran 1.07x as fast as cuSPARSELt, which won from 512 rows (1.48x);
 # those rows now take the sparse-tensor-core kernel, which took 0.83x the
 # Triton kernel's GPU time there ("The H100's last decode cells on the
-# sparse tensor cores", 2026-12-06). Every other cell of K, N =
+# sparse tensor cores", 2026-12-06). So those cells start at 257, past the
+# decode kernels, as the table above does where cuSPARSELt beat decompress
+# + XLA at both 256 and 512 rows (on the H200 at 256 rows: 1.44-2.12x in
+# these four cells). Every other cell of K, N =
 # 2048-16384 (swept 2026-12-06) kept its own (nvidia-h100-80gb-hbm3.md,
 # "cuSPARSELt against the passes at 256 and 512 rows", "The cells where K or
 # N = 2048 or K = 8192; ..." and "The H100's last cells of
 # AUTO_MIN_M_COMPRESSED").
 AUTO_MIN_M_COMPRESSED_BY_GPU: dict[str, dict[tuple[int, int], int | None]] = {
-    "NVIDIA H100 80GB HBM3": {(4096, 16384): 512, (8192, 4096): 512, (8192, 8192): 512,
-                              (16384, 4096): 512},
+    "NVIDIA H100 80GB HBM3": {(4096, 16384): 257, (8192, 4096): 257, (8192, 8192): 257,
+                              (16384, 4096): 257},
 }
 
 # The same for a `Sparse24` in cuSPARSELt's layout (`compress(...,
@@ -182,12 +192,14 @@ AUTO_MIN_M_COMPRESSED_BY_GPU: dict[str, dict[tuple[int, int], int | None]] = {
 # benchmarks/results/nvidia-h200.md, "cuSPARSELt on compressed weights in its
 # layout", `sweep_decode.py --cusparselt-layout`); above 512 rows the table
 # above's sweeps, where the re-layout in every call already paid, stand for
-# it: so (2048, 2048), which did not pay by 512 rows, keeps 2048.
+# it: so (2048, 2048), which did not pay by 512 rows, keeps 2048. 257 as in
+# AUTO_MIN_M_COMPRESSED: at (4096, 2048) and (8192, 2048) decompress + XLA
+# took 1.55x cuSPARSELt's time at 256 rows and 1.32x and 1.81x at 512.
 AUTO_MIN_M_CUSPARSELT_LAYOUT: tuple[tuple[int | None, ...], ...] = (
     (None, None, None, None, None),   # K 1024
     (None, 2048, 256, 256, 256),      # K 2048
-    (None, 512, 256, 128, 256),       # K 4096
-    (None, 512, 256, 128, 128),       # K 8192
+    (None, 257, 256, 128, 256),       # K 4096
+    (None, 257, 256, 128, 128),       # K 8192
     (None, 256, 256, 128, 128),       # K 16384
 )
 
