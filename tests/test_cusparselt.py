@@ -1055,15 +1055,15 @@ def test_a_compressed_weight_past_the_decode_kernels_multiplies_decompressed_onl
   rows = cusparselt.pallas_backend.DECODE_MAX_M + 1
   decompressed_won = ({(2048, 2048)} if cusparselt_layout
                       else {(2048, 2048), (2048, 4096), (4096, 2048)})
+  compressed = "cusparselt" if cusparselt_layout else True
   for k in (2048, 4096, 8192, 16384):
     for n in (2048, 4096, 8192, 16384):
-      picked = jsparse24.selected_implementation(
-          (rows, k), (k, n), jnp.bfloat16, compressed="cusparselt" if cusparselt_layout else True)
+      pick = lambda m: jsparse24.selected_implementation(  # noqa: E731, B023
+          (m, k), (k, n), jnp.bfloat16, compressed=compressed)
+      picked = pick(rows)
       assert picked == ("xla" if (k, n) in decompressed_won else "cusparselt"), (k, n, picked)
       # The rows between the sweep's 256 and 512 follow the row past the kernels.
-      assert jsparse24.selected_implementation(
-          (511, k), (k, n), jnp.bfloat16,
-          compressed="cusparselt" if cusparselt_layout else True) == picked, (k, n)
+      assert pick(511) == picked, (k, n)
 
 
 def test_automatic_choice_reads_the_cusparselt_layout_table():
