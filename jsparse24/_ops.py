@@ -287,7 +287,7 @@ def _input_sparse_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precisio
         f" {w.shape[1]}, which must be a multiple of 4 (pad w's last axis with zeros).")
   dtype = jnp.result_type(x.dtype, w.dtype) if dtype is None else jnp.dtype(dtype)
   problem = _problem(x.shape, w.shape, dtype, False, input_sparse=True)
-  backend = backends.select(opts.implementation, problem)
+  backend = backends.select(opts.implementation, problem, fn)
   x2 = x.astype(dtype).reshape(-1, x.shape[-1])
   cfg = ActivationConfig(opts.input_sparsity, opts.grad_output, bool(opts.transposable),
                          opts.weight_grad, precision)
@@ -306,13 +306,13 @@ def _backend_and_split(fn, opts: SparsityOptions, x_shape, w_shape, dtype, trans
   k, n = w_shape
   if weight_sharding is None:
     problem = _problem(x_shape, w_shape, dtype, transposable, compressed)
-    return backends.select(implementation, problem), None
+    return backends.select(implementation, problem, fn), None
   arg = _sharding_arg(fn)
   # First only the mesh axes (no alignment): the block that picks the backend.
   split = weight_split(fn, weight_sharding, rows, k, n, (1, 1), "any", warn=False, arg=arg)
   block = (rows // split.size("m"), k // split.size("k"), n // split.size("n"))
   backend = backends.select(implementation,
-                            _problem(block[:2], block[1:], dtype, transposable, compressed))
+                            _problem(block[:2], block[1:], dtype, transposable, compressed), fn)
   split = weight_split(fn, weight_sharding, rows, k, n, backend.split_align(transposable),
                        backend.name, arg=arg)
   return backend, split

@@ -111,6 +111,10 @@ class SparsityOptions:
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"unknown {name}={value!r}; expected one of {allowed}.")
+    # Checked here too, where the error names the caller (`checked`). Imported
+    # here, not at the top: the backends import this module (`_input_sparse`).
+    from jsparse24.backends import check_name
+    check_name(self.implementation)
     self._check_dense_kernel()
 
   @property

@@ -80,6 +80,25 @@ def test_unknown_options_name_the_caller(make):
     make()
 
 
+@pytest.mark.parametrize("make,caller", [
+    (lambda: jnnx.SparseLinear(8, 8, implementation="cuda", rngs=nnx.Rngs(0)), "SparseLinear"),
+    (lambda: jsparse24.SparseDense(8, implementation="cuda").init(
+        jax.random.key(0), jnp.ones((2, 8))), "SparseDense"),
+    (lambda: jsparse24.sparsify(jsparse24.SparseDense(8), {"": {"implementation": "cuda"}}),
+     "sparsify: rule ''"),
+    (lambda: jsparse24.sparse_dot(jnp.ones((2, 8)), jnp.ones((8, 4)), implementation="cuda"),
+     "sparse_dot"),
+    (lambda: jsparse24.compress(jnp.ones((8, 4)), implementation="cuda"), "compress"),
+])
+def test_an_unknown_implementation_names_the_caller(make, caller):
+  """An implementation no backend has is refused where the options are
+  given (a layer when built, a patcher's rule), naming the caller, as the
+  other options are."""
+  with pytest.raises(ValueError, match=rf"^{caller}: unknown implementation='cuda'; expected"
+                                       r" None or one of \['cusparselt', 'pallas', 'xla'\]"):
+    make()
+
+
 def test_sparse_dot_passes_its_options_down():
   """The keywords reach the product as one `SparsityOptions`: the masked
   gradient mode is the layer's (and the product's) dw * mask."""

@@ -542,7 +542,7 @@ def test_unavailable_backend_raises(name):
   x, w = np.ones((2, 8), np.float32), np.ones((8, 4), np.float32)
   reason = jsparse24.available_implementations()[name]
   with pytest.raises(jsparse24.BackendUnavailableError,
-                     match=rf"implementation='{name}' cannot run here: .+") as info:
+                     match=rf"^sparse_dot: implementation='{name}' cannot run here: .+") as info:
     jsparse24.sparse_dot(x, w, implementation=name)
   assert reason in str(info.value)
   assert isinstance(info.value, ValueError)
@@ -600,9 +600,9 @@ M = np.tile(np.array([[1], [0], [1], [0]], bool), (2, 4))  # 2:4 along K only
     (lambda: jsparse24.sparse_dot(X, W, M, gradient=None),
      ValueError, r"unknown gradient=None"),
     (lambda: jsparse24.sparse_dot(X, W, M, implementation="triton"),
-     ValueError, r"unknown implementation='triton'"),
+     ValueError, r"sparse_dot: unknown implementation='triton'"),
     (lambda: jsparse24.sparse_dot(X, W, M, implementation="XLA"),
-     ValueError, r"unknown implementation='XLA'"),
+     ValueError, r"sparse_dot: unknown implementation='XLA'"),
 ])
 def test_argument_errors(call, exc, pattern):
   with pytest.raises(exc, match=pattern):

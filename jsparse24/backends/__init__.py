@@ -30,8 +30,24 @@ BACKENDS: dict[str, Backend] = {
 AUTO_ORDER = ("cusparselt", "pallas", "xla")
 
 
-def select(implementation: str | None, problem: Problem) -> Backend:
-  """The backend that runs `problem` (see the module docstring)."""
+def _prefix(fn: str | None) -> str:
+  """How an error raised for the public function `fn` begins."""
+  return "" if fn is None else f"{fn}: "
+
+
+def check_name(implementation, fn: str | None = None) -> None:
+  """Raises `ValueError` (naming `fn`) unless `implementation` is None or a
+  backend's name."""
+  if implementation is not None and (not isinstance(implementation, str)
+                                     or implementation not in BACKENDS):
+    raise ValueError(
+        f"{_prefix(fn)}unknown implementation={implementation!r}; expected None or one of"
+        f" {sorted(BACKENDS)}.")
+
+
+def select(implementation: str | None, problem: Problem, fn: str | None = None) -> Backend:
+  """The backend that runs `problem` (see the module docstring); its errors
+  begin with `fn`, the public function called, where given."""
   if implementation is None:
     for name in AUTO_ORDER:
       backend = BACKENDS[name]
@@ -44,27 +60,25 @@ def select(implementation: str | None, problem: Problem) -> Backend:
       if backend.prefers(problem) and backend.unavailable_reason() is None:
         return backend
     raise AssertionError("the xla backend supports every problem")
-  if not isinstance(implementation, str) or implementation not in BACKENDS:
-    raise ValueError(
-        f"unknown implementation={implementation!r}; expected None or one of"
-        f" {sorted(BACKENDS)}.")
+  check_name(implementation, fn)
   backend = BACKENDS[implementation]
   reason = backend.unavailable_reason()
   if reason is not None:
     raise BackendUnavailableError(
-        f"implementation={implementation!r} cannot run here: {reason}. Use"
+        f"{_prefix(fn)}implementation={implementation!r} cannot run here: {reason}. Use"
         f" implementation=None to pick the best available backend, or 'xla'.")
   try:
     backend.check_supported(problem)
   except NotImplementedError as e:
     raise BackendUnavailableError(
-        f"implementation={implementation!r} cannot run this call: {e}") from e
+        f"{_prefix(fn)}implementation={implementation!r} cannot run this call: {e}") from e
   return backend
 
 
-def select_compress(implementation: str | None, w) -> Backend:
-  """The backend for `jsparse24.compress`: with None, the Pallas kernel where
-  it runs natively (2-D weights of a dtype it supports), else the reference."""
+def select_compress(implementation: str | None, w, fn: str = "compress") -> Backend:
+  """The backend for `jsparse24.compress` (`fn`: the public function called):
+  with None, the Pallas kernel where it runs natively (2-D weights of a
+  dtype it supports), else the reference."""
   problem = Problem(m=0, k=w.shape[-2], n=w.shape[-1], dtype=w.dtype,
                     transposable=False, platform="")
   if implementation is None:
@@ -76,20 +90,20 @@ def select_compress(implementation: str | None, w) -> Backend:
       except NotImplementedError:
         pass
     return BACKENDS["xla"]
-  backend = select(implementation, problem)
+  backend = select(implementation, problem, fn)
   if backend.no_sparse24_reason is not None:
     raise BackendUnavailableError(
-        f"implementation={implementation!r} cannot build a Sparse24:"
+        f"{fn}: implementation={implementation!r} cannot build a Sparse24:"
         f" {backend.no_sparse24_reason}")
   if implementation == "pallas" and w.ndim != 2:
     raise BackendUnavailableError(
-        f"implementation='pallas' compresses 2-D weights [K, N]; got shape {w.shape}.")
+        f"{fn}: implementation='pallas' compresses 2-D weights [K, N]; got shape {w.shape}.")
   return backend
 
 
 __all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "DotConfig", "Problem",
-           "UnmeasuredChoiceWarning", "XlaFallbackWarning", "rebuild_where", "select",
-           "select_compress"]
+           "UnmeasuredChoiceWarning", "XlaFallbackWarning", "check_name", "rebuild_where",
+           "select", "select_compress"]
 
 
 def rebuild_where(w, old: Mask24, rebuild) -> tuple[Mask24, jax.Array] | None:
