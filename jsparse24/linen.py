@@ -153,7 +153,7 @@ def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions,
     if lifted is not None:
       return _checked_mask(module, kernel, opts, *lifted)
     raise ValueError(
-        f"layer {'/'.join(module.path)!r} takes its 2:4 mask from the"
+        f"{_layer_name(module)} takes its 2:4 mask from the"
         f" {COLLECTION!r} collection, but {_found_in_collection(module)}. Pass"
         f" the variables from `init` (e.g. `model.apply(variables, x)`; for a model"
         f" patched by jsparse24.sparsify, from the patched model's `init`: the dense"

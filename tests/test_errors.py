@@ -200,7 +200,7 @@ def test_compressed_params_with_a_dense_phase_layer_say_what_is_missing():
   off = {"up": {**v["sparsity"]["up"], "active": jnp.array(False)}}
   compressed = jsparse24.compress_params(v["params"], off)
   assert not isinstance(compressed["up"]["kernel"], jsparse24.Sparse24)
-  with pytest.raises(ValueError, match=r"layer 'up' takes its 2:4 mask.*dense phase, active=False"):
+  with pytest.raises(ValueError, match=r"SparseDense 'up' takes its 2:4 mask.*dense phase, active=False"):
     net.apply({"params": compressed}, jnp.ones((2, 16)))
   y = net.apply({"params": compressed, "sparsity": off}, jnp.ones((2, 16)))
   assert y.shape == (2, 8)

@@ -210,10 +210,21 @@ def test_sparsify_apply_without_the_masks_names_apply_the_collection_and_init():
   x = jnp.ones((2, 8))
   dense = _Mlp().init(jax.random.key(0), x)
   sparse = jsparse24.sparsify(_Mlp(), {"up": PLAIN})
-  with pytest.raises(ValueError, match=r"layer 'up' takes its 2:4 mask from the 'sparsity'"
+  with pytest.raises(ValueError, match=r"^nn.Dense 'up' \(patched by jsparse24.sparsify\) takes"
+                     r" its 2:4 mask from the 'sparsity'"
                      r" collection, but no 'sparsity' collection was passed to `apply`.*"
                      r"from the patched model's `init`"):
     sparse.apply(dense, x)
+
+
+def test_a_top_level_layer_without_its_masks_is_named_by_its_type():
+  """A SparseDense that is the whole model has an empty path: the error names
+  the layer by its type, not as "layer ''"."""
+  layer = jsparse24.SparseDense(8)
+  v = layer.init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match=r"^SparseDense takes its 2:4 mask from the 'sparsity'"
+                     r" collection, but no 'sparsity' collection was passed to `apply`"):
+    layer.apply({"params": v["params"]}, X)
 
 
 # --- what the "sparsity" collection holds ----------------------------------
@@ -228,7 +239,7 @@ def test_an_array_in_place_of_a_layers_masks_is_named():
   """A numpy array at the layer's path was reported as no collection passed."""
   v = _variables()
   bool_mask = np.asarray(v["sparsity"]["up"]["mask"].unpack())
-  with pytest.raises(ValueError, match=r"layer 'up' takes its 2:4 mask from the 'sparsity'"
+  with pytest.raises(ValueError, match=r"^SparseDense 'up' takes its 2:4 mask from the 'sparsity'"
                      r" collection, but the 'sparsity' collection passed to `apply` holds a"
                      r" numpy.ndarray bool\[16, 8\] at its path, where a dict \{'mask':"
                      r" jsparse24.Mask24, 'active': ...\} belongs"):
@@ -252,10 +263,10 @@ def test_a_mask_that_is_not_a_mask24_is_named_with_the_conversion(mask, found):
 
 def test_a_sparsity_collection_without_the_layer_or_with_everything_is_named():
   v = _variables()
-  with pytest.raises(ValueError, match=r"layer 'up' .*has no entry for it \(at its top level:"
+  with pytest.raises(ValueError, match=r"SparseDense 'up' .*has no entry for it \(at its top level:"
                      r" \['down'\]\)"):
     _apply_with({"down": v["sparsity"]["up"]})
-  with pytest.raises(ValueError, match=r"layer 'up' .*is the whole variables \(it holds 'params'"
+  with pytest.raises(ValueError, match=r"SparseDense 'up' .*is the whole variables \(it holds 'params'"
                      r" and 'sparsity'\): pass variables\['sparsity'\] there"):
     _apply_with(v)
 
@@ -281,13 +292,13 @@ def test_the_sparsity_collection_is_described_from_inside_nn_scan():
   def apply(sparsity):
     return _Scanned().apply({"params": v["params"], "sparsity": sparsity}, X)
 
-  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*holds a jax.Array bool\[16, 16\] at"
+  with pytest.raises(ValueError, match=r"SparseDense 'blocks/up' .*holds a jax.Array bool\[16, 16\] at"
                      r" its path"):
     apply({"blocks": {"up": np.ones((2, 16, 16), bool)}})
-  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*has no entry for it \(at 'blocks':"
+  with pytest.raises(ValueError, match=r"SparseDense 'blocks/up' .*has no entry for it \(at 'blocks':"
                      r" \['down'\]\)"):
     apply({"blocks": {"down": v["sparsity"]["blocks"]["up"]}})
-  with pytest.raises(ValueError, match=r"layer 'blocks/up' .*has nothing under 'blocks'"):
+  with pytest.raises(ValueError, match=r"SparseDense 'blocks/up' .*has nothing under 'blocks'"):
     apply({})
 
 
