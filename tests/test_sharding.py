@@ -192,7 +192,8 @@ def test_data_layout_choice_sees_each_devices_rows(implementation, monkeypatch):
   rows = []
   select = jsparse24.backends.select
   monkeypatch.setattr(jsparse24.backends, "select",
-                      lambda impl, problem: (rows.append(problem.m), select(impl, problem))[1])
+                      lambda impl, problem, fn=None: (rows.append(problem.m),
+                                                      select(impl, problem, fn))[1])
   mesh = _mesh(jax.sharding.AxisType.Auto)
   whole = jsparse24.layouts.Layout("data", mesh).kernel_sharding("column")
   with interpret_mode():
