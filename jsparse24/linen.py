@@ -487,10 +487,14 @@ class Sparsified:
                        if _path_keys(path[-1:]) in (("kernel",), ("mask",)))
     unmatched = [p.pattern for p, _ in self.rules if not any(p.fullmatch(s) for s in known)]
     if unmatched:
+      # A top-level nn.Dense (the model is one layer) has the empty path,
+      # which a bare [''] would not explain.
+      layers = ", ".join(repr(s) if s else "'' (the model itself)" for s in sorted(known))
       raise ValueError(
           f"sparsify: rule(s) {unmatched} matched no nn.Dense layer in `{fn}`; the"
-          f" model's layers are {sorted(known)}. Each rule's regex must fully"
-          f" match a layer's path (\"block_0/mlp/up\").")
+          f" model's layers are [{layers}]. Each rule's regex must fully"
+          f" match a layer's path (\"block_0/mlp/up\"; \"\" for a model that is one"
+          f" nn.Dense).")
 
   def _check_no_raw_kernels(self, fn: str, seen: list[str], modules: dict[str, str],
                             variables: Any) -> None:

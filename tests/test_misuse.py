@@ -195,6 +195,12 @@ def test_sparsify_rules_that_match_nothing_are_refused_in_apply_and_init_with_ou
     sparse.init_with_output(jax.random.key(0), x)
 
 
+def test_sparsify_names_a_model_that_is_one_dense_layer_in_its_no_match_error():
+  """The layer list read `['']` where the model is one nn.Dense."""
+  with pytest.raises(ValueError, match=r"the model's layers are \[\'\' \(the model itself\)\]"):
+    jsparse24.sparsify(nn.Dense(8), {"up": PLAIN}).init(jax.random.key(0), jnp.ones((2, 8)))
+
+
 def test_sparsify_apply_of_one_method_accepts_rules_for_layers_it_does_not_run():
   """A rule is checked against the variables' layers too, so `apply(...,
   method=...)` running part of the model is not refused."""
