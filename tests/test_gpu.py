@@ -555,6 +555,35 @@ def test_cusparselt_algorithm_choice_survives_a_restart(tmp_path, dtype):
   assert second["digest"] == first["digest"]
 
 
+_THREADS_SCRIPT = """
+import concurrent.futures, json
+import jax, jax.numpy as jnp
+from jsparse24.backends import cusparselt
+jax.local_devices()  # the backend up, as before any program is compiled
+shapes = [(k, n) for k in (2048, 4096, 8192, 16384) for n in (2048, 4096, 8192, 16384)]
+with concurrent.futures.ThreadPoolExecutor(16) as pool:
+  sizes = list(pool.map(lambda s: cusparselt.compressed_size(jnp.bfloat16, *s), shapes))
+print(json.dumps([[k, n, size] for (k, n), size in zip(shapes, sizes)]))
+"""
+
+
+def test_cusparselt_sizes_asked_first_from_other_threads():
+  """The first calls into cuSPARSELt from 16 new threads at once (as
+  programs compiled in a thread pool make them: `benchmarks/sweep_decode.py`)
+  each get the layout's size. Twice such a sweep on an H100 stopped with
+  cuSPARSELt 0.8.0 reporting 0 bytes (`_check_size` refused the weight;
+  nvidia-h100-80gb-hbm3.md, 2026-12-06 and 2026-12-07), not reproduced
+  since; this is the pattern to catch it. A process of its own: the sizes
+  are cached once asked."""
+  import json, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True, text=True,
+                       timeout=300, check=True).stdout
+  for k, n, size in json.loads(out.strip().splitlines()[-1]):
+    rows, cols = cusparselt.buffer_shape(k, n, transpose=False)
+    assert size == rows * cols * 2, (k, n, size)
+
+
 def test_cusparselt_training_is_the_same_without_pallas_triton():
   """Three training steps of a bfloat16 SparseDense model on the
   "cusparselt" backend (stored transposable and plain masks, a mask pruned

@@ -143,7 +143,10 @@ AUTO_MIN_M: dict[bool, tuple[tuple[int | None, ...], ...]] = {
 # cuSPARSELt beat their only other product on both sides of them (H200:
 # decompress + XLA took 1.19-1.32x cuSPARSELt's time at 256 rows and
 # 1.31-2.18x at 512 in the four cells of 257; `benchmarks/sweep_decode.py`'s
-# `first_cusparselt_m`).
+# `first_cusparselt_m`). Between them, at 384 rows, an H100 measured it 1.15-
+# 1.40x as fast as the faster other product at 4096 x 4096 and 4096 x 16384
+# (nvidia-h100-80gb-hbm3.md, "cuSPARSELt's sizes asked from threads; ...",
+# 2026-12-07).
 # Measured on an NVIDIA H200 with `forward_buffer`'s re-layout, M = 128 ...
 # 1024 (2026-12-03, benchmarks/results/nvidia-h200.md, "cuSPARSELt on
 # compressed weights, re-laid out by Pallas", `sweep_decode.py --cusparselt`),
