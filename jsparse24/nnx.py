@@ -240,11 +240,13 @@ def rebuild_masks(model: nnx.Module) -> None:
 
   Use it after loading dense weights (`nnx.update(model, params)`) or on a
   schedule during training; it also works inside `nnx.jit`. Layers with
-  `mask_source` `"dynamic"` or `"none"` have no stored mask and are skipped.
+  `mask_source` `"dynamic"` or `"none"` have no stored mask and are skipped;
+  a model with no stored mask at all raises a `ValueError`.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(
         f"nnx.rebuild_masks: `model` must be an nnx.Module, got {type(model).__name__}.")
+  stored = 0
   for path, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and isinstance(layer.kernel.get_value(), Sparse24):
       raise TypeError(
@@ -252,9 +254,12 @@ def rebuild_masks(model: nnx.Module) -> None:
           f" (compressed by nnx.compress_params); masks are rebuilt from dense"
           f" kernels: rebuild them before compressing.")
     if isinstance(layer, SparseLinear) and layer.mask is not None:
+      stored += 1
       old = layer.mask.get_value()
       layer.mask.set_value(Mask24.from_weights(layer.kernel[...],
                                                transposable=old.transposable))
+  if not stored:
+    raise _nothing_stored("nnx.rebuild_masks", "rebuild")
 
 
 def masks_like_kernels(model: nnx.Module) -> None:
@@ -263,14 +268,30 @@ def masks_like_kernels(model: nnx.Module) -> None:
   `P(k, n)` gives its packed mask `[N, K/8]` `P(n, k)`), so that the mask
   kernels' per-device blocks stay where they are made. Call it outside
   `jit`, after the kernels are laid out; a kernel that is not sharded over
-  a mesh leaves its mask as it is."""
+  a mesh leaves its mask as it is. A model with no stored mask raises a
+  `ValueError`."""
   if not isinstance(model, nnx.Module):
     raise TypeError(
         f"nnx.masks_like_kernels: `model` must be an nnx.Module, got {type(model).__name__}.")
+  stored = 0
   for path, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and layer.mask is not None:
+      stored += 1
       layer.mask.set_value(mask_like_kernel(layer.mask.get_value(), layer.kernel.get_value(),
                                             _name(path), "nnx.masks_like_kernels"))
+  if not stored:
+    raise _nothing_stored("nnx.masks_like_kernels", "lay out")
+
+
+def _nothing_stored(fn: str, verb: str) -> ValueError:
+  """The error of `fn` (which would `verb` each stored mask) on a model with
+  none: as the Linen helpers refuse an empty 'sparsity' collection, a model
+  of nnx.Linear layers is not passed over in silence."""
+  return ValueError(
+      f"{fn}: `model` has no SparseLinear with a stored mask (mask_source="
+      f"'collection'), so there is nothing to {verb}; layers with"
+      f" mask_source='dynamic' prune their kernel at every call, those with 'none'"
+      f" keep it dense.")
 
 
 def compress_params(model: nnx.Module, *, transposed: bool | None = None,
@@ -358,11 +379,7 @@ def compress_params(model: nnx.Module, *, transposed: bool | None = None,
     if compressed:
       chosen.append((layer, mask))
   if not stored:
-    raise ValueError(
-        f"{fn}: `model` has no SparseLinear with a stored mask (mask_source="
-        f"'collection'), so there is nothing to compress; layers with"
-        f" mask_source='dynamic' prune their kernel at every call, those with 'none'"
-        f" keep it dense.")
+    raise _nothing_stored(fn, "compress")
   for layer, mask in chosen:
     keep_transpose = mask.transposable if transposed is None else transposed
     layer.kernel = nnx.Param(compress(layer.kernel.get_value(), mask,

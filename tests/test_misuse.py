@@ -171,6 +171,24 @@ def test_a_sparsity_argument_of_the_wrong_kind_says_what_to_pass(fn):
     call(v["params"], v["params"])
 
 
+@pytest.mark.parametrize("fn,verb", [("rebuild_masks", "rebuild"),
+                                     ("masks_like_kernels", "lay out"),
+                                     ("compress_params", "compress")])
+def test_the_nnx_helpers_refuse_a_model_without_a_stored_mask(fn, verb):
+  """`nnx.rebuild_masks` and `nnx.masks_like_kernels` returned in silence on
+  a model of nnx.Linear layers (a model whose layers were never swapped),
+  where the Linen helpers refuse an empty 'sparsity' collection."""
+  call = getattr(jnnx, fn)
+  models = {"nnx.Linear": nnx.Linear(8, 8, rngs=nnx.Rngs(0)),
+            "dynamic": jnnx.SparseLinear(8, 8, mask_source="dynamic", rngs=nnx.Rngs(0))}
+  for name, model in models.items():
+    with pytest.raises(ValueError, match=rf"^nnx.{fn}: `model` has no SparseLinear with a stored"
+                       rf" mask \(mask_source='collection'\), so there is nothing to {verb};"):
+      call(model)
+      pytest.fail(f"{name} was accepted")
+  call(jnnx.SparseLinear(8, 8, rngs=nnx.Rngs(0)))  # one stored mask is enough
+
+
 def test_compress_params_with_the_masks_of_the_optimizer_state_still_works():
   v = _variables()
   opt_state = optim.with_masks(optax.adam(1e-3), v["sparsity"]).init(v["params"])
