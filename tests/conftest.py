@@ -1,7 +1,8 @@
 """Test setup: 8 fake CPU devices (for pmap / sharding tests), x64 off, the
 `gpu` marker skipped where no GPU is present, XLA's CPU code unoptimised, one
-persistent compilation cache for the whole run, the slowest modules first,
-and the garbage collector's thresholds raised.
+persistent compilation cache for the whole run, GPU memory taken as needed
+(not preallocated), the slowest modules first, and the garbage collector's
+thresholds raised.
 
 The cache: on a CPU most of the suite's time is XLA compiling (59 programs,
 ~85% of `test_bench_model_runs_on_cpu`'s time), and many programs are
@@ -73,6 +74,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Every program, however quick to compile: the many small ones add up.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# On a GPU, each process takes device memory as it needs it instead of 75%
+# of the GPU at start: `pytest -m gpu -n 8` runs eight workers on one GPU,
+# and tests/test_multiprocess.py's GPU test starts runs of its own beside
+# the pytest process. A caller's own setting is kept.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # Python's cyclic garbage collector runs less often: tracing and lowering
 # allocate millions of short-lived objects, and with the default thresholds

@@ -1,5 +1,6 @@
 """GPU-only checks of the Pallas kernels at realistic sizes (skipped without
-an NVIDIA GPU; run on the device with `python -m pytest -m gpu tests/test_gpu.py`)."""
+an NVIDIA GPU; the README's GPU test command, `python -m pytest -q -m gpu -n 8 tests`,
+runs them with the GPU tests of the other modules)."""
 
 import re
 

@@ -234,14 +234,16 @@ def _padded(spec):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_processes_compute_what_one_process_does(tmp_path, layout):
   """4 processes x 1 GPU against 1 process x 4 GPUs at the GPU preset, 100
-  steps of each run: equal losses; prints the tokens/s of both. Run it with
-  `XLA_PYTHON_CLIENT_PREALLOCATE=false` (else this pytest process holds 75%
-  of every GPU before the runs start)."""
+  steps of each run: equal losses; prints the tokens/s of both. Needs
+  `XLA_PYTHON_CLIENT_PREALLOCATE=false` (tests/conftest.py sets it unless the
+  caller set it): else this pytest process holds 75% of every GPU before the
+  runs start."""
   if jax.device_count() < 4:
     pytest.skip(f"needs 4 GPUs, found {jax.device_count()}")
   if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") != "false":
-    pytest.fail("run with XLA_PYTHON_CLIENT_PREALLOCATE=false: this pytest process has"
-                " already taken 75% of every GPU's memory for itself.")
+    pytest.fail("run with XLA_PYTHON_CLIENT_PREALLOCATE=false (or unset; tests/conftest.py then"
+                " sets it): this pytest process has already taken 75% of every GPU's memory"
+                " for itself.")
   flags = ["--size", "gpu", "--steps", "100", "--eval-every", "100"]
   launch = dict(layouts=(layout,), worker_flags=["--losses-only"], flags=flags, timeout_s=1800)
   # Bit-equal runs need the same kernels in both: XLA's autotuner picks GEMM
