@@ -597,42 +597,43 @@ def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
 # --- mask trees ---------------------------------------------------------------
 
 
-def _map_layers(fn, sparsity: Mapping, other: Any, path=()):
+def _map_layers(fn, sparsity: Mapping, other: Any, caller: str, path=()):
   """Maps `fn(layer_sparsity, other_at_same_path, path)` over the sparse
   layers of a `"sparsity"` tree; `other` is a tree with the same layer paths
-  (params, or a per-layer tree of statistics)."""
+  (params, or a per-layer tree of statistics). `caller` names the public
+  function in the error where `other` lacks a layer."""
   if isinstance(sparsity.get("mask"), Mask24):
     return fn(sparsity, other, path)
   out = {}
   for key, value in sparsity.items():
     if not isinstance(other, Mapping) or key not in other:
       raise ValueError(
-          f"the {COLLECTION!r} tree has a layer at {'/'.join(path + (key,))!r}"
-          f" that the matching tree (params) does not have: pass the params of the"
-          f" model whose init made this collection.")
-    out[key] = _map_layers(fn, value, other[key], path + (key,))
+          f"{caller}: the {COLLECTION!r} collection has a layer at"
+          f" {'/'.join(path + (key,))!r} that `params` does not have: pass the params of"
+          f" the model whose init made this collection.")
+    out[key] = _map_layers(fn, value, other[key], caller, path + (key,))
   return out
 
 
 def map_layers(fn, sparsity: Mapping) -> dict:
   """A `"sparsity"` tree with `fn(layer, path)` in place of each sparse
   layer's `{"mask": Mask24, "active": ...}`."""
-  return _map_layers(lambda layer, _, path: fn(layer, path), sparsity, sparsity)
+  return _map_layers(lambda layer, _, path: fn(layer, path), sparsity, sparsity, "map_layers")
 
 
-def entries_by_path(sparsity: Mapping, tree: Any) -> dict[tuple[str, ...], Any]:
+def entries_by_path(sparsity: Mapping, tree: Any, caller: str) -> dict[tuple[str, ...], Any]:
   """`{layer path: tree's entry at that path}` for every sparse layer of a
   `"sparsity"` tree; `tree` has the same layer paths (params, or a per-layer
-  tree of statistics), raising where it lacks one."""
+  tree of statistics), raising where it lacks one (naming `caller`)."""
   out = {}
-  _map_layers(lambda _, entry, path: out.__setitem__(path, entry), sparsity, tree)
+  _map_layers(lambda _, entry, path: out.__setitem__(path, entry), sparsity, tree, caller)
   return out
 
 
 def layers_by_path(sparsity: Mapping) -> dict[tuple[str, ...], Mapping]:
   """`{layer path: {"mask": Mask24, "active": ...}}` for every sparse layer of a
   `"sparsity"` tree."""
-  return entries_by_path(sparsity, sparsity)
+  return entries_by_path(sparsity, sparsity, "layers_by_path")
 
 
 def mask_like_kernel(mask: Mask24, kernel: Any, layer: str, fn: str) -> Mask24:
@@ -676,12 +677,13 @@ def masks_like_kernels(sparsity: Mapping, params: Mapping) -> dict:
   state's shardings, so the rebuilt masks stay where they are."""
   fn = "masks_like_kernels"
   check_sparsity(fn, sparsity)
+  check_params(fn, params, sparsity)
 
   def place(layer, layer_params, path):
     kernel = dense_kernel(layer_params, path, fn)
     return {**layer, "mask": mask_like_kernel(layer["mask"], kernel, "/".join(path), fn)}
 
-  return _map_layers(place, sparsity, params)
+  return _map_layers(place, sparsity, params, fn)
 
 
 def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
@@ -691,14 +693,19 @@ def rebuild_masks(params: Mapping, sparsity: Mapping) -> dict:
   Use it after loading dense weights into a sparse model:
   `variables = {"params": p, "sparsity": rebuild_masks(p, variables["sparsity"])}`.
   """
+  return rebuild_masks_as("rebuild_masks", params, sparsity)
 
-  check_sparsity("rebuild_masks", sparsity)
+
+def rebuild_masks_as(fn: str, params: Mapping, sparsity: Mapping) -> dict:
+  """`rebuild_masks`, its errors naming `fn` (the public function called)."""
+  check_sparsity(fn, sparsity)
+  check_params(fn, params, sparsity)
 
   def rebuild(layer, layer_params, path):
-    kernel = dense_kernel(layer_params, path, "rebuild_masks")
+    kernel = dense_kernel(layer_params, path, fn)
     return {**layer, "mask": Mask24.from_weights(kernel, transposable=layer["mask"].transposable)}
 
-  return _map_layers(rebuild, sparsity, params)
+  return _map_layers(rebuild, sparsity, params, fn)
 
 
 def check_sparsity(fn: str, sparsity: Any) -> None:
@@ -726,6 +733,20 @@ def check_sparsity(fn: str, sparsity: Any) -> None:
     raise ValueError(
         f"{fn}: `sparsity` {held}, so there is no sparse layer to work on; {fix}"
         f" (the params come first, then the collection).")
+
+
+def check_params(fn: str, params: Any, sparsity: Mapping) -> None:
+  """Raises, naming `fn`, where `params` is a model's whole variables
+  (`{"params": ..., "sparsity": ...}`, or `{"params": ...}`) in place of its
+  'params' collection: it holds a 'params' entry and lacks a layer at the top
+  of `sparsity` (so a model with a submodule named 'params' still passes).
+  Without it the call fails later on the first layer it misses, with no word
+  of the variables."""
+  if (isinstance(params, Mapping) and "params" in params
+      and any(key not in params for key in sparsity)):
+    raise ValueError(
+        f"{fn}: `params` is the whole variables (it holds {sorted(params)}), not the"
+        f" 'params' collection; pass variables['params'].")
 
 
 def dense_kernel(layer_params: Any, path: tuple[str, ...], fn: str) -> jax.Array:
@@ -788,6 +809,7 @@ def compress_params(params: Mapping, sparsity: Mapping, *, cusparselt: bool = Fa
   """
   fn = "compress_params"
   check_sparsity(fn, sparsity)
+  check_params(fn, params, sparsity)
   chosen = {}
   for path, layer in layers_by_path(sparsity).items():
     if compresses(fn, "/".join(path), layer.get("active"), "jax.jit"):

@@ -87,9 +87,9 @@ from jsparse24 import _checks, backends
 from jsparse24._format import Mask24
 from jsparse24._phase import STATIC_DENSE, is_static_dense
 from jsparse24._sharding import explicit_sharding, typed_like
-from jsparse24.linen import (check_sparsity, dense_kernel, entries_by_path, layers_by_path,
-                             map_layers, map_sparse_kernels,
-                             masks_like_kernels as _masks_like_kernels, rebuild_masks)
+from jsparse24.linen import (check_params, check_sparsity, dense_kernel, entries_by_path,
+                             layers_by_path, map_layers, map_sparse_kernels,
+                             masks_like_kernels as _masks_like_kernels, rebuild_masks_as)
 from pallas_kernels import prune_rule
 
 DENSITY = 0.5  # 2 of 4 kept
@@ -449,7 +449,7 @@ def mask_update(
         jnp.asarray(value, jnp.float32), _stack_shape(layer)), copy=True), masks)
 
   def init_fn(params):
-    masks = rebuild_masks(params, template)
+    masks = rebuild_masks_as("mask_update", params, template)
     def zero():  # count and last_rebuild: two arrays (see set_active)
       return jnp.zeros((), jnp.int32)
     if ramp is None:
@@ -474,6 +474,7 @@ def mask_update(
           f"mask_update: `mask_rebuild` must be None or a Python bool (the host's"
           f" schedule.update_rebuilds(step, layers)), got {type(mask_rebuild).__name__}"
           f" {mask_rebuild!r}; a traced value would keep the conditional.")
+    check_params("mask_update", params, state.masks)
     _check_updates(updates, params, state.masks)
     stated = _with_static_phase(state.masks, sparse, "mask_update")
     step = state.count
@@ -492,7 +493,7 @@ def mask_update(
     held = layers_by_path(state.masks)
     old_masks = {path: layer["mask"] for path, layer in held.items()}
     kernels = _kernels(state.masks, params)
-    old_flips = entries_by_path(state.masks, state.flip_rate)
+    old_flips = entries_by_path(state.masks, state.flip_rate, "mask_update")
     if ramp is not None:
       # Layers enter 2:4 where the ramp's count grows: the dense layers'
       # masks (and scores) are rebuilt then, so that the entering layers
@@ -513,7 +514,7 @@ def mask_update(
                    for path, new in new_masks.items()}
       flips = {path: jnp.where(per_layer[path], flip, old_flips[path])
                for path, flip in flips.items()}
-      old_score = entries_by_path(state.masks, state.score)
+      old_score = entries_by_path(state.masks, state.score, "mask_update")
       # Scores only where masks were rebuilt: one pass over those weights,
       # inside a conditional unless the host said (module docstring).
       score = _when_rebuilding(
@@ -677,7 +678,7 @@ def flip_fraction(old: Mask24, new: Mask24) -> jax.Array:
 def _kernels(masks: Mapping, params: Mapping) -> dict:
   """`{layer path: its dense kernel in params}` over the sparse layers."""
   return {path: dense_kernel(layer_params, path, "mask_update")
-          for path, layer_params in entries_by_path(masks, params).items()}
+          for path, layer_params in entries_by_path(masks, params, "mask_update").items()}
 
 
 def _apart(masks: Mapping, flips: Mapping) -> dict:
@@ -709,6 +710,11 @@ def _stack_shape(layer: Mapping) -> tuple[int, ...]:
 
 def _check_updates(updates, params, masks: Mapping) -> None:
   if jax.tree.structure(updates) != jax.tree.structure(params):
+    if (isinstance(updates, Mapping) and "params" in updates
+        and isinstance(params, Mapping) and "params" not in params):
+      raise ValueError(
+          f"mask_update: the gradients are of the whole variables (they hold"
+          f" {sorted(updates)}); pass the gradients of variables['params'] alone.")
     have = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(updates)}
     want = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)}
     raise ValueError(

@@ -1,9 +1,12 @@
 """Misuse that used to run on silently, or fail far from its cause, gets an
 error naming the function, the argument and the fix, or cannot be written
 (issue 39): the mask transform chained after the optimizer, a wrong second
-argument to the mask-tree helpers, a model patched by `sparsify` applied with
+argument to the mask-tree helpers, the whole variables where the params (or
+their gradients) go, a model patched by `sparsify` applied with
 rules that match nothing or without its masks, a `"sparsity"` collection
 holding something else than masks, and a layer whose width cannot be 2:4."""
+
+import re
 
 import flax.linen as nn
 import jax
@@ -169,6 +172,81 @@ def test_a_sparsity_argument_of_the_wrong_kind_says_what_to_pass(fn):
   with pytest.raises(ValueError, match=rf"{fn}: `sparsity` holds no Mask24 \(keys \['up'\]\).*"
                      r"the params come first"):
     call(v["params"], v["params"])
+
+
+# --- the `params` argument: the whole variables, or another model's ---------
+
+
+def _params_takers():
+  """Each public function that reads a model's params beside its 'sparsity'
+  collection, called as `call(variables, params)`."""
+  def init(v, p):
+    return optim.with_masks(optax.sgd(0.1), v["sparsity"]).init(p)
+
+  def update(v, p):
+    tx = optim.with_masks(optax.sgd(0.1), v["sparsity"])
+    return tx.update(jax.tree.map(jnp.zeros_like, v["params"]), tx.init(v["params"]), p)
+
+  def opt_masks_like_kernels(v, p):
+    state = optim.with_masks(optax.sgd(0.1), v["sparsity"]).init(v["params"])
+    return optim.masks_like_kernels(state, p)
+
+  return {
+      "compress_params": lambda v, p: jsparse24.compress_params(p, v["sparsity"]),
+      "rebuild_masks": lambda v, p: jsparse24.rebuild_masks(p, v["sparsity"]),
+      "masks_like_kernels": lambda v, p: jsparse24.masks_like_kernels(v["sparsity"], p),
+      "mask_update (init)": init,
+      "mask_update (update)": update,
+      "optim.masks_like_kernels": opt_masks_like_kernels,
+  }
+
+
+@pytest.mark.parametrize("call", list(_params_takers()))
+def test_the_whole_variables_in_place_of_the_params_are_named(call):
+  """Was: a tree mismatch that named no function (`the 'sparsity' tree has a
+  layer at 'up' that the matching tree (params) does not have`), or
+  `compress_params`'s "no kernel in params", with no word of the
+  variables."""
+  v = _variables()
+  fn = call.split(" ")[0].split(".")[-1]
+  for wrong in (v, {"params": v["params"]}):
+    with pytest.raises(ValueError, match=rf"{fn}: `params` is the whole variables \(it holds"
+                       rf" {re.escape(str(sorted(wrong)))}\), not the 'params' collection;"
+                       r" pass variables\['params'\]"):
+      _params_takers()[call](v, wrong)
+
+
+def test_gradients_of_the_whole_variables_are_named():
+  v = _variables()
+  tx = optim.with_masks(optax.sgd(0.1), v["sparsity"])
+  grads = jax.tree.map(jnp.zeros_like, v)  # jax.grad over the variables, not the params
+  with pytest.raises(ValueError, match=r"mask_update: the gradients are of the whole variables"
+                     r" \(they hold \['params', 'sparsity'\]\); pass the gradients of"
+                     r" variables\['params'\] alone"):  # was: "differ in structure"
+    tx.update(grads, tx.init(v["params"]), v["params"])
+
+
+class _Owner(nn.Module):
+  """A model with a submodule named "params": its params hold a 'params'
+  entry that is a layer, not a collection."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, name="params")(x)
+    return _Net(name="net")(x)
+
+
+def test_params_of_another_model_name_the_function_and_the_layer():
+  v = _variables()
+  other = {"down": v["params"]["up"]}  # the layer under another name
+  with pytest.raises(ValueError, match=r"rebuild_masks: the 'sparsity' collection has a layer"
+                     r" at 'up' that `params` does not have: pass the params of the model"):
+    jsparse24.rebuild_masks(other, v["sparsity"])
+  # A submodule named "params" is a layer, not the variables: accepted.
+  owner = _Owner().init(jax.random.key(2), X)
+  rebuilt = jsparse24.rebuild_masks(owner["params"], owner["sparsity"])
+  assert sorted(rebuilt) == ["net"]
+  jsparse24.compress_params(owner["params"], owner["sparsity"])
 
 
 @pytest.mark.parametrize("fn,verb", [("rebuild_masks", "rebuild"),
