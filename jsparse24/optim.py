@@ -372,8 +372,8 @@ def mask_update(
       structure and per-layer `transposable` setting are used).
     schedule: a `MaskSchedule`.
     decay: masked decay of pruned weights (SR-STE): for each sparse layer,
-      `g <- g + decay * (1 - mask) * w` while the layer is sparse. A float or
-      a `step -> value` schedule.
+      `g <- g + decay * (1 - mask) * w` while the layer is sparse. A float
+      (>= 0) or a `step -> value` schedule.
 
   Returns:
     A `GradientTransformationExtraArgs`; its `update` needs `params`.
@@ -423,6 +423,10 @@ def mask_update(
     raise TypeError(
         f"mask_update: `decay` must be a number, a scalar array or a `step -> value`"
         f" schedule, got {type(decay).__name__} {decay!r}.")
+  if isinstance(decay, (int, float)) and not decay >= 0:  # NaN too
+    raise ValueError(
+        f"mask_update: `decay` must be >= 0, got {decay!r}: SR-STE's decay pulls the"
+        f" pruned weights toward 0, a negative one would push them away.")
   decay_fn = decay if callable(decay) else (lambda _: decay)
   # A traced decay (optax.inject_hyperparams under jit) cannot be compared
   # with 0 here; it is applied, adding nothing where it is 0.

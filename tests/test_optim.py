@@ -204,6 +204,16 @@ def test_decay_of_a_wrong_type_is_refused_at_construction(decay):
     optim.mask_update(variables["sparsity"], decay=decay)
 
 
+@pytest.mark.parametrize("decay", [-1e-4, float("nan"), -1])
+def test_a_negative_or_nan_decay_is_refused_at_construction(decay):
+  """Was accepted: a negative decay pushes the pruned weights away from 0."""
+  _, _, variables, _, _ = _setup(optim.MaskSchedule())
+  with pytest.raises(ValueError, match=r"mask_update: `decay` must be >= 0, got"):
+    optim.mask_update(variables["sparsity"], decay=decay)
+  with pytest.raises(ValueError, match=r"mask_update: `decay` must be >= 0"):
+    optim.with_masks(optax.sgd(0.1), variables["sparsity"], decay=decay)
+
+
 def test_masked_decay_keeps_frozendict_and_fuses():
   """Decay on FrozenDict params returns FrozenDict updates (apply_updates
   works), names a layer missing from the gradients, and expands the masks
