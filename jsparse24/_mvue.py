@@ -34,13 +34,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jsparse24 import _checks
 from pallas_kernels import mvue_rule as rule
 
 
 def mvue_24_probabilities(g: Float[Array, "..."], *, axis: int = 0) -> jax.Array:
   """The keep probability of every entry of `g` under `mvue_24` (float32,
   shape of `g`; the entries past the last whole group have probability 1)."""
-  g, axis, head, tail = _split(g, axis)
+  g, axis, head, tail = _split(g, axis, "mvue_24_probabilities")
   p = jnp.stack(rule.probabilities(_lanes(_groups(head, axis))), axis=-1)
   return jnp.concatenate([_ungroup(p, axis, head.shape), jnp.ones(tail.shape, jnp.float32)],
                          axis=axis)
@@ -65,7 +66,8 @@ def mvue_24(g: Float[Array, "..."], key: jax.Array, *, axis: int = 0) -> jax.Arr
     >>> jsparse24.mvue_24_probabilities(g).tolist()  # kept g_i becomes g_i / p_i
     [0.800000011920929, 0.6000000238418579, 0.4000000059604645, 0.20000000298023224]
   """
-  g, axis, head, tail = _split(g, axis)
+  g, axis, head, tail = _split(g, axis, "mvue_24")
+  _checks.check_key("mvue_24", "key", key, "the MVUE rule's draw")
   if head.shape[axis] == 0:
     return g
   groups = _groups(head, axis)  # [..., G, ..., 4] with the group entries last
@@ -89,11 +91,13 @@ def _lanes(groups: jax.Array) -> list[jax.Array]:
   return [groups[..., l].astype(jnp.float32) for l in range(4)]
 
 
-def _split(g, axis: int):
+def _split(g, axis: int, fn: str):
   """(g as an array, axis made non-negative, the whole groups of 4 along
-  it, the `size % 4` entries after them)."""
+  it, the `size % 4` entries after them); `fn` names the caller in the
+  errors for a `g` that is not a float array or an `axis` out of range."""
+  _checks.check_float(fn, "g", g)
   g = jnp.asarray(g)
-  axis = axis % g.ndim
+  axis = _checks.normalize_axis(fn, "g", axis, g.ndim)
   whole = g.shape[axis] - g.shape[axis] % 4
   return (g, axis, jax.lax.slice_in_dim(g, 0, whole, axis=axis),
           jax.lax.slice_in_dim(g, whole, g.shape[axis], axis=axis))

@@ -494,3 +494,24 @@ def test_cusparselt_operand_of_the_pruned_gradient():
       implementation="xla")))(dy)
   assert buf.shape == cusparselt.buffer_shape(192, 128, transpose=False)
   np.testing.assert_array_equal(np.asarray(buf).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_mvue_24_names_a_bad_key_gradient_or_axis():
+  """Were JAX's own errors ("unexpected PRNG key type <class 'NoneType'>"),
+  or no error at all: an integer `g` came back with truncated rescaled
+  values, and an `axis` past the rank was taken modulo the rank."""
+  g, key = jnp.arange(8.0), jax.random.key(0)
+  with pytest.raises(ValueError, match=r"mvue_24: the MVUE rule's draw needs `key`, a PRNG"
+                     r" key \(jax.random.key\(...\)\)"):
+    jsparse24.mvue_24(g, None)
+  for bad in (3, jnp.ones(3), jax.random.split(key)):
+    with pytest.raises(TypeError, match=r"mvue_24: `key` must be one PRNG key"):
+      jsparse24.mvue_24(g, bad)
+  assert jsparse24.mvue_24(g, jax.random.PRNGKey(0)).shape == (8,)  # a raw uint32[2] key
+  for fn, call in (("mvue_24", lambda g, **kw: jsparse24.mvue_24(g, key, **kw)),
+                   ("mvue_24_probabilities", jsparse24.mvue_24_probabilities)):
+    with pytest.raises(TypeError, match=rf"{fn}: `g` must have a floating dtype .* got int32"):
+      call(jnp.arange(8))
+    with pytest.raises(ValueError, match=rf"{fn}: `axis=3` is out of range for `g` of rank 1"):
+      call(g, axis=3)
+    assert call(g, axis=-1).shape == (8,)
