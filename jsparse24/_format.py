@@ -298,7 +298,14 @@ class Mask24:
     float32 weight on an H200: benchmarks/results/nvidia-h200.md,
     "prune+compress 16384x16384 bf16"); elsewhere, and for plain masks, from
     one compiled XLA program."""
+    fn = "Mask24.from_weights"
+    _checks.check_float(fn, "w", w)
     w = jnp.asarray(w)
+    if w.ndim < 2:
+      raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
+    _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2)
+    if transposable:
+      _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1, "N, for a transposable mask")
     if (transposable and _pallas_runtime.runs_natively()
         and _pallas_runtime.mask_kernel_takes(w, True)):
       return cls.from_meta(_pallas_runtime.transposable_mask_meta(w), w.shape,

@@ -34,6 +34,19 @@ def test_float8_weights_are_refused_by_name(call, fn):
     call(w)
 
 
+@pytest.mark.parametrize("w,kw,error,match", [
+    (jnp.ones((8, 8), jnp.int32), {}, TypeError, r"`w` must have a floating dtype"),
+    (jnp.ones((8,)), {}, ValueError, r"`w` must be \[\.\.\., K, N\] \(rank >= 2\)"),
+    (jnp.ones((6, 8)), {}, ValueError, r"`w.shape\[0\]` = 6 \(the contraction axis\)"),
+    (jnp.ones((8, 6)), {"transposable": True}, ValueError,
+     r"`w.shape\[1\]` = 6 \(N, for a transposable mask\)"),
+])
+def test_mask24_from_weights_names_itself(w, kw, error, match):
+  """Its errors named `prune_24`, which it calls."""
+  with pytest.raises(error, match=r"Mask24.from_weights: " + match):
+    jsparse24.Mask24.from_weights(w, **kw)
+
+
 def test_unwritable_cache_directory_is_a_build_error_remembered(tmp_path, monkeypatch):
   """A cache path that is not a directory made the automatic choice crash
   (NotADirectoryError) on every trace; now the backend is unavailable with
