@@ -80,6 +80,12 @@ def normalize_axis(fn: str, name: str, axis: int, ndim: int) -> int:
   return axis % ndim
 
 
+def check_kn(fn: str, name: str, shape: tuple[int, ...]) -> None:
+  """Raises unless `shape` is `[..., K, N]`: a weight or mask, or a stack of them."""
+  if len(shape) < 2:
+    raise ValueError(f"{fn}: `{name}` must be [..., K, N] (rank >= 2), got shape {tuple(shape)}.")
+
+
 def check_multiple_of_4(fn: str, name: str, shape: tuple[int, ...], axis: int,
                         what: str = "the contraction axis") -> None:
   if shape[axis] % 4:

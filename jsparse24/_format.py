@@ -264,8 +264,7 @@ class Mask24:
     fn = "Mask24.pack"
     mask = jnp.asarray(mask)
     _checks.check_mask_dtype(fn, mask)
-    if mask.ndim < 2:
-      raise ValueError(f"{fn}: `mask` must be [..., K, N], got shape {mask.shape}.")
+    _checks.check_kn(fn, "mask", mask.shape)
     _checks.check_multiple_of_4(fn, "mask", mask.shape, mask.ndim - 2)
     _checks.check_24_groups(fn, mask, mask.ndim - 2)
     if transposable:
@@ -301,8 +300,7 @@ class Mask24:
     fn = "Mask24.from_weights"
     _checks.check_float(fn, "w", w)
     w = jnp.asarray(w)
-    if w.ndim < 2:
-      raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
+    _checks.check_kn(fn, "w", w.shape)
     _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2)
     if transposable:
       _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1, "N, for a transposable mask")

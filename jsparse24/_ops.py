@@ -420,8 +420,7 @@ def compress(
   fn = "compress"
   _checks.check_float(fn, "w", w)
   w = jnp.asarray(w)
-  if w.ndim < 2:
-    raise ValueError(f"{fn}: `w` must be [..., K, N] (rank >= 2), got shape {w.shape}.")
+  _checks.check_kn(fn, "w", w.shape)
   _checks.check_nonempty(fn, "w", w.shape, (w.ndim - 2, w.ndim - 1), "K or N")
   _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 2)
   if transposed:
