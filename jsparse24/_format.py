@@ -218,10 +218,53 @@ def compress_reference(w: jax.Array, mask: "jax.Array | Mask24 | None",
   return Sparse24(values, meta, values_t, meta_t)
 
 
+def check_sparse24(fn: str, name: str, sp: Sparse24) -> None:
+  """Raises where `sp`'s arrays do not fit together as `compress` makes them
+  (module docstring), naming `fn`, `name` and what was expected: a
+  `Sparse24` built by hand, or restored from a checkpoint against another
+  template, would otherwise fail inside JAX's ops with a broadcasting error,
+  or run with metadata of a dtype the kernels were not written for. Shapes
+  and dtypes only: free under `jit`. Not in
+  `__post_init__`: pytree maps rebuild a `Sparse24` around other leaves
+  (shardings, shape structs, cotangents)."""
+  values, meta = sp.values, sp.meta
+  _checks.check_float_dtype(fn, f"{name}.values", values.dtype)
+  if meta.dtype != jnp.uint8:
+    raise TypeError(f"{fn}: `{name}.meta` must be uint8 (two 4-bit codes a byte, as"
+                    f" jsparse24.compress makes it), got {meta.dtype}.")
+  if values.ndim < 2 or meta.shape[:-2] != values.shape[:-2] or meta.ndim != values.ndim:
+    raise ValueError(f"{fn}: `{name}` must hold values [..., N, K/2] and meta [..., N, ceil(K/8)]"
+                     f" with the same leading axes, got values {values.shape} and meta"
+                     f" {meta.shape}.")
+  *lead, n, _ = meta.shape
+  k = 2 * values.shape[-1]
+  rows = n + n // 8 if sp.cusparselt else n
+  layout = " (cuSPARSELt's layout: N + N/8 rows)" if sp.cusparselt else ""
+  if k % 4 or values.shape[-2] != rows or meta.shape[-1] != -(-k // 8):
+    raise ValueError(f"{fn}: `{name}`'s values {values.shape} and meta {meta.shape} do not fit"
+                     f" together: values [..., N, K/2]{layout} and meta [..., N, ceil(K/8)], K a"
+                     f" multiple of 4; here N = {n} (meta's rows) and K = {k} (twice values'"
+                     f" columns) want values {(*lead, rows, k // 2)} and meta"
+                     f" {(*lead, n, -(-k // 8))}.")
+  if (sp.values_t is None) != (sp.meta_t is None):
+    raise ValueError(f"{fn}: `{name}` has one of values_t and meta_t without the other; the"
+                     f" transpose needs both (or neither).")
+  if sp.values_t is not None:
+    want = {"values_t": ((*lead, k, n // 2), values.dtype),
+            "meta_t": ((*lead, k, -(-n // 8)), jnp.dtype(jnp.uint8))}
+    for part, (shape, dtype) in want.items():
+      got = getattr(sp, part)
+      if got.shape != shape or got.dtype != dtype:
+        raise ValueError(f"{fn}: `{name}.{part}` must be {jnp.dtype(dtype).name}{list(shape)}"
+                         f" (the transpose of a [K, N] = [{k}, {n}] weight), got"
+                         f" {got.dtype}{list(got.shape)}.")
+
+
 def decompress(sp: Sparse24) -> Float[Array, "... K N"]:
   """The dense `w * mask` that `sp` was compressed from (exact)."""
   if not isinstance(sp, Sparse24):
     raise TypeError(f"decompress: expected a jsparse24.Sparse24, got {type(sp).__name__}.")
+  check_sparse24("decompress", "sp", sp)
   return jnp.swapaxes(_decompress_last(sp.kept_values, sp.meta, sp.shape[-2]), -1, -2)
 
 

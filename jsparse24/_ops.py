@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, _phase, backends
-from jsparse24._format import Mask24, Sparse24
+from jsparse24._format import Mask24, Sparse24, check_sparse24
 from jsparse24._input_sparse import ActivationConfig
 from jsparse24._options import SparsityOptions
 from jsparse24._sharding import is_explicit, weight_split
@@ -198,6 +198,7 @@ def _compressed_dot(fn, x, w: Sparse24, mask, opts: SparsityOptions, *, precisio
   if opts.weight_grad != "dense":
     raise ValueError(f"{fn}: weight_grad={opts.weight_grad!r} needs a dense `w` (a Sparse24 is"
                      f" for inference; its gradient is that of its kept values).")
+  check_sparse24(fn, "w" if fn == "sparse_dot" else "kernel", w)
   if len(w.shape) != 2:
     raise ValueError(f"{fn}: `w` must be a [K, N] Sparse24, got dense shape {w.shape}.")
   _check_contraction(fn, x, w.shape)

@@ -1,6 +1,8 @@
 """Bad input gets a clear error naming the function and the argument, and
 failures of the environment are reported once, not crashed on (issue 11)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -217,3 +219,50 @@ def test_compressed_params_with_a_dense_phase_layer_say_what_is_missing():
     net.apply({"params": compressed}, jnp.ones((2, 16)))
   y = net.apply({"params": compressed, "sparsity": off}, jnp.ones((2, 16)))
   assert y.shape == (2, 8)
+
+
+def _malformed_sparse24():
+  """A compressed [16, 8] weight (with its transpose) and misassembled
+  copies of it: what a hand-built Sparse24, or one restored against another
+  template, may hold."""
+  w = jax.random.normal(jax.random.key(0), (16, 8))
+  sp = jsparse24.compress(w, transposed=True)
+  bad = {
+      "meta int32": (dataclasses.replace(sp, meta=sp.meta.astype(jnp.int32)), TypeError,
+                     r"`{}.meta` must be uint8 .* got int32"),
+      "values int": (dataclasses.replace(sp, values=sp.values.astype(jnp.int32)), TypeError,
+                     r"`{}.values` must have a floating dtype"),
+      "meta of 4 rows": (dataclasses.replace(sp, meta=sp.meta[:4]), ValueError,
+                         r"N = 4 \(meta's rows\) and K = 16 .* want values \(4, 8\)"),
+      "meta of 1 column": (dataclasses.replace(sp, meta=sp.meta[:, :1]), ValueError,
+                           r"want values \(8, 8\) and meta \(8, 2\)"),
+      "values 1-D": (dataclasses.replace(sp, values=sp.values[0], meta=sp.meta[0]), ValueError,
+                     r"must hold values \[..., N, K/2\] and meta"),
+      "meta_t alone": (dataclasses.replace(sp, values_t=None), ValueError,
+                       r"one of values_t and meta_t without the other"),
+      "values_t of another weight": (
+          dataclasses.replace(sp, values_t=sp.values_t[:8]), ValueError,
+          r"`{}.values_t` must be float32\[16, 4\] .* got float32\[8, 4\]"),
+  }
+  return sp, bad
+
+
+@pytest.mark.parametrize("case", list(_malformed_sparse24()[1]))
+def test_a_malformed_sparse24_is_named_before_any_op_runs(case):
+  """Was a broadcasting error from inside `decompress` (values and meta of
+  different N or K), or ran on (int32 metadata, integer values)."""
+  sp, bad = _malformed_sparse24()
+  x = jnp.ones((2, 16))
+  assert jnp.array_equal(jsparse24.sparse_dot(x, sp), x @ jsparse24.decompress(sp))  # well formed
+  broken, error, match = bad[case]
+  with pytest.raises(error, match="decompress: .*" + match.format("sp")):
+    jsparse24.decompress(broken)
+  with pytest.raises(error, match="sparse_dot: .*" + match.format("w")):
+    jax.jit(jsparse24.sparse_dot)(x, broken)
+  if case == "values int":
+    return  # a layer promotes its kernel to its dtype first, as nn.Dense does
+  layer = jsparse24.SparseDense(8)
+  variables = layer.init(jax.random.key(0), x)
+  params = {"params": {**variables["params"], "kernel": broken}}
+  with pytest.raises(error, match="SparseDense: .*" + match.format("kernel")):
+    layer.apply(params, x)
