@@ -312,8 +312,8 @@ def main(argv=None) -> dict:
   p.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
   p.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384)")
   p.add_argument("--group", type=int, default=None,
-                 help="tokens per routing group (default 2048: the dispatch and combine"
-                      " tensors are quadratic in it)")
+                 help="tokens per routing group, each with its own capacity per expert"
+                      " (default 2048)")
   p.add_argument("--hidden", type=int, default=None, help="expert hidden width (4 x d_model)")
   p.add_argument("--capacity-factor", type=float, default=1.25)
   p.add_argument("--implementation", default=None, choices=("xla", "pallas", "cusparselt"),

@@ -4,10 +4,10 @@ The shim is compiled on first use with the machine's C++ compiler, the way
 Triton builds its launcher: against the cuSPARSELt and CUDA runtime headers
 (from the `nvidia-*` pip wheels that `pip install "jsparse24[cuda]"` brings,
 or from a CUDA toolkit) and XLA's FFI headers (`jax.ffi.include_dir()`). The
-library lands in `$JSPARSE24_CACHE_DIR` (default `~/.cache/jsparse24`) under
-a hash of what its bits depend on (the source, the compiler, the headers'
-contents, the CUDA runtime it links), so a change to any of them rebuilds and
-nothing else does.
+library lands in `$JSPARSE24_CACHE_DIR` (default `$XDG_CACHE_HOME/jsparse24`,
+else `~/.cache/jsparse24`) under a hash of what its bits depend on (the
+source, the compiler, the headers' contents, the CUDA runtime it links), so
+a change to any of them rebuilds and nothing else does.
 
 The shim links the CUDA runtime (XLA's, shared by the process) but not
 cuSPARSELt: `load()` has it `dlopen` the very file that `find_toolchain()`
