@@ -373,7 +373,8 @@ def mask_update(
     schedule: a `MaskSchedule`.
     decay: masked decay of pruned weights (SR-STE): for each sparse layer,
       `g <- g + decay * (1 - mask) * w` while the layer is sparse. A float
-      (>= 0) or a `step -> value` schedule.
+      (>= 0, finite; a concrete scalar array too) or a `step -> value`
+      schedule (its values unchecked: they are traced).
 
   Returns:
     A `GradientTransformationExtraArgs`; its `update` needs `params`.
@@ -423,10 +424,13 @@ def mask_update(
     raise TypeError(
         f"mask_update: `decay` must be a number, a scalar array or a `step -> value`"
         f" schedule, got {type(decay).__name__} {decay!r}.")
-  if isinstance(decay, (int, float)) and not decay >= 0:  # NaN too
+  # A number or a concrete scalar array (numpy's, jax's) is checked now; a
+  # traced one (optax.inject_hyperparams) and a schedule's values cannot be.
+  if not callable(decay) and _checks.is_concrete(decay) and not 0 <= float(decay) < np.inf:
     raise ValueError(
-        f"mask_update: `decay` must be >= 0, got {decay!r}: SR-STE's decay pulls the"
-        f" pruned weights toward 0, a negative one would push them away.")
+        f"mask_update: `decay` must be >= 0 and finite, got {decay!r}: SR-STE's decay pulls"
+        f" the pruned weights toward 0, a negative one would push them away, an infinite one"
+        f" make their updates infinite.")
   decay_fn = decay if callable(decay) else (lambda _: decay)
   # A traced decay (optax.inject_hyperparams under jit) cannot be compared
   # with 0 here; it is applied, adding nothing where it is 0.

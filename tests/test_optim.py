@@ -204,11 +204,14 @@ def test_decay_of_a_wrong_type_is_refused_at_construction(decay):
     optim.mask_update(variables["sparsity"], decay=decay)
 
 
-@pytest.mark.parametrize("decay", [-1e-4, float("nan"), -1])
-def test_a_negative_or_nan_decay_is_refused_at_construction(decay):
-  """Was accepted: a negative decay pushes the pruned weights away from 0."""
+@pytest.mark.parametrize("decay", [-1e-4, float("nan"), -1, float("inf"), np.float32(-1e-4),
+                                   jnp.array(-1e-4), np.array(float("inf"))])
+def test_a_negative_nan_or_infinite_decay_is_refused_at_construction(decay):
+  """Was accepted: a negative decay pushes the pruned weights away from 0, an
+  infinite one makes their updates infinite; scalar arrays of
+  numpy and jax too, not only Python numbers."""
   _, _, variables, _, _ = _setup(optim.MaskSchedule())
-  with pytest.raises(ValueError, match=r"mask_update: `decay` must be >= 0, got"):
+  with pytest.raises(ValueError, match=r"mask_update: `decay` must be >= 0 and finite, got"):
     optim.mask_update(variables["sparsity"], decay=decay)
   with pytest.raises(ValueError, match=r"mask_update: `decay` must be >= 0"):
     optim.with_masks(optax.sgd(0.1), variables["sparsity"], decay=decay)
