@@ -128,12 +128,21 @@ class Layout:
 
   def __post_init__(self):
     _check_layout("Layout", self.name)
-    rules = tuple((self.tensor_parallel.items() if isinstance(self.tensor_parallel, Mapping)
-                   else self.tensor_parallel))
-    for rule, role in rules:
+    given = self.tensor_parallel if self.tensor_parallel is not None else ()
+    rules = tuple(given.items() if isinstance(given, Mapping) else given)
+    for entry in rules:
+      if (not isinstance(entry, (tuple, list)) or len(entry) != 2
+          or not isinstance(entry[0], str)):
+        raise TypeError(f"Layout: tensor_parallel must be a {{layer path regex: role}} mapping or"
+                        f" (regex, role) pairs, got the entry {entry!r} of {given!r}.")
+      rule, role = entry
       if role not in ROLES:
         raise ValueError(f"Layout: tensor_parallel rule {rule!r} has role {role!r}; expected"
                          f" one of {ROLES}.")
+      try:
+        re.compile(rule)
+      except re.error as e:
+        raise ValueError(f"Layout: tensor_parallel rule {rule!r} is not a valid regex: {e}.") from e
     object.__setattr__(self, "tensor_parallel", tuple((rule, role) for rule, role in rules))
     want = ("data", "model") if self.name in ("tp", "2d") else ("data",)
     if tuple(self.mesh.axis_names) != want:
@@ -153,19 +162,28 @@ class Layout:
     """`"column"` or `"row"` where `path` (a key path into params or
     optimizer state) ends at the kernel of a tensor-parallel layer; else
     None (also for `"data"` and `"fsdp"`)."""
+    rule = self._rule(path)
+    return None if rule is None else self.tensor_parallel[rule][1]
+
+  def _rule(self, path) -> int | None:
+    """The index of the first tensor-parallel rule that matches the layer
+    whose kernel `path` ends at (a rule matches the layer's path or any
+    tail of it); None elsewhere, and under `"data"` and `"fsdp"`."""
     keys = _keys(path)
     if self.name not in ("tp", "2d") or len(keys) < 2 or keys[-1] != "kernel":
       return None
     layer = keys[:-1]
-    for rule, role in self.tensor_parallel:
-      if any(re.fullmatch(rule, "/".join(layer[i:])) for i in range(len(layer))):
-        return role
+    for i, (rule, _) in enumerate(self.tensor_parallel):
+      if any(re.fullmatch(rule, "/".join(layer[j:])) for j in range(len(layer))):
+        return i
     return None
 
   def _fsdp_spec(self, a) -> P:
-    """FSDP at rest: the last axis over `data` where it divides."""
-    if a.ndim >= 1 and a.shape[-1] % self.mesh.shape["data"] == 0:
-      return P(*([None] * (a.ndim - 1)), "data")
+    """FSDP at rest: the last axis over `data` where it divides (a Python
+    scalar, such as a `TrainState`'s step, stays whole)."""
+    shape = a.shape if hasattr(a, "shape") else np.shape(a)
+    if len(shape) >= 1 and shape[-1] % self.mesh.shape["data"] == 0:
+      return P(*([None] * (len(shape) - 1)), "data")
     return P()
 
   def state_spec(self, path, a) -> P:
@@ -188,8 +206,25 @@ class Layout:
     """The `NamedSharding` of every array of `tree` (arrays or
     `jax.eval_shape`'s shapes): the `out_shardings` to make the state in
     (`jax.jit(tx.init, out_shardings=...)`) and to keep it in (the train
-    step's). Lay the masks out after with `masks_like_kernels`."""
-    return jax.tree_util.tree_map_with_path(self.state_sharding, tree)
+    step's). Lay the masks out after with `masks_like_kernels`.
+
+    Under `"tp"` and `"2d"`, where `tree` holds kernels, each
+    `tensor_parallel` rule must match one of them: a rule that matches none
+    (a typo, `.../kernel` in the rule) would leave its layers replicated."""
+    shardings = jax.tree_util.tree_map_with_path(self.state_sharding, tree)
+    if self.name in ("tp", "2d"):
+      kernels = [path for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+                 if _keys(path)[-1:] == ("kernel",)]
+      used = {self._rule(path) for path in kernels}
+      unused = [rule for i, (rule, _) in enumerate(self.tensor_parallel) if i not in used]
+      if kernels and unused:
+        layers = sorted({"/".join(_keys(path)[:-1]) for path in kernels})
+        raise ValueError(
+            f"Layout.state_shardings: tensor_parallel rule(s) {unused} match no kernel of the"
+            f" tree; a rule fully matches a layer's path or a tail of it, without '/kernel'"
+            f" (e.g. r'mlp/up'). The tree's layers: {layers[:12]}"
+            f"{' ...' if len(layers) > 12 else ''}.")
+    return shardings
 
   def step_spec(self, path, a, sparse_kernel: bool = False) -> P | None:
     """The sharding a param is constrained to inside the step, for the
@@ -211,9 +246,21 @@ class Layout:
     `params` (`"blocks/up"`; `jsparse24.optim.stats(opt_state)` keys them
     so)."""
 
+    # A layer of a stack (nn.scan) is named with its index by
+    # `optim.sparse_layers` ("blocks/up[0]"): its stacked kernel is the one
+    # array of all of them.
+    named = {re.sub(r"\[\d+\]$", "", name) for name in sparse_layers}
+    layers = {"/".join(_keys(path)[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(params)
+              if _keys(path)[-1:] == ("kernel",)}
+    if named - layers:
+      raise ValueError(
+          f"Layout.constrain: sparse_layers names {sorted(named - layers)}, which `params` has no"
+          f" kernel for; name the 2:4 layers by their paths in params (\"blocks/up\", as"
+          f" jsparse24.optim.stats(opt_state) keys them), and pass variables['params'].")
+
     def constrain(path, a):
       keys = _keys(path)
-      sparse = bool(keys) and keys[-1] == "kernel" and "/".join(keys[:-1]) in sparse_layers
+      sparse = bool(keys) and keys[-1] == "kernel" and "/".join(keys[:-1]) in named
       spec = self.step_spec(path, a, sparse)
       return a if spec is None else jax.lax.with_sharding_constraint(
           a, NamedSharding(self.mesh, spec))

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jsparse24
 from jsparse24 import nnx as jnnx
@@ -437,3 +438,64 @@ def test_nnx_widths_not_a_multiple_of_4_say_the_fix():
     jnnx.SparseLinear(6, 8, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"SparseLinear: out_features=6 .*Set transposable=None"):
     jnnx.SparseLinear(8, 6, transposable=True, rngs=nnx.Rngs(0))
+
+
+_MLP_PARAMS = {"mlp": {"up": {"kernel": jnp.ones((8, 16)), "bias": jnp.ones(16)},
+                       "down": {"kernel": jnp.ones((16, 8))}}}
+
+
+def test_a_tensor_parallel_rule_that_matches_no_kernel_is_named():
+  """Was silent: every array replicated, no tensor parallelism (a rule that
+  names the kernel itself matches no layer path)."""
+  mesh = jsparse24.layouts.make_mesh("tp")
+  bad = jsparse24.layouts.Layout("tp", mesh, {r".*/up/kernel": "column", r"down": "row"})
+  with pytest.raises(ValueError, match=r"Layout.state_shardings: tensor_parallel rule\(s\)"
+                                       r" \['\.\*/up/kernel'\] match no kernel .* layers:"
+                                       r" \['mlp/down', 'mlp/up'\]"):
+    bad.state_shardings(_MLP_PARAMS)
+  good = jsparse24.layouts.Layout("tp", mesh, {r"up": "column", r"down": "row"})
+  specs = jax.tree.map(lambda s: s.spec, good.state_shardings(_MLP_PARAMS))
+  assert specs["mlp"]["up"]["kernel"] == P(None, "model")
+  assert specs["mlp"]["down"]["kernel"] == P("model", None)
+  # A tree without kernels (an optimizer's empty state) has nothing to match.
+  assert good.state_shardings({"count": jnp.zeros(())})["count"].spec == P()
+
+
+@pytest.mark.parametrize("rules,error,match", [
+    (["up", "column"], TypeError, r"Layout: tensor_parallel must be a \{layer path regex: role\}"
+                                  r" mapping or \(regex, role\) pairs, got the entry 'up'"),
+    ({"up[": "column"}, ValueError, r"Layout: tensor_parallel rule 'up\[' is not a valid regex"),
+])
+def test_tensor_parallel_rules_of_the_wrong_form_are_named(rules, error, match):
+  """Were "rule 'u' has role 'p'" and a bare re.error at the first use."""
+  with pytest.raises(error, match=match):
+    jsparse24.layouts.Layout("tp", jsparse24.layouts.make_mesh("tp"), rules)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "2d"])
+def test_fsdp_lays_out_a_train_state_with_a_python_step(layout):
+  """Was AttributeError: 'int' object has no attribute 'ndim' (a flax
+  TrainState's step is a Python int); it stays whole."""
+  from flax.training import train_state
+  state = train_state.TrainState.create(apply_fn=None, params=_MLP_PARAMS, tx=optax.adam(1e-3))
+  place = jsparse24.layouts.Layout(layout, jsparse24.layouts.make_mesh(layout),
+                                   {r"up": "column", r"down": "row"})
+  shardings = place.state_shardings(state)
+  assert shardings.step.spec == P()
+  assert shardings.params["mlp"]["up"]["bias"].spec == P("data")
+
+
+def test_constrain_names_sparse_layers_that_params_lacks():
+  """Was silent under FSDP: the 2:4 kernels gathered whole instead of left
+  sharded. A stack's layers as `optim.sparse_layers` names them
+  ("mlp/up[0]") are its stacked kernel."""
+  place = jsparse24.layouts.Layout("fsdp", jsparse24.layouts.make_mesh("fsdp"))
+  for names, params in (({"mlp/up/kernel"}, _MLP_PARAMS), ({"mlp/up"}, {"params": _MLP_PARAMS})):
+    with pytest.raises(ValueError, match=r"Layout.constrain: sparse_layers names \['mlp/up"):
+      jax.jit(lambda p, names=names: place.constrain(p, names))(params)
+  def constraints(names):
+    hlo = jax.jit(lambda p: place.constrain(p, names)).lower(_MLP_PARAMS).as_text()
+    return hlo.count("sdy.sharding_constraint") + hlo.count("@Sharding")  # Shardy, GSPMD
+
+  assert constraints(set()) == 3  # every array gathered whole
+  assert constraints({"mlp/up[0]"}) == 2  # up's kernel left sharded
