@@ -475,6 +475,11 @@ def mask_update(
   def update_fn(updates, state, params=None, *, mask_rebuild: bool | None = None,
                 sparse: bool | frozenset[str] | None = None, **extra_args):
     del extra_args
+    if not isinstance(state, MaskUpdateState):
+      raise TypeError(
+          f"mask_update: `state` is a {type(state).__name__}, not this transform's"
+          f" MaskUpdateState; pass the state that its init (or the chain's) returned:"
+          f" tx.update(grads, opt_state, params).")
     if params is None:
       raise ValueError("mask_update: `update` needs `params` (tx.update(grads, state, params)).")
     if mask_rebuild is not None and not isinstance(mask_rebuild, (bool, np.bool_)):
@@ -684,9 +689,21 @@ def flip_fraction(old: Mask24, new: Mask24) -> jax.Array:
 
 
 def _kernels(masks: Mapping, params: Mapping) -> dict:
-  """`{layer path: its dense kernel in params}` over the sparse layers."""
-  return {path: dense_kernel(layer_params, path, "mask_update")
-          for path, layer_params in entries_by_path(masks, params, "mask_update").items()}
+  """`{layer path: its dense kernel in params}` over the sparse layers, each
+  of its mask's shape (else params of another model: the rebuild would fail
+  inside XLA on shapes that do not broadcast)."""
+  held = layers_by_path(masks)
+  out = {}
+  for path, layer_params in entries_by_path(masks, params, "mask_update").items():
+    kernel = dense_kernel(layer_params, path, "mask_update")
+    want = tuple(held[path]["mask"].shape)
+    if tuple(kernel.shape) != want:
+      raise ValueError(
+          f"mask_update: the kernel of layer {'/'.join(path)!r} has shape"
+          f" {tuple(kernel.shape)}, and its mask in the state is for {want}: pass the params of"
+          f" the model whose 'sparsity' collection made this state.")
+    out[path] = kernel
+  return out
 
 
 def _apart(masks: Mapping, flips: Mapping) -> dict:

@@ -499,3 +499,22 @@ def test_constrain_names_sparse_layers_that_params_lacks():
 
   assert constraints(set()) == 3  # every array gathered whole
   assert constraints({"mlp/up[0]"}) == 2  # up's kernel left sharded
+
+
+def test_mask_update_names_a_state_or_params_of_something_else():
+  """Were AttributeError: 'ScaleByAdamState' object has no attribute 'masks'
+  (another optimizer's state), and a broadcasting error inside XLA (params
+  of a model of another width)."""
+  x = jnp.ones((2, 16))
+  v = _Net(8).init(jax.random.key(0), x)
+  wider = _Net(12).init(jax.random.key(0), x)["params"]
+  tx = optim.with_masks(optax.adam(1e-3), v["sparsity"])
+  state = tx.init(v["params"])
+  grads = jax.tree.map(jnp.ones_like, v["params"])
+  tx.update(grads, state, v["params"])  # the right ones
+  with pytest.raises(TypeError, match=r"mask_update: `state` is a ScaleByAdamState, not this"
+                                      r" transform's MaskUpdateState"):
+    tx.update(grads, optax.adam(1e-3).init(v["params"]), v["params"])
+  with pytest.raises(ValueError, match=r"mask_update: the kernel of layer 'up' has shape"
+                                       r" \(16, 12\), and its mask in the state is for \(16, 8\)"):
+    tx.update(jax.tree.map(jnp.ones_like, wider), state, wider)
