@@ -214,7 +214,7 @@ class SparseLinear(nnx.Module):
     return sparse_dense_forward(
         inputs, kernel, bias,
         self.mask.get_value() if self.mask is not None else None,
-        self.active[...] if self.active is not None else None,
+        self.active.get_value() if self.active is not None else None,
         SparsityOptions.of(self), precision=self.precision,
         preferred_element_type=self.preferred_element_type,
         key=self.mvue_rngs() if self.mvue_rngs is not None else None, fn="SparseLinear")

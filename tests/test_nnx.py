@@ -167,11 +167,14 @@ def test_gradient_modes(gradient, transposable):
   np.testing.assert_allclose(dx, (dy2 @ w_masked.T).reshape(x.shape), **TOL)
 
 
-def test_inactive_runs_dense_forward_and_gradient():
+@pytest.mark.parametrize("inactive", [jnp.array(False), False], ids=["array", "python-bool"])
+def test_inactive_runs_dense_forward_and_gradient(inactive):
+  """`active` as a Python bool too, as Linen's collection takes it (was
+  TypeError: 'bool' object is not subscriptable, inside Flax)."""
   layer = _layer(seed=11, gradient="masked")
   x, dy = _x(12), _x(13, (*BATCH, OUT))
   kernel = np.asarray(layer.kernel[...])
-  layer.active.set_value(jnp.array(False))
+  layer.active.set_value(inactive)
   np.testing.assert_allclose(layer(x), _linear_with_kernel(layer, kernel)(x), **TOL)
   grads = nnx.grad(lambda m: jnp.sum(m(x) * dy))(layer)
   x2, dy2 = np.asarray(x).reshape(-1, IN), np.asarray(dy).reshape(-1, OUT)
