@@ -900,7 +900,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.error(f"--d-model {args.d_model} must be a multiple of 4 (2:4 groups) and of --heads.")
   if min(args.steps, args.batch, args.seq_len, args.eval_every, args.layers) < 1:
     p.error("--steps, --batch, --seq-len, --eval-every and --layers must be >= 1.")
+  try:  # before any run trains: e.g. a ramp that ends within the warm-up
+    mask_schedule(args)
+  except (TypeError, ValueError) as e:
+    p.error(f"--mask-warmup {args.mask_warmup}, --rebuild-every {args.rebuild_every},"
+            f" --sparsity-ramp, --steps {args.steps}: {e}")
   return args
+
+
+def mask_schedule(args) -> jsparse24.optim.MaskSchedule:
+  """The 2:4 run's schedule: dense for --mask-warmup steps, masks rebuilt
+  every --rebuild-every and frozen for the last 20% of the steps; with
+  --sparsity-ramp the layers go 2:4 along the ramp."""
+  return jsparse24.optim.MaskSchedule(
+      warmup_steps=args.mask_warmup, rebuild_every=args.rebuild_every,
+      freeze_after=max(args.mask_warmup, int(0.8 * args.steps)), ramp=args.sparsity_ramp)
 
 
 def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
@@ -936,9 +950,7 @@ def make_run(name: str, sparse: bool, args, sample, mlp_shardings: tuple = (),
                           optax.adamw(lr, b2=0.99, weight_decay=0.01))
   schedule = None
   if sparse:
-    schedule = jsparse24.optim.MaskSchedule(
-        warmup_steps=args.mask_warmup, rebuild_every=args.rebuild_every,
-        freeze_after=max(args.mask_warmup, int(0.8 * args.steps)), ramp=args.sparsity_ramp)
+    schedule = mask_schedule(args)
     tx = optax.chain(
         jsparse24.optim.mask_update(variables["sparsity"], schedule, decay=args.decay),
         optimizer)

@@ -158,10 +158,11 @@ class SparsityRamp:
       raise ValueError(
           f"SparsityRamp: need 0 <= start < end, got start={self.start}, end={self.end}"
           f" (a switch at one step is MaskSchedule(warmup_steps=...) without a ramp).")
-    if not 0.0 <= self.initial <= self.target <= 1.0:
+    if not 0.0 <= self.initial <= self.target <= 1.0 or self.target == 0.0:
       raise ValueError(
-          f"SparsityRamp: need 0 <= initial <= target <= 1 (shares of the 2:4 layers,"
-          f" growing), got initial={self.initial}, target={self.target}.")
+          f"SparsityRamp: need 0 <= initial <= target <= 1 and target > 0 (shares of the 2:4"
+          f" layers, growing; with target 0 no layer is ever 2:4), got initial={self.initial},"
+          f" target={self.target}.")
 
   def share(self, step) -> jax.Array | np.ndarray:
     """The share of 2:4 layers at `step` (float32; exactly `initial` up to
@@ -250,10 +251,28 @@ class MaskSchedule:
         raise ValueError(
             f"MaskSchedule: {name}={v} is before the end of the dense warm-up"
             f" (warmup_steps={self.warmup_steps}).")
+    # Schedules under which the run is not what their fields say: no 2:4
+    # step at all, or a ramp that the warm-up or the dense tail hides.
+    if self.dense_after is not None and self.dense_after == self.warmup_steps:
+      raise ValueError(
+          f"MaskSchedule: dense_after={self.dense_after} is where the dense warm-up ends"
+          f" (warmup_steps={self.warmup_steps}), so no step would be 2:4; make it later.")
     if self.ramp is not None and not isinstance(self.ramp, SparsityRamp):
       raise TypeError(
           f"MaskSchedule: ramp must be a SparsityRamp or None, got {type(self.ramp).__name__}"
           f" {self.ramp!r} (e.g. SparsityRamp(start=100, end=600)).")
+    if self.ramp is not None and self.ramp.end <= self.warmup_steps:
+      raise ValueError(
+          f"MaskSchedule: the ramp ends at step {self.ramp.end}, within the dense warm-up"
+          f" (warmup_steps={self.warmup_steps}): its layers would all go 2:4 at once at step"
+          f" {self.warmup_steps}; start the ramp at the warm-up's end or later, or shorten the"
+          f" warm-up.")
+    if (self.ramp is not None and self.dense_after is not None
+        and self.ramp.start >= self.dense_after):
+      raise ValueError(
+          f"MaskSchedule: the ramp starts at step {self.ramp.start}, in the dense tail"
+          f" (dense_after={self.dense_after}), so its layers would never be 2:4; start it"
+          f" earlier.")
 
   def sparse(self, step) -> jax.Array | np.ndarray:
     # int32 steps: results are strongly typed bools, so a state made by

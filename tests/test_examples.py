@@ -616,6 +616,18 @@ def test_train_lm_dense_mlp_weights_need_24_activations_alone(flags, capsys):
   assert "--mlp-weights dense leaves the 2:4 run no 2:4 weight" in capsys.readouterr().err
 
 
+def test_train_lm_refuses_a_ramp_hidden_by_the_warm_up_before_any_run(capsys):
+  """--sparsity-ramp ending within --mask-warmup (default: a tenth of the
+  steps) would make every layer 2:4 at once; refused by parse_args, not by
+  MaskSchedule after the dense run has trained."""
+  module = load_example("train_lm")
+  with pytest.raises(SystemExit):
+    module.parse_args(["--steps", "1000", "--sparsity-ramp", "0,50"])
+  assert "the ramp ends at step 50, within the dense warm-up" in capsys.readouterr().err
+  assert module.mask_schedule(module.parse_args(["--steps", "1000", "--sparsity-ramp",
+                                                 "0,101"])).ramp.end == 101
+
+
 def test_sharded_train_24_activations_alone_under_fsdp(tmp_path, capsys):
   """sharded_train with --sparse-activations --mlp-weights dense: under FSDP
   the 2:4 run has no masks and checkpoints apart from the dense run; the

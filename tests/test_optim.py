@@ -726,6 +726,7 @@ def test_schedule_phase_with_a_ramp():
     (dict(start=5, end=5), "start < end"), (dict(start=-1, end=5), "start < end"),
     (dict(start=0, end=5, initial=0.6, target=0.5), "initial <= target"),
     (dict(start=0, end=5, target=1.5), "initial <= target"),
+    (dict(start=0, end=5, target=0.0), r"target > 0 .* with target 0 no layer is ever 2:4"),
 ])
 def test_ramp_rejects_bad_values(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -1117,3 +1118,24 @@ def test_host_known_rebuilds_leave_the_conditionals_out(schedule):
     assert {2, 5} <= set(rebuilt) and 11 not in rebuilt, rebuilt  # and where the count grows
   with pytest.raises(TypeError, match="mask_update: `mask_rebuild` must be None or a Python"):
     tx.update(grads, state, params, mask_rebuild=jnp.array(True))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(warmup_steps=4, dense_after=4), r"dense_after=4 is where the dense warm-up ends .* no"
+                                          r" step would be 2:4"),
+    (dict(dense_after=0), r"dense_after=0 is where the dense warm-up ends"),
+    (dict(warmup_steps=1000, ramp=optim.SparsityRamp(0, 800)),
+     r"the ramp ends at step 800, within the dense warm-up \(warmup_steps=1000\): its layers"
+     r" would all go 2:4 at once at step 1000"),
+    (dict(dense_after=10, ramp=optim.SparsityRamp(10, 20)),
+     r"the ramp starts at step 10, in the dense tail \(dense_after=10\)"),
+])
+def test_a_schedule_whose_fields_cancel_out_is_refused(kw, match):
+  """Were accepted: runs that are never 2:4, or whose ramp is hidden by the
+  warm-up (every layer 2:4 at once where it ends) or the dense tail."""
+  with pytest.raises(ValueError, match="MaskSchedule: " + match):
+    optim.MaskSchedule(**kw)
+  # The boundaries that still mean something run.
+  optim.MaskSchedule(warmup_steps=4, dense_after=5)
+  optim.MaskSchedule(warmup_steps=800, ramp=optim.SparsityRamp(0, 801))
+  optim.MaskSchedule(dense_after=11, ramp=optim.SparsityRamp(10, 20))
