@@ -31,6 +31,7 @@ from typing import Any, Literal, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import initializers
 from jaxtyping import Array, Bool, Float, Int
 
@@ -72,6 +73,8 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
   times an even share of the group's `top_k * tokens` assignments, rounded
   up, at least 1. With `capacity_factor >= num_experts / top_k` no token is
   ever dropped."""
+  check_routing("expert_capacity", num_experts, top_k, capacity_factor)
+  _check_count("expert_capacity", "tokens", tokens)
   return max(1, math.ceil(capacity_factor * top_k * tokens / num_experts))
 
 
@@ -119,7 +122,12 @@ def route(probs: Float[Array, "G S E"], top_k: int, capacity: int) -> Routing:
   Returns:
     The `Routing`, for `dispatch` and `combine`.
   """
+  if jnp.ndim(probs) != 3:
+    raise ValueError(f"route: `probs` must be [G, S, E] (groups, tokens, experts), got shape"
+                     f" {jnp.shape(probs)}.")
   g, s, num_experts = probs.shape
+  check_routing("route", num_experts, top_k, 1.0)
+  _check_count("route", "capacity", capacity)
   gates, experts = jax.lax.top_k(probs, top_k)  # [G, S, k]
   # Rank-major order [G, k*S]: a running count per expert over the group's
   # choices is each choice's position in its expert's buffer.
@@ -212,6 +220,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def dispatch(x: Float[Array, "G S d"], routing: Routing) -> Float[Array, "E G C d"]:
   """Each expert's buffer of tokens: `out[e, g, c]` is the token of group g
   in slot c of expert e (`routing.choice`), zeros for an empty slot."""
+  _check_routed("dispatch", "x", x, routing, "G, S",
+                getattr(getattr(routing, "slot", None), "shape", ())[:2])
   return _dispatch(x, routing.slot, routing.choice)
 
 
@@ -221,7 +231,25 @@ def combine(expert_out: Float[Array, "E G C d"], routing: Routing) -> Float[Arra
   choices were all dropped), summed in float32 and returned in
   `expert_out`'s dtype. Differentiable in `expert_out` and in
   `routing.gates`."""
+  if isinstance(routing, Routing):
+    g, e, c = routing.choice.shape
+    _check_routed("combine", "expert_out", expert_out, routing, "E, G, C", (e, g, c))
+  else:
+    _check_routed("combine", "expert_out", expert_out, routing, "E, G, C", ())
   return _combine(expert_out, routing.gates, routing.slot, routing.choice)
+
+
+def _check_routed(fn: str, name: str, a: Any, routing: Any, axes: str,
+                  lead: tuple[int, ...]) -> None:
+  """`a` must be `[<axes>, d]`, its leading axes `lead` (from `routing`):
+  gathers by index take any shape and would return rows of the wrong
+  tokens, or zeros, silently."""
+  if not isinstance(routing, Routing):
+    raise TypeError(f"{fn}: `routing` must be the Routing that route returned, got"
+                    f" {type(routing).__name__} (arguments: {fn}({name}, routing)).")
+  if jnp.ndim(a) != len(lead) + 1 or tuple(jnp.shape(a)[:-1]) != tuple(lead):
+    raise ValueError(f"{fn}: `{name}` must be [{axes}, d] with ({axes}) = {tuple(lead)} as"
+                     f" routed, got shape {jnp.shape(a)}.")
 
 
 def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax.Array:
@@ -238,13 +266,24 @@ def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax
   return num_experts * jnp.mean(jnp.sum(share * prob, axis=-1))
 
 
+def _check_count(fn: str, name: str, v: Any) -> None:
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+    raise ValueError(f"{fn}: {name} must be an int >= 1, got {type(v).__name__} {v!r}.")
+
+
 def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float) -> None:
-  """The Linen and NNX `SparseMoE`'s refusal of a routing that cannot run."""
-  if not 1 <= top_k <= num_experts:
+  """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX;
+  `expert_capacity`, `route`)."""
+  _check_count(fn, "num_experts", num_experts)
+  _check_count(fn, "top_k", top_k)
+  if not top_k <= num_experts:
     raise ValueError(f"{fn}: top_k={top_k} must lie in [1, num_experts={num_experts}].")
-  if not capacity_factor > 0:
-    raise ValueError(f"{fn}: capacity_factor={capacity_factor} must be > 0"
-                     f" (1.0: an even share of the tokens per expert).")
+  if (isinstance(capacity_factor, bool)
+      or not isinstance(capacity_factor, (int, float, np.integer, np.floating))
+      or not 0 < capacity_factor < math.inf):
+    raise ValueError(f"{fn}: capacity_factor={capacity_factor!r} must be a finite number > 0"
+                     f" (1.0: an even share of the tokens per expert; num_experts / top_k or"
+                     f" more: no token is ever dropped).")
 
 
 def check_groups(fn: str, inputs: Any) -> None:

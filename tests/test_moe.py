@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import jsparse24
-from jsparse24 import optim
+from jsparse24 import moe, optim
 from jsparse24._options import SparsityOptions
 from tests.test_sharding import _collectives
 from tests.test_stacked import _all_eqns
@@ -374,3 +374,32 @@ def test_sparse_false_is_the_dense_layer_on_the_same_params():
   # ... and the 2:4 layer differs from it on the same params.
   assert not np.allclose(jax.jit(sparse.apply)({"params": params, "sparsity": v["sparsity"]}, x),
                          dense_apply(params), rtol=1e-3, atol=1e-3)
+
+
+def test_the_routing_functions_name_what_does_not_fit_the_routing():
+  """Were silent (a buffer of another capacity combined into wrong values,
+  tokens of another group size dispatched as zeros) or failed inside JAX or
+  Python (an infinite capacity_factor: OverflowError; a float capacity)."""
+  probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (2, 8, 4)))
+  routing = moe.route(probs, 2, 5)
+  x = jax.random.normal(jax.random.key(1), (2, 8, 6))
+  h = moe.dispatch(x, routing)
+  assert h.shape == (4, 2, 5, 6) and moe.combine(h, routing).shape == x.shape
+  cases = [
+      (lambda: moe.combine(h[:, :, :4], routing), ValueError,
+       r"combine: `expert_out` must be \[E, G, C, d\] with \(E, G, C\) = \(4, 2, 5\) as routed,"
+       r" got shape \(4, 2, 4, 6\)"),
+      (lambda: moe.dispatch(x[:, :6], routing), ValueError,
+       r"dispatch: `x` must be \[G, S, d\] with \(G, S\) = \(2, 8\) as routed"),
+      (lambda: moe.dispatch(routing, x), TypeError, r"dispatch: `routing` must be the Routing"),
+      (lambda: moe.route(probs[0], 2, 5), ValueError, r"route: `probs` must be \[G, S, E\]"),
+      (lambda: moe.route(probs, 2, 2.5), ValueError, r"route: capacity must be an int >= 1"),
+      (lambda: moe.route(probs, 5, 2), ValueError, r"route: top_k=5 must lie in \[1, num_experts=4\]"),
+      (lambda: moe.expert_capacity(8, 4, 2, float("inf")), ValueError,
+       r"expert_capacity: capacity_factor=inf must be a finite number > 0"),
+      (lambda: moe.expert_capacity(8, 0, 2, 1.25), ValueError,
+       r"expert_capacity: num_experts must be an int >= 1"),
+  ]
+  for call, error, match in cases:
+    with pytest.raises(error, match=match):
+      call()
