@@ -436,7 +436,10 @@ def mask_update(
     raise TypeError(
         f"mask_update: `schedule` must be a MaskSchedule, got {type(schedule).__name__}"
         f" {schedule!r} (e.g. MaskSchedule(rebuild_every={schedule!r})).")
-  template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sparsity)
+  # jnp's shape and dtype: an `active` flag written as a Python bool, as
+  # the layers take it, has neither attribute.
+  template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                          sparsity)
   if isinstance(decay, bool) or not (callable(decay) or isinstance(decay, (int, float))
                                      or (hasattr(decay, "shape") and hasattr(decay, "dtype")
                                          and jnp.ndim(decay) == 0)):

@@ -518,3 +518,14 @@ def test_mask_update_names_a_state_or_params_of_something_else():
   with pytest.raises(ValueError, match=r"mask_update: the kernel of layer 'up' has shape"
                                        r" \(16, 12\), and its mask in the state is for \(16, 8\)"):
     tx.update(jax.tree.map(jnp.ones_like, wider), state, wider)
+
+
+def test_with_masks_takes_a_collection_whose_active_flag_is_a_python_bool():
+  """The layers take `"active": False`; the mask transform failed on it
+  (AttributeError: 'bool' object has no attribute 'shape')."""
+  v = _Net(8).init(jax.random.key(0), X)
+  sparsity = {"up": {**v["sparsity"]["up"], "active": False}}
+  tx = optim.with_masks(optax.adam(1e-3), sparsity, optim.MaskSchedule(warmup_steps=2))
+  state = tx.init(v["params"])
+  _, state = tx.update(jax.tree.map(jnp.ones_like, v["params"]), state, v["params"])
+  assert not bool(optim.masks(state)["up"]["active"])  # step 1 of a 2-step warm-up
