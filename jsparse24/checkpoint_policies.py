@@ -33,12 +33,24 @@ import jax
 from jsparse24.backends._autodiff import PRODUCT as PRODUCT_NAME
 
 
+# JAX's functions that return a policy (by name: not every JAX has each).
+_FACTORIES = tuple(getattr(jax.checkpoint_policies, name) for name in (
+    "save_only_these_names", "save_any_names_but_these", "save_anything_except_these_names",
+    "save_and_offload_only_these_names", "save_from_both_policies",
+    "offload_dot_with_no_batch_dims") if hasattr(jax.checkpoint_policies, name))
+
+
 def saving_products(policy: Callable[..., bool]) -> Callable[..., bool]:
   """The remat policy that saves what `policy` saves and the output of every
   2:4 product (`sparse_dot`, `SparseDense`, `nnx.SparseLinear`)."""
   if not callable(policy):
     raise TypeError(f"saving_products: `policy` must be a jax.checkpoint policy (a callable),"
                     f" got {type(policy).__name__} {policy!r}.")
+  if policy in _FACTORIES:
+    # Callable too, so accepted, and then failed inside remat with an
+    # unexpected keyword argument.
+    raise TypeError(f"saving_products: `policy` is {policy.__name__}, which makes a policy;"
+                    f" pass the policy it returns, e.g. saving_products({policy.__name__}(...)).")
   return jax.checkpoint_policies.save_from_both_policies(
       policy, jax.checkpoint_policies.save_only_these_names(PRODUCT_NAME))
 

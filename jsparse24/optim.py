@@ -764,6 +764,12 @@ def _check_updates(updates, params, masks: Mapping) -> None:
           f" {sorted(updates)}); pass the gradients of variables['params'] alone.")
     have = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(updates)}
     want = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)}
+    if have == want:
+      raise ValueError(
+          f"mask_update: the gradients and the params hold the same leaves in containers of"
+          f" other types (gradients: {type(updates).__name__}, params:"
+          f" {type(params).__name__}, at some level); give both as dicts"
+          f" (flax.core.unfreeze) or both as FrozenDicts.")
     raise ValueError(
         f"mask_update: the gradients and the params differ in structure (missing from the"
         f" gradients: {sorted(want - have)[:5]}; not in the params: {sorted(have - want)[:5]});"

@@ -529,3 +529,16 @@ def test_with_masks_takes_a_collection_whose_active_flag_is_a_python_bool():
   state = tx.init(v["params"])
   _, state = tx.update(jax.tree.map(jnp.ones_like, v["params"]), state, v["params"])
   assert not bool(optim.masks(state)["up"]["active"])  # step 1 of a 2-step warm-up
+
+
+def test_gradients_and_params_in_containers_of_other_types_are_named():
+  """Was "the gradients and the params differ in structure (missing from the
+  gradients: []; not in the params: [])": nothing missing, no hint."""
+  import flax
+  v = _Net(8).init(jax.random.key(0), X)
+  frozen = flax.core.freeze(v["params"])
+  tx = optim.with_masks(optax.adam(1e-3), v["sparsity"])
+  with pytest.raises(ValueError, match=r"mask_update: the gradients and the params hold the same"
+                                       r" leaves in containers of other types \(gradients: dict,"
+                                       r" params: FrozenDict"):
+    tx.update(jax.tree.map(jnp.ones_like, v["params"]), tx.init(frozen), frozen)

@@ -469,6 +469,10 @@ def test_checkpoint_policies_save_what_jax_saves_on_a_dense_model():
 def test_saving_products_rejects_a_non_policy():
   with pytest.raises(TypeError, match=r"saving_products: `policy` must be a jax.checkpoint"):
     _CP.saving_products("dots")
+  # A factory of policies, not called (was accepted, then failed inside remat).
+  with pytest.raises(TypeError, match=r"saving_products: `policy` is save_only_these_names,"
+                                      r" which makes a policy; pass the policy it returns"):
+    _CP.saving_products(jax.checkpoint_policies.save_only_these_names)
 
 
 @pytest.mark.parametrize("policy, products", [
