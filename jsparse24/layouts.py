@@ -87,8 +87,9 @@ def make_mesh(layout: str, devices: Sequence[Any] | None = None,
       raise ValueError(f"make_mesh: model_devices={model_devices} applies to the layouts 'tp'"
                        f" and '2d' only (got layout={layout!r}); leave it None.")
     return Mesh(devices, ("data",))
-  model = model_devices or (devices.size if layout == "tp" else 2)
-  if model < 1 or devices.size % model:
+  model = model_devices if model_devices is not None else (devices.size if layout == "tp" else 2)
+  if isinstance(model, bool) or not isinstance(model, (int, np.integer)) or model < 1 or (
+      devices.size % model):
     raise ValueError(f"make_mesh: model_devices={model} must divide the {devices.size} devices"
                      f" (layout {layout!r}); pass a divisor of {devices.size}.")
   return Mesh(devices.reshape(-1, model), ("data", "model"))

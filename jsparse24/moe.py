@@ -271,10 +271,13 @@ def _check_count(fn: str, name: str, v: Any) -> None:
     raise ValueError(f"{fn}: {name} must be an int >= 1, got {type(v).__name__} {v!r}.")
 
 
-def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float) -> None:
-  """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX;
-  `expert_capacity`, `route`)."""
+def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float,
+                  hidden: int | None = None) -> None:
+  """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX,
+  with their experts' `hidden` width; `expert_capacity`, `route`)."""
   _check_count(fn, "num_experts", num_experts)
+  if hidden is not None:
+    _check_count(fn, "hidden", hidden)
   _check_count(fn, "top_k", top_k)
   if not top_k <= num_experts:
     raise ValueError(f"{fn}: top_k={top_k} must lie in [1, num_experts={num_experts}].")
@@ -387,7 +390,7 @@ class SparseMoE(nn.Module):
   def __call__(self, inputs: Float[Array, "... S d"]) -> Float[Array, "... S d"]:
     fn = f"SparseMoE {'/'.join(self.path)!r}" if self.path else "SparseMoE"
     check_groups(fn, inputs)
-    check_routing(fn, self.num_experts, self.top_k, self.capacity_factor)
+    check_routing(fn, self.num_experts, self.top_k, self.capacity_factor, self.hidden)
     options = SparsityOptions.checked(
         fn, gradient=self.gradient, transposable=self.transposable,
         implementation=self.implementation, mask_source=self.mask_source,

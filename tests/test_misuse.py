@@ -542,3 +542,19 @@ def test_gradients_and_params_in_containers_of_other_types_are_named():
                                        r" leaves in containers of other types \(gradients: dict,"
                                        r" params: FrozenDict"):
     tx.update(jax.tree.map(jnp.ones_like, v["params"]), tx.init(frozen), frozen)
+
+
+def test_zero_or_fractional_sizes_are_named():
+  """Were silent (make_mesh's model_devices=0 took every device) or failed
+  inside JAX (a width of 0: ZeroDivisionError in the initializer; 32.0:
+  "Shapes must be 1D sequences of concrete values of integer type")."""
+  with pytest.raises(ValueError, match=r"make_mesh: model_devices=0 must divide the 8 devices"):
+    jsparse24.layouts.make_mesh("tp", model_devices=0)
+  x = jnp.ones((1, 4, 8))
+  for hidden in (0, 32.0):
+    with pytest.raises(ValueError, match=r"SparseMoE: hidden must be an int >= 1"):
+      jsparse24.SparseMoE(num_experts=4, hidden=hidden).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"nnx.SparseMoE: hidden must be an int >= 1"):
+      jnnx.SparseMoE(8, num_experts=4, hidden=hidden, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"SparseMoE: num_experts must be an int >= 1, got float"):
+    jsparse24.SparseMoE(num_experts=4.0, hidden=16).init(jax.random.key(0), x)
