@@ -220,8 +220,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def dispatch(x: Float[Array, "G S d"], routing: Routing) -> Float[Array, "E G C d"]:
   """Each expert's buffer of tokens: `out[e, g, c]` is the token of group g
   in slot c of expert e (`routing.choice`), zeros for an empty slot."""
-  _check_routed("dispatch", "x", x, routing, "G, S",
-                getattr(getattr(routing, "slot", None), "shape", ())[:2])
+  _check_routed("dispatch", "x", x, routing, "G, S", lambda r: r.slot.shape[:2])
   return _dispatch(x, routing.slot, routing.choice)
 
 
@@ -231,22 +230,20 @@ def combine(expert_out: Float[Array, "E G C d"], routing: Routing) -> Float[Arra
   choices were all dropped), summed in float32 and returned in
   `expert_out`'s dtype. Differentiable in `expert_out` and in
   `routing.gates`."""
-  if isinstance(routing, Routing):
-    g, e, c = routing.choice.shape
-    _check_routed("combine", "expert_out", expert_out, routing, "E, G, C", (e, g, c))
-  else:
-    _check_routed("combine", "expert_out", expert_out, routing, "E, G, C", ())
+  _check_routed("combine", "expert_out", expert_out, routing, "E, G, C",  # choice: [G, E, C]
+                lambda r: (r.choice.shape[1], r.choice.shape[0], r.choice.shape[2]))
   return _combine(expert_out, routing.gates, routing.slot, routing.choice)
 
 
 def _check_routed(fn: str, name: str, a: Any, routing: Any, axes: str,
-                  lead: tuple[int, ...]) -> None:
-  """`a` must be `[<axes>, d]`, its leading axes `lead` (from `routing`):
-  gathers by index take any shape and would return rows of the wrong
-  tokens, or zeros, silently."""
+                  lead_of: Callable[[Routing], tuple[int, ...]]) -> None:
+  """`a` must be `[<axes>, d]`, its leading axes `lead_of(routing)`: gathers
+  by index take any shape and would return rows of the wrong tokens, or
+  zeros, silently."""
   if not isinstance(routing, Routing):
     raise TypeError(f"{fn}: `routing` must be the Routing that route returned, got"
                     f" {type(routing).__name__} (arguments: {fn}({name}, routing)).")
+  lead = tuple(int(size) for size in lead_of(routing))
   if jnp.ndim(a) != len(lead) + 1 or tuple(jnp.shape(a)[:-1]) != tuple(lead):
     raise ValueError(f"{fn}: `{name}` must be [{axes}, d] with ({axes}) = {tuple(lead)} as"
                      f" routed, got shape {jnp.shape(a)}.")
