@@ -182,6 +182,7 @@ class SparsityRamp:
     non-decreasing in `step`). A traced step reads a table that the host
     computed with the host's arithmetic, so that the device's count and the
     host's (`MaskSchedule.phase`) never differ by a rounding."""
+    _check_layers("SparsityRamp.count", layers)
     if _namespace(step) is np:
       return self._host_count(np.asarray(step), layers)
     table = jnp.asarray(self._host_count(np.arange(self.start, self.end + 1), layers))
@@ -190,6 +191,14 @@ class SparsityRamp:
   def _host_count(self, steps: np.ndarray, layers: int) -> np.ndarray:
     share = self.share(steps).astype(np.float64)
     return np.floor(share * layers + 0.5).astype(np.int32)
+
+
+def _check_layers(fn: str, layers: Any) -> None:
+  """A count of layers is a host int >= 0 (a float was truncated, a negative
+  count returned negative counts)."""
+  if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 0:
+    raise ValueError(f"{fn}: `layers` must be an int >= 0 (the model's 2:4 layers, each layer of"
+                     f" a stack counted), got {type(layers).__name__} {layers!r}.")
 
 
 def _check_host_step(fn: str, step: Any) -> None:
@@ -318,6 +327,7 @@ class MaskSchedule:
     of True flags that `mask_update` holds for step `step`, since a layer
     enters 2:4 only where this count grows and leaves only where
     `sparse(step)` ends. Host steps are answered on the host (`_namespace`)."""
+    _check_layers("MaskSchedule.sparse_count", layers)
     xp = _namespace(step)
     full = layers if self.ramp is None else self.ramp.count(step, layers)
     return xp.where(self.sparse(step), full, 0).astype(xp.int32)

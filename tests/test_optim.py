@@ -735,6 +735,11 @@ def test_ramp_rejects_bad_values(kw, match):
     optim.SparsityRamp(start=0, end=5.0)
   with pytest.raises(TypeError, match="MaskSchedule: ramp must be a SparsityRamp"):
     optim.MaskSchedule(ramp=(0, 5))
+  # Counts of layers (were truncated, or negative counts came back).
+  with pytest.raises(ValueError, match=r"SparsityRamp.count: `layers` must be an int >= 0"):
+    optim.SparsityRamp(0, 5).count(3, 4.5)
+  with pytest.raises(ValueError, match=r"MaskSchedule.sparse_count: `layers` must be an int >= 0"):
+    optim.MaskSchedule().sparse_count(3, -2)
 
 
 def near_24(w, transposable: bool, eps: float = 1e-3):
