@@ -268,13 +268,20 @@ def _check_count(fn: str, name: str, v: Any) -> None:
     raise ValueError(f"{fn}: {name} must be an int >= 1, got {type(v).__name__} {v!r}.")
 
 
-def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float,
-                  hidden: int | None = None) -> None:
-  """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX,
-  with their experts' `hidden` width; `expert_capacity`, `route`)."""
+def check_experts(fn: str, hidden: Any, activation: Any) -> None:
+  """The Linen and NNX `SparseMoE`'s refusal of experts that cannot be built
+  (a width of 0 or 32.0 failed inside JAX's initializer, a string
+  activation at the first call)."""
+  _check_count(fn, "hidden", hidden)
+  if not callable(activation):
+    raise TypeError(f"{fn}: activation must be a function (e.g. jax.nn.gelu), got"
+                    f" {type(activation).__name__} {activation!r}.")
+
+
+def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float) -> None:
+  """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX;
+  `expert_capacity`, `route`)."""
   _check_count(fn, "num_experts", num_experts)
-  if hidden is not None:
-    _check_count(fn, "hidden", hidden)
   _check_count(fn, "top_k", top_k)
   if not top_k <= num_experts:
     raise ValueError(f"{fn}: top_k={top_k} must lie in [1, num_experts={num_experts}].")
@@ -387,7 +394,8 @@ class SparseMoE(nn.Module):
   def __call__(self, inputs: Float[Array, "... S d"]) -> Float[Array, "... S d"]:
     fn = f"SparseMoE {'/'.join(self.path)!r}" if self.path else "SparseMoE"
     check_groups(fn, inputs)
-    check_routing(fn, self.num_experts, self.top_k, self.capacity_factor, self.hidden)
+    check_routing(fn, self.num_experts, self.top_k, self.capacity_factor)
+    check_experts(fn, self.hidden, self.activation)
     options = SparsityOptions.checked(
         fn, gradient=self.gradient, transposable=self.transposable,
         implementation=self.implementation, mask_source=self.mask_source,

@@ -558,3 +558,7 @@ def test_zero_or_fractional_sizes_are_named():
       jnnx.SparseMoE(8, num_experts=4, hidden=hidden, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"SparseMoE: num_experts must be an int >= 1, got float"):
     jsparse24.SparseMoE(num_experts=4.0, hidden=16).init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match=r"SparseMoE: activation must be a function"):
+    jsparse24.SparseMoE(num_experts=4, hidden=16, activation="gelu").init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match=r"nnx.SparseMoE: activation must be a function"):
+    jnnx.SparseMoE(8, num_experts=4, hidden=16, activation="gelu", rngs=nnx.Rngs(0))
