@@ -462,7 +462,7 @@ def mask_update(
     raise ValueError(
         f"mask_update: `decay` must be >= 0 and finite, got {decay!r}: SR-STE's decay pulls"
         f" the pruned weights toward 0, a negative one would push them away, an infinite one"
-        f" make their updates infinite.")
+        f" makes their updates infinite.")
   decay_fn = decay if callable(decay) else (lambda _: decay)
   # A traced decay (optax.inject_hyperparams under jit) cannot be compared
   # with 0 here; it is applied, adding nothing where it is 0.
