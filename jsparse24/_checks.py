@@ -72,6 +72,15 @@ def check_nonempty(fn: str, name: str, shape: tuple[int, ...], axes: tuple[int, 
           f" at least one group of 4 along each axis (shape {tuple(shape)}).")
 
 
+def check_count(fn: str, name: str, v: Any, minimum: int = 1, what: str = "") -> None:
+  """Raises unless `v` is a Python or NumPy int (not a bool) >= `minimum`:
+  a float or 0 where a count goes fails later inside JAX or Python, or
+  truncates."""
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+    raise ValueError(f"{fn}: {name} must be an int >= {minimum}{what}, got"
+                     f" {type(v).__name__} {v!r}.")
+
+
 def normalize_axis(fn: str, name: str, axis: int, ndim: int) -> int:
   if not -ndim <= axis < ndim:
     raise ValueError(

@@ -35,6 +35,7 @@ import numpy as np
 from flax.linen import initializers
 from jaxtyping import Array, Bool, Float, Int
 
+from jsparse24 import _checks
 from jsparse24._options import SparsityOptions
 from jsparse24.linen import COLLECTION, MVUE_RNG, SparseDense
 
@@ -74,7 +75,7 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
   up, at least 1. With `capacity_factor >= num_experts / top_k` no token is
   ever dropped."""
   check_routing("expert_capacity", num_experts, top_k, capacity_factor)
-  _check_count("expert_capacity", "tokens", tokens)
+  _checks.check_count("expert_capacity", "tokens", tokens)
   return max(1, math.ceil(capacity_factor * top_k * tokens / num_experts))
 
 
@@ -127,7 +128,7 @@ def route(probs: Float[Array, "G S E"], top_k: int, capacity: int) -> Routing:
                      f" {jnp.shape(probs)}.")
   g, s, num_experts = probs.shape
   check_routing("route", num_experts, top_k, 1.0)
-  _check_count("route", "capacity", capacity)
+  _checks.check_count("route", "capacity", capacity)
   gates, experts = jax.lax.top_k(probs, top_k)  # [G, S, k]
   # Rank-major order [G, k*S]: a running count per expert over the group's
   # choices is each choice's position in its expert's buffer.
@@ -263,16 +264,11 @@ def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax
   return num_experts * jnp.mean(jnp.sum(share * prob, axis=-1))
 
 
-def _check_count(fn: str, name: str, v: Any) -> None:
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-    raise ValueError(f"{fn}: {name} must be an int >= 1, got {type(v).__name__} {v!r}.")
-
-
 def check_experts(fn: str, hidden: Any, activation: Any) -> None:
   """The Linen and NNX `SparseMoE`'s refusal of experts that cannot be built
   (a width of 0 or 32.0 failed inside JAX's initializer, a string
   activation at the first call)."""
-  _check_count(fn, "hidden", hidden)
+  _checks.check_count(fn, "hidden", hidden)
   if not callable(activation):
     raise TypeError(f"{fn}: activation must be a function (e.g. jax.nn.gelu), got"
                     f" {type(activation).__name__} {activation!r}.")
@@ -281,8 +277,8 @@ def check_experts(fn: str, hidden: Any, activation: Any) -> None:
 def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float) -> None:
   """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX;
   `expert_capacity`, `route`)."""
-  _check_count(fn, "num_experts", num_experts)
-  _check_count(fn, "top_k", top_k)
+  _checks.check_count(fn, "num_experts", num_experts)
+  _checks.check_count(fn, "top_k", top_k)
   if not top_k <= num_experts:
     raise ValueError(f"{fn}: top_k={top_k} must lie in [1, num_experts={num_experts}].")
   if (isinstance(capacity_factor, bool)

@@ -194,11 +194,10 @@ class SparsityRamp:
 
 
 def _check_layers(fn: str, layers: Any) -> None:
-  """A count of layers is a host int >= 0 (a float was truncated, a negative
-  count returned negative counts)."""
-  if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 0:
-    raise ValueError(f"{fn}: `layers` must be an int >= 0 (the model's 2:4 layers, each layer of"
-                     f" a stack counted), got {type(layers).__name__} {layers!r}.")
+  """A count of layers (a float was truncated, a negative count gave
+  negative counts)."""
+  _checks.check_count(fn, "`layers`", layers, 0,
+                      " (the model's 2:4 layers, each layer of a stack counted)")
 
 
 def _check_host_step(fn: str, step: Any) -> None:
