@@ -105,6 +105,12 @@ def _keys(path) -> tuple[str, ...]:
   return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
+def _kernel_paths(tree) -> list:
+  """The key paths of `tree`'s leaves named "kernel"."""
+  return [path for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+          if _keys(path)[-1:] == ("kernel",)]
+
+
 def _trailing(spec: P, ndim: int) -> P:
   """`spec` of a `[K, N]` kernel on the trailing axes of an `ndim` array
   (a stack of kernels keeps its stack axes whole)."""
@@ -214,8 +220,7 @@ class Layout:
     (a typo, `.../kernel` in the rule) would leave its layers replicated."""
     shardings = jax.tree_util.tree_map_with_path(self.state_sharding, tree)
     if self.name in ("tp", "2d"):
-      kernels = [path for path, _ in jax.tree_util.tree_leaves_with_path(tree)
-                 if _keys(path)[-1:] == ("kernel",)]
+      kernels = _kernel_paths(tree)
       used = {self._rule(path) for path in kernels}
       unused = [rule for i, (rule, _) in enumerate(self.tensor_parallel) if i not in used]
       if kernels and unused:
@@ -251,8 +256,7 @@ class Layout:
     # `optim.sparse_layers` ("blocks/up[0]"): its stacked kernel is the one
     # array of all of them.
     named = {re.sub(r"\[\d+\]$", "", name) for name in sparse_layers}
-    layers = {"/".join(_keys(path)[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(params)
-              if _keys(path)[-1:] == ("kernel",)}
+    layers = {"/".join(_keys(path)[:-1]) for path in _kernel_paths(params)}
     if named - layers:
       raise ValueError(
           f"Layout.constrain: sparse_layers names {sorted(named - layers)}, which `params` has no"
