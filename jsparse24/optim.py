@@ -179,18 +179,37 @@ class SparsityRamp:
 
   def count(self, step, layers: int) -> jax.Array | np.ndarray:
     """How many of `layers` 2:4 layers are sparse at `step` (int32,
-    non-decreasing in `step`). A traced step reads a table that the host
-    computed with the host's arithmetic, so that the device's count and the
-    host's (`MaskSchedule.phase`) never differ by a rounding."""
+    non-decreasing in `step`). A traced step is compared with the first step
+    of each count (`_first_steps`), which the host found with the host's
+    arithmetic, so that the device's count and the host's
+    (`MaskSchedule.phase`) never differ by a rounding."""
     _check_layers("SparsityRamp.count", layers)
     if _namespace(step) is np:
       return self._host_count(np.asarray(step), layers)
-    table = jnp.asarray(self._host_count(np.arange(self.start, self.end + 1), layers))
-    return table[jnp.clip(jnp.asarray(step, jnp.int32) - self.start, 0, self.end - self.start)]
+    base, firsts = self._first_steps(layers)
+    step = jnp.asarray(step, jnp.int32)
+    return base + jnp.sum(step[..., None] >= jnp.asarray(firsts), axis=-1, dtype=jnp.int32)
 
   def _host_count(self, steps: np.ndarray, layers: int) -> np.ndarray:
     share = self.share(steps).astype(np.float64)
     return np.floor(share * layers + 0.5).astype(np.int32)
+
+  def _first_steps(self, layers: int) -> tuple[int, np.ndarray]:
+    """The count up to `start`, and for each count above it up to the
+    target's, the first step that has it: `layers` + 1 numbers at most,
+    however long the ramp (a table of every step's count was `end - start +
+    1` entries in the program, gigabytes for a ramp of 10**8 steps). The host
+    count is non-decreasing in the step, so a bisection per count finds its
+    first step: all counts at once, about log2(end - start) host passes."""
+    base = int(self._host_count(np.asarray(self.start), layers))
+    want = np.arange(base + 1, int(self._host_count(np.asarray(self.end), layers)) + 1)
+    lo = np.full(want.shape, self.start, np.int64)  # count(lo) < want
+    hi = np.full(want.shape, self.end, np.int64)  # count(hi) >= want
+    while np.any(hi - lo > 1):
+      mid = (lo + hi) // 2
+      reached = self._host_count(mid, layers) >= want
+      hi, lo = np.where(reached, mid, hi), np.where(reached, lo, mid)
+    return base, hi.astype(np.int32)
 
 
 def _check_layers(fn: str, layers: Any) -> None:

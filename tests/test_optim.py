@@ -701,11 +701,33 @@ def test_ramp_share_and_count_follow_the_cosine():
     assert c[0] == round(0.25 * n) and c[-1] == n  # reaches the target: every layer
     assert all(a <= b for a, b in zip(c, c[1:]))  # monotone
   assert counts[7] == [2, 2, 2, 2, 3, 3, 4, 5, 6, 7, 7, 7, 7, 7]
-  # Traced steps read the host's table: the same counts, exactly.
+  # Traced steps compare with the host's first step of each count: the same
+  # counts, exactly.
   traced = jax.jit(jax.vmap(lambda i: ramp.count(i, 7)))(jnp.arange(-3, 20))
   np.testing.assert_array_equal(traced, [2] * 3 + counts[7] + [7] * 6)
   half = optim.SparsityRamp(start=0, end=4, target=0.5)
   assert [int(half.count(i, 6)) for i in range(6)] == [0, 0, 2, 3, 3, 3]
+
+
+def test_a_traced_ramp_count_holds_a_number_per_layer_however_long_the_ramp():
+  """A traced step's count reads `layers` + 1 numbers at most: a table of
+  every step's count put `end - start + 1` of them in the program (10**6
+  here; 5 GB and 9 s for a ramp of 10**8 steps). The counts are still the
+  host's, at every step where one changes and around it."""
+  ramp = optim.SparsityRamp(start=1_000, end=1_001_000, initial=0.1, target=0.9)
+  closed = jax.make_jaxpr(lambda i: ramp.count(i, 12))(0)
+  sizes = [np.size(c) for c in closed.consts] + [
+      v.aval.size for e in closed.jaxpr.eqns for v in e.invars if hasattr(v, "val")]
+  assert max(sizes, default=0) <= 13, sizes
+  host = np.array([ramp.count(int(i), 12) for i in range(0, 1_002_000, 997)])
+  changes = [0, 999, 1_000, 1_001, 1_000_999, 1_001_000, 1_001_001]
+  for first in ramp._first_steps(12)[1]:
+    changes += [int(first) - 1, int(first)]
+  steps = np.concatenate([np.arange(0, 1_002_000, 997), changes])
+  want = np.array([ramp.count(int(i), 12) for i in steps])
+  traced = jax.jit(jax.vmap(lambda i: ramp.count(i, 12)))(jnp.asarray(steps))
+  np.testing.assert_array_equal(traced, want)
+  assert host[0] == 1 and host[-1] == 11 and np.all(np.diff(host) >= 0)
 
 
 def test_schedule_phase_with_a_ramp():
