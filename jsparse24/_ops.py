@@ -91,7 +91,7 @@ def sparse_dot(
       `"cusparselt"` as the sparse operand (an approximation of `dw`; the
       forward unchanged).
     key: a PRNG key, required with `weight_grad="mvue"` (the same key gives
-      the same `dw`, bit for bit).
+      the same `dw`, bit for bit), refused otherwise.
     weight_sharding: tensor parallelism under `jax.jit` on a mesh: a
       `NamedSharding` of the `[K, N]` weight, e.g. `P(None, "model")`
       (column-parallel: y comes out sharded on N) or `P("model", None)`
@@ -146,6 +146,12 @@ def sparse_dot(
                                  grad_output=grad_output,
                                  mask_source=("collection" if (input_sparsity, grad_output)
                                               == ("off", "dense") else "none"))
+  if key is not None and weight_grad != "mvue":
+    # Ignoring it would hand a user who forgot weight_grad="mvue" the dense
+    # weight gradient they meant to replace.
+    raise ValueError(f"{fn}: `key` is drawn from only with weight_grad='mvue', got"
+                     f" weight_grad={weight_grad!r}: pass weight_grad='mvue' for the MVUE"
+                     f" weight gradient, or drop `key`.")
   return _dot(fn, x, w, mask, None, opts, precision=precision, key=key)
 
 

@@ -360,6 +360,11 @@ def test_bad_arguments_are_named():
     jsparse24.sparse_dot(x, w, weight_grad="sparse")
   with pytest.raises(ValueError, match=r"sparse_dot: weight_grad='mvue' needs a dense `w`"):
     jsparse24.sparse_dot(x, jsparse24.compress(w), weight_grad="mvue", key=jax.random.key(0))
+  # A key without weight_grad="mvue" was ignored: the dense weight gradient.
+  for weight_grad, kw in (("dense", {}), ("2:4", dict(input_sparsity="masked"))):
+    with pytest.raises(ValueError, match=r"sparse_dot: `key` is drawn from only with"
+                       rf" weight_grad='mvue', got weight_grad='{weight_grad}'"):
+      jsparse24.sparse_dot(x, w, weight_grad=weight_grad, key=jax.random.key(0), **kw)
 
 
 def test_scanned_layers_with_a_split_stream():
