@@ -127,7 +127,7 @@ def route(probs: Float[Array, "G S E"], top_k: int, capacity: int) -> Routing:
     raise ValueError(f"route: `probs` must be [G, S, E] (groups, tokens, experts), got shape"
                      f" {jnp.shape(probs)}.")
   g, s, num_experts = probs.shape
-  check_routing("route", num_experts, top_k, 1.0)
+  _check_choices("route", num_experts, top_k)
   _checks.check_count("route", "capacity", capacity)
   gates, experts = jax.lax.top_k(probs, top_k)  # [G, S, k]
   # Rank-major order [G, k*S]: a running count per expert over the group's
@@ -274,13 +274,19 @@ def check_experts(fn: str, hidden: Any, activation: Any) -> None:
                     f" {type(activation).__name__} {activation!r}.")
 
 
-def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float) -> None:
-  """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX;
-  `expert_capacity`, `route`)."""
+def _check_choices(fn: str, num_experts: int, top_k: int) -> None:
+  """The refusal of `top_k` choices among `num_experts` that cannot be made
+  (`route`, which is given its capacity; `check_routing`)."""
   _checks.check_count(fn, "num_experts", num_experts)
   _checks.check_count(fn, "top_k", top_k)
   if not top_k <= num_experts:
     raise ValueError(f"{fn}: top_k={top_k} must lie in [1, num_experts={num_experts}].")
+
+
+def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float) -> None:
+  """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX;
+  `expert_capacity`)."""
+  _check_choices(fn, num_experts, top_k)
   if (isinstance(capacity_factor, bool)
       or not isinstance(capacity_factor, (int, float, np.integer, np.floating))
       or not 0 < capacity_factor < math.inf):
