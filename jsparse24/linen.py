@@ -319,11 +319,27 @@ def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
   forward, with the kept values promoted as nn.Dense promotes its kernel
   (they compute in that dtype) and no MVUE key (a Sparse24's gradient is
   that of its kept values), as `nnx.SparseLinear`'s compressed product."""
-  bias = module.get_variable("params", "bias") if module.use_bias else None
+  name = _layer_name(module)
+  if sp.shape[-1] != module.features:
+    raise ValueError(
+        f"{name}: its compressed kernel (a Sparse24) has {sp.shape[-1]} outputs (dense"
+        f" shape {sp.shape}), but the layer has features={module.features}: the params"
+        f" were compressed from another model.")
+  bias = None
+  if module.use_bias:
+    if not module.has_variable("params", "bias"):
+      raise ValueError(
+          f"{name}: use_bias=True, but the params hold a compressed kernel and no 'bias'"
+          f" (compress_params keeps the bias beside the Sparse24: pass the whole params).")
+    bias = module.get_variable("params", "bias")
+    if jnp.shape(bias) != (module.features,):
+      raise ValueError(
+          f"{name}: its 'bias' has shape {jnp.shape(bias)}, want ({module.features},)"
+          f" (features) beside its compressed kernel.")
   inputs, values, bias = module.promote_dtype(inputs, sp.values, bias, dtype=module.dtype)
   return sparse_dense_forward(inputs, sp.astype(values.dtype), bias, None, None,
                               dataclasses.replace(opts, weight_grad="dense"),
-                              precision=module.precision, fn=_layer_name(module))
+                              precision=module.precision, fn=name)
 
 
 class SparseDense(nn.Module):

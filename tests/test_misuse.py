@@ -562,3 +562,25 @@ def test_zero_or_fractional_sizes_are_named():
     jsparse24.SparseMoE(num_experts=4, hidden=16, activation="gelu").init(jax.random.key(0), x)
   with pytest.raises(TypeError, match=r"nnx.SparseMoE: activation must be a function"):
     jnnx.SparseMoE(8, num_experts=4, hidden=16, activation="gelu", rngs=nnx.Rngs(0))
+
+
+def test_compressed_params_of_another_width_or_without_their_bias_are_named():
+  """A layer on compressed params (`compress_params`) ran with a kernel of
+  another width (the output was the kernel's width, not `features`),
+  dropped a missing bias, broadcast a bias of one element and failed inside
+  JAX on one of another length. `nn.Dense` refuses each on dense params."""
+  x = jnp.ones((4, 16))
+  variables = _Net().init(jax.random.key(0), x)
+  params = jsparse24.compress_params(variables["params"], variables["sparsity"])
+  up = params["up"]
+  with pytest.raises(ValueError, match=r"SparseDense 'up': its compressed kernel \(a Sparse24\)"
+                     r" has 8 outputs .* features=4: the params were compressed from another"):
+    _Net(features=4).apply({"params": params}, x)
+  with pytest.raises(ValueError, match=r"SparseDense 'up': use_bias=True, but the params hold"
+                     r" a compressed kernel and no 'bias'"):
+    _Net().apply({"params": {"up": {"kernel": up["kernel"]}}}, x)
+  for bias in (jnp.ones(1), jnp.ones(3)):
+    with pytest.raises(ValueError, match=r"SparseDense 'up': its 'bias' has shape \(\d,\),"
+                       r" want \(8,\)"):
+      _Net().apply({"params": {"up": {**up, "bias": bias}}}, x)
+  assert _Net().apply({"params": params}, x).shape == (4, 8)
