@@ -27,7 +27,7 @@ import numpy as np
 from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
-from jsparse24._format import Mask24, Sparse24
+from jsparse24._format import Mask24, Sparse24, check_sparse24
 from jsparse24._layer import compresses, sparse_dense_forward
 from jsparse24._ops import compress, cusparselt_layout_unfit
 from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
@@ -320,6 +320,7 @@ def _compressed_layer(module, inputs, sp: Sparse24, opts: SparsityOptions):
   (they compute in that dtype) and no MVUE key (a Sparse24's gradient is
   that of its kept values), as `nnx.SparseLinear`'s compressed product."""
   name = _layer_name(module)
+  check_sparse24(name, "kernel", sp)  # before its shape is read
   if sp.shape[-1] != module.features:
     raise ValueError(
         f"{name}: its compressed kernel (a Sparse24) has {sp.shape[-1]} outputs (dense"
