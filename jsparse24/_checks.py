@@ -81,6 +81,14 @@ def check_count(fn: str, name: str, v: Any, minimum: int = 1, what: str = "") ->
                      f" {type(v).__name__} {v!r}.")
 
 
+def check_flag(fn: str, name: str, v: Any, none: str = "") -> None:
+  """Raises unless `v` is a bool (or None, where `none` says what None
+  means): any string is true, so `transposable="False"` was taken as True."""
+  if not (isinstance(v, (bool, np.bool_)) or (none and v is None)):
+    options = f"True, False or None ({none})" if none else "True or False"
+    raise TypeError(f"{fn}: {name} must be {options}, got {type(v).__name__} {v!r}.")
+
+
 def normalize_axis(fn: str, name: str, axis: int, ndim: int) -> int:
   if not -ndim <= axis < ndim:
     raise ValueError(

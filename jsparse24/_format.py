@@ -305,6 +305,7 @@ class Mask24:
   def pack(cls, mask: Bool[Array, "... K N"], *, transposable: bool = False) -> "Mask24":
     """Packs a dense bool 2:4 mask (along axis -2)."""
     fn = "Mask24.pack"
+    _checks.check_flag(fn, "transposable", transposable)
     mask = jnp.asarray(mask)
     _checks.check_mask_dtype(fn, mask)
     _checks.check_kn(fn, "mask", mask.shape)
@@ -341,6 +342,7 @@ class Mask24:
     "prune+compress 16384x16384 bf16"); elsewhere, and for plain masks, from
     one compiled XLA program."""
     fn = "Mask24.from_weights"
+    _checks.check_flag(fn, "transposable", transposable)
     _checks.check_float(fn, "w", w)
     w = jnp.asarray(w)
     _checks.check_kn(fn, "w", w.shape)

@@ -425,6 +425,8 @@ def compress(
     A `Sparse24` with `decompress(compress(w, m)) == w * m` exactly.
   """
   fn = "compress"
+  _checks.check_flag(fn, "transposed", transposed)
+  _checks.check_flag(fn, "cusparselt", cusparselt)
   _checks.check_float(fn, "w", w)
   w = jnp.asarray(w)
   _checks.check_kn(fn, "w", w.shape)

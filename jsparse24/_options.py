@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from jsparse24 import _checks
+
 GRADIENT_MODES = ("ste", "masked")
 WEIGHT_GRADS = ("dense", "mvue", "2:4")
 MASK_SOURCES = ("collection", "dynamic", "none")
@@ -115,6 +117,8 @@ class SparsityOptions:
     # here, not at the top: the backends import this module (`_input_sparse`).
     from jsparse24.backends import check_name
     check_name(self.implementation)
+    _checks.check_flag("SparsityOptions", "transposable", self.transposable,
+                       none="transposable wherever the output width is a multiple of 4")
     self._check_dense_kernel()
 
   @property
@@ -173,8 +177,9 @@ class SparsityOptions:
     """`SparsityOptions(**options)`, an error naming the caller `fn`."""
     try:
       return cls(**options)
-    except ValueError as e:
-      raise ValueError(f"{fn}: {e}") from None
+    except (ValueError, TypeError) as e:
+      message = str(e).removeprefix("SparsityOptions: ")
+      raise type(e)(f"{fn}: {message}") from None
 
   @classmethod
   def of(cls, obj: Any) -> SparsityOptions:

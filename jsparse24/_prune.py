@@ -155,6 +155,7 @@ def prune_24(
            [1, 0, 1, 0]], dtype=int32)
   """
   fn = "prune_24"
+  _checks.check_flag(fn, "transposable", transposable)
   _checks.check_float(fn, "w", w)
   w = jnp.asarray(w)
   if w.ndim == 0:

@@ -584,3 +584,28 @@ def test_compressed_params_of_another_width_or_without_their_bias_are_named():
                        r" want \(8,\)"):
       _Net().apply({"params": {"up": {**up, "bias": bias}}}, x)
   assert _Net().apply({"params": params}, x).shape == (4, 8)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda w, x: jsparse24.prune_24(w, transposable="no"), r"prune_24: transposable"),
+    (lambda w, x: jsparse24.Mask24.from_weights(w, transposable="no"),
+     r"Mask24.from_weights: transposable"),
+    (lambda w, x: jsparse24.Mask24.pack(jsparse24.prune_24(w), transposable=1),
+     r"Mask24.pack: transposable"),
+    (lambda w, x: jsparse24.compress(w, cusparselt="no"), r"compress: cusparselt"),
+    (lambda w, x: jsparse24.compress(w, transposed="no"), r"compress: transposed"),
+    (lambda w, x: jsparse24.sparse_dot(x, w, transposable="False"),
+     r"sparse_dot: transposable must be True, False or None \(transposable wherever"),
+    (lambda w, x: jsparse24.SparseDense(16, transposable="False").init(jax.random.key(0), x),
+     r"SparseDense: transposable must be True, False or None"),
+    (lambda w, x: jsparse24.sparsify(nn.Dense(16), {".*": {"transposable": "False"}}).init(
+        jax.random.key(0), x), r"sparsify: rule '\.\*': transposable must be True"),
+    (lambda w, x: jnnx.SparseLinear(16, 16, transposable="False", rngs=nnx.Rngs(0)),
+     r"SparseLinear: transposable must be True"),
+])
+def test_a_flag_given_as_a_string_is_refused(call, match):
+  """Any string is true: `transposable="False"` built transposable masks and
+  `cusparselt="no"` laid a weight out for cuSPARSELt."""
+  w = jax.random.normal(jax.random.key(1), (16, 16))
+  with pytest.raises(TypeError, match=match + r".*got (str|int) '?(no|False|1)'?\."):
+    call(w, X)
