@@ -495,13 +495,8 @@ class Sparsified:
     if all(any(p.fullmatch(s) for s in known) for p, _ in self.rules):
       return
     if isinstance(variables, Mapping):
-      for collection in ("params", COLLECTION):
-        tree = variables.get(collection)
-        if isinstance(tree, Mapping):
-          known.update("/".join(map(str, _path_keys(path[:-1])))
-                       for path, _ in jax.tree_util.tree_leaves_with_path(
-                           tree, is_leaf=lambda x: isinstance(x, (Mask24, Sparse24)))
-                       if _path_keys(path[-1:]) in (("kernel",), ("mask",)))
+      known |= (_layers_holding(variables.get("params"), "kernel")
+                | _layers_holding(variables.get(COLLECTION), "mask"))
     unmatched = [p.pattern for p, _ in self.rules if not any(p.fullmatch(s) for s in known)]
     if unmatched:
       # A top-level nn.Dense (the model is one layer) has the empty path,
@@ -567,7 +562,28 @@ class Sparsified:
     with self.intercept(seen):
       out = self.model.apply(variables, *args, **kwargs)
     self._check_rules_match("apply", seen, variables)
+    if isinstance(variables, Mapping):
+      ignored = sorted(_layers_holding(variables.get(COLLECTION), "mask")
+                       & {p for p in seen if self._options_for(p) is None})
+      if ignored:
+        raise ValueError(
+            f"sparsify: `apply` ran the nn.Dense layer(s) {ignored} dense, as no rule"
+            f" matches them, but the {COLLECTION!r} collection holds their masks (the"
+            f" model was initialised with rules that matched them): give `sparsify` those"
+            f" rules again, or drop those layers' masks to run them dense.")
     return out
+
+
+def _layers_holding(tree: Any, name: str) -> set[str]:
+  """The paths (`"block_0/mlp/up"`) of the layers of a collection `tree` that
+  hold a variable `name` (`"kernel"` in the params, `"mask"` in the
+  `"sparsity"` collection); none where `tree` is not a mapping."""
+  if not isinstance(tree, Mapping):
+    return set()
+  return {"/".join(map(str, _path_keys(path[:-1])))
+          for path, _ in jax.tree_util.tree_leaves_with_path(
+              tree, is_leaf=lambda x: isinstance(x, (Mask24, Sparse24)))
+          if _path_keys(path[-1:]) == (name,)}
 
 
 def sparsify(model: nn.Module, rules: Rules) -> Sparsified:

@@ -609,3 +609,17 @@ def test_a_flag_given_as_a_string_is_refused(call, match):
   w = jax.random.normal(jax.random.key(1), (16, 16))
   with pytest.raises(TypeError, match=match + r".*got (str|int) '?(no|False|1)'?\."):
     call(w, X)
+
+
+def test_sparsify_apply_names_masked_layers_that_no_rule_matches():
+  """Applied with rules that left out a layer the model was initialised
+  with, the layer ran dense and its trained mask was ignored without a
+  word: the output was not the trained model's."""
+  variables = jsparse24.sparsify(_Mlp(), {"up|down": PLAIN}).init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match=r"sparsify: `apply` ran the nn.Dense layer\(s\)"
+                     r" \['down'\] dense, as no rule matches them, but the 'sparsity'"
+                     r" collection holds their masks"):
+    jsparse24.sparsify(_Mlp(), {"up": PLAIN}).apply(variables, X)
+  # Without that layer's mask, it runs dense as asked.
+  only_up = {**variables, "sparsity": {"up": variables["sparsity"]["up"]}}
+  jsparse24.sparsify(_Mlp(), {"up": PLAIN}).apply(only_up, X)
