@@ -511,17 +511,21 @@ class Sparsified:
   def _check_no_raw_kernels(self, fn: str, seen: list[str], modules: dict[str, str],
                             variables: Any) -> None:
     """Raises for a rule that matches no `nn.Dense` but matches a parameter
-    that another module reads itself (`self.param`, an `[E, K, N]` expert
-    kernel in an einsum, as maxtext writes MoE layers), or that module's
-    path: `nn.Dense` calls are all that `sparsify` intercepts, so that
-    product stays dense unless the model is edited."""
+    that another module reads itself, or that module's path: a subclass of
+    `nn.Dense`, `nn.DenseGeneral`, `nn.Conv`, or an `[E, K, N]` expert kernel
+    that a module multiplies in an einsum (`self.param`, as maxtext writes
+    MoE layers). `sparsify` intercepts the calls of `nn.Dense` itself, so
+    such a product stays dense unless the model is edited; in `apply` the
+    rule would otherwise pass as matching the layer's `"kernel"`."""
     params = variables.get("params") if isinstance(variables, Mapping) else None
-    if not isinstance(params, Mapping):
+    unmatched = [p for p, _ in self.rules if not any(p.fullmatch(path) for path in seen)]
+    if not isinstance(params, Mapping) or not unmatched:
       return
-    for pattern, _ in self.rules:
-      if any(pattern.fullmatch(path) for path in seen):
-        continue
-      for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    # Kernels first: a DenseGeneral's bias is 2-D too.
+    leaves = sorted(jax.tree_util.tree_leaves_with_path(params),
+                    key=lambda item: _path_keys(item[0])[-1:] != ("kernel",))
+    for pattern in unmatched:
+      for key_path, leaf in leaves:
         keys = tuple(map(str, _path_keys(key_path)))
         owner = "/".join(keys[:-1])
         kind = modules.get(owner)
@@ -532,12 +536,14 @@ class Sparsified:
               f"sparsify: rule {pattern.pattern!r} matches no nn.Dense layer in `{fn}`,"
               f" but the parameter {'/'.join(keys)!r}"
               f" ({jnp.result_type(leaf)}{list(jnp.shape(leaf))}) of module {owner!r}"
-              f" ({kind}), which multiplies it itself (self.param, e.g. in an einsum):"
-              f" sparsify makes nn.Dense layers 2:4 by intercepting their calls and"
-              f" cannot reach that product without editing the model. Write the experts"
-              f" as nn.Dense layers stacked with nn.vmap (variable_axes={{'params': 0}},"
+              f" ({kind}), which multiplies it itself: sparsify makes nn.Dense layers"
+              f" (nn.Dense itself, not a subclass, nn.DenseGeneral or nn.Conv) 2:4 by"
+              f" intercepting their calls and cannot reach that product without editing"
+              f" the model. For a layer, use jsparse24.SparseDense (nn.Dense's fields) in"
+              f" its place. For experts read with self.param in an einsum, write them as"
+              f" nn.Dense layers stacked with nn.vmap (variable_axes={{'params': 0}},"
               f" split_rngs={{'params': True}}) and give a rule for their path, or use"
-              f" jsparse24.SparseMoE (or jsparse24.SparseDense) in the model.")
+              f" jsparse24.SparseMoE in the model.")
 
   def init(self, *args, **kwargs):
     seen: list[str] = []
@@ -559,8 +565,10 @@ class Sparsified:
 
   def apply(self, variables, *args, **kwargs):
     seen: list[str] = []
-    with self.intercept(seen):
+    modules: dict[str, str] = {}
+    with self.intercept(seen, modules):
       out = self.model.apply(variables, *args, **kwargs)
+    self._check_no_raw_kernels("apply", seen, modules, variables)
     self._check_rules_match("apply", seen, variables)
     if isinstance(variables, Mapping):
       ignored = sorted(_layers_holding(variables.get(COLLECTION), "mask")

@@ -623,3 +623,32 @@ def test_sparsify_apply_names_masked_layers_that_no_rule_matches():
   # Without that layer's mask, it runs dense as asked.
   only_up = {**variables, "sparsity": {"up": variables["sparsity"]["up"]}}
   jsparse24.sparsify(_Mlp(), {"up": PLAIN}).apply(only_up, X)
+
+
+class _MyDense(nn.Dense):
+  pass
+
+
+@pytest.mark.parametrize("layer,kind", [
+    (lambda: nn.DenseGeneral((2, 4), name="p"), "DenseGeneral"),
+    (lambda: _MyDense(8, name="p"), "_MyDense"),
+    (lambda: nn.Conv(8, (3,), name="p"), "Conv"),
+])
+def test_sparsify_names_a_rule_for_a_layer_that_is_not_nn_dense(layer, kind):
+  """A rule for a subclass of nn.Dense, a DenseGeneral or a Conv: `apply`
+  ran the layer dense and counted the rule as matching its kernel, and
+  `init`'s error spoke of experts only."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return layer()(x)
+
+  x = jnp.ones((2, 4, 16))
+  variables = Net().init(jax.random.key(0), x)
+  sparse = jsparse24.sparsify(Net(), {"p": {"mask_source": "dynamic"}})
+  for call in (lambda: sparse.apply(variables, x), lambda: sparse.init(jax.random.key(0), x)):
+    with pytest.raises(ValueError, match=rf"(?s)sparsify: rule 'p' matches no nn.Dense layer"
+                       rf" .* the parameter 'p/kernel' .* of module 'p' \({kind}\).*not a"
+                       r" subclass, nn.DenseGeneral or nn.Conv.*use jsparse24.SparseDense"):
+      call()
