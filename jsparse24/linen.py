@@ -137,6 +137,23 @@ def _kind(x: Any) -> str:
   return f"a {type(x).__name__}"
 
 
+# Orbax restores a pytree without a template as nested dicts: a Mask24
+# comes back as {"packed": array}, without its shape and transposable flag.
+_RESTORE_WITH_A_TEMPLATE = (
+    "a dict {'packed': ...} is a Mask24 restored from a checkpoint without a template,"
+    " which loses its shape and transposable flag: restore against the variables'"
+    " abstract tree, e.g. checkpointer.restore(path, jax.tree.map("
+    "ocp.utils.to_shape_dtype_struct, jax.eval_shape(model.init, key, x)))")
+
+
+def _restored_without_template(tree: Any) -> bool:
+  """Whether `tree` holds a Mask24 restored without a template (a mapping
+  whose only key is "packed")."""
+  return any(isinstance(node, Mapping) and set(node) == {"packed"}
+             for node in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, Mapping)
+                                         and set(n) == {"packed"}))
+
+
 def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions,
                 outer: Sequence[_Outer] = ()):
   """(mask, active) for this layer: (None, None) when pruning dynamically
@@ -174,11 +191,13 @@ def _checked_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions, m
   """`(mask, active)`, once `mask` is known to be a `Mask24` that fits the
   layer's kernel and options."""
   if not isinstance(mask, Mask24):
+    how = (_RESTORE_WITH_A_TEMPLATE if _restored_without_template(mask) else
+           "a bool 2:4 mask [in, out] converts with jsparse24.Mask24.pack(mask,"
+           " transposable=...)")
     raise TypeError(
         f"{_layer_name(module)}: the 'mask' in the {COLLECTION!r} collection"
         f" passed to `apply` is {_kind(mask)}; expected a jsparse24.Mask24, as `init`"
-        f" and jsparse24.optim.masks(opt_state) give it (a bool 2:4 mask [in, out]"
-        f" converts with jsparse24.Mask24.pack(mask, transposable=...)).")
+        f" and jsparse24.optim.masks(opt_state) give it ({how}).")
   if mask.transposable != opts.transposable or tuple(mask.shape) != tuple(kernel.shape):
     raise ValueError(
         f"{_layer_name(module)}: the mask in the {COLLECTION!r}"
@@ -770,6 +789,8 @@ def check_sparsity(fn: str, sparsity: Any) -> None:
         f" {COLLECTION!r}); pass variables[{COLLECTION!r}].")
   if not any(isinstance(leaf, Mask24) for leaf in jax.tree.leaves(
       sparsity, is_leaf=lambda a: isinstance(a, Mask24))):
+    if _restored_without_template(sparsity):
+      raise TypeError(f"{fn}: `sparsity` holds no Mask24: {_RESTORE_WITH_A_TEMPLATE}.")
     held = "is empty" if not sparsity else f"holds no Mask24 (keys {sorted(sparsity)[:5]})"
     raise ValueError(
         f"{fn}: `sparsity` {held}, so there is no sparse layer to work on; {fix}"

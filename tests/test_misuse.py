@@ -349,18 +349,23 @@ def test_an_array_in_place_of_a_layers_masks_is_named():
     _apply_with({"up": bool_mask})
 
 
-@pytest.mark.parametrize("mask,found", [
-    (lambda m: np.asarray(m.unpack()), r"a numpy.ndarray bool\[16, 8\]"),
-    (lambda m: np.asarray(m.packed), r"a numpy.ndarray uint8\[8, 2\]"),
-    (lambda m: {"packed": m.packed}, r"a dict with keys \['packed'\]"),
+PACK = r"jsparse24.Mask24.pack\(mask, transposable=...\)"
+
+
+@pytest.mark.parametrize("mask,found,fix", [
+    (lambda m: np.asarray(m.unpack()), r"a numpy.ndarray bool\[16, 8\]", PACK),
+    (lambda m: np.asarray(m.packed), r"a numpy.ndarray uint8\[8, 2\]", PACK),
+    # As Orbax restores a Mask24 without a template: shape and flag lost.
+    (lambda m: {"packed": m.packed}, r"a dict with keys \['packed'\]",
+     r"restored from a checkpoint without a template"),
 ])
-def test_a_mask_that_is_not_a_mask24_is_named_with_the_conversion(mask, found):
+def test_a_mask_that_is_not_a_mask24_is_named_with_the_conversion(mask, found, fix):
   """Was AttributeError: ... has no attribute 'transposable'."""
   v = _variables()
   layer = {"mask": mask(v["sparsity"]["up"]["mask"]), "active": np.array(True)}
   with pytest.raises(TypeError, match=r"SparseDense 'up': the 'mask' in the 'sparsity'"
                      rf" collection passed to `apply` is {found}; expected a jsparse24.Mask24.*"
-                     r"jsparse24.Mask24.pack\(mask, transposable=...\)"):
+                     + fix):
     _apply_with({"up": layer})
 
 
@@ -652,3 +657,29 @@ def test_sparsify_names_a_rule_for_a_layer_that_is_not_nn_dense(layer, kind):
                        rf" .* the parameter 'p/kernel' .* of module 'p' \({kind}\).*not a"
                        r" subclass, nn.DenseGeneral or nn.Conv.*use jsparse24.SparseDense"):
       call()
+
+
+def test_masks_restored_without_a_template_say_how_to_restore_them(tmp_path):
+  """Orbax restores a tree without a template as dicts: each Mask24 came
+  back as {'packed': ...}, and the helpers said the collection held no mask
+  (pass the model's collection: the user had), `apply` to convert with
+  Mask24.pack (which cannot: shape and transposable are lost)."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  variables = _variables()
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", variables)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(tmp_path / "ckpt")
+  fix = r"a dict \{'packed': ...\} is a Mask24 restored from a checkpoint without a template"
+  for fn, call in (("compress_params", jsparse24.compress_params),
+                   ("rebuild_masks", jsparse24.rebuild_masks),
+                   ("with_masks", lambda p, s: optim.with_masks(optax.sgd(0.1), s))):
+    with pytest.raises(TypeError, match=rf"{fn}: `sparsity` holds no Mask24: {fix}"):
+      call(restored["params"], restored["sparsity"])
+  with pytest.raises(TypeError, match=rf"SparseDense 'up': the 'mask' .* is a dict with keys"
+                     rf" \['packed'\]; .*\({fix}"):
+    _Net().apply(restored, X)
+  with ocp.StandardCheckpointer() as checkpointer:  # the fix the errors give
+    restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, jax.eval_shape(_Net().init, jax.random.key(1), X)))
+  np.testing.assert_array_equal(_Net().apply(restored, X), _Net().apply(variables, X))
