@@ -787,14 +787,32 @@ def check_sparsity(fn: str, sparsity: Any) -> None:
     raise ValueError(
         f"{fn}: `sparsity` is the whole variables (it holds 'params' and"
         f" {COLLECTION!r}); pass variables[{COLLECTION!r}].")
+  _check_layer_masks(fn, sparsity)
   if not any(isinstance(leaf, Mask24) for leaf in jax.tree.leaves(
       sparsity, is_leaf=lambda a: isinstance(a, Mask24))):
-    if _restored_without_template(sparsity):
-      raise TypeError(f"{fn}: `sparsity` holds no Mask24: {_RESTORE_WITH_A_TEMPLATE}.")
     held = "is empty" if not sparsity else f"holds no Mask24 (keys {sorted(sparsity)[:5]})"
     raise ValueError(
         f"{fn}: `sparsity` {held}, so there is no sparse layer to work on; {fix}"
         f" (the params come first, then the collection).")
+
+
+def _check_layer_masks(fn: str, sparsity: Mapping, path: tuple[str, ...] = ()) -> None:
+  """Raises, naming `fn` and the layer, where a layer's entry (`{"mask":
+  ..., "active": ...}`) holds something else than a `Mask24` as its mask (a
+  dense bool mask, or a mask restored without a template), which the walks
+  over the collection would take for a submodule named "mask"."""
+  mask = sparsity.get("mask")
+  if ({"mask", "active"} <= set(sparsity) and not isinstance(mask, Mask24)
+      and not any(isinstance(leaf, Mask24) for leaf in jax.tree.leaves(
+          mask, is_leaf=lambda a: isinstance(a, Mask24)))):
+    how = (_RESTORE_WITH_A_TEMPLATE if _restored_without_template(mask) else
+           "a bool 2:4 mask [in, out] converts with jsparse24.Mask24.pack(mask,"
+           " transposable=...)")
+    raise TypeError(f"{fn}: the mask of layer {'/'.join(path)!r} in `sparsity` is"
+                    f" {_kind(mask)}; expected a jsparse24.Mask24 ({how}).")
+  for key, value in sparsity.items():
+    if isinstance(value, Mapping):
+      _check_layer_masks(fn, value, path + (str(key),))
 
 
 def check_params(fn: str, params: Any, sparsity: Mapping) -> None:

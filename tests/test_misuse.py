@@ -659,6 +659,21 @@ def test_sparsify_names_a_rule_for_a_layer_that_is_not_nn_dense(layer, kind):
       call()
 
 
+def test_a_bool_mask_in_the_collection_is_named_by_the_helpers():
+  """One layer's mask as a dense bool array: compress_params failed with
+  "'ArrayImpl' object has no attribute 'get'", rebuild_masks said the
+  collection had a layer at 'up/mask' that the params lacked."""
+  v = _variables()
+  sparsity = {"up": {**v["sparsity"]["up"], "mask": v["sparsity"]["up"]["mask"].unpack()}}
+  for fn, call in (("compress_params", jsparse24.compress_params),
+                   ("rebuild_masks", jsparse24.rebuild_masks),
+                   ("masks_like_kernels", lambda p, s: jsparse24.masks_like_kernels(s, p))):
+    with pytest.raises(TypeError, match=rf"{fn}: the mask of layer 'up' in `sparsity` is a"
+                       r" jax.Array bool\[16, 8\]; expected a jsparse24.Mask24 \(a bool 2:4"
+                       r" mask \[in, out\] converts with jsparse24.Mask24.pack"):
+      call(v["params"], sparsity)
+
+
 def test_masks_restored_without_a_template_say_how_to_restore_them(tmp_path):
   """Orbax restores a tree without a template as dicts: each Mask24 came
   back as {'packed': ...}, and the helpers said the collection held no mask
@@ -674,7 +689,8 @@ def test_masks_restored_without_a_template_say_how_to_restore_them(tmp_path):
   for fn, call in (("compress_params", jsparse24.compress_params),
                    ("rebuild_masks", jsparse24.rebuild_masks),
                    ("with_masks", lambda p, s: optim.with_masks(optax.sgd(0.1), s))):
-    with pytest.raises(TypeError, match=rf"{fn}: `sparsity` holds no Mask24: {fix}"):
+    with pytest.raises(TypeError, match=rf"{fn}: the mask of layer 'up' in `sparsity` is a"
+                       rf" dict with keys \['packed'\]; expected a jsparse24.Mask24 \({fix}"):
       call(restored["params"], restored["sparsity"])
   with pytest.raises(TypeError, match=rf"SparseDense 'up': the 'mask' .* is a dict with keys"
                      rf" \['packed'\]; .*\({fix}"):
