@@ -899,6 +899,11 @@ def compress_params(params: Mapping, sparsity: Mapping, *, cusparselt: bool = Fa
     if isinstance(kernel, Sparse24):  # map_sparse_kernels hands it over whole
       raise TypeError(f"{fn}: the kernel of layer {'/'.join(path)!r} is already a Sparse24"
                       f" (were the params compressed twice?); pass the dense params.")
+    if tuple(mask.shape) != tuple(kernel.shape):
+      raise ValueError(
+          f"{fn}: the mask of layer {'/'.join(path)!r} is for a kernel of shape"
+          f" {tuple(mask.shape)}, and its kernel in `params` has shape {tuple(kernel.shape)}:"
+          f" pass the params and the {COLLECTION!r} collection of one model.")
     reason = cusparselt and cusparselt_layout_unfit(kernel.shape, kernel.dtype)
     if reason:
       raise ValueError(f"{fn}: layer {'/'.join(path)!r}: cusparselt=True {reason}")

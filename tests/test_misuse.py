@@ -248,6 +248,12 @@ def test_params_of_another_model_name_the_function_and_the_layer():
   rebuilt = jsparse24.rebuild_masks(owner["params"], owner["sparsity"])
   assert sorted(rebuilt) == ["net"]
   jsparse24.compress_params(owner["params"], owner["sparsity"])
+  # The same layer of a wider model: named by compress_params and the layer
+  # (was compress's error on its `mask` argument).
+  wider = _Net(features=12).init(jax.random.key(3), X)
+  with pytest.raises(ValueError, match=r"compress_params: the mask of layer 'up' is for a kernel"
+                     r" of shape \(16, 12\), and its kernel in `params` has shape \(16, 8\)"):
+    jsparse24.compress_params(v["params"], wider["sparsity"])
 
 
 @pytest.mark.parametrize("fn,verb", [("rebuild_masks", "rebuild"),
