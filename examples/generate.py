@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -415,7 +416,10 @@ def parse_args(argv: Sequence[str] | None):
   rest, saved = lm.with_saved_flags(out, rest)
   args.flags_file = None if saved is None else os.path.join(out, lm.FLAGS_FILE)
   targs = lm.parse_args(rest)
-  prompt = args.prompt.encode("utf-8")
+  try:
+    prompt = args.prompt.encode("utf-8")
+  except UnicodeEncodeError:  # bytes of the command line that are not UTF-8
+    p.error(f"--prompt {args.prompt!r} is not valid UTF-8 text.")
   if not prompt:
     p.error("--prompt must not be empty.")
   room = targs.seq_len - len(prompt)
@@ -427,9 +431,13 @@ def parse_args(argv: Sequence[str] | None):
   if not 1 <= args.tokens <= room:
     p.error(f"--tokens {args.tokens}: the prompt ({len(prompt)} bytes) and the new tokens must"
             f" fit the model's context of {targs.seq_len} (--seq-len): pass 1 to {room}.")
-  if args.temperature < 0:
-    p.error(f"--temperature must be >= 0, got {args.temperature}.")
-  args.batches = [int(b) for b in args.batches.split(",")]
+  if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN sampled NUL bytes
+    p.error(f"--temperature must be a finite number >= 0, got {args.temperature}.")
+  try:
+    args.batches = [int(b) for b in args.batches.split(",")]
+  except ValueError:
+    p.error(f"--batches {args.batches!r}: batch sizes as integers separated by commas,"
+            f" e.g. 1,8,32.")
   if min(args.batches) < 1 or args.repeats < 1:
     p.error("--batches and --repeats must be >= 1.")
   return args, targs, rest

@@ -896,10 +896,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.activation_weight_grad != "dense" and args.sparse_activations == "off":
     p.error(f"--activation-weight-grad {args.activation_weight_grad} prunes mlp/down's"
             f" pruned input: it needs --sparse-activations masked or ste.")
+  sizes = ("steps", "batch", "seq_len", "eval_every", "eval_batches", "layers", "heads",
+           "d_model")
+  small = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in sizes
+           if getattr(args, name) < 1]
+  if small:
+    p.error(f"{', '.join(small)}: --steps, --batch, --seq-len, --eval-every, --eval-batches,"
+            f" --layers, --heads and --d-model must be >= 1.")
   if args.d_model % 4 or args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} must be a multiple of 4 (2:4 groups) and of --heads.")
-  if min(args.steps, args.batch, args.seq_len, args.eval_every, args.layers) < 1:
-    p.error("--steps, --batch, --seq-len, --eval-every and --layers must be >= 1.")
   try:  # before any run trains: e.g. a ramp that ends within the warm-up
     mask_schedule(args)
   except (TypeError, ValueError) as e:

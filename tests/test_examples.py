@@ -616,6 +616,21 @@ def test_train_lm_dense_mlp_weights_need_24_activations_alone(flags, capsys):
   assert "--mlp-weights dense leaves the 2:4 run no 2:4 weight" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,named", [
+    (["--eval-batches", "0"], "--eval-batches 0"),  # trained, reporting a NaN loss
+    (["--eval-batches", "-1"], "--eval-batches -1"),  # NumPy's error on -2 samples
+    (["--heads", "0"], "--heads 0"),  # ZeroDivisionError
+    (["--heads", "-4"], "--heads -4"),  # a reshape error in JAX
+    (["--d-model", "0"], "--d-model 0"),
+])
+def test_train_lm_names_sizes_below_one(flags, named, capsys):
+  module = load_example("train_lm")
+  with pytest.raises(SystemExit):
+    module.parse_args(flags)
+  assert (f"{named}: --steps, --batch, --seq-len, --eval-every, --eval-batches, --layers,"
+          f" --heads and --d-model must be >= 1.") in capsys.readouterr().err
+
+
 def test_train_lm_refuses_a_ramp_hidden_by_the_warm_up_before_any_run(capsys):
   """--sparsity-ramp ending within --mask-warmup (default: a tenth of the
   steps) would make every layer 2:4 at once; refused by parse_args, not by

@@ -369,3 +369,19 @@ def test_decode_model_refuses_a_moe_model_by_name():
   moe = gen.lm.CharLM(256, 32, 1, 2, 16, True, moe=(4, 2))
   with pytest.raises(ValueError, match="SparseMoEs .*--moe 4,2"):
     gen.decode_model(moe)
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--batches", "abc"], "--batches 'abc': batch sizes as integers separated by commas"),
+    (["--batches", "1,,8"], "--batches '1,,8': batch sizes as integers"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--prompt", "\udcff"], "is not valid UTF-8 text"),  # a byte 0xff on the command line
+])
+def test_generate_names_flags_it_cannot_use(flags, said, tmp_path, capsys):
+  """Were a ValueError traceback from int(), NUL bytes sampled at a NaN
+  temperature, a UnicodeEncodeError traceback."""
+  gen = load_example("generate")
+  with pytest.raises(SystemExit):
+    gen.parse_args([*flags, "--out", str(tmp_path)])
+  assert said in capsys.readouterr().err
