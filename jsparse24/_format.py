@@ -292,6 +292,13 @@ class Mask24:
   def __post_init__(self):
     # A full dense shape is accepted and reduced to its trailing (K, N).
     object.__setattr__(self, "dims", tuple(int(d) for d in tuple(self.dims)[-2:]))
+    if len(self.dims) != 2 or min(self.dims) < 1:
+      # `Mask24(mask)` took a dense bool mask as the packed codes, with no
+      # shape: a mask of shape (0, 0) that failed far from here.
+      raise ValueError(
+          f"Mask24: dims={self.dims} must be the weight's (K, N), both >= 1; a mask is made"
+          f" with Mask24.pack(mask) from a bool 2:4 mask, or Mask24.from_weights(w), not"
+          f" with the constructor.")
 
   @property
   def shape(self) -> tuple[int, ...]:

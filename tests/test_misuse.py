@@ -705,3 +705,18 @@ def test_masks_restored_without_a_template_say_how_to_restore_them(tmp_path):
     restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(
         ocp.utils.to_shape_dtype_struct, jax.eval_shape(_Net().init, jax.random.key(1), X)))
   np.testing.assert_array_equal(_Net().apply(restored, X), _Net().apply(variables, X))
+
+
+def test_the_mask24_constructor_refuses_a_dense_mask_without_a_shape():
+  """`Mask24(mask)` in place of `Mask24.pack(mask)` took the bool mask as
+  the packed codes: a mask of shape (0, 0), which failed far from here."""
+  mask = jsparse24.prune_24(jnp.arange(128.0).reshape(16, 8))
+  for dims in ((0, 0), (16,), (0, 8)):
+    with pytest.raises(ValueError, match=r"Mask24: dims=\(.*\) must be the weight's \(K, N\),"
+                       r" both >= 1; a mask is made with Mask24.pack\(mask\)"):
+      jsparse24.Mask24(mask, dims)
+  with pytest.raises(ValueError, match=r"Mask24: dims=\(0, 0\)"):
+    jsparse24.Mask24(mask)
+  packed = jsparse24.Mask24.pack(mask)
+  rebuilt = jsparse24.Mask24(np.asarray(packed.packed), (16, 8))
+  np.testing.assert_array_equal(rebuilt.unpack(), mask)
