@@ -16,7 +16,12 @@ probability `|a_j| / (sum|a| - max|a|)` (the minimum-variance marginals with
 by systematic sampling (one uniform number per group); a kept entry becomes
 `a_i / p_i`. The variance of entry `i` is `a_i^2 (1/p_i - 1)`. A group with at
 most 2 non-zero entries is kept exactly; an all-zero group stays zero. The
-entries past the last whole group (`size % 4` of them) are kept exactly.
+entries past the last whole group (`size % 4` of them) are kept exactly. A
+group holding a NaN or an infinity has no unbiased estimate: what it comes out
+as is unspecified (a NaN may be dropped, or moved within its group; an
+infinity kept or moved), unlike `prune_24`, which keeps them in place. The
+rule spends no operations on them in the GPU kernel, which is bound by such
+operations; in `sparse_dot` the input's gradient, exact, carries them on.
 
 The rule itself (`pallas_kernels.mvue_rule`) is shared with the GPU kernel
 that prunes and compresses `dy` in one pass for the cuSPARSELt product: the
