@@ -512,6 +512,7 @@ class Sparsified:
     layers were renamed)."""
     known = set(seen)
     if all(any(p.fullmatch(s) for s in known) for p, _ in self.rules):
+      self._check_no_shadowed_rules(fn, known)
       return
     if isinstance(variables, Mapping):
       known |= (_layers_holding(variables.get("params"), "kernel")
@@ -526,6 +527,21 @@ class Sparsified:
           f" model's layers are [{layers}]. Each rule's regex must fully"
           f" match a layer's path (\"block_0/mlp/up\"; \"\" for a model that is one"
           f" nn.Dense).")
+    self._check_no_shadowed_rules(fn, known)
+
+  def _check_no_shadowed_rules(self, fn: str, layers: set[str]) -> None:
+    """Raises for a rule whose layers (of `layers`) an earlier rule all
+    matches first: the first match wins, so its options never apply (as
+    `{".*": {}, "up": {"transposable": False}}` leaves "up" transposable)."""
+    for i, (pattern, _) in enumerate(self.rules):
+      matched = sorted(s for s in layers if pattern.fullmatch(s))
+      if matched and all(any(p.fullmatch(s) for p, _ in self.rules[:i]) for s in matched):
+        first = {s: next(p.pattern for p, _ in self.rules[:i] if p.fullmatch(s))
+                 for s in matched}
+        raise ValueError(
+            f"sparsify: rule {pattern.pattern!r} never applies in `{fn}`: every layer it"
+            f" matches is matched by an earlier rule first ({first}), and the first"
+            f" matching rule wins. Put it before them, or drop it.")
 
   def _check_no_raw_kernels(self, fn: str, seen: list[str], modules: dict[str, str],
                             variables: Any) -> None:

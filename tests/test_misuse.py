@@ -23,6 +23,7 @@ from jsparse24 import optim
 
 X = jnp.ones((2, 16))
 PLAIN = {"transposable": False}  # sparsify's options: compiles faster than the search
+PLAIN_RULES = {".*": PLAIN}
 
 
 class _Net(nn.Module):
@@ -720,3 +721,18 @@ def test_the_mask24_constructor_refuses_a_dense_mask_without_a_shape():
   packed = jsparse24.Mask24.pack(mask)
   rebuilt = jsparse24.Mask24(np.asarray(packed.packed), (16, 8))
   np.testing.assert_array_equal(rebuilt.unpack(), mask)
+
+
+def test_sparsify_names_a_rule_that_an_earlier_rule_shadows():
+  """`{".*": ..., "up": ...}`: "up" was matched by ".*" first, so its options
+  never applied, without a word."""
+  rules = {".*": PLAIN, "up": {"transposable": True}}
+  for call in (lambda s: s.init(jax.random.key(0), X),
+               lambda s: s.apply(jsparse24.sparsify(_Mlp(), PLAIN_RULES).init(
+                   jax.random.key(0), X), X)):
+    with pytest.raises(ValueError, match=r"sparsify: rule 'up' never applies in `(init|apply)`:"
+                       r" every layer it matches is matched by an earlier rule first"
+                       r" \(\{'up': '\.\*'\}\)"):
+      call(jsparse24.sparsify(_Mlp(), rules))
+  # In the other order each rule takes layers of its own.
+  jsparse24.sparsify(_Mlp(), {"up": PLAIN, ".*": PLAIN}).init(jax.random.key(0), X)
