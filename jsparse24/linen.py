@@ -642,7 +642,9 @@ def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
       match the layer's module path (`"Block_0/mlp/up"`); options are a dict
       of `SparsityOptions` fields or a `SparsityOptions`. The first matching
       rule wins. `init` and `apply` raise if a rule matches no `Dense` layer
-      of the model.
+      of the model, or only layers that an earlier rule matches (it would
+      never apply), and `apply` if the `"sparsity"` collection holds masks
+      of layers that no rule matches (they would run dense).
 
   Mixture-of-experts layers whose experts are `nn.Dense` layers stacked with
   `nn.vmap(..., variable_axes={"params": 0})` (flaxformer's form) need no
