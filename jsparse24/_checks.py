@@ -30,7 +30,10 @@ def check_dense_array(fn: str, name: str, x: Any) -> None:
   if kind == "Mask24":
     raise TypeError(f"{fn}: `{name}` is a Mask24 (a mask, not values); pass the dense"
                     f" array (Mask24.unpack() gives the bool mask).")
-  if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(x, (int, float, list, tuple)):
+  if isinstance(x, (list, tuple)):  # jnp.result_type cannot type a nested list
+    raise TypeError(f"{fn}: `{name}` must be an array, got a {kind}: pass"
+                    f" jnp.asarray({name}).")
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(x, (int, float)):
     raise TypeError(f"{fn}: `{name}` must be an array, got {kind}.")
 
 
@@ -90,6 +93,8 @@ def check_flag(fn: str, name: str, v: Any, none: str = "") -> None:
 
 
 def normalize_axis(fn: str, name: str, axis: int, ndim: int) -> int:
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    raise TypeError(f"{fn}: `axis` must be an int, got {type(axis).__name__} {axis!r}.")
   if not -ndim <= axis < ndim:
     raise ValueError(
         f"{fn}: `axis={axis}` is out of range for `{name}` of rank {ndim}."

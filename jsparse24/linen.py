@@ -413,10 +413,12 @@ Rules = Mapping[str, Mapping[str, Any] | SparsityOptions] | Sequence[
 
 def _normalize_rules(rules: Rules) -> tuple[tuple[re.Pattern, SparsityOptions], ...]:
   if isinstance(rules, (str, bytes)) or not isinstance(rules, (Mapping, list, tuple)):
+    # A set of regexes reads as a dict of them with default options.
+    patterns = sorted(map(repr, rules)) if isinstance(rules, (set, frozenset)) else [repr(rules)]
     raise TypeError(
         f"sparsify: `rules` must be {{regex: options}} or [(regex, options), ...], got"
         f" {type(rules).__name__} {rules!r} (for every matching layer with default options:"
-        f" {{{rules!r}: {{}}}}).")
+        f" {{{', '.join(f'{p}: {{}}' for p in patterns)}}}).")
   items = rules.items() if isinstance(rules, Mapping) else rules
   out = []
   for item in items:

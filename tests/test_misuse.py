@@ -736,3 +736,20 @@ def test_sparsify_names_a_rule_that_an_earlier_rule_shadows():
       call(jsparse24.sparsify(_Mlp(), rules))
   # In the other order each rule takes layers of its own.
   jsparse24.sparsify(_Mlp(), {"up": PLAIN, ".*": PLAIN}).init(jax.random.key(0), X)
+
+
+def test_lists_axes_and_rule_sets_of_the_wrong_kind_are_named():
+  """A nested list failed with JAX's "Cannot determine dtype of [[...]]", an
+  axis of None or 1.0 with a bare Python TypeError, and a set of rules was
+  answered with a fix that is not Python (`{{'up'}: {}}`)."""
+  rows = [[1.0, 2.0]] * 4
+  for fn, call in (("prune_24", jsparse24.prune_24), ("compress", jsparse24.compress)):
+    with pytest.raises(TypeError, match=rf"{fn}: `w` must be an array, got a list: pass"
+                       r" jnp.asarray\(w\)"):
+      call(rows)
+  for axis in (None, 1.0, True):
+    with pytest.raises(TypeError, match=rf"prune_24: `axis` must be an int, got"
+                       rf" {type(axis).__name__} {axis}"):
+      jsparse24.prune_24(jnp.ones((4, 4)), axis=axis)
+  with pytest.raises(TypeError, match=r"with default options: \{'down': \{\}, 'up': \{\}\}\)"):
+    jsparse24.sparsify(_Mlp(), {"up", "down"})
