@@ -499,6 +499,13 @@ class Sparsified:
         seen.append(path)
       opts = self._options_for(path)
       if opts is None:
+        if (module.has_variable("params", "kernel")
+            and isinstance(module.get_variable("params", "kernel"), Sparse24)):
+          # Flax's own error would quote the compressed values' shape.
+          raise ValueError(
+              f"sparsify: nn.Dense {path!r} holds a compressed kernel (a Sparse24, from"
+              f" compress_params) but no rule matches it: give `sparsify` the rules the"
+              f" model was compressed with.")
         return next_fun(*args, **kwargs)
       return _dense_layer(module, *args, opts, tuple(outer), **kwargs)
 

@@ -753,3 +753,14 @@ def test_lists_axes_and_rule_sets_of_the_wrong_kind_are_named():
       jsparse24.prune_24(jnp.ones((4, 4)), axis=axis)
   with pytest.raises(TypeError, match=r"with default options: \{'down': \{\}, 'up': \{\}\}\)"):
     jsparse24.sparsify(_Mlp(), {"up", "down"})
+
+
+def test_sparsify_names_a_compressed_layer_that_no_rule_matches():
+  """Was Flax's ScopeParamShapeError quoting the shape of the compressed
+  values, which the user never sees."""
+  variables = jsparse24.sparsify(_Mlp(), {"up|down": PLAIN}).init(jax.random.key(0), X)
+  params = jsparse24.compress_params(variables["params"], variables["sparsity"])
+  with pytest.raises(ValueError, match=r"sparsify: nn.Dense 'down' holds a compressed kernel"
+                     r" \(a Sparse24, from compress_params\) but no rule matches it"):
+    jsparse24.sparsify(_Mlp(), {"up": PLAIN}).apply({"params": params}, X)
+  jsparse24.sparsify(_Mlp(), {"up|down": PLAIN}).apply({"params": params}, X)
