@@ -518,12 +518,11 @@ class Sparsified:
     passed (a `"sparsity"` entry or a `"kernel"` in the params), which a
     call of one method (`apply(..., method=...)`) may not run. Such a rule
     would leave its layers dense without a word (a typo, or a model whose
-    layers were renamed)."""
+    layers were renamed). Then for a rule that never applies
+    (`_check_no_shadowed_rules`)."""
     known = set(seen)
-    if all(any(p.fullmatch(s) for s in known) for p, _ in self.rules):
-      self._check_no_shadowed_rules(fn, known)
-      return
-    if isinstance(variables, Mapping):
+    if (isinstance(variables, Mapping)
+        and not all(any(p.fullmatch(s) for s in known) for p, _ in self.rules)):
       known |= (_layers_holding(variables.get("params"), "kernel")
                 | _layers_holding(variables.get(COLLECTION), "mask"))
     unmatched = [p.pattern for p, _ in self.rules if not any(p.fullmatch(s) for s in known)]
@@ -614,16 +613,23 @@ class Sparsified:
       out = self.model.apply(variables, *args, **kwargs)
     self._check_no_raw_kernels("apply", seen, modules, variables)
     self._check_rules_match("apply", seen, variables)
-    if isinstance(variables, Mapping):
-      ignored = sorted(_layers_holding(variables.get(COLLECTION), "mask")
-                       & {p for p in seen if self._options_for(p) is None})
-      if ignored:
-        raise ValueError(
-            f"sparsify: `apply` ran the nn.Dense layer(s) {ignored} dense, as no rule"
-            f" matches them, but the {COLLECTION!r} collection holds their masks (the"
-            f" model was initialised with rules that matched them): give `sparsify` those"
-            f" rules again, or drop those layers' masks to run them dense.")
+    self._check_no_ignored_masks(seen, variables)
     return out
+
+  def _check_no_ignored_masks(self, seen: list[str], variables: Any) -> None:
+    """Raises where `apply` ran an `nn.Dense` dense (no rule matches it) whose
+    masks the `"sparsity"` collection holds: rules that left out a layer the
+    model was initialised with, whose trained mask would be ignored."""
+    if not isinstance(variables, Mapping):
+      return
+    ignored = sorted(_layers_holding(variables.get(COLLECTION), "mask")
+                     & {p for p in seen if self._options_for(p) is None})
+    if ignored:
+      raise ValueError(
+          f"sparsify: `apply` ran the nn.Dense layer(s) {ignored} dense, as no rule"
+          f" matches them, but the {COLLECTION!r} collection holds their masks (the"
+          f" model was initialised with rules that matched them): give `sparsify` those"
+          f" rules again, or drop those layers' masks to run them dense.")
 
 
 def _layers_holding(tree: Any, name: str) -> set[str]:
