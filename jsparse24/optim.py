@@ -197,10 +197,11 @@ class SparsityRamp:
   def _first_steps(self, layers: int) -> tuple[int, np.ndarray]:
     """The count up to `start`, and for each count above it up to the
     target's, the first step that has it: `layers` + 1 numbers at most,
-    however long the ramp (a table of every step's count was `end - start +
-    1` entries in the program, gigabytes for a ramp of 10**8 steps). The host
-    count is non-decreasing in the step, so a bisection per count finds its
-    first step: all counts at once, about log2(end - start) host passes."""
+    however long the ramp (a table of every step's count would put `end -
+    start + 1` entries in the program: gigabytes for a ramp of 10**8 steps).
+    The host count is non-decreasing in the step, so a bisection per count
+    finds its first step: all counts at once, about log2(end - start) host
+    passes."""
     base = int(self._host_count(np.asarray(self.start), layers))
     want = np.arange(base + 1, int(self._host_count(np.asarray(self.end), layers)) + 1)
     lo = np.full(want.shape, self.start, np.int64)  # count(lo) < want
