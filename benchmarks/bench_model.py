@@ -297,8 +297,7 @@ def setup_width(cfg: dict, result: dict) -> dict:
   transposable = MASK_KINDS[cfg["mask"]].get("transposable")
   result["implementations"] = {
       kind: jsparse24.selected_implementation(
-          (batch // cfg["devices"], seq, k), (k, n), jnp.bfloat16,
-          transposable=n % 4 == 0 if transposable is None else transposable)
+          (batch // cfg["devices"], seq, k), (k, n), jnp.bfloat16, transposable=transposable)
       for kind, (k, n) in layer_shapes(d).items()}
   print(f"{_tag(result)} automatic 2:4 backend per layer: {result['implementations']}", flush=True)
   return {"model": model, "key_init": key_init, "tokens": tokens, "dense_shapes": dense_shapes,

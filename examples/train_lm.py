@@ -710,10 +710,8 @@ def sparse_layer_backends(args) -> dict[str, str]:
                                                       MOE_CAPACITY_FACTOR)
     prefix = "mlp/experts"
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-  transposable = mask_transposable(args)
   out = {f"{prefix}/{name}": jsparse24.selected_implementation(
-             (rows, k), (k, n), dtype,
-             transposable=n % 4 == 0 if transposable is None else transposable)
+             (rows, k), (k, n), dtype, transposable=mask_transposable(args))
          for name, (k, n) in {"up": (d, 4 * d), "down": (4 * d, d)}.items()}
   if args.sparse_activations != "off":
     # mlp/down prunes its input 2:4 and keeps its weight dense.

@@ -84,6 +84,19 @@ def check_count(fn: str, name: str, v: Any, minimum: int = 1, what: str = "") ->
                      f" {type(v).__name__} {v!r}.")
 
 
+def check_shape(fn: str, name: str, shape: Any) -> tuple[int, ...]:
+  """`shape` as a tuple of ints >= 0; raises naming `fn` and `name` for an
+  array passed in its place, an int, or entries that are not ints."""
+  if hasattr(shape, "shape") and hasattr(shape, "dtype"):
+    raise TypeError(f"{fn}: `{name}` must be a shape (a tuple of ints), got an array; pass"
+                    f" its .shape.")
+  if not isinstance(shape, (tuple, list)) or any(
+      isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+    raise TypeError(f"{fn}: `{name}` must be a shape (a tuple of ints >= 0), got"
+                    f" {type(shape).__name__} {shape!r}.")
+  return tuple(int(d) for d in shape)
+
+
 def check_flag(fn: str, name: str, v: Any, none: str = "") -> None:
   """Raises unless `v` is a bool (or None, where `none` says what None
   means): any string is true, so `transposable="False"` was taken as True."""

@@ -9,12 +9,13 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, _phase, backends
 from jsparse24._format import Mask24, Sparse24, check_sparse24
 from jsparse24._input_sparse import ActivationConfig
-from jsparse24._options import SparsityOptions
+from jsparse24._options import SparsityOptions, resolve_transposable
 from jsparse24._sharding import is_explicit, weight_split
 from jsparse24.backends.cusparselt import cusparselt_layout_unfit, to_cusparselt_layout
 from jsparse24.backends.pallas import warn_if_unmeasured
@@ -363,7 +364,7 @@ def _problem(x_shape, w_shape, dtype, transposable, compressed=False,
                           input_sparse=bool(input_sparse))
 
 
-def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = False,
+def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool | None = False,
                             compressed: bool | str = False,
                             pruned_activations: bool = False) -> str:
   """The backend `sparse_dot(..., implementation=None)` runs for these shapes
@@ -374,23 +375,34 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool = Fal
   one in cuSPARSELt's layout (`compress(..., cusparselt=True)`), which
   cuSPARSELt multiplies in place, so from fewer rows;
   `pruned_activations=True`: for a dense weight whose layer prunes an
-  activation 2:4 (`input_sparsity` or `grad_output`)."""
+  activation 2:4 (`input_sparsity` or `grad_output`). `transposable=None`:
+  as the layers read it, transposable where N is a multiple of 4
+  (`pruned_activations`: not)."""
   fn = "selected_implementation"
-  if compressed not in (False, True, "cusparselt"):
+  x_shape, w_shape = (_checks.check_shape(fn, name, shape)
+                      for name, shape in (("x_shape", x_shape), ("w_shape", w_shape)))
+  if not (isinstance(compressed, (bool, np.bool_)) or compressed == "cusparselt"):
     raise ValueError(f"{fn}: compressed must be False, True or 'cusparselt', got {compressed!r}.")
+  _checks.check_flag(fn, "transposable", transposable, none="as the layers read it")
+  _checks.check_flag(fn, "pruned_activations", pruned_activations)
+  if dtype is None:  # jnp.dtype(None) is float64, which no layer computes in
+    raise TypeError(f"{fn}: dtype must be the product's compute dtype (e.g. jnp.bfloat16),"
+                    f" got None; a layer's dtype=None computes in its inputs' dtype.")
   if pruned_activations and compressed:
     raise ValueError(f"{fn}: pruned_activations=True describes a dense weight (the activation"
                      f" is the pruned operand); pass compressed=False.")
   _checks.check_float_dtype(fn, "dtype", dtype)
-  if len(tuple(w_shape)) != 2 or not tuple(x_shape):
-    raise ValueError(f"{fn}: expected x_shape [..., K] and w_shape [K, N], got {tuple(x_shape)}"
-                     f" and {tuple(w_shape)}.")
-  _checks.check_nonempty(fn, "w", tuple(w_shape), (0, 1), "K or N")
-  _checks.check_multiple_of_4(fn, "w", tuple(w_shape), 0)
-  if tuple(x_shape)[-1] != tuple(w_shape)[0]:
-    raise ValueError(f"{fn}: x_shape[-1] = {tuple(x_shape)[-1]} does not match K ="
-                     f" w_shape[0] = {tuple(w_shape)[0]}.")
-  return backends.select(None, _problem(tuple(x_shape), tuple(w_shape), dtype, transposable,
+  if len(w_shape) != 2 or not x_shape:
+    raise ValueError(f"{fn}: expected x_shape [..., K] and w_shape [K, N], got {x_shape}"
+                     f" and {w_shape}.")
+  _checks.check_nonempty(fn, "w", w_shape, (0, 1), "K or N")
+  _checks.check_multiple_of_4(fn, "w", w_shape, 0)
+  if x_shape[-1] != w_shape[0]:
+    raise ValueError(f"{fn}: x_shape[-1] = {x_shape[-1]} does not match K ="
+                     f" w_shape[0] = {w_shape[0]}.")
+  transposable = resolve_transposable(transposable, w_shape[1],
+                                      "none" if pruned_activations else "collection")
+  return backends.select(None, _problem(x_shape, w_shape, dtype, transposable,
                                         compressed, input_sparse=pruned_activations)).name
 
 

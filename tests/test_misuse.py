@@ -7,6 +7,7 @@ rules that match nothing or without its masks, a `"sparsity"` collection
 holding something else than masks, and a layer whose width cannot be 2:4."""
 
 import re
+import types
 
 import flax.linen as nn
 import jax
@@ -764,3 +765,30 @@ def test_sparsify_names_a_compressed_layer_that_no_rule_matches():
                      r" \(a Sparse24, from compress_params\) but no rule matches it"):
     jsparse24.sparsify(_Mlp(), {"up": PLAIN}).apply({"params": params}, X)
   jsparse24.sparsify(_Mlp(), {"up|down": PLAIN}).apply({"params": params}, X)
+
+
+def test_selected_implementation_names_arguments_it_would_misread(monkeypatch):
+  """dtype=None (a layer's default) was answered for float64, flags given
+  as strings were true, arrays in place of shapes failed inside NumPy; and
+  transposable=None (the layers' default) was read as False, where a layer
+  reads it as transposable wherever N is a multiple of 4."""
+  f = jsparse24.selected_implementation
+  cases = [(dict(dtype=None), r"dtype must be the product's compute dtype .* got None"),
+           (dict(transposable="False"), r"transposable must be True, False or None"),
+           (dict(pruned_activations="no"), r"pruned_activations must be True or False"),
+           (dict(x_shape=jnp.ones((8, 64))), r"`x_shape` must be a shape .* got an array;"
+                                            r" pass its .shape"),
+           (dict(x_shape=8), r"`x_shape` must be a shape \(a tuple of ints >= 0\), got int 8"),
+           (dict(w_shape=(64, 32.0)), r"`w_shape` must be a shape .* got tuple \(64, 32.0\)")]
+  for kw, match in cases:
+    args = {"x_shape": (8, 64), "w_shape": (64, 32), "dtype": jnp.bfloat16, **kw}
+    with pytest.raises(TypeError, match=r"selected_implementation: " + match):
+      f(args.pop("x_shape"), args.pop("w_shape"), args.pop("dtype"), **args)
+  # None is resolved by N as the layers resolve it.
+  seen = []
+  monkeypatch.setattr(jsparse24._ops.backends, "select",
+                      lambda impl, problem: seen.append(problem.transposable) or
+                      types.SimpleNamespace(name="xla"))
+  for n, want in ((32, True), (30, False)):
+    f((8, 64), (64, n), jnp.bfloat16, transposable=None)
+    assert seen[-1] is want, (n, seen)
