@@ -135,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                  help="steps of 2:4 fine-tuning after `sparsify`")
   p.add_argument("--seed", type=int, default=0, help="seed of the data and init")
   args = p.parse_args(argv)
+  if min(args.dense_steps, args.sparse_steps) < 1:  # each phase reports its last loss
+    p.error(f"--dense-steps {args.dense_steps} and --sparse-steps {args.sparse_steps} must be"
+            f" >= 1.")
   print(f"JAX {jax.__version__}, backend {jax.default_backend()!r}")
 
   model = TinyTransformer()

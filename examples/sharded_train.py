@@ -355,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   # which asking JAX for its backend starts.
   lm_args = lm.parse_args(["--out", args.out] + rest
                           + (["--size", args.size] if args.size else [])
-                          + (["--steps", str(args.steps)] if args.steps else [])
-                          + (["--batch", str(args.batch)] if args.batch else []))
+                          + (["--steps", str(args.steps)] if args.steps is not None else [])
+                          + (["--batch", str(args.batch)] if args.batch is not None else []))
   lm_args.layout = args.layout
   if lm_args.sparse_activations != "off" and args.layout != "fsdp":
     p.error(f"--sparse-activations {lm_args.sparse_activations} runs under --layout fsdp only:"
@@ -368,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   n = jax.device_count()  # every process's devices
   if args.model_devices is not None and args.layout not in ("tp", "2d"):
     p.error("--model-devices applies to --layout tp and 2d only.")
+  if args.model_devices is not None and args.model_devices < 1:
+    p.error(f"--model-devices {args.model_devices} must be >= 1.")
   model_devices = 1
   if args.layout in ("tp", "2d"):
     model_devices = args.model_devices or (n if args.layout == "tp" else 2)

@@ -357,6 +357,24 @@ def test_train_lm_resume_refuses_a_checkpoint_of_other_flags(train_lm, tmp_path)
     module.main(["--d-model", "16", "--out", str(copy), "--resume"])
 
 
+@pytest.mark.parametrize("name,flags,said", [
+    # Zeros were dropped as if not given: the preset's 1000-step run started.
+    ("sharded_train", ["--steps", "0"], "--steps 0: --steps, --batch"),
+    ("sharded_train", ["--batch", "0"], "--batch 0: --steps, --batch"),
+    # 0 took the default; -2 passed the divisibility check, then make_mesh raised.
+    ("sharded_train", ["--layout", "tp", "--model-devices", "0"], "--model-devices 0 must be >= 1"),
+    ("sharded_train", ["--layout", "2d", "--model-devices", "-2"], "--model-devices -2 must be"),
+    # UnboundLocalError (no loss to report), after the dense phase for 0 2:4 steps.
+    ("patch_model", ["--dense-steps", "0"], "--dense-steps 0 and --sparse-steps 60 must be >= 1"),
+    ("patch_model", ["--sparse-steps", "0"], "--dense-steps 100 and --sparse-steps 0 must be"),
+])
+def test_sizes_below_one_are_refused_before_any_run(name, flags, said, tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    load_example(name).main([*flags, *(["--out", str(tmp_path)] if name == "sharded_train"
+                                       else [])])
+  assert said in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["pmap_train", "patch_model", "train_lm", "sharded_train"])
 def test_every_example_flag_has_help_text(name, capsys):
   import re
