@@ -295,12 +295,21 @@ def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float)
                      f" more: no token is ever dropped).")
 
 
-def check_groups(fn: str, inputs: Any) -> None:
-  """The `SparseMoE` layers' refusal of inputs without routing groups."""
-  if jnp.ndim(inputs) < 2:
+def check_groups(fn: str, inputs: Any, features: int | None = None) -> None:
+  """The `SparseMoE` layers' refusal of inputs without routing groups, with
+  no tokens (a reshape divided by zero), or, where the layer knows its
+  width (`features`: NNX's `in_features`), of another width (JAX's
+  dot_general error named neither)."""
+  shape = jnp.shape(inputs)
+  if len(shape) < 2:
     raise ValueError(
         f"{fn}: `inputs` must be [..., S, d] (tokens S in routing groups), got shape"
-        f" {jnp.shape(inputs)}; add a leading axis for a single group.")
+        f" {shape}; add a leading axis for a single group.")
+  if shape[-2] < 1:
+    raise ValueError(f"{fn}: `inputs` {shape} has no tokens (S = 0) in its routing groups.")
+  if features is not None and shape[-1] != features:
+    raise ValueError(f"{fn}: `inputs` {shape} has width {shape[-1]}, and the layer was built"
+                     f" with in_features={features}.")
 
 
 def moe_forward(inputs: Float[Array, "... S d"], router: Callable[[jax.Array], jax.Array],

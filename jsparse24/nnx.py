@@ -505,7 +505,7 @@ class SparseMoE(nnx.Module):
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     from jsparse24.moe import check_groups, moe_forward  # pylint: disable=g-import-not-at-top
-    check_groups("nnx.SparseMoE", inputs)
+    check_groups("nnx.SparseMoE", inputs, self.router.in_features)
 
     @nnx.vmap(in_axes=(0, 0), out_axes=0)
     def run(expert, x):

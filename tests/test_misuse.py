@@ -792,3 +792,19 @@ def test_selected_implementation_names_arguments_it_would_misread(monkeypatch):
   for n, want in ((32, True), (30, False)):
     f((8, 64), (64, n), jnp.bfloat16, transposable=None)
     assert seen[-1] is want, (n, seen)
+
+
+def test_moe_layers_name_inputs_of_another_width_or_without_tokens():
+  """nnx.SparseMoE on inputs of another width failed in JAX's dot_general
+  ("contracting dimensions ... (12,) and (16,)"), both layers on groups of no
+  tokens with a ZeroDivisionError inside a reshape."""
+  moe = jnnx.SparseMoE(16, num_experts=4, hidden=32, transposable=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"nnx.SparseMoE: `inputs` \(2, 6, 12\) has width 12, and"
+                     r" the layer was built with in_features=16"):
+    moe(jnp.ones((2, 6, 12)))
+  with pytest.raises(ValueError, match=r"nnx.SparseMoE: `inputs` \(2, 0, 16\) has no tokens"):
+    moe(jnp.ones((2, 0, 16)))
+  with pytest.raises(ValueError, match=r"SparseMoE: `inputs` \(2, 0, 16\) has no tokens"):
+    jsparse24.SparseMoE(num_experts=4, hidden=32, transposable=False).init(
+        jax.random.key(0), jnp.ones((2, 0, 16)))
+  assert moe(jnp.ones((2, 8, 16))).shape == (2, 8, 16)
