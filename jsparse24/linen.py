@@ -146,12 +146,14 @@ _RESTORE_WITH_A_TEMPLATE = (
     "ocp.utils.to_shape_dtype_struct, jax.eval_shape(model.init, key, x)))")
 
 
-def _restored_without_template(tree: Any) -> bool:
-  """Whether `tree` holds a Mask24 restored without a template (a mapping
-  whose only key is "packed")."""
-  return any(isinstance(node, Mapping) and set(node) == {"packed"}
-             for node in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, Mapping)
-                                         and set(n) == {"packed"}))
+def _mask_fix(mask: Any) -> str:
+  """How to turn `mask`, found where a Mask24 belongs, into one: restore it
+  against a template where it holds a Mask24 restored without one (a
+  mapping whose only key is "packed"), else pack a bool mask."""
+  packed = lambda node: isinstance(node, Mapping) and set(node) == {"packed"}  # noqa: E731
+  if any(packed(node) for node in jax.tree.leaves(mask, is_leaf=packed)):
+    return _RESTORE_WITH_A_TEMPLATE
+  return "a bool 2:4 mask [in, out] converts with jsparse24.Mask24.pack(mask, transposable=...)"
 
 
 def _layer_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions,
@@ -191,9 +193,7 @@ def _checked_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions, m
   """`(mask, active)`, once `mask` is known to be a `Mask24` that fits the
   layer's kernel and options."""
   if not isinstance(mask, Mask24):
-    how = (_RESTORE_WITH_A_TEMPLATE if _restored_without_template(mask) else
-           "a bool 2:4 mask [in, out] converts with jsparse24.Mask24.pack(mask,"
-           " transposable=...)")
+    how = _mask_fix(mask)
     raise TypeError(
         f"{_layer_name(module)}: the 'mask' in the {COLLECTION!r} collection"
         f" passed to `apply` is {_kind(mask)}; expected a jsparse24.Mask24, as `init`"
@@ -838,9 +838,7 @@ def _check_layer_masks(fn: str, sparsity: Mapping, path: tuple[str, ...] = ()) -
   if ({"mask", "active"} <= set(sparsity) and not isinstance(mask, Mask24)
       and not any(isinstance(leaf, Mask24) for leaf in jax.tree.leaves(
           mask, is_leaf=lambda a: isinstance(a, Mask24)))):
-    how = (_RESTORE_WITH_A_TEMPLATE if _restored_without_template(mask) else
-           "a bool 2:4 mask [in, out] converts with jsparse24.Mask24.pack(mask,"
-           " transposable=...)")
+    how = _mask_fix(mask)
     raise TypeError(f"{fn}: the mask of layer {'/'.join(path)!r} in `sparsity` is"
                     f" {_kind(mask)}; expected a jsparse24.Mask24 ({how}).")
   for key, value in sparsity.items():
