@@ -397,6 +397,16 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool | Non
                      f" and {w_shape}.")
   _checks.check_nonempty(fn, "w", w_shape, (0, 1), "K or N")
   _checks.check_multiple_of_4(fn, "w", w_shape, 0)
+  if compressed == "cusparselt":
+    # Such a weight has K and N that compress could lay out. A product in a
+    # dtype other than its 16 bits converts it to the portable layout first
+    # (`_compressed_dot`'s `w.astype`), and is answered as one.
+    unfit = cusparselt_layout_unfit(w_shape, jnp.bfloat16, off="compressed=True")
+    if unfit:
+      raise ValueError(f"{fn}: compressed='cusparselt' describes a weight in cuSPARSELt's layout"
+                       f" (compress(..., cusparselt=True)), which {unfit}")
+    if cusparselt_layout_unfit(w_shape, dtype):
+      compressed = True
   if x_shape[-1] != w_shape[0]:
     raise ValueError(f"{fn}: x_shape[-1] = {x_shape[-1]} does not match K ="
                      f" w_shape[0] = {w_shape[0]}.")

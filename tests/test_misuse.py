@@ -6,6 +6,7 @@ their gradients) go, a model patched by `sparsify` applied with
 rules that match nothing or without its masks, a `"sparsity"` collection
 holding something else than masks, and a layer whose width cannot be 2:4."""
 
+import contextlib
 import re
 import types
 
@@ -792,6 +793,27 @@ def test_selected_implementation_names_arguments_it_would_misread(monkeypatch):
   for n, want in ((32, True), (30, False)):
     f((8, 64), (64, n), jnp.bfloat16, transposable=None)
     assert seen[-1] is want, (n, seen)
+
+
+def test_selected_implementation_answers_for_cusparselts_layout_as_sparse_dot_runs(monkeypatch):
+  """compressed='cusparselt' was answered for weights compress cannot lay
+  out that way (K = 60), and for a float32 product as for a bfloat16 one,
+  where sparse_dot converts the weight to the portable layout first."""
+  f = jsparse24.selected_implementation
+  with pytest.raises(ValueError, match=r"selected_implementation: compressed='cusparselt' .* needs"
+                     r" K and N multiples of 64 .* got K=60, N=64; pass compressed=True"):
+    f((8, 60), (60, 64), jnp.bfloat16, compressed="cusparselt")
+  seen = []
+  monkeypatch.setattr(jsparse24._ops.backends, "select",
+                      lambda impl, problem, *fn: seen.append(problem) or
+                      types.SimpleNamespace(name="xla", split_align=None))
+  w = jsparse24.compress(jnp.ones((128, 64), jnp.bfloat16), cusparselt=True)
+  for dtype, layout in ((jnp.float32, False), (jnp.bfloat16, True)):
+    f((8, 128), (128, 64), dtype, compressed="cusparselt")
+    with contextlib.suppress(AttributeError):  # the stand-in backend runs nothing
+      jsparse24.sparse_dot(jnp.ones((8, 128), dtype), w)
+    asked, ran = seen[-2:]
+    assert asked == ran and asked.cusparselt_layout is layout and asked.compressed, seen
 
 
 def test_moe_layers_name_inputs_of_another_width_or_without_tokens():

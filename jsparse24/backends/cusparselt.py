@@ -452,16 +452,18 @@ def forward_buffer(sp: Sparse24) -> jax.Array:
   return _with_metadata(whole_on_each_device(write, sp.values), k // 2, sp.meta, k // 4)
 
 
-def cusparselt_layout_unfit(shape: tuple[int, ...], dtype) -> str | None:
+def cusparselt_layout_unfit(shape: tuple[int, ...], dtype,
+                            off: str = "cusparselt=False") -> str | None:
   """Why a `[..., K, N]` weight of `dtype` cannot take cuSPARSELt's layout
-  (`to_cusparselt_layout`), with the fix; None: it can."""
+  (`to_cusparselt_layout`), with the fix (`off`: the argument that asks for
+  the portable layout instead); None: it can."""
   k, n = shape[-2:]
   if jnp.dtype(dtype) not in _DTYPE_CODES:
     return (f"needs bfloat16 or float16 weights (cuSPARSELt's 2:4 products), got"
-            f" {jnp.dtype(dtype)}; cast the weight first or pass cusparselt=False.")
+            f" {jnp.dtype(dtype)}; cast the weight first or pass {off}.")
   if k % ALIGN_KN or n % ALIGN_KN:
     return (f"needs K and N multiples of {ALIGN_KN} (cuSPARSELt's layout), got K={k},"
-            f" N={n}; pass cusparselt=False for this weight.")
+            f" N={n}; pass {off} for this weight.")
   return None
 
 
