@@ -196,6 +196,16 @@ class SparseLinear(nnx.Module):
     kernel = self.kernel.get_value()
     bias = self.bias[...] if self.bias is not None else None
     if isinstance(kernel, Sparse24):
+      if self.mask is not None or self.active is not None:
+        # compress_params leaves neither: here the state of a compressed model
+        # went into one that was not compressed, whose mask (another model's,
+        # or stale) would be ignored, and so would `active`.
+        raise ValueError(
+            "SparseLinear: the kernel is a Sparse24 (compressed), but the layer still"
+            " holds a mask and an active flag, which a compressed layer does not read:"
+            " the state of a compressed model was put into a model that was not"
+            " compressed (nnx.update(model, state)). Compress the target first,"
+            " jsparse24.nnx.compress_params(model), then update it with the state.")
       return self._compressed(inputs, kernel, bias)
     if self.mask is None and self.mask_source == "collection":
       # Without this check the product would prune the kernel by magnitude at
@@ -246,7 +256,8 @@ def rebuild_masks(model: nnx.Module) -> None:
   if not isinstance(model, nnx.Module):
     raise TypeError(
         f"nnx.rebuild_masks: `model` must be an nnx.Module, got {type(model).__name__}.")
-  stored = 0
+  stored = []
+  # Every layer is checked before any mask changes: an error leaves the model whole.
   for path, layer in nnx.iter_modules(model):
     if isinstance(layer, SparseLinear) and isinstance(layer.kernel.get_value(), Sparse24):
       raise TypeError(
@@ -254,12 +265,12 @@ def rebuild_masks(model: nnx.Module) -> None:
           f" (compressed by nnx.compress_params); masks are rebuilt from dense"
           f" kernels: rebuild them before compressing.")
     if isinstance(layer, SparseLinear) and layer.mask is not None:
-      stored += 1
-      old = layer.mask.get_value()
-      layer.mask.set_value(Mask24.from_weights(layer.kernel[...],
-                                               transposable=old.transposable))
+      stored.append(layer)
   if not stored:
     raise _nothing_stored("nnx.rebuild_masks", "rebuild")
+  for layer in stored:
+    layer.mask.set_value(Mask24.from_weights(
+        layer.kernel[...], transposable=layer.mask.get_value().transposable))
 
 
 def masks_like_kernels(model: nnx.Module) -> None:

@@ -374,6 +374,40 @@ def test_errors_name_the_function_and_the_fix():
     model.up(_x(33, (3, K)))
 
 
+def test_a_compressed_models_state_in_a_model_not_compressed_is_named():
+  """nnx.update(fresh, nnx.state(compressed)) gave layers a Sparse24 kernel
+  beside the fresh model's masks and active flags, which the product then
+  ignored without a word (`active = False` left the layer compressed)."""
+  compressed = _Mlp(nnx.Rngs(40))
+  jnnx.compress_params(compressed)
+  fresh = _Mlp(nnx.Rngs(41))
+  nnx.update(fresh, nnx.state(compressed))
+  with pytest.raises(ValueError, match=r"SparseLinear: the kernel is a Sparse24 \(compressed\),"
+                     r" but the layer still holds a mask .* Compress the target first,"
+                     r" jsparse24.nnx.compress_params\(model\), then update it"):
+    fresh(_x(42, (3, K)))
+  target = _Mlp(nnx.Rngs(41))  # the fix: compress the target, then update it
+  jnnx.compress_params(target)
+  nnx.update(target, nnx.state(compressed))
+  np.testing.assert_array_equal(target(_x(42, (3, K))), compressed(_x(42, (3, K))))
+
+
+def test_rebuild_masks_changes_nothing_when_a_later_layer_is_compressed():
+  """rebuild_masks rebuilt 'down' from its kernel (layers in order of their
+  names), then raised on the compressed 'up': the model was left half
+  changed."""
+  model = _Mlp(nnx.Rngs(43))
+  _randomize(model, 44)  # 'down's magnitude mask is no longer its stored one
+  jnnx.compress_params(model.up)
+  before = model.down.mask.get_value().packed
+  with pytest.raises(TypeError, match=r"nnx.rebuild_masks: the kernel of layer 'up' is a"
+                                      r" Sparse24"):
+    jnnx.rebuild_masks(model)
+  np.testing.assert_array_equal(model.down.mask.get_value().packed, before)
+  assert not np.array_equal(jsparse24.Mask24.from_weights(
+      model.down.kernel[...], transposable=False).packed, before)  # a rebuild would change it
+
+
 def test_compress_params_in_cusparselts_layout():
   """`cusparselt=True`: every kernel in cuSPARSELt's layout, the same
   outputs bit for bit; a kernel that cannot take it (K, N not multiples of
