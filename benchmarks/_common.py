@@ -9,6 +9,7 @@ benchmarks/results/<gpu>.md (`write_section`, `table`, `environment`)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import glob
 import gzip
@@ -72,6 +73,20 @@ def rows_per_weight(key, m: int, k: int, count: int, dtype=jnp.bfloat16) -> list
   "Decode products: GPU time against wall time") copying the weights together
   took 4.9 of a dense product's 8.9 us."""
   return [jax.random.normal(jax.random.fold_in(key, i), (m, k), dtype) for i in range(count)]
+
+
+def counts(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+  """A comma-separated list of ints >= 1 (`--widths`, `--ms`, ...), or an
+  error through `p` naming `flag`, where int() would raise a bare traceback
+  or a 0 fail far from the flag (rows that fail one by one, a division by
+  zero)."""
+  try:
+    values = [int(v) for v in str(text).split(",")]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    p.error(f"{flag} {text!r}: integers >= 1 separated by commas.")
+  return values
 
 
 def rotated(product: Callable) -> Callable:

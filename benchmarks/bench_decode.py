@@ -527,18 +527,18 @@ def parse_args(argv: Sequence[str] | None):
   for key, value in (QUICK if args.quick else full).items():
     if getattr(args, key) is None:
       setattr(args, key, value)
-  cfg = {"widths": [int(v) for v in str(args.widths).split(",")],
-         "batches": [int(v) for v in str(args.batches).split(",")],
+  cfg = {"widths": _common.counts(p, "--widths", args.widths),
+         "batches": _common.counts(p, "--batches", args.batches),
          "layers": args.layers, "context": args.context, "prefill": args.prefill,
          "vocab": args.vocab, "quick": args.quick, "blocks": args.blocks,
          "profile": args.profile, "layout": args.layout,
          "attention": _common.attention_implementation(args.attention)}
-  cfg["kernel_ms"] = ([int(v) for v in args.kernel_ms.split(",")] if args.kernel_ms
+  cfg["kernel_ms"] = (_common.counts(p, "--kernel-ms", args.kernel_ms) if args.kernel_ms
                       else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):
     p.error(f"--widths must be multiples of {HEAD_DIM} (the head size).")
-  if min(cfg["batches"] + cfg["kernel_ms"]) < 1 or min(args.layers, args.context, args.prefill, args.vocab) < 1:
-    p.error("--batches, --kernel-ms, --layers, --context, --prefill and --vocab must be >= 1.")
+  if min(args.layers, args.context, args.prefill, args.vocab) < 1:
+    p.error("--layers, --context, --prefill and --vocab must be >= 1.")
   if args.prefill > args.context:
     p.error(f"--prefill {args.prefill} must fit the cache: at most --context {args.context}.")
   return args, cfg

@@ -30,7 +30,7 @@ def main(argv=None):
   p.add_argument("--ms", default="16,64,256,2048,16384")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   args = p.parse_args(argv)
-  ms = [int(v) for v in args.ms.split(",")]
+  ms = _common.counts(p, "--ms", args.ms)  # before the bandwidth runs, which take seconds
   print(_common.environment(), flush=True)
   bw = _common.copy_bandwidth()
   peak = _common.dense_peak()

@@ -1122,19 +1122,6 @@ def notes(cfg: dict) -> str:
       f" and optimizer replaced by the ones measured in the 2:4 model's phase."))
 
 
-def _counts(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
-  """A comma-separated list of ints >= 1 (`--widths`, `--layers`), or an
-  error through `p` naming `flag` (a bare int() traceback, or rows that fail
-  one by one while the run exits 0)."""
-  try:
-    values = [int(v) for v in text.split(",")]
-  except ValueError:
-    values = []
-  if not values or min(values) < 1:
-    p.error(f"{flag} {text!r}: integers >= 1 separated by commas.")
-  return values
-
-
 def _rows(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
   """The rows to time, {"d_model", "layers", "remat", "batch", "seq"} (and
   "label" under --small): --small's, or every --widths at --batch x --seq,
@@ -1152,7 +1139,7 @@ def _rows(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
       p.error(f"--vocab {args.vocab} must be >= 1.")
     args.vocab = args.vocab or vocab
     widths = sorted({r["d_model"] for r in small})
-    chosen = _counts(p, "--widths", args.widths) if args.widths else widths
+    chosen = _common.counts(p, "--widths", args.widths) if args.widths else widths
     if set(chosen) - set(widths):
       p.error(f"--widths {args.widths}: --small has rows of d_model {widths} only.")
     # The examples train without remat.
@@ -1163,13 +1150,13 @@ def _rows(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
       setattr(args, name, default)
     elif getattr(args, name) < 1:  # 0 took the default
       p.error(f"--{name} {getattr(args, name)} must be >= 1.")
-  widths = _counts(p, "--widths", args.widths)
+  widths = _common.counts(p, "--widths", args.widths)
   if args.layers is None and any(w not in DEFAULTS for w in widths):
     p.error(f"--layers is needed for widths without a default depth ({sorted(DEFAULTS)})")
   if args.layers is None:
     layers = {w: DEFAULTS[w][0] for w in widths}
   else:
-    values = _counts(p, "--layers", args.layers)
+    values = _common.counts(p, "--layers", args.layers)
     if len(values) not in (1, len(widths)):
       p.error(f"--layers: give one value, or one per width ({len(widths)})")
     layers = dict(zip(widths, values * len(widths) if len(values) == 1 else values))

@@ -330,6 +330,13 @@ def main(argv=None) -> dict:
   shape = QUICK_SHAPE if args.quick else FULL_SHAPE
   cfg = {name: getattr(args, name) if getattr(args, name) is not None else default
          for name, default in shape.items()}
+  for name, flag in (("d_model", "--d-model"), ("experts", "--experts"), ("top_k", "--top-k"),
+                     ("tokens", "--tokens"), ("group", "--group"), ("hidden", "--hidden")):
+    value = args.hidden if name == "hidden" else cfg[name]
+    if value is not None and value < 1:  # 0 took a default, or divided by zero
+      p.error(f"{flag} {value} must be >= 1.")
+  if not 0 < args.capacity_factor < math.inf:
+    p.error(f"--capacity-factor {args.capacity_factor} must be a finite number > 0.")
   cfg["hidden"] = args.hidden or 4 * cfg["d_model"]
   cfg.update(capacity_factor=args.capacity_factor, implementation=args.implementation,
              rebuild_every=args.rebuild_every, weight_grad=args.weight_grad)
