@@ -372,8 +372,11 @@ def selected_implementation(x_shape, w_shape, dtype, *, transposable: bool | Non
   a `Sparse24` weight (`compress`, `compress_params`), which may take another
   backend than a dense weight with a mask (nothing to prune or compress per
   call: the Pallas decode kernel at small M); `compressed="cusparselt"`: for
-  one in cuSPARSELt's layout (`compress(..., cusparselt=True)`), which
-  cuSPARSELt multiplies in place, so from fewer rows;
+  one in cuSPARSELt's layout (`compress(..., cusparselt=True)`: K and N
+  multiples of 64), which cuSPARSELt multiplies in place, so from fewer
+  rows (a `dtype` other than bfloat16 or float16 is answered as
+  `compressed=True`: `sparse_dot` converts such a weight to the portable
+  layout for it);
   `pruned_activations=True`: for a dense weight whose layer prunes an
   activation 2:4 (`input_sparsity` or `grad_output`). `transposable=None`:
   as the layers read it, transposable where N is a multiple of 4
