@@ -11,11 +11,11 @@ The forward pass gets the current masks with `masks(opt_state)`, a
     opt_state = tx.init(params)
     loss = model.apply({"params": params, "sparsity": jsparse24.optim.masks(opt_state)}, x)
 
-Chained by hand, last after the optimizer (`optax.chain(optax.adam(...),
-mask_update(...))`), it would receive the optimizer's updates instead of the
-gradients and add the decay to the step itself, with the gradient's sign and
-no learning rate; `masks`, `stats` and `masks_like_kernels` refuse such a
-state.
+Chained by hand after the optimizer (`optax.chain(optax.adam(...),
+mask_update(...))`, in an `optax.named_chain` too, or with transforms after
+it), it would receive the optimizer's updates instead of the gradients and
+add the decay to the step itself, with the gradient's sign and no learning
+rate; `masks`, `stats` and `masks_like_kernels` refuse such a state.
 
 Timing. Step `s` is the `s`-th forward/backward pass (0-based); it uses the
 masks held by the state after `s` updates. `init` builds the masks from the
@@ -918,36 +918,64 @@ def _find_state(opt_state, fn: str) -> MaskUpdateState:
   return state
 
 
+# The states of optax's optimizers (their moments): a chain whose entries
+# before `mask_update` hold one of these feeds it the optimizer's updates.
+# Read by name, as optax versions differ in which they define.
+_OPTIMIZER_STATES = tuple(getattr(optax, name) for name in (
+    "ScaleByAdaDeltaState", "ScaleByAdamState", "ScaleByAdanState", "ScaleByAmsgradState",
+    "ScaleByBeliefState", "ScaleByLionState", "ScaleByNovogradState", "ScaleByRStdDevState",
+    "ScaleByRmsState", "ScaleByRpropState", "ScaleByRssState", "ScaleBySM3State",
+    "TraceState", "FactoredState") if hasattr(optax, name))
+
+
+def _holds_optimizer_state(tree) -> bool:
+  return any(isinstance(node, _OPTIMIZER_STATES) for node in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda n: isinstance(n, _OPTIMIZER_STATES)))
+
+
 def _check_placement(fn: str, opt_state, path) -> None:
   """Raises where the `mask_update` state at `path` shows the transform
-  chained last, after other transforms: then it receives the optimizer's
-  updates, not the gradients (module docstring), and trains on without a
+  chained after the optimizer: then it receives the optimizer's updates,
+  not the gradients (module docstring), and its decay, added to the step
+  itself with the gradient's sign, grows the pruned weights, without a
   word. The state says so: `optax.chain` keeps its transforms' states in a
-  plain tuple, in order, so the transform is last after others where it is
-  the last entry of every tuple on its path and not the first of one. Other
-  containers on the path (`optax.MultiSteps`, `inject_hyperparams`) are
-  passed through; a container it cannot read makes it say nothing.
-  (`optax.chain(clip, mask_update, optimizer)`, which feeds it clipped
-  gradients, is accepted.)"""
-  node, last, after_others = opt_state, True, False
+  tuple, `optax.named_chain` in a dict, both in order. The transform comes
+  after the optimizer where, in a chain on its path, an entry before it
+  holds an optimizer's state (`_OPTIMIZER_STATES`: Adam's moments, SGD's
+  momentum), or where it is the last entry of every chain on its path and
+  not the first of one (a plain `optax.sgd` keeps no moments). Other
+  containers on the path (`optax.MultiSteps`, `inject_hyperparams`, the
+  groups of `optax.multi_transform`: a dict that is an attribute, not a
+  chain) are passed through; a container it cannot read makes it say
+  nothing. (`optax.chain(clip, mask_update, optimizer)`, which feeds it
+  clipped gradients, is accepted.)"""
+  node, last, after_others, after_optimizer = opt_state, True, False, False
+  via_attribute = False
   for key in path:
     if isinstance(key, jax.tree_util.SequenceKey) and isinstance(node, (tuple, list)):
-      last &= key.idx == len(node) - 1
-      after_others |= key.idx > 0
-      node = node[key.idx]
+      entries, index, child = list(node), key.idx, node[key.idx]
+    elif (isinstance(key, jax.tree_util.DictKey) and isinstance(node, dict)
+          and not via_attribute):  # optax.named_chain's state
+      entries, index, child = list(node.values()), list(node).index(key.key), node[key.key]
     elif isinstance(key, jax.tree_util.GetAttrKey):
-      node = getattr(node, key.name)
+      node, via_attribute = getattr(node, key.name), True
+      continue
     elif isinstance(key, jax.tree_util.DictKey):
-      node = node[key.key]
+      node, via_attribute = node[key.key], False
+      continue
     else:
       return
-  if last and after_others:
+    last &= index == len(entries) - 1
+    after_others |= index > 0
+    after_optimizer |= any(_holds_optimizer_state(e) for e in entries[:index])
+    node, via_attribute = child, False
+  if after_optimizer or (last and after_others):
     raise ValueError(
         f"{fn}: the jsparse24.optim.mask_update transform is chained after the"
-        f" optimizer (last in an optax.chain, after other transforms), so it receives"
-        f" the optimizer's updates instead of the gradients and adds its decay to the"
-        f" step itself. Chain it"
-        f" first: jsparse24.optim.with_masks(optimizer, sparsity, schedule, decay=...),"
+        f" optimizer (in an optax.chain or named_chain, after the optimizer's"
+        f" transform), so it receives the optimizer's updates instead of the gradients"
+        f" and adds its decay to the step itself. Chain it first:"
+        f" jsparse24.optim.with_masks(optimizer, sparsity, schedule, decay=...),"
         f" or optax.chain(jsparse24.optim.mask_update(...), optimizer).")
 
 

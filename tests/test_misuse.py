@@ -91,6 +91,17 @@ def _chains(sparsity):
           optax.chain(optax.adam(1e-3), mu()), 2),
       "chain(inject_hyperparams(adam), mask_update)": optax.chain(
           optax.inject_hyperparams(optax.adam)(1e-3), mu()),
+      # The decay then grew the pruned weights 1.1x a step at decay=0.1.
+      "named_chain(adam, mask_update)": optax.named_chain(("opt", optax.adam(1e-3)),
+                                                          ("mask", mu())),
+      "chain(adam, mask_update, identity)": optax.chain(optax.adam(1e-3), mu(),
+                                                        optax.identity()),
+      "chain(chain(adam, mask_update), clip)": optax.chain(
+          optax.chain(optax.adam(1e-3), mu()), optax.clip(1.0)),
+      "chain(scale_by_adam, mask_update, scale)": optax.chain(
+          optax.scale_by_adam(), mu(), optax.scale(-1e-3)),
+      "chain(sgd with momentum, mask_update, clip)": optax.chain(
+          optax.sgd(0.1, momentum=0.9), mu(), optax.clip(1.0)),
   }
   first = {
       "with_masks(adam)": optim.with_masks(optax.adam(1e-3), sparsity),
@@ -101,6 +112,14 @@ def _chains(sparsity):
       "MultiSteps(with_masks(adam))": optax.MultiSteps(optim.with_masks(optax.adam(1e-3),
                                                                         sparsity), 2),
       "mask_update alone": mu(),
+      "named_chain(clip, mask_update, adam)": optax.named_chain(
+          ("clip", optax.clip(1.0)), ("mask", mu()), ("opt", optax.adam(1e-3))),
+      "chain(zero_nans, mask_update, adam)": optax.chain(optax.zero_nans(), mu(),
+                                                         optax.adam(1e-3)),
+      # The groups of multi_transform are no chain: the last group is not "after".
+      "multi_transform(adam, with_masks(adam))": optax.multi_transform(
+          {"a": optax.adam(1e-3), "z": optim.with_masks(optax.adam(1e-3), sparsity)},
+          lambda params: jax.tree.map(lambda _: "z", params)),
   }
   return after, first
 
