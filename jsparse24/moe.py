@@ -72,11 +72,12 @@ class _Expert(nn.Module):
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
   """Slots per expert for a group of `tokens` tokens: `capacity_factor`
   times an even share of the group's `top_k * tokens` assignments, rounded
-  up, at least 1. With `capacity_factor >= num_experts / top_k` no token is
-  ever dropped."""
+  up, at least 1, at most `tokens` (an expert takes each token at most once,
+  so more slots would stay empty). With `capacity_factor >= num_experts /
+  top_k` no token is ever dropped."""
   check_routing("expert_capacity", num_experts, top_k, capacity_factor)
   _checks.check_count("expert_capacity", "tokens", tokens)
-  return max(1, math.ceil(capacity_factor * top_k * tokens / num_experts))
+  return min(tokens, max(1, math.ceil(capacity_factor * top_k * tokens / num_experts)))
 
 
 class Routing(NamedTuple):
@@ -264,11 +265,16 @@ def load_balancing_loss(probs: Float[Array, "G S E"], experts: jax.Array) -> jax
   return num_experts * jnp.mean(jnp.sum(share * prob, axis=-1))
 
 
-def check_experts(fn: str, hidden: Any, activation: Any) -> None:
+def check_experts(fn: str, hidden: Any, activation: Any, sparse: bool = True) -> None:
   """The Linen and NNX `SparseMoE`'s refusal of experts that cannot be built
   (a width of 0 or 32.0 failed inside JAX's initializer, a string
-  activation at the first call)."""
+  activation at the first call; 2:4 experts (`sparse`) whose `hidden` is
+  not a multiple of 4, where the down-projection's error asked to pad the
+  inputs)."""
   _checks.check_count(fn, "hidden", hidden)
+  if sparse and hidden % 4:
+    raise ValueError(f"{fn}: hidden={hidden} must be a multiple of 4 for 2:4 experts (the"
+                     f" down-projection is 2:4 along it); pass hidden={hidden + 4 - hidden % 4}.")
   if not callable(activation):
     raise TypeError(f"{fn}: activation must be a function (e.g. jax.nn.gelu), got"
                     f" {type(activation).__name__} {activation!r}.")
@@ -287,6 +293,10 @@ def check_routing(fn: str, num_experts: int, top_k: int, capacity_factor: float)
   """The refusal of a routing that cannot run (`SparseMoE`, Linen and NNX;
   `expert_capacity`)."""
   _check_choices(fn, num_experts, top_k)
+  if isinstance(capacity_factor, jax.Array):
+    raise TypeError(f"{fn}: capacity_factor must be a Python or NumPy number (it sizes the"
+                    f" experts' buffers when the program is traced), got a jax.Array;"
+                    f" pass float(capacity_factor).")
   if (isinstance(capacity_factor, bool)
       or not isinstance(capacity_factor, (int, float, np.integer, np.floating))
       or not 0 < capacity_factor < math.inf):
@@ -406,7 +416,7 @@ class SparseMoE(nn.Module):
     fn = f"SparseMoE {'/'.join(self.path)!r}" if self.path else "SparseMoE"
     check_groups(fn, inputs)
     check_routing(fn, self.num_experts, self.top_k, self.capacity_factor)
-    check_experts(fn, self.hidden, self.activation)
+    check_experts(fn, self.hidden, self.activation, self.sparse)
     options = SparsityOptions.checked(
         fn, gradient=self.gradient, transposable=self.transposable,
         implementation=self.implementation, mask_source=self.mask_source,

@@ -493,7 +493,7 @@ class SparseMoE(nnx.Module):
     # Imported here: jsparse24.moe imports jsparse24.linen, which this module imports too.
     from jsparse24.moe import check_experts, check_routing  # pylint: disable=g-import-not-at-top
     check_routing("nnx.SparseMoE", num_experts, top_k, capacity_factor)
-    check_experts("nnx.SparseMoE", hidden, activation)
+    check_experts("nnx.SparseMoE", hidden, activation, sparse)
     self.router = nnx.Linear(in_features, num_experts, use_bias=False, dtype=jnp.float32,
                              param_dtype=param_dtype, precision=precision,
                              kernel_init=router_init, rngs=rngs)

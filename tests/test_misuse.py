@@ -835,6 +835,29 @@ def test_selected_implementation_answers_for_cusparselts_layout_as_sparse_dot_ru
     assert asked == ran and asked.cusparselt_layout is layout and asked.compressed, seen
 
 
+def test_moe_experts_and_capacities_that_cannot_be_used_are_named():
+  """2:4 experts with a hidden width that is not a multiple of 4 were named
+  by the down-projection, asking to pad the inputs; a capacity_factor given
+  as a jax scalar was 'must be a finite number > 0' though it was one; and
+  a capacity past the group's tokens built buffers whose extra slots stay
+  empty (16,000 slots per expert for 64 tokens)."""
+  with pytest.raises(ValueError, match=r"SparseMoE: hidden=30 must be a multiple of 4 for 2:4"
+                     r" experts .*pass hidden=32"):
+    jsparse24.SparseMoE(num_experts=4, hidden=30, transposable=False).init(
+        jax.random.key(0), jnp.ones((1, 8, 16)))
+  with pytest.raises(ValueError, match=r"nnx.SparseMoE: hidden=30 must be a multiple of 4"):
+    jnnx.SparseMoE(16, num_experts=4, hidden=30, rngs=nnx.Rngs(0))
+  dense = jsparse24.SparseMoE(num_experts=4, hidden=30, sparse=False)  # nn.Dense experts: fine
+  assert dense.apply(dense.init(jax.random.key(0), jnp.ones((1, 8, 16))),
+                     jnp.ones((1, 8, 16))).shape == (1, 8, 16)
+  with pytest.raises(TypeError, match=r"SparseMoE: capacity_factor must be a Python or NumPy"
+                     r" number .* got a jax.Array; pass float\(capacity_factor\)"):
+    jnnx.SparseMoE(16, num_experts=4, hidden=32, capacity_factor=jnp.float32(1.25),
+                   rngs=nnx.Rngs(0))
+  assert jsparse24.moe.expert_capacity(64, 8, 2, 1000.0) == 64  # was 16,000
+  assert jsparse24.moe.expert_capacity(64, 8, 2, 1.25) == 20
+
+
 def test_moe_layers_name_inputs_of_another_width_or_without_tokens():
   """nnx.SparseMoE on inputs of another width failed in JAX's dot_general
   ("contracting dimensions ... (12,) and (16,)"), both layers on groups of no
