@@ -55,6 +55,7 @@ Example (tensor parallelism over 1 device, to run anywhere):
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -82,6 +83,14 @@ def make_mesh(layout: str, devices: Sequence[Any] | None = None,
   it fits."""
   _check_layout("make_mesh", layout)
   devices = np.array(jax.devices() if devices is None else list(devices))
+  # A mesh of none failed at the first sharding (a modulo by zero), one that
+  # lists a device twice inside device_put (a bare AssertionError).
+  if not devices.size:
+    raise ValueError("make_mesh: `devices` is empty; pass jax.devices() or a part of it.")
+  if len(set(devices.flat)) != devices.size:
+    raise ValueError(f"make_mesh: `devices` lists a device more than once"
+                     f" ({devices.size} entries, {len(set(devices.flat))} devices); pass each"
+                     f" device once.")
   if layout not in ("tp", "2d"):
     if model_devices not in (None, 1):
       raise ValueError(f"make_mesh: model_devices={model_devices} applies to the layouts 'tp'"
@@ -230,7 +239,28 @@ class Layout:
             f" tree; a rule fully matches a layer's path or a tail of it, without '/kernel'"
             f" (e.g. r'mlp/up'). The tree's layers: {layers[:12]}"
             f"{' ...' if len(layers) > 12 else ''}.")
+      for path, a in jax.tree_util.tree_leaves_with_path(tree):
+        if self._rule(path) is not None:
+          self._check_split(path, a)
     return shardings
+
+  def _check_split(self, path, a) -> None:
+    """Raises where the mesh axes of a tensor-parallel kernel's `state_spec`
+    do not divide its axes: JAX's IndivisibleError at `device_put` or `jit`
+    named neither the layer nor the rule."""
+    shape = a.shape if hasattr(a, "shape") else np.shape(a)
+    for size, axis in zip(shape, self.state_spec(path, a)):
+      if axis is None:
+        continue
+      count = math.prod(self.mesh.shape[n] for n in (axis if isinstance(axis, tuple) else (axis,)))
+      if size % count:
+        rule, role = self.tensor_parallel[self._rule(path)]
+        raise ValueError(
+            f"Layout.state_shardings: the kernel of layer {'/'.join(_keys(path)[:-1])!r}"
+            f" {tuple(shape)} is split over {count} devices of mesh axis {axis!r} along an axis"
+            f" of {size} ({self.name!r}, tensor_parallel rule {rule!r}: {role!r}), which"
+            f" {count} does not divide; give the layer a width that {count} divides, or leave"
+            f" it out of tensor_parallel.")
 
   def step_spec(self, path, a, sparse_kernel: bool = False) -> P | None:
     """The sharding a param is constrained to inside the step, for the

@@ -597,6 +597,34 @@ def test_zero_or_fractional_sizes_are_named():
     jnnx.SparseMoE(8, num_experts=4, hidden=16, activation="gelu", rngs=nnx.Rngs(0))
 
 
+def test_meshes_of_no_device_or_a_device_twice_and_kernels_a_mesh_cannot_split_are_named():
+  """make_mesh took no devices (a modulo by zero at the first sharding) and
+  a device listed twice (a bare AssertionError in device_put); a kernel that
+  the tensor-parallel split does not divide failed with JAX's
+  IndivisibleError at device_put, naming neither the layer nor the rule."""
+  layouts = jsparse24.layouts
+  with pytest.raises(ValueError, match=r"make_mesh: `devices` is empty"):
+    layouts.make_mesh("fsdp", [d for d in jax.devices() if d.platform == "no such platform"])
+  with pytest.raises(ValueError, match=r"make_mesh: `devices` lists a device more than once"
+                     r" \(2 entries, 1 devices\)"):
+    layouts.make_mesh("data", jax.devices()[:1] * 2)
+  rules = {"up": "column", "down": "row"}
+  tp = layouts.Layout("tp", layouts.make_mesh("tp", model_devices=4), rules)
+  params = {"mlp": {"up": {"kernel": jnp.ones((8, 6))}, "down": {"kernel": jnp.ones((6, 8))}}}
+  with pytest.raises(ValueError, match=r"Layout.state_shardings: the kernel of layer 'mlp/down'"
+                     r" \(6, 8\) is split over 4 devices of mesh axis 'model' along an axis of 6"
+                     r" \('tp', tensor_parallel rule 'down': 'row'\)"):
+    tp.state_shardings(params)
+  params = {"mlp": {"up": {"kernel": jnp.ones((8, 16))}, "down": {"kernel": jnp.ones((16, 8))}}}
+  specs = jax.tree.map(lambda s: s.spec, tp.state_shardings(params))
+  assert specs["mlp"]["down"]["kernel"] == P("model", None)  # a width 4 divides: split
+  two_d = layouts.Layout("2d", layouts.make_mesh("2d"), rules)  # 4 data x 2 model
+  with pytest.raises(ValueError, match=r"the kernel of layer 'mlp/up' \(6, 16\) is split over 4"
+                     r" devices of mesh axis 'data'"):
+    two_d.state_shardings({"mlp": {"up": {"kernel": jnp.ones((6, 16))},
+                                   "down": {"kernel": jnp.ones((16, 8))}}})
+
+
 def test_compressed_params_of_another_width_or_without_their_bias_are_named():
   """A layer on compressed params (`compress_params`) ran with a kernel of
   another width (the output was the kernel's width, not `features`),
