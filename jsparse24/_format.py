@@ -218,6 +218,26 @@ def compress_reference(w: jax.Array, mask: "jax.Array | Mask24 | None",
   return Sparse24(values, meta, values_t, meta_t)
 
 
+def check_mask24(fn: str, name: str, mask: "Mask24") -> None:
+  """Raises where `mask.packed` is not the packing of a mask of `mask.dims`
+  (`Mask24`'s docstring), naming `fn` and `name`: a mask sliced by a pytree
+  map along an axis it does not stack (`a[0]` of one layer's mask, where a
+  model mixes stacked and single layers), or restored against another
+  template, kept its dims, so its `shape` passed the shape checks and the
+  product failed inside JAX. Shapes and dtypes only: free under `jit`."""
+  k, n = mask.dims
+  want = (-(-n * k // 8),) if (k // 4) % 2 else (n, k // 8)
+  packed = mask.packed
+  if packed.dtype != jnp.uint8 or tuple(packed.shape[-len(want):]) != want or (
+      packed.ndim < len(want)):
+    raise ValueError(
+        f"{fn}: `{name}` is a Mask24 of dims (K, N) = {mask.dims} whose packed codes are"
+        f" {packed.dtype}{tuple(packed.shape)}, not uint8[..., {', '.join(map(str, want))}] as"
+        f" those dims pack: was it sliced along an axis it does not stack (a pytree map over"
+        f" masks of single layers and stacks alike), or restored against another template?"
+        f" Take masks from the model's init, Mask24.pack or Mask24.from_weights.")
+
+
 def check_sparse24(fn: str, name: str, sp: Sparse24) -> None:
   """Raises where `sp`'s arrays do not fit together as `compress` makes them
   (module docstring), naming `fn`, `name` and what was expected: a

@@ -13,7 +13,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jsparse24 import _checks, _phase, backends
-from jsparse24._format import Mask24, Sparse24, check_sparse24
+from jsparse24._format import Mask24, Sparse24, check_mask24, check_sparse24
 from jsparse24._input_sparse import ActivationConfig
 from jsparse24._options import SparsityOptions, resolve_transposable
 from jsparse24._sharding import is_explicit, weight_split
@@ -233,6 +233,7 @@ def _masked_dot(fn, x, w, mask, active, opts: SparsityOptions, *, precision, dty
   _checks.check_multiple_of_4(fn, "w", w.shape, 0)
 
   if isinstance(mask, Mask24):
+    check_mask24(fn, "mask", mask)
     _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
     if transposable is not None and transposable != mask.transposable:
       raise ValueError(
@@ -460,6 +461,7 @@ def compress(
   if transposed:
     _checks.check_multiple_of_4(fn, "w", w.shape, w.ndim - 1, "N, for the transposed copy")
   if isinstance(mask, Mask24):
+    check_mask24(fn, "mask", mask)
     _checks.check_same_shape(fn, "mask", mask.shape, w.shape, "w")
     if transposed and not mask.transposable:
       raise ValueError(f"{fn}: transposed=True needs a transposable Mask24.")

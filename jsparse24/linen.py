@@ -27,7 +27,7 @@ import numpy as np
 from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
-from jsparse24._format import Mask24, Sparse24, check_sparse24
+from jsparse24._format import Mask24, Sparse24, check_mask24, check_sparse24
 from jsparse24._layer import compresses, sparse_dense_forward
 from jsparse24._ops import compress, cusparselt_layout_unfit
 from jsparse24._options import SparsityOptions, check_widths, resolve_transposable
@@ -198,6 +198,7 @@ def _checked_mask(module: nn.Module, kernel: jax.Array, opts: SparsityOptions, m
         f"{_layer_name(module)}: the 'mask' in the {COLLECTION!r} collection"
         f" passed to `apply` is {_kind(mask)}; expected a jsparse24.Mask24, as `init`"
         f" and jsparse24.optim.masks(opt_state) give it ({how}).")
+  check_mask24(_layer_name(module), f"{COLLECTION}/mask", mask)
   if mask.transposable != opts.transposable or tuple(mask.shape) != tuple(kernel.shape):
     raise ValueError(
         f"{_layer_name(module)}: the mask in the {COLLECTION!r}"

@@ -625,6 +625,32 @@ def test_meshes_of_no_device_or_a_device_twice_and_kernels_a_mesh_cannot_split_a
                                    "down": {"kernel": jnp.ones((16, 8))}}})
 
 
+def test_a_mask24_sliced_along_an_axis_it_does_not_stack_is_named():
+  """A pytree map that slices masks (`a[0]`, `a[:4]`) cut the packed codes
+  of a mask that is no stack, which kept its dims: its `shape` still passed
+  the shape checks, and the product failed inside JAX ("cannot reshape",
+  "incompatible shapes for broadcasting", an IndexError)."""
+  w = jax.random.normal(jax.random.key(0), (8, 8))
+  mask = jsparse24.Mask24.from_weights(w)
+  for cut in (lambda a: a[:4], lambda a: a[0]):
+    bad = jax.tree.map(cut, mask)
+    assert bad.shape == (8, 8)  # why the shape checks let it through
+    for fn, call in (("compress", lambda: jsparse24.compress(w, bad)),  # noqa: B023
+                     ("sparse_dot", lambda: jsparse24.sparse_dot(X[:, :8], w, mask=bad))):  # noqa: B023
+      with pytest.raises(ValueError, match=rf"{fn}: `mask` is a Mask24 of dims \(K, N\) = \(8,"
+                         r" 8\) whose packed codes are uint8\(.*\), not uint8\[..., 8, 1\]"):
+        call()
+  variables = _Net().init(jax.random.key(0), X)
+  sparsity = variables["sparsity"]
+  cut = {"up": {**sparsity["up"], "mask": jax.tree.map(lambda a: a[:4], sparsity["up"]["mask"])}}
+  with pytest.raises(ValueError, match=r"SparseDense 'up': `sparsity/mask` is a Mask24 of dims"):
+    _Net().apply({**variables, "sparsity": cut}, X)
+  # Stacks slice like arrays; a mask whose K/4 is odd packs flat.
+  stack = jsparse24.Mask24.from_weights(jnp.ones((3, 12, 8)))
+  one = jax.tree.map(lambda a: a[1], stack)
+  assert jsparse24.sparse_dot(jnp.ones((2, 12)), jnp.ones((12, 8)), mask=one).shape == (2, 8)
+
+
 def test_compressed_params_of_another_width_or_without_their_bias_are_named():
   """A layer on compressed params (`compress_params`) ran with a kernel of
   another width (the output was the kernel's width, not `features`),
