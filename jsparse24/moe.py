@@ -117,7 +117,11 @@ def route(probs: Float[Array, "G S E"], top_k: int, capacity: int) -> Routing:
   comes out as zeros (a residual connection around the layer carries it).
 
   Args:
-    probs: the router's probabilities, `[G, S, E]` (groups, tokens, experts).
+    probs: the router's probabilities, float `[G, S, E]` (groups, tokens,
+      experts), e.g. `jax.nn.softmax(logits)`: the chosen ones become the
+      gates that scale the experts' outputs, so logits passed here would
+      scale them by unbounded values (unchecked: values are not read at
+      trace time).
     top_k: experts per token.
     capacity: slots per expert in each group.
 
@@ -127,6 +131,9 @@ def route(probs: Float[Array, "G S E"], top_k: int, capacity: int) -> Routing:
   if jnp.ndim(probs) != 3:
     raise ValueError(f"route: `probs` must be [G, S, E] (groups, tokens, experts), got shape"
                      f" {jnp.shape(probs)}.")
+  # Integer or bool "probabilities" became integer or bool gates, scaling
+  # the experts' outputs by them without a word.
+  _checks.check_float("route", "probs", probs)
   g, s, num_experts = probs.shape
   _check_choices("route", num_experts, top_k)
   _checks.check_count("route", "capacity", capacity)

@@ -912,6 +912,14 @@ def test_moe_experts_and_capacities_that_cannot_be_used_are_named():
   assert jsparse24.moe.expert_capacity(64, 8, 2, 1.25) == 20
 
 
+def test_route_refuses_probabilities_that_are_not_floats():
+  """Integer or bool probs were routed, and became integer or bool gates."""
+  for probs in (jnp.ones((1, 4, 4), jnp.int32), jnp.ones((1, 4, 4), bool)):
+    with pytest.raises(TypeError, match=r"route: `probs` must have a floating dtype"):
+      jsparse24.moe.route(probs, 2, 2)
+  assert jsparse24.moe.route(jnp.full((1, 4, 4), 0.25), 2, 2).gates.dtype == jnp.float32
+
+
 def test_moe_layers_name_inputs_of_another_width_or_without_tokens():
   """nnx.SparseMoE on inputs of another width failed in JAX's dot_general
   ("contracting dimensions ... (12,) and (16,)"), both layers on groups of no
