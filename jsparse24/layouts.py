@@ -282,6 +282,9 @@ class Layout:
     `params` (`"blocks/up"`; `jsparse24.optim.stats(opt_state)` keys them
     so)."""
 
+    if isinstance(sparse_layers, str):  # its characters were taken as the layers' names
+      raise TypeError(f"Layout.constrain: sparse_layers must be a collection of layer paths,"
+                      f" got the string {sparse_layers!r}; pass [{sparse_layers!r}].")
     # A layer of a stack (nn.scan) is named with its index by
     # `optim.sparse_layers` ("blocks/up[0]"): its stacked kernel is the one
     # array of all of them.

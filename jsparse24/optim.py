@@ -897,6 +897,11 @@ def with_masks(
     >>> jsparse24.optim.masks(state)["mask"].unpack().shape
     (8, 4)
   """
+  if isinstance(optimizer, optax.MultiSteps):
+    raise TypeError(
+        "with_masks: `optimizer` is an optax.MultiSteps, which is no transform itself;"
+        " accumulate around the masks instead: optax.MultiSteps(jsparse24.optim.with_masks("
+        "optimizer, sparsity, schedule), every_k_schedule).")
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(
         f"with_masks: `optimizer` must be an optax transform (e.g. optax.adamw(1e-3)),"

@@ -81,6 +81,10 @@ def test_with_masks_refuses_its_arguments_swapped():
   with pytest.raises(TypeError, match=r"with_masks: `optimizer` must be an optax transform"
                      r".*'sparsity' collection comes second"):
     optim.with_masks(v["sparsity"], optax.sgd(0.1))
+  # MultiSteps is no transform: the fix is to wrap with_masks, not to swap arguments.
+  with pytest.raises(TypeError, match=r"with_masks: `optimizer` is an optax.MultiSteps.*"
+                     r"optax.MultiSteps\(jsparse24.optim.with_masks\("):
+    optim.with_masks(optax.MultiSteps(optax.sgd(0.1), 2), v["sparsity"])
 
 
 def _chains(sparsity):
@@ -618,6 +622,9 @@ def test_meshes_of_no_device_or_a_device_twice_and_kernels_a_mesh_cannot_split_a
   params = {"mlp": {"up": {"kernel": jnp.ones((8, 16))}, "down": {"kernel": jnp.ones((16, 8))}}}
   specs = jax.tree.map(lambda s: s.spec, tp.state_shardings(params))
   assert specs["mlp"]["down"]["kernel"] == P("model", None)  # a width 4 divides: split
+  with pytest.raises(TypeError, match=r"Layout.constrain: sparse_layers must be a collection of"
+                     r" layer paths, got the string 'mlp/up'; pass \['mlp/up'\]"):
+    tp.constrain(params, "mlp/up")  # was: no kernel for the layers '/', 'l', 'm', 'p', 'u'
   two_d = layouts.Layout("2d", layouts.make_mesh("2d"), rules)  # 4 data x 2 model
   with pytest.raises(ValueError, match=r"the kernel of layer 'mlp/up' \(6, 16\) is split over 4"
                      r" devices of mesh axis 'data'"):
