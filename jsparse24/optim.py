@@ -440,9 +440,14 @@ def mask_update(
   len(layer_names(opt_state))`). Given, the step has no conditional around
   the rebuild or the ramp's scores (module docstring); it must be the
   schedule's own answer, with the step jitted once per value (a static
-  argument): a wrong one skips or forces a rebuild, unchecked. Given as
-  False, nothing in the update reads the weights, and the optimizer's
-  updates carry no ordering after it.
+  argument): a wrong one skips or forces a rebuild, unchecked. The host's
+  `step` must be the state's count: under a wrapper that skips updates
+  (`optax.apply_if_finite` after a non-finite gradient) the count falls
+  behind the host's steps, and the host's answer belongs to another update
+  (a layer entering 2:4 then keeps its mask from `init`); there pass None,
+  or count the host's steps as the state does. Given as False, nothing in
+  the update reads the weights, and the optimizer's updates carry no
+  ordering after it.
   `sparse`, None (default) or the step's 2:4 layers as `masks(opt_state,
   sparse)` takes them (the same static value): the masked decay is then
   added to those layers only, with no term, select or pass over the
