@@ -127,8 +127,22 @@ def _mask_kn(meta: jax.Array, k: int) -> jax.Array:
   return kept.reshape(*lead, rows * 8, n)[..., :k, :]
 
 
+def _refused_eq(cls_name: str, how: str):
+  """An `__eq__` that names the class and how to compare: the dataclass's
+  compared the arrays, whose truth value is ambiguous (a ValueError naming
+  neither), or raised a broadcasting error for another size. Setting it
+  leaves the class unhashable, as its arrays are."""
+
+  def __eq__(self, other):
+    if not isinstance(other, type(self)):
+      return NotImplemented  # `mask in (None, ...)` stays an identity test
+    raise TypeError(f"{cls_name}: `==` would compare arrays elementwise; {how}.")
+
+  return __eq__
+
+
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Sparse24:
   """A 2:4-compressed weight `w[..., K, N]` (sparse along K). A pytree.
 
@@ -150,6 +164,9 @@ class Sparse24:
   values_t: jax.Array | None = None
   meta_t: jax.Array | None = None
   cusparselt: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  __eq__ = _refused_eq("Sparse24", "compare the dense weights, jnp.array_equal(decompress(a),"
+                       " decompress(b)), or each array (a.values, a.meta, ...)")
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -289,7 +306,7 @@ def decompress(sp: Sparse24) -> Float[Array, "... K N"]:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Mask24:
   """A 2:4 mask along K of a `[..., K, N]` weight, packed to 1 bit/element.
 
@@ -308,6 +325,9 @@ class Mask24:
   packed: jax.Array
   dims: tuple[int, int] = dataclasses.field(default=(0, 0), metadata=dict(static=True))
   transposable: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  __eq__ = _refused_eq("Mask24", "compare the codes, jnp.array_equal(a.packed, b.packed) with"
+                       " a.dims and a.transposable, or the dense masks a.unpack()")
 
   def __post_init__(self):
     # A full dense shape is accepted and reduced to its trailing (K, N).

@@ -658,6 +658,23 @@ def test_a_mask24_sliced_along_an_axis_it_does_not_stack_is_named():
   assert jsparse24.sparse_dot(jnp.ones((2, 12)), jnp.ones((12, 8)), mask=one).shape == (2, 8)
 
 
+def test_comparing_masks_or_compressed_weights_says_how():
+  """`==` between two Mask24s or two Sparse24s compared their arrays: an
+  ambiguous truth value (a ValueError naming neither class), or a
+  broadcasting error for another size."""
+  w = jax.random.normal(jax.random.key(0), (8, 8))
+  a, b = jsparse24.Mask24.from_weights(w), jsparse24.Mask24.from_weights(w)
+  with pytest.raises(TypeError, match=r"Mask24: `==` would compare arrays elementwise; compare"
+                     r" the codes, jnp.array_equal\(a.packed, b.packed\)"):
+    _ = a == b
+  with pytest.raises(TypeError, match=r"Sparse24: `==` would compare arrays.*jnp.array_equal"
+                     r"\(decompress\(a\), decompress\(b\)\)"):
+    _ = jsparse24.compress(w) != jsparse24.compress(w)
+  with pytest.raises(TypeError, match=r"unhashable type: 'Mask24'"):
+    hash(a)
+  assert a is not None and a not in (None, jsparse24.linen.STATIC_DENSE) and a in [a]
+
+
 def test_compressed_params_of_another_width_or_without_their_bias_are_named():
   """A layer on compressed params (`compress_params`) ran with a kernel of
   another width (the output was the kernel's width, not `features`),
