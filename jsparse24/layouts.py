@@ -240,21 +240,21 @@ class Layout:
             f" (e.g. r'mlp/up'). The tree's layers: {layers[:12]}"
             f"{' ...' if len(layers) > 12 else ''}.")
       for path, a in jax.tree_util.tree_leaves_with_path(tree):
-        if self._rule(path) is not None:
-          self._check_split(path, a)
+        rule = self._rule(path)
+        if rule is not None:
+          self._check_split(path, a, *self.tensor_parallel[rule])
     return shardings
 
-  def _check_split(self, path, a) -> None:
+  def _check_split(self, path, a, rule: str, role: str) -> None:
     """Raises where the mesh axes of a tensor-parallel kernel's `state_spec`
-    do not divide its axes: JAX's IndivisibleError at `device_put` or `jit`
-    named neither the layer nor the rule."""
+    (its `rule` and `role`) do not divide its axes: JAX's IndivisibleError
+    at `device_put` or `jit` named neither the layer nor the rule."""
     shape = a.shape if hasattr(a, "shape") else np.shape(a)
     for size, axis in zip(shape, self.state_spec(path, a)):
       if axis is None:
         continue
       count = math.prod(self.mesh.shape[n] for n in (axis if isinstance(axis, tuple) else (axis,)))
       if size % count:
-        rule, role = self.tensor_parallel[self._rule(path)]
         raise ValueError(
             f"Layout.state_shardings: the kernel of layer {'/'.join(_keys(path)[:-1])!r}"
             f" {tuple(shape)} is split over {count} devices of mesh axis {axis!r} along an axis"
