@@ -75,6 +75,20 @@ def rows_per_weight(key, m: int, k: int, count: int, dtype=jnp.bfloat16) -> list
   return [jax.random.normal(jax.random.fold_in(key, i), (m, k), dtype) for i in range(count)]
 
 
+def count(text: str) -> int:
+  """argparse `type=` of a flag that takes one int >= 1 (`--batch`,
+  `--layers`, ...): a 0 would take the flag's default, or fail far from it
+  (a division by zero, a product of no rows). argparse's error names the
+  flag: "argument --batch: '0' is not an integer >= 1"."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+  return value
+
+
 def counts(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
   """A comma-separated list of ints >= 1 (`--widths`, `--ms`, ...), or an
   error through `p` naming `flag`, where int() would raise a bare traceback

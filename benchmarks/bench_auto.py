@@ -427,7 +427,7 @@ def main(argv=None):
   p.add_argument("--json", default=None, help="write all raw numbers here (after every point)")
   p.add_argument("--resume", default=None, help="a previous --json: measure only what it lacks")
   p.add_argument("--min-time", type=float, default=0.01, help="_common.bench min_time")
-  p.add_argument("--repeats", type=int, default=7, help="timing rounds over the variants")
+  p.add_argument("--repeats", type=_common.count, default=7, help="timing rounds over the variants")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
   opts = p.parse_args(argv)
   ks, ns = _sizes(opts.k or opts.kn), _sizes(opts.n or opts.kn)

@@ -491,15 +491,17 @@ def parse_args(argv: Sequence[str] | None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--widths", default=None, help="d_model values (comma-separated;"
                  " default 2048,4096, --quick: 128,256); multiples of 128")
-  p.add_argument("--layers", type=int, default=None, help="blocks (default 8; --quick: 2)")
-  p.add_argument("--context", type=int, default=None,
+  p.add_argument("--layers", type=_common.count, default=None,
+                 help="blocks (default 8; --quick: 2)")
+  p.add_argument("--context", type=_common.count, default=None,
                  help="KV-cache length; the decode step's token sits at its last position"
                       " (default 2048; --quick: 64)")
   p.add_argument("--batches", default=None, help="decode batch sizes (default 1,4,16,64;"
                  " --quick: 1,4)")
-  p.add_argument("--prefill", type=int, default=None,
+  p.add_argument("--prefill", type=_common.count, default=None,
                  help="prefill tokens, one sequence (default 2048; --quick: 64); <= --context")
-  p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32768; --quick: 512)")
+  p.add_argument("--vocab", type=_common.count, default=None,
+                 help="vocabulary (default 32768; --quick: 512)")
   p.add_argument("--kernel-ms", default=None,
                  help="M (rows of x) of the product table (default: --batches and --prefill)")
   p.add_argument("--blocks", choices=("loop", "scan"), default="loop",
@@ -537,8 +539,6 @@ def parse_args(argv: Sequence[str] | None):
                       else [*cfg["batches"], cfg["prefill"]])
   if any(w % HEAD_DIM for w in cfg["widths"]):
     p.error(f"--widths must be multiples of {HEAD_DIM} (the head size).")
-  if min(args.layers, args.context, args.prefill, args.vocab) < 1:
-    p.error("--layers, --context, --prefill and --vocab must be >= 1.")
   if args.prefill > args.context:
     p.error(f"--prefill {args.prefill} must fit the cache: at most --context {args.context}.")
   return args, cfg

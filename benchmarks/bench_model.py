@@ -1135,8 +1135,6 @@ def _rows(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
       p.error(f"--small times its own rows (blocks, batch x seq): drop {', '.join(fixed)},"
               f" or --small.")
     small, vocab = small_rows()
-    if args.vocab is not None and args.vocab < 1:
-      p.error(f"--vocab {args.vocab} must be >= 1.")
     args.vocab = args.vocab or vocab
     widths = sorted({r["d_model"] for r in small})
     chosen = _common.counts(p, "--widths", args.widths) if args.widths else widths
@@ -1148,8 +1146,6 @@ def _rows(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
   for name, default in (("seq", 2048), ("batch", 8), ("vocab", 32768)):
     if getattr(args, name) is None:
       setattr(args, name, default)
-    elif getattr(args, name) < 1:  # 0 took the default
-      p.error(f"--{name} {getattr(args, name)} must be >= 1.")
   widths = _common.counts(p, "--widths", args.widths)
   if args.layers is None and any(w not in DEFAULTS for w in widths):
     p.error(f"--layers is needed for widths without a default depth ({sorted(DEFAULTS)})")
@@ -1184,9 +1180,9 @@ def main(argv=None) -> dict:
                       " (jsparse24.checkpoint_policies); 'dots-jax' is JAX's dot policy, under"
                       " which the 2:4 model recomputes its products; 'dots-compressed' is"
                       " 'dots' and 'compressed' together")
-  p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 2048)")
-  p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8)")
-  p.add_argument("--vocab", type=int, default=None,
+  p.add_argument("--seq", type=_common.count, default=None, help="tokens per sequence (default: 2048)")
+  p.add_argument("--batch", type=_common.count, default=None, help="sequences per step (default: 8)")
+  p.add_argument("--vocab", type=_common.count, default=None,
                  help="vocabulary (default: 32768; with --small, the examples' 256 bytes)")
   p.add_argument("--small", action="store_true",
                  help="the small end instead of --widths x --batch x --seq: d_model"
@@ -1206,7 +1202,7 @@ def main(argv=None) -> dict:
                  help="2:4 mask kind of the sparse layers (default: the library's default)")
   p.add_argument("--weight-grad", default="dense", choices=("dense", "mvue"),
                  help="the sparse layers' weight_grad (mvue: dw on the sparse tensor cores too)")
-  p.add_argument("--devices", type=int, default=1,
+  p.add_argument("--devices", type=_common.count, default=1,
                  help="data parallel over this many local GPUs (--batch is split over them;"
                       " no breakdown)")
   p.add_argument("--layouts", default=None,
@@ -1214,7 +1210,7 @@ def main(argv=None) -> dict:
                       " width's dense and 2:4 models in each layout over --devices GPUs and on"
                       " one GPU at --batch / --devices rows, timed with their scaling (no"
                       " breakdown, no rebuild step)")
-  p.add_argument("--model-devices", type=int, default=None,
+  p.add_argument("--model-devices", type=_common.count, default=None,
                  help="--layouts tp, 2d: GPUs on the mesh's model axis (default: all for tp,"
                       " 2 for 2d)")
   p.add_argument("--quick", action="store_true", help="one timing repeat (CPU smoke test)")
@@ -1226,7 +1222,7 @@ def main(argv=None) -> dict:
   widths = list(dict.fromkeys(r["d_model"] for r in rows))
   if any(w % HEAD_DIM for w in widths):
     p.error(f"--widths: every d_model must be a multiple of the head size {HEAD_DIM}")
-  if not 1 <= args.devices <= len(jax.local_devices()):
+  if args.devices > len(jax.local_devices()):
     p.error(f"--devices {args.devices}: this machine has {len(jax.local_devices())}")
   indivisible = sorted({r["batch"] for r in rows if r["batch"] % args.devices})
   if indivisible:

@@ -307,14 +307,16 @@ def notes(cfg: dict, r: dict) -> str:
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--d-model", type=int, default=None, help="model width (default 4096)")
-  p.add_argument("--experts", type=int, default=None, help="E (default 8)")
-  p.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
-  p.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384)")
-  p.add_argument("--group", type=int, default=None,
+  p.add_argument("--d-model", type=_common.count, default=None, help="model width (default 4096)")
+  p.add_argument("--experts", type=_common.count, default=None, help="E (default 8)")
+  p.add_argument("--top-k", type=_common.count, default=None, help="experts per token (default 2)")
+  p.add_argument("--tokens", type=_common.count, default=None,
+                 help="tokens per step (default 16384)")
+  p.add_argument("--group", type=_common.count, default=None,
                  help="tokens per routing group, each with its own capacity per expert"
                       " (default 2048)")
-  p.add_argument("--hidden", type=int, default=None, help="expert hidden width (4 x d_model)")
+  p.add_argument("--hidden", type=_common.count, default=None,
+                 help="expert hidden width (4 x d_model)")
   p.add_argument("--capacity-factor", type=float, default=1.25)
   p.add_argument("--implementation", default=None, choices=("xla", "pallas", "cusparselt"),
                  help="the expert products' 2:4 backend (default: the automatic choice)")
@@ -330,11 +332,6 @@ def main(argv=None) -> dict:
   shape = QUICK_SHAPE if args.quick else FULL_SHAPE
   cfg = {name: getattr(args, name) if getattr(args, name) is not None else default
          for name, default in shape.items()}
-  for name, flag in (("d_model", "--d-model"), ("experts", "--experts"), ("top_k", "--top-k"),
-                     ("tokens", "--tokens"), ("group", "--group"), ("hidden", "--hidden")):
-    value = args.hidden if name == "hidden" else cfg[name]
-    if value is not None and value < 1:  # 0 took a default, or divided by zero
-      p.error(f"{flag} {value} must be >= 1.")
   if not 0 < args.capacity_factor < math.inf:
     p.error(f"--capacity-factor {args.capacity_factor} must be a finite number > 0.")
   cfg["hidden"] = args.hidden or 4 * cfg["d_model"]

@@ -63,7 +63,7 @@ def section_mvue(g, add, bw, rows):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--size", type=int, default=16384)
+  p.add_argument("--size", type=_common.count, default=16384)
   p.add_argument("--variants", default=DEFAULT_VARIANTS,
                  help="plain, transposable (prune+compress a weight), mvue (a gradient)")
   p.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")

@@ -148,8 +148,8 @@ def run(sparse, d, tokens, devices, layout, implementation, weight_grad="dense")
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--d", type=int, default=4096)
-  p.add_argument("--tokens", type=int, default=16384)
+  p.add_argument("--d", type=_common.count, default=4096)
+  p.add_argument("--tokens", type=_common.count, default=16384)
   p.add_argument("--implementation", default="cusparselt",
                  help="the 2:4 layers' backend ('xla' for a CPU smoke test)")
   p.add_argument("--layouts", default="data,fsdp,fsdp-sharded,tp")

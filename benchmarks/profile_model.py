@@ -40,7 +40,7 @@ import optax
 
 import jsparse24
 from benchmarks import _gpt
-from benchmarks._common import gpu_events, kernel_category
+from benchmarks._common import count, gpu_events, kernel_category
 
 
 def kernel_key(event: dict) -> str:
@@ -118,15 +118,15 @@ def profile(name, state, tokens, trace_dir):
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("d_model", type=int)
-  p.add_argument("blocks", type=int)
+  p.add_argument("d_model", type=count)
+  p.add_argument("blocks", type=count)
   p.add_argument("--remat", action="store_true")
   p.add_argument("--variants", default="dense,sparse,fixed")
-  p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-  p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--seq", type=int, default=2048)
-  p.add_argument("--vocab", type=int, default=32768)
+  p.add_argument("--rounds", type=count, default=5, help="interleaved timing rounds")
+  p.add_argument("--steps", type=count, default=5, help="steps per variant per round")
+  p.add_argument("--batch", type=count, default=8)
+  p.add_argument("--seq", type=count, default=2048)
+  p.add_argument("--vocab", type=count, default=32768)
   p.add_argument("--out", default=None, help="write each variant's optimised HLO here")
   p.add_argument("--weight-grad", default="dense", choices=("dense", "mvue"),
                  help="the 2:4 variants' weight_grad")

@@ -5,7 +5,8 @@ measurement."""
 
 import pytest
 
-from benchmarks import _common, bench_decode, bench_matmul, bench_model, bench_moe
+from benchmarks import (_common, bench_auto, bench_decode, bench_matmul, bench_model, bench_moe,
+                        bench_prune, bench_sharded)
 
 
 
@@ -22,19 +23,27 @@ decode, moe = _quick(bench_decode.main), _quick(bench_moe.main)
     (bench_model.main, ["--widths", "0"], "--widths '0': integers >= 1"),  # FAILED rows, exit 0
     (bench_model.main, ["--widths", "128", "--layers", "0"], "--layers '0': integers >= 1"),
     (bench_model.main, ["--widths", "128", "--layers", "1", "--batch", "0"],
-     "--batch 0 must be >= 1"),  # took 8
+     "argument --batch: '0' is not an integer >= 1"),  # took 8
     (bench_model.main, ["--widths", "128", "--layers", "1", "--seq", "0"],
-     "--seq 0 must be >= 1"),  # took 2048
-    (bench_model.main, ["--small", "--vocab", "0"], "--vocab 0 must be >= 1"),  # took 256
+     "argument --seq: '0' is not an integer >= 1"),  # took 2048
+    (bench_model.main, ["--small", "--vocab", "0"],
+     "argument --vocab: '0' is not an integer >= 1"),  # took 256
+    (bench_model.main, ["--widths", "128", "--model-devices", "x"],
+     "argument --model-devices: 'x' is not an integer >= 1"),
     (*decode("--widths", "0"), "--widths '0': integers >= 1"),  # 0 % 128 passed the check
     (*decode("--widths", "abc"), "--widths 'abc': integers >= 1 separated by commas"),
     (*decode("--batches", "1,x"), "--batches '1,x': integers >= 1"),
     (*decode("--kernel-ms", "-1"), "--kernel-ms '-1': integers >= 1"),
     (bench_matmul.main, ["--ms", "0"], "--ms '0': integers >= 1"),  # after the bandwidth runs
-    (*moe("--hidden", "0"), "--hidden 0 must be >= 1"),  # took 4 x d_model
-    (*moe("--group", "0"), "--group 0 must be >= 1"),  # ZeroDivisionError
-    (*moe("--d-model", "-4"), "--d-model -4 must be >= 1"),
+    (*decode("--context", "0"), "argument --context: '0' is not an integer >= 1"),
+    (*moe("--hidden", "0"), "argument --hidden: '0' is not an integer >= 1"),  # took 4 x d_model
+    (*moe("--group", "0"), "argument --group: '0' is not an integer >= 1"),  # ZeroDivisionError
+    (*moe("--d-model", "-4"), "argument --d-model: '-4' is not an integer >= 1"),
     (*moe("--capacity-factor", "inf"), "--capacity-factor inf must be a finite number > 0"),
+    # statistics.median of no timings
+    (bench_auto.main, ["--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
+    (bench_prune.main, ["--size", "0"], "argument --size: '0' is not an integer >= 1"),
+    (bench_sharded.main, ["--tokens", "0"], "argument --tokens: '0' is not an integer >= 1"),
 ], ids=lambda v: (v.__module__.split(".")[-1] if callable(v) else " ".join(v)
                   if isinstance(v, list) else "refused"))
 def test_a_benchmark_refuses_sizes_it_cannot_time(main, flags, said, capsys, monkeypatch):
