@@ -201,6 +201,9 @@ class Sparse24:
     cuSPARSELt's layout a cast keeps the kept values only (the portable
     layout): the metadata rows are bits, not numbers, and cuSPARSELt's
     products take bfloat16 and float16 only, one buffer per dtype."""
+    # An integer cast would truncate the values, and every product refuses
+    # the result (`check_sparse24`) far from the cast.
+    _checks.check_float_dtype("Sparse24.astype", "dtype", dtype)
     if jnp.dtype(dtype) == self.dtype:
       return self
     return Sparse24(self.kept_values.astype(dtype), self.meta,

@@ -675,6 +675,16 @@ def test_comparing_masks_or_compressed_weights_says_how():
   assert a is not None and a not in (None, jsparse24.linen.STATIC_DENSE) and a in [a]
 
 
+def test_casting_a_compressed_weight_to_integers_is_refused():
+  """`Sparse24.astype(jnp.int8)` truncated the values to integers; every
+  product refused the result later, naming its values, not the cast."""
+  sp = jsparse24.compress(jax.random.normal(jax.random.key(0), (8, 8)))
+  with pytest.raises(TypeError, match=r"Sparse24.astype: `dtype` must have a floating dtype"
+                     r" \(bfloat16, float16, float32 or float64\), got int8"):
+    sp.astype(jnp.int8)
+  assert sp.astype(jnp.bfloat16).dtype == jnp.bfloat16
+
+
 def test_compressed_params_of_another_width_or_without_their_bias_are_named():
   """A layer on compressed params (`compress_params`) ran with a kernel of
   another width (the output was the kernel's width, not `features`),
