@@ -20,6 +20,12 @@ def is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def path_keys(path) -> tuple[str, ...]:
+  """The keys of a `jax.tree_util` key path as strings (`("blocks", "up",
+  "kernel")`): how errors name a layer and how rules and layouts match it."""
+  return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
+
+
 def check_dense_array(fn: str, name: str, x: Any) -> None:
   """Raises for a jsparse24 container (or any non-array) where a dense array
   is expected, naming what was passed instead."""

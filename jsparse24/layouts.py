@@ -64,6 +64,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jsparse24._checks import path_keys
+
 LAYOUTS = ("data", "fsdp", "tp", "2d")
 ROLES = ("column", "row")
 # Megatron tensor parallelism of a `[K, N]` kernel: column-parallel splits its
@@ -109,15 +111,10 @@ def _check_layout(fn: str, layout: str) -> None:
     raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {LAYOUTS}.")
 
 
-def _keys(path) -> tuple[str, ...]:
-  """The plain keys of a `jax.tree_util` key path, as strings."""
-  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def _kernel_paths(tree) -> list:
   """The key paths of `tree`'s leaves named "kernel"."""
   return [path for path, _ in jax.tree_util.tree_leaves_with_path(tree)
-          if _keys(path)[-1:] == ("kernel",)]
+          if path_keys(path)[-1:] == ("kernel",)]
 
 
 def _trailing(spec: P, ndim: int) -> P:
@@ -185,7 +182,7 @@ class Layout:
     """The index of the first tensor-parallel rule that matches the layer
     whose kernel `path` ends at (a rule matches the layer's path or any
     tail of it); None elsewhere, and under `"data"` and `"fsdp"`."""
-    keys = _keys(path)
+    keys = path_keys(path)
     if self.name not in ("tp", "2d") or len(keys) < 2 or keys[-1] != "kernel":
       return None
     layer = keys[:-1]
@@ -233,7 +230,7 @@ class Layout:
       used = {self._rule(path) for path in kernels}
       unused = [rule for i, (rule, _) in enumerate(self.tensor_parallel) if i not in used]
       if kernels and unused:
-        layers = sorted({"/".join(_keys(path)[:-1]) for path in kernels})
+        layers = sorted({"/".join(path_keys(path)[:-1]) for path in kernels})
         raise ValueError(
             f"Layout.state_shardings: tensor_parallel rule(s) {unused} match no kernel of the"
             f" tree; a rule fully matches a layer's path or a tail of it, without '/kernel'"
@@ -256,7 +253,7 @@ class Layout:
       count = math.prod(self.mesh.shape[n] for n in (axis if isinstance(axis, tuple) else (axis,)))
       if size % count:
         raise ValueError(
-            f"Layout.state_shardings: the kernel of layer {'/'.join(_keys(path)[:-1])!r}"
+            f"Layout.state_shardings: the kernel of layer {'/'.join(path_keys(path)[:-1])!r}"
             f" {tuple(shape)} is split over {count} devices of mesh axis {axis!r} along an axis"
             f" of {size} ({self.name!r}, tensor_parallel rule {rule!r}: {role!r}), which"
             f" {count} does not divide; give the layer a width that {count} divides, or leave"
@@ -289,7 +286,7 @@ class Layout:
     # `optim.sparse_layers` ("blocks/up[0]"): its stacked kernel is the one
     # array of all of them.
     named = {re.sub(r"\[\d+\]$", "", name) for name in sparse_layers}
-    layers = {"/".join(_keys(path)[:-1]) for path in _kernel_paths(params)}
+    layers = {"/".join(path_keys(path)[:-1]) for path in _kernel_paths(params)}
     if named - layers:
       raise ValueError(
           f"Layout.constrain: sparse_layers names {sorted(named - layers)}, which `params` has no"
@@ -297,7 +294,7 @@ class Layout:
           f" jsparse24.optim.stats(opt_state) keys them), and pass variables['params'].")
 
     def constrain(path, a):
-      keys = _keys(path)
+      keys = path_keys(path)
       sparse = bool(keys) and keys[-1] == "kernel" and "/".join(keys[:-1]) in named
       spec = self.step_spec(path, a, sparse)
       return a if spec is None else jax.lax.with_sharding_constraint(

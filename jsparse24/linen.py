@@ -27,6 +27,7 @@ import numpy as np
 from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
+from jsparse24._checks import path_keys
 from jsparse24._format import Mask24, Sparse24, check_mask24, check_sparse24
 from jsparse24._layer import compresses, sparse_dense_forward
 from jsparse24._ops import compress, cusparselt_layout_unfit
@@ -567,10 +568,10 @@ class Sparsified:
       return
     # Kernels first: a DenseGeneral's bias is 2-D too.
     leaves = sorted(jax.tree_util.tree_leaves_with_path(params),
-                    key=lambda item: _path_keys(item[0])[-1:] != ("kernel",))
+                    key=lambda item: path_keys(item[0])[-1:] != ("kernel",))
     for pattern in unmatched:
       for key_path, leaf in leaves:
-        keys = tuple(map(str, _path_keys(key_path)))
+        keys = path_keys(key_path)
         owner = "/".join(keys[:-1])
         kind = modules.get(owner)
         if kind is None or jnp.ndim(leaf) < 2:
@@ -639,10 +640,10 @@ def _layers_holding(tree: Any, name: str) -> set[str]:
   `"sparsity"` collection); none where `tree` is not a mapping."""
   if not isinstance(tree, Mapping):
     return set()
-  return {"/".join(map(str, _path_keys(path[:-1])))
+  return {"/".join(path_keys(path[:-1]))
           for path, _ in jax.tree_util.tree_leaves_with_path(
               tree, is_leaf=lambda x: isinstance(x, (Mask24, Sparse24)))
-          if _path_keys(path[-1:]) == (name,)}
+          if path_keys(path[-1:]) == (name,)}
 
 
 def sparsify(model: nn.Module, rules: Rules) -> Sparsified:
@@ -876,11 +877,6 @@ def dense_kernel(layer_params: Any, path: tuple[str, ...], fn: str) -> jax.Array
   return kernel
 
 
-def _path_keys(path) -> tuple:
-  """The plain keys of a `jax.tree_util` key path (`("blocks", "up", "kernel")`)."""
-  return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-
-
 def map_sparse_kernels(fn, layers: Mapping[tuple, Any], tree: Any, *rest: Any):
   """`tree` with `fn(layers[path], kernel, *rest_kernels)` in place of the
   `"kernel"` leaf of every layer path in `layers` (other leaves unchanged),
@@ -890,7 +886,7 @@ def map_sparse_kernels(fn, layers: Mapping[tuple, Any], tree: Any, *rest: Any):
   seen = set()
 
   def visit(path, leaf, *others):
-    keys = _path_keys(path)
+    keys = path_keys(path)
     layer = layers.get(keys[:-1]) if keys and keys[-1] == "kernel" else None
     if layer is None or leaf is None:
       return leaf

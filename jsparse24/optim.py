@@ -1138,7 +1138,7 @@ def stats(opt_state) -> dict[str, dict[str, jax.Array]]:
   state = _find_state(opt_state, "stats")
 
   def by_path(tree):
-    return {"/".join(str(k.key) for k in path): v
+    return {"/".join(_checks.path_keys(path)): v
             for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
   # Derived from the flags, not kept in the state: a leaf of the state that
