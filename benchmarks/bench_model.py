@@ -733,7 +733,7 @@ def one_device_losses(cfg: dict, ctx: dict) -> dict[str, float]:
   model, tokens = ctx["model"], jax.device_put(ctx["tokens"], device)
   sample = jnp.zeros((1, cfg["seq"]), jnp.int32)
   variables = jax.jit(jsparse24.sparsify(model, {SPARSE_LAYERS: sparse_options(cfg)}).init,
-                      out_shardings=jax.sharding.SingleDeviceSharding(device))(
+                      out_shardings=jax.sharding.make_single_device_sharding(device))(
                           ctx["key_init"], sample)
   loss = jax.jit(lambda p, t: lm_loss(model.apply({"params": p}, t[:, :-1]), t))
   params = variables["params"]
