@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices (for pmap / sharding tests), x64 off, the
-`gpu` marker skipped where no GPU is present, XLA's CPU code unoptimised, one
+`gpu` marker skipped where no GPU is present (and on a GPU, without `-m`,
+the tests not marked `gpu`), XLA's CPU code unoptimised, one
 persistent compilation cache for the whole run, GPU memory taken as needed
 (not preallocated), the slowest modules first, and the garbage collector's
 thresholds raised.
@@ -109,12 +110,23 @@ SLOWEST_FIRST = ("test_multiprocess.py", "test_examples.py", "test_sharding.py",
 
 
 def pytest_collection_modifyitems(config, items):
-  del config
   rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
   # A stable sort by module: each module's tests stay together, in order,
   # so a module-scoped fixture is built once per worker.
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   if jax.default_backend() == "gpu":
+    # The tests not marked `gpu` are the CPU suite, written for the 8 fake CPU
+    # devices above, the automatic choice where cuSPARSELt does not run and
+    # XLA's float32 CPU product: on one H100, 10 of 399 in six modules failed
+    # for those premises alone (nvidia-h100-80gb-hbm3.md, "The small end at
+    # d_model 128 again", 2026-12-07). Without a marker expression they are
+    # skipped there, saying how to run them.
+    if not config.getoption("markexpr"):
+      cpu = pytest.mark.skip(reason="a CPU test: on a GPU machine run the CPU suite with"
+                                    " JAX_PLATFORMS=cpu; the GPU's tests are -m gpu")
+      for item in items:
+        if "gpu" not in item.keywords:
+          item.add_marker(cpu)
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
   for item in items:
