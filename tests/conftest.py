@@ -114,21 +114,18 @@ def pytest_collection_modifyitems(config, items):
   # A stable sort by module: each module's tests stay together, in order,
   # so a module-scoped fixture is built once per worker.
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-  if jax.default_backend() == "gpu":
-    # The tests not marked `gpu` are the CPU suite, written for the 8 fake CPU
-    # devices above, the automatic choice where cuSPARSELt does not run and
-    # XLA's float32 CPU product: on one H100, 10 of 399 in six modules failed
-    # for those premises alone (nvidia-h100-80gb-hbm3.md, "The small end at
-    # d_model 128 again", 2026-12-07). Without a marker expression they are
-    # skipped there, saying how to run them.
-    if not config.getoption("markexpr"):
-      cpu = pytest.mark.skip(reason="a CPU test: on a GPU machine run the CPU suite with"
-                                    " JAX_PLATFORMS=cpu; the GPU's tests are -m gpu")
-      for item in items:
-        if "gpu" not in item.keywords:
-          item.add_marker(cpu)
+  # On a CPU the `gpu` tests are skipped. On a GPU, without a marker
+  # expression, the others are: they are the CPU suite, written for the 8
+  # fake CPU devices above, the automatic choice where cuSPARSELt does not
+  # run and XLA's float32 CPU product, and on one H100 10 of 399 in six
+  # modules failed for those premises alone (nvidia-h100-80gb-hbm3.md, "The
+  # small end at d_model 128 again", 2026-12-07).
+  on_gpu = jax.default_backend() == "gpu"
+  if on_gpu and config.getoption("markexpr"):
     return
-  skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+  skip = pytest.mark.skip(reason="a CPU test: on a GPU machine run the CPU suite with"
+                                 " JAX_PLATFORMS=cpu; the GPU's tests are -m gpu" if on_gpu
+                          else "needs an NVIDIA GPU")
   for item in items:
-    if "gpu" in item.keywords:
+    if ("gpu" in item.keywords) != on_gpu:
       item.add_marker(skip)
