@@ -75,18 +75,29 @@ def rows_per_weight(key, m: int, k: int, count: int, dtype=jnp.bfloat16) -> list
   return [jax.random.normal(jax.random.fold_in(key, i), (m, k), dtype) for i in range(count)]
 
 
+def _int_at_least(text: str, low: int, why: str = "") -> int:
+  """`text` as an int >= `low`, else argparse's error (which names the flag)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = low - 1
+  if value < low:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {low}{why}")
+  return value
+
+
 def count(text: str) -> int:
   """argparse `type=` of a flag that takes one int >= 1 (`--batch`,
   `--layers`, ...): a 0 would take the flag's default, or fail far from it
   (a division by zero, a product of no rows). argparse's error names the
   flag: "argument --batch: '0' is not an integer >= 1"."""
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-  return value
+  return _int_at_least(text, 1)
+
+
+def rebuild_period(text: str) -> int:
+  """argparse `type=` of `--rebuild-every`: the benchmarks time a step that
+  rebuilds no mask, which a period of 1 (every step rebuilds) has none of."""
+  return _int_at_least(text, 2, " (with 1 every step rebuilds)")
 
 
 def counts(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:

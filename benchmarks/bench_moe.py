@@ -320,7 +320,7 @@ def main(argv=None) -> dict:
   p.add_argument("--capacity-factor", type=float, default=1.25)
   p.add_argument("--implementation", default=None, choices=("xla", "pallas", "cusparselt"),
                  help="the expert products' 2:4 backend (default: the automatic choice)")
-  p.add_argument("--rebuild-every", type=int, default=100, help="R: mask rebuild period (>= 2)")
+  p.add_argument("--rebuild-every", type=_common.rebuild_period, default=100, help="R: mask rebuild period (>= 2)")
   p.add_argument("--weight-grad", choices=("dense", "mvue"), default="dense",
                  help="the 2:4 experts' weight gradients: dense (default) or MVUE-pruned 2:4")
   p.add_argument("--quick", action="store_true",
@@ -343,8 +343,6 @@ def main(argv=None) -> dict:
     p.error(f"--tokens {cfg['tokens']} must be a multiple of --group {cfg['group']}")
   if not 1 <= cfg["top_k"] <= cfg["experts"]:
     p.error(f"--top-k {cfg['top_k']} must lie in [1, --experts {cfg['experts']}]")
-  if args.rebuild_every < 2:
-    p.error("--rebuild-every must be >= 2 (with 1 every step rebuilds)")
   timer, step_timer = _common.timers(args.quick)
   env = _common.environment()
   print(env, flush=True)

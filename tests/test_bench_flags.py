@@ -44,6 +44,9 @@ decode, moe = _quick(bench_decode.main), _quick(bench_moe.main)
     (bench_auto.main, ["--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
     (bench_prune.main, ["--size", "0"], "argument --size: '0' is not an integer >= 1"),
     (bench_sharded.main, ["--tokens", "0"], "argument --tokens: '0' is not an integer >= 1"),
+    (bench_model.main, ["--widths", "128", "--rebuild-every", "1"],
+     "argument --rebuild-every: '1' is not an integer >= 2 (with 1 every step rebuilds)"),
+    (*moe("--rebuild-every", "x"), "argument --rebuild-every: 'x' is not an integer >= 2"),
 ], ids=lambda v: (v.__module__.split(".")[-1] if callable(v) else " ".join(v)
                   if isinstance(v, list) else "refused"))
 def test_a_benchmark_refuses_sizes_it_cannot_time(main, flags, said, capsys, monkeypatch):
