@@ -1190,7 +1190,8 @@ def main(argv=None) -> dict:
                       f" {', '.join(str(b * SMALL_SEQ) for b in SMALL_BATCHES)} tokens per step,"
                       " then the shapes examples/train_lm.py and examples/sharded_train.py"
                       " train by default on a GPU (one row each); no remat unless --remat on")
-  p.add_argument("--rebuild-every", type=_common.rebuild_period, default=100, help="R: mask rebuild period (>= 2)")
+  p.add_argument("--rebuild-every", type=_common.rebuild_period, default=100,
+                 help="R: mask rebuild period (>= 2)")
   p.add_argument("--rebuild-flag", action="store_true",
                  help="one 2:4 step program deciding mask rebuilds on mask_update's run-time"
                       " flag, instead of the host's schedule passing `mask_rebuild` (a program"

@@ -320,7 +320,8 @@ def main(argv=None) -> dict:
   p.add_argument("--capacity-factor", type=float, default=1.25)
   p.add_argument("--implementation", default=None, choices=("xla", "pallas", "cusparselt"),
                  help="the expert products' 2:4 backend (default: the automatic choice)")
-  p.add_argument("--rebuild-every", type=_common.rebuild_period, default=100, help="R: mask rebuild period (>= 2)")
+  p.add_argument("--rebuild-every", type=_common.rebuild_period, default=100,
+                 help="R: mask rebuild period (>= 2)")
   p.add_argument("--weight-grad", choices=("dense", "mvue"), default="dense",
                  help="the 2:4 experts' weight gradients: dense (default) or MVUE-pruned 2:4")
   p.add_argument("--quick", action="store_true",
