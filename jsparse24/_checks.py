@@ -26,6 +26,13 @@ def path_keys(path) -> tuple[str, ...]:
   return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
 
 
+def layer_name(path) -> str:
+  """The path of the layer that holds the variable at key path `path`
+  (`"blocks/up"` for `.../blocks/up/kernel`): how errors name and
+  layouts match a layer, as `optim.stats` keys it."""
+  return "/".join(path_keys(path)[:-1])
+
+
 def check_dense_array(fn: str, name: str, x: Any) -> None:
   """Raises for a jsparse24 container (or any non-array) where a dense array
   is expected, naming what was passed instead."""

@@ -64,7 +64,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jsparse24._checks import path_keys
+from jsparse24._checks import layer_name, path_keys
 
 LAYOUTS = ("data", "fsdp", "tp", "2d")
 ROLES = ("column", "row")
@@ -230,7 +230,7 @@ class Layout:
       used = {self._rule(path) for path in kernels}
       unused = [rule for i, (rule, _) in enumerate(self.tensor_parallel) if i not in used]
       if kernels and unused:
-        layers = sorted({"/".join(path_keys(path)[:-1]) for path in kernels})
+        layers = sorted({layer_name(path) for path in kernels})
         raise ValueError(
             f"Layout.state_shardings: tensor_parallel rule(s) {unused} match no kernel of the"
             f" tree; a rule fully matches a layer's path or a tail of it, without '/kernel'"
@@ -253,7 +253,7 @@ class Layout:
       count = math.prod(self.mesh.shape[n] for n in (axis if isinstance(axis, tuple) else (axis,)))
       if size % count:
         raise ValueError(
-            f"Layout.state_shardings: the kernel of layer {'/'.join(path_keys(path)[:-1])!r}"
+            f"Layout.state_shardings: the kernel of layer {layer_name(path)!r}"
             f" {tuple(shape)} is split over {count} devices of mesh axis {axis!r} along an axis"
             f" of {size} ({self.name!r}, tensor_parallel rule {rule!r}: {role!r}), which"
             f" {count} does not divide; give the layer a width that {count} divides, or leave"
@@ -286,7 +286,7 @@ class Layout:
     # `optim.sparse_layers` ("blocks/up[0]"): its stacked kernel is the one
     # array of all of them.
     named = {re.sub(r"\[\d+\]$", "", name) for name in sparse_layers}
-    layers = {"/".join(path_keys(path)[:-1]) for path in _kernel_paths(params)}
+    layers = {layer_name(path) for path in _kernel_paths(params)}
     if named - layers:
       raise ValueError(
           f"Layout.constrain: sparse_layers names {sorted(named - layers)}, which `params` has no"
@@ -294,8 +294,7 @@ class Layout:
           f" jsparse24.optim.stats(opt_state) keys them), and pass variables['params'].")
 
     def constrain(path, a):
-      keys = path_keys(path)
-      sparse = bool(keys) and keys[-1] == "kernel" and "/".join(keys[:-1]) in named
+      sparse = path_keys(path)[-1:] == ("kernel",) and layer_name(path) in named
       spec = self.step_spec(path, a, sparse)
       return a if spec is None else jax.lax.with_sharding_constraint(
           a, NamedSharding(self.mesh, spec))

@@ -27,7 +27,7 @@ import numpy as np
 from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
-from jsparse24._checks import path_keys
+from jsparse24._checks import layer_name, path_keys
 from jsparse24._format import Mask24, Sparse24, check_mask24, check_sparse24
 from jsparse24._layer import compresses, sparse_dense_forward
 from jsparse24._ops import compress, cusparselt_layout_unfit
@@ -640,7 +640,7 @@ def _layers_holding(tree: Any, name: str) -> set[str]:
   `"sparsity"` collection); none where `tree` is not a mapping."""
   if not isinstance(tree, Mapping):
     return set()
-  return {"/".join(path_keys(path[:-1]))
+  return {layer_name(path)
           for path, _ in jax.tree_util.tree_leaves_with_path(
               tree, is_leaf=lambda x: isinstance(x, (Mask24, Sparse24)))
           if path_keys(path[-1:]) == (name,)}
