@@ -393,7 +393,7 @@ def check_cache(dense_model, sparse_model, dense_params, compressed, tokens, pre
 def parse_args(argv: Sequence[str] | None):
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      formatter_class=lm.HelpFormatter,
       allow_abbrev=False,  # --batch is train_lm's, not --batches
       epilog="Every other flag is train_lm.py's (--size, --out, the model and training flags;"
              " see its --help): they describe the checkpoint to load, and the training run"

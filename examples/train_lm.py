@@ -785,9 +785,9 @@ def plot(runs: Sequence[Run], path: str) -> None:
 # --- main ---------------------------------------------------------------------
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
   """Shows defaults, but not the None of the flags a preset or another flag
-  fills in (their help says where the value comes from)."""
+  fills in (their help says where the value comes from). generate.py's too."""
 
   def _get_help_string(self, action):
     if action.default is None:
@@ -802,7 +802,7 @@ def _preset_help(key: str, text: str) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=_HelpFormatter)
+                              formatter_class=HelpFormatter)
   p.add_argument("--size", choices=sorted(PRESETS), default=None,
                  help="preset for the flags left unset: 'small' (CPU, minutes) or 'gpu'"
                       " (default: 'gpu' where JAX finds a GPU, 'small' elsewhere)")

@@ -375,8 +375,11 @@ def test_sizes_below_one_are_refused_before_any_run(name, flags, said, tmp_path,
   assert said in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["pmap_train", "patch_model", "train_lm", "sharded_train"])
+@pytest.mark.parametrize("name", ["pmap_train", "patch_model", "train_lm", "sharded_train",
+                                  "generate"])
 def test_every_example_flag_has_help_text(name, capsys):
+  """Every flag says what it does, and its default once: not a None where
+  the help says where the value comes from."""
   import re
   with pytest.raises(SystemExit):
     load_example(name).main(["--help"])
@@ -390,6 +393,7 @@ def test_every_example_flag_has_help_text(name, capsys):
     if flag.startswith("-h"):
       continue
     assert words, f"{name}: no help text for {flag.split()[0]}"
+    assert rest.count("(default:") <= 1 and "(default: None)" not in rest, (name, entry)
 
 
 def test_train_lm_mvue_learns_and_resumes_bit_for_bit(train_lm, tmp_path):
