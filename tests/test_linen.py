@@ -202,6 +202,22 @@ def test_sparsify_patches_matching_dense_layers_only():
   assert not np.allclose(y, model.apply(dense_vars, x), atol=1e-3)
 
 
+def test_a_rule_matches_a_layers_whole_path_not_a_prefix_of_it():
+  """A rule fully matches a path, as `sparsify` says: "block_0/attn" is not
+  the layer "block_0/attn_out", nor "block_0/mlp" its "up" and "down"; each
+  matches no nn.Dense, which `init` says."""
+  x = _rand(0, (3, 16))
+  for rule in (r"block_0/attn", r"block_0/mlp"):
+    with pytest.raises(ValueError, match="matched no nn.Dense"):
+      jsparse24.sparsify(_Model(), {rule: {}}).init(jax.random.key(0), x)
+  # The rule's first alternative is a prefix of "block_0/attn_out", which
+  # stays dense; the second is a whole path.
+  v = jsparse24.sparsify(_Model(), {r"block_0/attn|block_1/mlp/up": {}}).init(
+      jax.random.key(0), x)
+  assert list(jsparse24.optim.stats(jsparse24.optim.mask_update(v["sparsity"]).init(
+      v["params"]))) == ["block_1/mlp/up"]
+
+
 def test_sparsify_rejects_rules_that_match_nothing_and_bad_options():
   x = _rand(0, (3, 16))
   with pytest.raises(ValueError, match="matched no nn.Dense"):
