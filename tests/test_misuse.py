@@ -494,6 +494,9 @@ def test_a_tensor_parallel_rule_that_matches_no_kernel_is_named():
   specs = jax.tree.map(lambda s: s.spec, good.state_shardings(_MLP_PARAMS))
   assert specs["mlp"]["up"]["kernel"] == P(None, "model")
   assert specs["mlp"]["down"]["kernel"] == P("model", None)
+  # A rule fully matches a layer's path or a tail of it: "up" is not "up_proj".
+  wider = {"mlp": {**_MLP_PARAMS["mlp"], "up_proj": {"kernel": jnp.ones((8, 16))}}}
+  assert good.state_shardings(wider)["mlp"]["up_proj"]["kernel"].spec == P()
   # A tree without kernels (an optimizer's empty state) has nothing to match.
   assert good.state_shardings({"count": jnp.zeros(())})["count"].spec == P()
 
