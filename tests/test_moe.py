@@ -100,6 +100,7 @@ def _reference(params, masks, x, keep, *, gradient, activation=nn.gelu):
     (1, 1.0, "ste", False),
     (2, 0.75, "masked", True),  # tight: second choices and some first ones dropped
     (2, 2.0, "ste", False),     # room for every choice
+    (E, 1.0, "ste", False),     # every expert for every token (top_k = num_experts)
 ])
 def test_forward_and_gradients_match_the_reference(top_k, capacity_factor, gradient, use_bias):
   model = jsparse24.SparseMoE(num_experts=E, hidden=H, top_k=top_k,
