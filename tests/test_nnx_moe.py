@@ -122,3 +122,13 @@ def test_load_balancing_loss_is_reachable_with_its_gradient_and_no_warning():
   assert set(popped) == {"load_balancing_loss", "dropped"}
   m(x)
   np.testing.assert_allclose(m.load_balancing_loss[...], want, rtol=1e-6)
+
+
+def test_the_output_dtype_is_nnx_linears():
+  """The experts compute in the dtype `nnx.Linear` promotes to: bfloat16
+  params and inputs give bfloat16 (not float32), float32 params promote
+  bfloat16 inputs, and `dtype` overrides both."""
+  x = _x(0).astype(jnp.bfloat16)
+  for kw, want in (({"param_dtype": jnp.bfloat16}, jnp.bfloat16), ({}, jnp.float32),
+                   ({"param_dtype": jnp.bfloat16, "dtype": jnp.float32}, jnp.float32)):
+    assert _model(**kw)(x).dtype == want, kw
