@@ -169,3 +169,17 @@ def test_raw_param_experts_raise_naming_the_layer_and_the_fix(rule):
                      r" \(float32\[4, 12, 20\]\) of module 'moe' \(RawParamMoE\).*nn\.Dense"
                      r" layers stacked with nn\.vmap.*jsparse24\.SparseMoE"):
     sparse.init(jax.random.key(0), _x(0))
+
+
+def test_masks_of_another_number_of_experts_are_named():
+  """The experts' masks stacked for 2 experts under a vmap of 4 (a checkpoint
+  of another model, a pytree map that sliced them): an error naming the
+  layer and both counts, not XLA's buffer-size error from inside the
+  product."""
+  model = jsparse24.sparsify(Model(), RULES)
+  v = model.init(jax.random.key(1), _x(0))
+  cut = jax.tree.map(lambda a: a[:2], v["sparsity"])
+  with pytest.raises(ValueError, match=r"nn.Dense 'moe/experts/wi' .* its mask in the 'sparsity'"
+                                       r" collection is a stack of 2, but the vmap around the"
+                                       r" layer maps 4 elements"):
+    model.apply({"params": v["params"], "sparsity": cut}, _x(0))
