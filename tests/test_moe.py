@@ -406,12 +406,16 @@ def test_the_routing_functions_name_what_does_not_fit_the_routing():
       call()
 
 
+# (layer arguments, the output dtype for bfloat16 inputs): bfloat16 params
+# and inputs give bfloat16 (not float32), float32 params promote bfloat16
+# inputs, and `dtype` overrides both, as for nn.Dense and nnx.Linear.
+OUTPUT_DTYPES = (({"param_dtype": jnp.bfloat16}, jnp.bfloat16), ({}, jnp.float32),
+                 ({"param_dtype": jnp.bfloat16, "dtype": jnp.float32}, jnp.float32))
+
+
 def test_the_output_dtype_is_nn_denses():
-  """The experts compute in the dtype `nn.Dense` promotes to: bfloat16
-  params and inputs give bfloat16 (not float32), float32 params promote
-  bfloat16 inputs, and `dtype` overrides both."""
+  """The experts compute in the dtype `nn.Dense` promotes to (OUTPUT_DTYPES)."""
   x = _x(0).astype(jnp.bfloat16)
-  for kw, want in (({"param_dtype": jnp.bfloat16}, jnp.bfloat16), ({}, jnp.float32),
-                   ({"param_dtype": jnp.bfloat16, "dtype": jnp.float32}, jnp.float32)):
+  for kw, want in OUTPUT_DTYPES:
     model = jsparse24.SparseMoE(num_experts=E, hidden=H, **kw)
     assert model.apply(model.init(jax.random.key(0), x), x).dtype == want, kw

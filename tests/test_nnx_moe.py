@@ -12,7 +12,8 @@ from flax import nnx
 
 import jsparse24
 from jsparse24 import nnx as jnnx
-from tests.test_moe import TOL, E, D, H, G, S, _reference, _routing, _probs, _x
+from tests.test_moe import (OUTPUT_DTYPES, TOL, E, D, H, G, S, _reference, _routing, _probs,
+                             _x)
 
 
 def _model(**kw):
@@ -125,10 +126,8 @@ def test_load_balancing_loss_is_reachable_with_its_gradient_and_no_warning():
 
 
 def test_the_output_dtype_is_nnx_linears():
-  """The experts compute in the dtype `nnx.Linear` promotes to: bfloat16
-  params and inputs give bfloat16 (not float32), float32 params promote
-  bfloat16 inputs, and `dtype` overrides both."""
+  """The experts compute in the dtype `nnx.Linear` promotes to
+  (tests/test_moe.py's OUTPUT_DTYPES)."""
   x = _x(0).astype(jnp.bfloat16)
-  for kw, want in (({"param_dtype": jnp.bfloat16}, jnp.bfloat16), ({}, jnp.float32),
-                   ({"param_dtype": jnp.bfloat16, "dtype": jnp.float32}, jnp.float32)):
+  for kw, want in OUTPUT_DTYPES:
     assert _model(**kw)(x).dtype == want, kw
