@@ -799,7 +799,8 @@ def test_compress_transposed_needs_transposable_mask():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(12, 5), (16, 7), (2, 20, 3)])
+# (8, 1): a layer of one output (a regression head), its mask as packable.
+@pytest.mark.parametrize("shape", [(8, 1), (12, 5), (16, 7), (2, 20, 3)])
 def test_mask24_pack_unpack(shape):
   rng = np.random.default_rng(_seed("pack", shape))
   m = random_24_mask(rng, shape)
