@@ -26,6 +26,13 @@ def path_keys(path) -> tuple[str, ...]:
   return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
 
 
+def is_kernel(path) -> bool:
+  """True where key path `path` ends at a leaf named `"kernel"`: a layer's
+  weight (`nn.Dense`'s, a stack's `[L, K, N]`, experts' `[E, K, N]`), the
+  leaves that masks, layouts and rules are about."""
+  return path_keys(path)[-1:] == ("kernel",)
+
+
 def layer_name(path) -> str:
   """The path of the layer that holds the variable at key path `path`
   (`"blocks/up"` for `.../blocks/up/kernel`): how errors name and

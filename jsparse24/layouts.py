@@ -64,7 +64,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jsparse24._checks import layer_name, path_keys
+from jsparse24._checks import is_kernel, layer_name, path_keys
 
 LAYOUTS = ("data", "fsdp", "tp", "2d")
 ROLES = ("column", "row")
@@ -113,8 +113,7 @@ def _check_layout(fn: str, layout: str) -> None:
 
 def _kernel_paths(tree) -> list:
   """The key paths of `tree`'s leaves named "kernel"."""
-  return [path for path, _ in jax.tree_util.tree_leaves_with_path(tree)
-          if path_keys(path)[-1:] == ("kernel",)]
+  return [path for path, _ in jax.tree_util.tree_leaves_with_path(tree) if is_kernel(path)]
 
 
 def _trailing(spec: P, ndim: int) -> P:
@@ -182,10 +181,9 @@ class Layout:
     """The index of the first tensor-parallel rule that matches the layer
     whose kernel `path` ends at (a rule matches the layer's path or any
     tail of it); None elsewhere, and under `"data"` and `"fsdp"`."""
-    keys = path_keys(path)
-    if self.name not in ("tp", "2d") or len(keys) < 2 or keys[-1] != "kernel":
+    layer = path_keys(path)[:-1]
+    if self.name not in ("tp", "2d") or not layer or not is_kernel(path):
       return None
-    layer = keys[:-1]
     for i, (rule, _) in enumerate(self.tensor_parallel):
       if any(re.fullmatch(rule, "/".join(layer[j:])) for j in range(len(layer))):
         return i
@@ -294,7 +292,7 @@ class Layout:
           f" jsparse24.optim.stats(opt_state) keys them), and pass variables['params'].")
 
     def constrain(path, a):
-      sparse = path_keys(path)[-1:] == ("kernel",) and layer_name(path) in named
+      sparse = is_kernel(path) and layer_name(path) in named
       spec = self.step_spec(path, a, sparse)
       return a if spec is None else jax.lax.with_sharding_constraint(
           a, NamedSharding(self.mesh, spec))

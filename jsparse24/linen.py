@@ -27,7 +27,7 @@ import numpy as np
 from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype as _promote_dtype
 
-from jsparse24._checks import layer_name, path_keys
+from jsparse24._checks import is_kernel, layer_name, path_keys
 from jsparse24._format import Mask24, Sparse24, check_mask24, check_sparse24
 from jsparse24._layer import compresses, sparse_dense_forward
 from jsparse24._ops import compress, cusparselt_layout_unfit
@@ -568,7 +568,7 @@ class Sparsified:
       return
     # Kernels first: a DenseGeneral's bias is 2-D too.
     leaves = sorted(jax.tree_util.tree_leaves_with_path(params),
-                    key=lambda item: path_keys(item[0])[-1:] != ("kernel",))
+                    key=lambda item: not is_kernel(item[0]))
     for pattern in unmatched:
       for key_path, leaf in leaves:
         keys = path_keys(key_path)
@@ -887,7 +887,7 @@ def map_sparse_kernels(fn, layers: Mapping[tuple, Any], tree: Any, *rest: Any):
 
   def visit(path, leaf, *others):
     keys = path_keys(path)
-    layer = layers.get(keys[:-1]) if keys and keys[-1] == "kernel" else None
+    layer = layers.get(keys[:-1]) if is_kernel(path) else None
     if layer is None or leaf is None:
       return leaf
     seen.add(keys[:-1])
