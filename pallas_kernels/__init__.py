@@ -8,7 +8,7 @@
   buffer, `cusparselt_values` a `Sparse24`'s values. Their tiles:
   `prune_config.PruneConfig`.
 * `spmm24`: `x @ W` reading the compressed operand and expanding it on chip;
-  `decode24` the same for few rows (split-K); `decode24_mma` for up to 64
+  `decode24` the same for few rows (split-K); `decode24_mma` for up to 256
   rows on the sparse tensor cores (Pallas Mosaic GPU, Hopper: `mma.sp` in
   inline PTX, nothing expanded).
 * `mvue24`: a gradient pruned 2:4 by the minimum-variance unbiased rule and
