@@ -188,6 +188,12 @@ def token_mask(a: jax.Array) -> jax.Array:
   return prune_24(blocks, axis=1).reshape(ap.shape)[:m]
 
 
+# The weight gradients of a product with a pruned activation (`weight_grad`
+# of `ActivationConfig`): "mvue" is an option of a 2:4 kernel only
+# (`SparsityOptions` refuses it here).
+ACTIVATION_WEIGHT_GRADS = ("dense", "2:4")
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationConfig:
   """The static settings of one product with a pruned activation: the
@@ -217,10 +223,12 @@ def input_sparse_reference(x: jax.Array, w: jax.Array, dy: jax.Array | None = No
   `dy` where `grad_output="2:4"`; `weight_grad="2:4"`: `dw` from the pruned
   activation (the input, else `dy`) pruned again along M (`token_mask`).
   Returns `y`, or `(y, dx, dw)` with `dy`."""
-  if input_sparsity not in INPUT_SPARSITY or grad_output not in GRAD_OUTPUTS:
+  if (input_sparsity not in INPUT_SPARSITY or grad_output not in GRAD_OUTPUTS
+      or weight_grad not in ACTIVATION_WEIGHT_GRADS):
     raise ValueError(f"input_sparse_reference: input_sparsity={input_sparsity!r},"
-                     f" grad_output={grad_output!r}; expected one of {INPUT_SPARSITY}"
-                     f" and one of {GRAD_OUTPUTS}.")
+                     f" grad_output={grad_output!r}, weight_grad={weight_grad!r}; expected"
+                     f" one of {INPUT_SPARSITY}, one of {GRAD_OUTPUTS} and one of"
+                     f" {ACTIVATION_WEIGHT_GRADS}.")
   acc = accumulation_dtype(x.dtype)
   m = input_mask(x, transposable) if input_sparsity != "off" else jnp.ones(x.shape, bool)
   xm = jnp.where(m, x, 0).astype(acc)
