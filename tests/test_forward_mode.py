@@ -135,9 +135,43 @@ def test_jacfwd_with_batched_weights_runs_slice_by_slice():
     np.testing.assert_allclose(got[i], np.asarray(xt) @ wm, rtol=1e-5, atol=1e-5)
 
 
+def test_jvp_of_a_stack_under_jit_is_one_stacked_product():
+  """vmap over activations, tangents, weights and masks together (a stack
+  of products, as a mixture of experts has): one stacked tangent product,
+  lowered under jit (the eager tests above run its implementation only)."""
+  ws = jax.random.normal(jax.random.key(9), (3, K, N))
+  xs, xts = (jax.random.normal(jax.random.key(s), (3, M, K)) for s in (10, 11))
+  masks = jax.vmap(lambda w: jsparse24.Mask24.from_weights(w, transposable=True))(ws)
+  with interpret_mode():
+    f = jax.jit(jax.vmap(lambda x, xt, w, m: jax.jvp(
+        lambda x: jsparse24.sparse_dot(x, w, m, implementation="pallas"), (x,), (xt,))))
+    assert "jsparse24_sparse_dot_tangent_stacked" in str(jax.make_jaxpr(f)(xs, xts, ws, masks))
+    ys, tangents = f(xs, xts, ws, masks)
+  for i in range(3):
+    wm = np.where(jax.tree.map(lambda a: a[i], masks).unpack(), ws[i], 0.0)
+    np.testing.assert_allclose(ys[i], np.asarray(xs[i]) @ wm, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tangents[i], np.asarray(xts[i]) @ wm, rtol=1e-5, atol=1e-5)
+
+
 def test_forward_mode_with_mvue_is_a_clear_error():
   x, w, xt, wt, mask = _data(8)
   f = lambda w: jsparse24.sparse_dot(x, w, mask, implementation="pallas",  # noqa: E731
                                      weight_grad="mvue", key=jax.random.key(0))
   with interpret_mode(), pytest.raises(TypeError, match="weight_grad='mvue'.*forward-mode"):
     jax.jvp(f, (w,), (wt,))
+
+
+def test_a_tangent_of_x_alone_has_no_term_for_w():
+  """Linearized in x alone (w held fixed: a frozen layer, or a gradient with
+  respect to the activations only), the tangent is one product of x's
+  tangent: w's zero tangent stays symbolic, so nothing multiplies zeros."""
+  x, w, xt, _, mask = _data(12)
+  with interpret_mode():
+    y, lin = jax.linearize(lambda x: jsparse24.sparse_dot(x, w, mask, implementation="pallas"), x)
+    jaxpr = str(jax.make_jaxpr(lin)(xt))
+    tangent = lin(xt)
+  assert jaxpr.count("jsparse24_sparse_dot_tangent") == 1, jaxpr
+  assert "linear=(True, False)" in jaxpr, jaxpr
+  wm = np.where(mask.unpack(), w, 0.0)
+  np.testing.assert_allclose(tangent, np.asarray(xt) @ wm, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y, np.asarray(x) @ wm, rtol=1e-5, atol=1e-5)
