@@ -1077,3 +1077,23 @@ def test_nnx_masks_like_kernels():
   assert len(model.down.mask.get_value().packed.sharding.device_set) == 1
   with pytest.raises(TypeError, match="masks_like_kernels: `model` must be an nnx.Module"):
     jnnx.masks_like_kernels({"up": model.up})
+
+
+def test_a_weight_split_into_part_column_blocks_is_gathered_before_compressing():
+  """FSDP with 32 columns per device, half a column block of cuSPARSELt's
+  layout (64): a block's buffers would not be a block of the whole weight's,
+  so the compress kernels' rule gathers w first and compresses it whole;
+  the buffers equal the unsharded ones."""
+  from jsparse24.backends import cusparselt  # pylint: disable=g-import-not-at-top
+  k, n = 256, 256
+  w = jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16)
+  mask = jsparse24.Mask24.from_weights(w)
+  prepare = jax.jit(lambda w: cusparselt.compress_for_products(w, mask, False))
+  want = jax.jit(lambda w: cusparselt.compress_for_products_xla(w, mask, False))(w)
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  with interpret_mode(), jax.set_mesh(mesh):
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "data")))
+    got = prepare(ws)
+    hlo = prepare.lower(ws).compile().as_text()
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert (k, n) in set(_collectives(hlo)["all-gather"])  # w, whole
