@@ -194,6 +194,8 @@ def test_sparse_dot_on_a_sparse24_takes_the_decode_kernel():
   f = lambda x: jsparse24.sparse_dot(x, sp, implementation="pallas")
   with interpret_mode():
     assert "jsparse24_decode" in str(jax.make_jaxpr(f)(x))
+    last = jnp.ones((pallas_backend.DECODE_MAX_M, 136))
+    assert "jsparse24_decode" in str(jax.make_jaxpr(f)(last))
     many = jnp.ones((pallas_backend.DECODE_MAX_M + 1, 136))
     assert "jsparse24_decode" not in str(jax.make_jaxpr(f)(many))
     y, vjp = jax.vjp(f, x)
