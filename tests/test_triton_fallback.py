@@ -232,3 +232,18 @@ def test_training_steps_equal_the_kernels_bit_for_bit(switched_off):
   assert "pallas_kernels.prune24" in kernels["kernel_modules"]
   assert kernels["losses"] == switched_off["losses"]
   assert kernels["digest"] == switched_off["digest"]
+
+
+@pytest.mark.parametrize("name", ["tiles_compress_for_products", "tokens_compress_for_product"])
+def test_activation_compress_fallbacks_write_the_kernels_bytes(name, monkeypatch):
+  """The 2:4 activations' passes that run XLA code where the kernels cannot
+  (the tile rule's two copies and codes; `weight_grad="2:4"`'s groups along
+  M) against the kernels in interpret mode, byte for byte."""
+  a = _weights((192, 128), jnp.bfloat16, 11)
+  fn = jax.jit(getattr(cusparselt, name))
+  with interpret_mode():
+    want = fn(a)
+  monkeypatch.setattr(cusparselt, "_xla_fallback", lambda: True)
+  got = fn(a)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.dtype == r.dtype and g.shape == r.shape and _same_bytes(g, r)
