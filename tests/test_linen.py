@@ -130,6 +130,28 @@ def test_inactive_layer_is_dense():
   np.testing.assert_allclose(layer.apply(off, x), nn.Dense(4).apply({"params": v["params"]}, x), rtol=1e-6)
 
 
+@pytest.mark.parametrize("active", [True, False])
+def test_a_flag_known_while_tracing_leaves_no_conditional(active):
+  """An `active` flag that is a constant of the program (a NumPy bool closed
+  over by the traced function) picks its product while tracing: the program
+  has no `cond` (a traced flag gives the Pallas product one), and computes
+  that product (the 2:4 one, or nn.Dense's)."""
+  x = _rand(0, (2, 8))
+  layer = jsparse24.SparseDense(4, use_bias=False, implementation="pallas")
+  with interpret_mode():
+    v = layer.init(jax.random.key(1), x)
+    v = {**v, "sparsity": {**v["sparsity"], "active": np.bool_(active)}}
+    f = lambda x: layer.apply(v, x)  # noqa: E731
+    traced = lambda x, flag: layer.apply(  # noqa: E731
+        {**v, "sparsity": {**v["sparsity"], "active": flag}}, x)
+    assert " cond[" in str(jax.make_jaxpr(traced)(x, jnp.array(active)))
+    assert " cond[" not in str(jax.make_jaxpr(f)(x))
+    y = jax.jit(f)(x)
+  kernel = v["params"]["kernel"]
+  want = x @ (kernel * v["sparsity"]["mask"].unpack()) if active else x @ kernel
+  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
 def test_clear_errors():
   x = _rand(0, (2, 8))
   layer = jsparse24.SparseDense(4)
