@@ -128,7 +128,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse24._format import Mask24
-from jsparse24._options import GRAD_OUTPUTS, INPUT_SPARSITY
+from jsparse24._options import ACTIVATION_WEIGHT_GRADS, GRAD_OUTPUTS, INPUT_SPARSITY
 from jsparse24._prune import prune_24
 from jsparse24.backends._products import accumulation_dtype, as_weight_grad, dense_weight_grad
 
@@ -186,12 +186,6 @@ def token_mask(a: jax.Array) -> jax.Array:
   ap = jnp.pad(a, ((0, pad), (0, 0))) if pad else a
   blocks = ap.reshape(ap.shape[0] // TOKEN_BLOCK, 4, TOKEN_STRIDE, c)
   return prune_24(blocks, axis=1).reshape(ap.shape)[:m]
-
-
-# The weight gradients of a product with a pruned activation (`weight_grad`
-# of `ActivationConfig`): "mvue" is an option of a 2:4 kernel only
-# (`SparsityOptions` refuses it here).
-ACTIVATION_WEIGHT_GRADS = ("dense", "2:4")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,9 @@ from jsparse24 import _checks
 
 GRADIENT_MODES = ("ste", "masked")
 WEIGHT_GRADS = ("dense", "mvue", "2:4")
+# Those of a layer whose activation is pruned (its kernel dense): "mvue" is
+# an option of a 2:4 kernel only (`SparsityOptions._check_dense_kernel` says so).
+ACTIVATION_WEIGHT_GRADS = ("dense", "2:4")
 MASK_SOURCES = ("collection", "dynamic", "none")
 INPUT_SPARSITY = ("off", "masked", "ste")
 GRAD_OUTPUTS = ("dense", "2:4")

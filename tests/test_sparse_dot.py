@@ -732,14 +732,12 @@ def test_interpret_mode_is_part_of_jits_cache_key():
     np.testing.assert_array_equal(f(x, w), y)
 
 
-
 def test_float64_computes_in_float64():
   """With x64 on, float64 inputs give y, dx and dw of float64 accuracy, and
-  so does a compressed float64 weight, its values' gradient included (the
-  docstring's "accumulated in
-  float32 (float64 for float64 inputs)"): a float32 accumulation is off by
-  ~1e-7 of the result; this checks 1e-12. (The "xla" backend: the others
-  refuse float64 by name.)"""
+  so does a compressed float64 weight, its values' gradient included
+  (sparse_dot's docstring: "accumulated in float32 (float64 for float64
+  inputs)"): a float32 accumulation is off by ~1e-7 of the result; this
+  checks 1e-12. (The "xla" backend: the others refuse float64 by name.)"""
   with jax.enable_x64(True):
     ks = jax.random.split(jax.random.key(21), 3)
     x, w, dy = (jax.random.normal(k, s, jnp.float64)
